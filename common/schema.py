@@ -1,0 +1,153 @@
+"""The tables every part of the project reads and writes: one definition, shared by curation and training.
+
+- ``WORKING``: the row that flows through the scoring stages (a superset of the two tables below).
+- ``SCORED``: survivors of phase 1, with the original encoded bytes, every score, boxes, pHash and embedding.
+- ``LEDGER``: exactly one row per input, with its fate, the deciding stage, the reason and every score computed
+  before the decision (no image bytes, no embedding).
+
+The image column follows Hugging Face's ``Image`` feature (a struct of ``bytes`` and ``path``) so that
+``datasets`` loads our shards as images. Bytes are the original encoded bytes, never re-encoded; ``key`` is
+their sha256.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+
+SCHEMA_VERSION = "1"
+
+# Status values in the working table and the ledger.
+PENDING = "pending"  # still flowing through the stages
+KEPT = "kept"  # passed every phase-1 stage
+REJECTED = "rejected"  # a stage decided against it (see stage + reason)
+ERROR = "error"  # a stage raised on this image; reason holds the exception
+
+HEAD_YAW_CLASSES = ("frontal", "left_profile", "right_profile", "not_visible")
+
+IMAGE_TYPE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+
+PERSON_TYPE = pa.struct(
+    [
+        # box in pixels of the oriented image
+        ("x0", pa.float32()),
+        ("y0", pa.float32()),
+        ("x1", pa.float32()),
+        ("y1", pa.float32()),
+        ("score", pa.float32()),  # detector confidence in [0, 1]
+        ("detector", pa.string()),  # which detector produced it ("hog", "face", "hog+face", "yolo")
+        ("height_frac", pa.float32()),  # box height / image height
+        ("area_frac", pa.float32()),  # box area / image area
+        ("prominent", pa.bool_()),
+        # head pose of this person; degrees stay null where the profile only gives a class (lite)
+        ("head_yaw_class", pa.string()),
+        ("head_confidence", pa.float32()),
+        ("head_yaw", pa.float32()),
+        ("head_pitch", pa.float32()),
+        ("head_roll", pa.float32()),
+    ]
+)
+
+FACE_TYPE = pa.struct(
+    [
+        ("x0", pa.float32()),
+        ("y0", pa.float32()),
+        ("x1", pa.float32()),
+        ("y1", pa.float32()),
+        ("score", pa.float32()),
+        ("view", pa.string()),  # "frontal", "left_profile", "right_profile"
+    ]
+)
+
+QUALITY_PARTS_TYPE = pa.struct(
+    [
+        ("sharpness", pa.float32()),
+        ("exposure", pa.float32()),
+        ("contrast", pa.float32()),
+        ("colourfulness", pa.float32()),
+        ("noise", pa.float32()),
+    ]
+)
+
+# Columns that identify an input and record what decode learned about it.
+_IDENTITY = [
+    pa.field("key", pa.string()),  # sha256 hex of the original bytes; null when the bytes could not be read
+    pa.field("source", pa.string(), nullable=False),  # URI of the input (member after '#' for tar/parquet pools)
+    pa.field("shard_id", pa.string(), nullable=False),  # the input shard it came from
+    pa.field("file_size", pa.int64()),
+    pa.field("format", pa.string()),  # PIL format name of the original bytes
+    pa.field("mode", pa.string()),  # PIL mode of the original bytes (before normalisation to RGB)
+    pa.field("width", pa.int32()),  # after EXIF orientation
+    pa.field("height", pa.int32()),
+    pa.field("orientation", pa.int8()),  # EXIF orientation tag (1 when absent)
+]
+
+# Every score a stage may write. All nullable: a rejected image keeps only the scores computed before.
+_SCORES = [
+    pa.field("persons", pa.list_(PERSON_TYPE)),
+    pa.field("faces", pa.list_(FACE_TYPE)),
+    pa.field("person_count", pa.int16()),
+    pa.field("prominent_count", pa.int16()),
+    pa.field("main_person_score", pa.float32()),
+    pa.field("main_person_height_frac", pa.float32()),
+    pa.field("main_person_area_frac", pa.float32()),
+    pa.field("head_yaw_class", pa.string()),  # of the main (most prominent) person
+    pa.field("head_confidence", pa.float32()),
+    pa.field("quality", pa.float32()),
+    pa.field("quality_parts", QUALITY_PARTS_TYPE),
+    pa.field("aesthetic", pa.float32()),  # full profile: learned aesthetic predictor
+    pa.field("realism", pa.float32()),  # full profile: zero-shot photo-vs-rendering score
+    pa.field("text_area_frac", pa.float32()),
+    pa.field("text_boxes", pa.int16()),
+    pa.field("phash", pa.uint64()),  # 64-bit DCT perceptual hash (imagehash bit order, big-endian)
+]
+
+_FATE = [
+    pa.field("status", pa.string(), nullable=False),
+    pa.field("stage", pa.string()),  # the stage that decided (the last stage for kept images)
+    pa.field("reason", pa.string()),
+]
+
+
+def embedding_type(dim: int) -> pa.DataType:
+    return pa.list_(pa.float32(), dim)
+
+
+def image_field() -> pa.Field:
+    return pa.field("image", IMAGE_TYPE)
+
+
+def working_schema(embedding_dim: int) -> pa.Schema:
+    return pa.schema(
+        [*_IDENTITY, image_field(), *_SCORES, pa.field("embedding", embedding_type(embedding_dim)), *_FATE]
+    )
+
+
+def scored_schema(embedding_dim: int) -> pa.Schema:
+    return pa.schema([*_IDENTITY, image_field(), *_SCORES, pa.field("embedding", embedding_type(embedding_dim))])
+
+
+def ledger_schema() -> pa.Schema:
+    return pa.schema([*_FATE, *_IDENTITY, *_SCORES])
+
+
+def with_metadata(schema: pa.Schema, *, table: str, config_hash: str, extra: dict | None = None) -> pa.Schema:
+    """Attach the file-level metadata every shard carries: which table, schema version, producing config."""
+    meta = {
+        b"humans1b.table": table.encode(),
+        b"humans1b.schema_version": SCHEMA_VERSION.encode(),
+        b"humans1b.config_hash": config_hash.encode(),
+    }
+    if extra:
+        meta[b"humans1b.extra"] = json.dumps(extra, sort_keys=True).encode()
+    return schema.with_metadata(meta)
+
+
+def read_metadata(schema: pa.Schema) -> dict:
+    """The humans1b.* file metadata as plain strings (extra decoded from JSON)."""
+    meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items() if k.startswith(b"humans1b.")}
+    out = {k.removeprefix("humans1b."): v for k, v in meta.items()}
+    if "extra" in out:
+        out["extra"] = json.loads(out["extra"])
+    return out

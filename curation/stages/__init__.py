@@ -1,0 +1,21 @@
+"""Registry of curation stages by name (the names configs use)."""
+
+from curation.stages.decode import DecodeStage
+from curation.stages.embedding import EmbeddingStage
+from curation.stages.people import HeadPoseStage, PersonStage
+from curation.stages.phash import PhashStage
+from curation.stages.quality import QualityStage
+from curation.stages.text_overlay import TextOverlayStage
+
+STAGES = {
+    stage.name: stage
+    for stage in (
+        DecodeStage,
+        PersonStage,
+        HeadPoseStage,
+        QualityStage,
+        TextOverlayStage,
+        PhashStage,
+        EmbeddingStage,
+    )
+}
