@@ -120,7 +120,14 @@ def image_field() -> pa.Field:
 
 def working_schema(embedding_dim: int) -> pa.Schema:
     return pa.schema(
-        [*_IDENTITY, image_field(), *_SCORES, pa.field("embedding", embedding_type(embedding_dim)), *_FATE]
+        [
+            *_IDENTITY,
+            pa.field("shard_size", pa.int32()),  # inputs in the shard: tells the driver when a shard is complete
+            image_field(),
+            *_SCORES,
+            pa.field("embedding", embedding_type(embedding_dim)),
+            *_FATE,
+        ]
     )
 
 

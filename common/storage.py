@@ -1,0 +1,116 @@
+"""Local paths and object-store URIs behind one small API (pyarrow filesystems).
+
+Everything the project persists — shards, ledgers, commit records, checkpoints' metadata — goes through here so
+that a local folder and ``s3://bucket/prefix`` behave the same. Writes are atomic: a temporary ``_tmp-`` name
+(ignored by readers, which skip ``_``/``.`` names) is moved into place once complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from hashlib import sha256
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+
+class StorageError(ValueError):
+    """A path or URI cannot be used; the message names it and says what to do."""
+
+
+def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
+    """Filesystem and path for a local path (relative allowed) or a URI such as ``s3://bucket/prefix``."""
+    if "://" not in uri:
+        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
+        raise StorageError(
+            f"cannot open {uri!r}: {exc}. Use a local path or a URI pyarrow supports (file://, s3://, gs://, hdfs://)"
+        ) from None
+
+
+def is_local(fs: pafs.FileSystem) -> bool:
+    return isinstance(fs, pafs.LocalFileSystem)
+
+
+def join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def safe_name(text: str, max_len: int = 64) -> str:
+    """A file-name-safe token derived from data (paths, keys): no separators, no dot-dot, bounded, unique-ish."""
+    cleaned = _UNSAFE.sub("_", text).strip("._") or "x"
+    digest = sha256(text.encode()).hexdigest()[:8]
+    return f"{cleaned[:max_len]}-{digest}"
+
+
+def exists(fs: pafs.FileSystem, path: str) -> bool:
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def _tmp_beside(path: str) -> str:
+    head, _, name = path.rpartition("/")
+    return f"{head}/_tmp-{uuid.uuid4().hex[:8]}-{name}"
+
+
+def write_bytes_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    fs.create_dir(path.rpartition("/")[0], recursive=True)
+    tmp = _tmp_beside(path)
+    with fs.open_output_stream(tmp) as out:
+        out.write(data)
+    fs.move(tmp, path)
+
+
+def write_json_atomic(fs: pafs.FileSystem, path: str, obj) -> None:
+    write_bytes_atomic(fs, path, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+
+def read_json(fs: pafs.FileSystem, path: str):
+    with fs.open_input_stream(path) as f:
+        return json.loads(f.read())
+
+
+def write_parquet_atomic(
+    fs: pafs.FileSystem, path: str, table: pa.Table, *, row_group_size: int, compression: str = "zstd"
+) -> str:
+    """Write ``table`` as one Parquet file; returns the sha256 of the file's bytes."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, row_group_size=row_group_size, compression=compression)
+    data = sink.getvalue().to_pybytes()
+    write_bytes_atomic(fs, path, data)
+    return sha256(data).hexdigest()
+
+
+def list_files(fs: pafs.FileSystem, path: str, suffix: str = "") -> list[str]:
+    """Files under ``path`` (recursive, sorted), skipping ``_``/``.`` names; empty when ``path`` is absent."""
+    if not exists(fs, path):
+        return []
+    out = []
+    for info in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
+        rel = info.path[len(path) :].lstrip("/")
+        if info.type == pafs.FileType.File and info.path.endswith(suffix) and not _hidden(rel):
+            out.append(info.path)
+    return sorted(out)
+
+
+def _hidden(rel: str) -> bool:
+    return any(part.startswith(("_", ".")) for part in rel.split("/"))
+
+
+def delete_quietly(fs: pafs.FileSystem, path: str) -> None:
+    try:
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.Directory:
+            fs.delete_dir(path)
+        elif info.type == pafs.FileType.File:
+            fs.delete_file(path)
+    except (OSError, FileNotFoundError):
+        pass

@@ -1,0 +1,52 @@
+"""Reading the ledger back and summarising it: what happened to every input, grouped by stage and reason."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from common import schema
+from common.storage import join, list_files, read_json, resolve
+from curation.score import LEDGER_DIR, STATE_DIR
+
+
+def committed_files(out_uri: str, kind: str) -> list[str]:
+    """Paths (relative to the output root) of committed phase-1 files: kind is "ledger" or "scored"."""
+    fs, root = resolve(out_uri)
+    files: list[str] = []
+    for path in list_files(fs, join(root, STATE_DIR, "score"), ".json"):
+        files.extend(read_json(fs, path)[f"{kind}_files"])
+    return sorted(files)
+
+
+def read_ledger(out_uri: str, columns: list[str] | None = None) -> pa.Table:
+    fs, root = resolve(out_uri)
+    tables = [pq.read_table(join(root, f), columns=columns, filesystem=fs) for f in committed_files(out_uri, LEDGER_DIR)]
+    if not tables:
+        return schema.ledger_schema().empty_table().select(columns or schema.ledger_schema().names)
+    return pa.concat_tables(tables)
+
+
+def reason_code(reason: str | None) -> str:
+    return (reason or "").split(":", 1)[0]
+
+
+def summary_table(ledger: pa.Table, seconds: float | None = None) -> str:
+    """A plain-text funnel: inputs, kept, and rejected/errored counts per stage and reason code."""
+    status = ledger.column("status").to_pylist()
+    stage = ledger.column("stage").to_pylist()
+    reason = ledger.column("reason").to_pylist()
+    total = len(status)
+    kept = sum(s == schema.KEPT for s in status)
+    groups = Counter((s, st, reason_code(r)) for s, st, r in zip(status, stage, reason) if s != schema.KEPT)
+    width = max([len("inputs")] + [len(f"{st} / {code}") for _, st, code in groups]) + 2
+    pct = lambda n: f"{100.0 * n / total:5.1f}%" if total else "    -"  # noqa: E731
+    lines = [f"{'inputs':<{width}}{total:>8}", f"{'kept':<{width}}{kept:>8}  {pct(kept)}"]
+    for (status_, st, code), n in sorted(groups.items(), key=lambda kv: (-kv[1], kv[0])):
+        label = f"{st} / {code}" + (" (error)" if status_ == schema.ERROR else "")
+        lines.append(f"{label:<{width}}{n:>8}  {pct(n)}")
+    if seconds:
+        lines.append(f"{'images/s':<{width}}{total / seconds:>8.1f}")
+    return "\n".join(lines)

@@ -1,0 +1,205 @@
+"""Phase 1, "score": stream the pool through the configured stages into scored shards and ledger rows.
+
+The pipeline is a Ray Data chain: read input shards -> one ``map_batches`` per stage (actor pools for model
+stages, tasks for cheap ones) -> a writer that writes one part file per input shard per batch. The driver only
+sees the writer's small receipts; when an input shard's parts cover all its inputs, the driver writes the shard's
+commit record. Only committed parts count: a rerun skips committed shards and clears the rest, so results do not
+depend on how Ray happened to split the data into blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray
+from ray.data import ActorPoolStrategy
+
+from common import schema
+from common.storage import delete_quietly, join, list_files, read_json, resolve, write_json_atomic, write_parquet_atomic
+from curation.config import CurateConfig
+from curation.pool import InputShard, read_shard
+from curation.stage import StageRunner
+
+SCORED_DIR, LEDGER_DIR, STATE_DIR = "scored", "ledger", "_state"
+
+# Task stages are created once per worker process, like an actor's setup().
+_TASK_RUNNERS: dict[tuple[str, str], StageRunner] = {}
+
+
+def _run_task_stage(table: pa.Table, stage_name: str, cfg_json: str) -> pa.Table:
+    key = (stage_name, hashlib.sha1(cfg_json.encode()).hexdigest())
+    runner = _TASK_RUNNERS.get(key)
+    if runner is None:
+        runner = _TASK_RUNNERS[key] = StageRunner(stage_name, cfg_json)
+    return runner(table)
+
+
+def _named_task(stage_name: str) -> Callable[..., pa.Table]:
+    """A task function named after its stage, so Ray Data's progress shows stage names."""
+
+    def run(table: pa.Table, cfg_json: str) -> pa.Table:
+        return _run_task_stage(table, stage_name, cfg_json)
+
+    run.__name__ = run.__qualname__ = stage_name
+    return run
+
+
+def _named_actor(stage_name: str) -> type[StageRunner]:
+    return type(stage_name, (StageRunner,), {"__module__": __name__})
+
+
+def _read_shards(batch: pa.Table, cfg_json: str) -> pa.Table:
+    cfg = CurateConfig.model_validate_json(cfg_json)
+    tables = [read_shard(row, cfg.input, cfg.embedding_dim) for row in batch.to_pylist()]
+    return pa.concat_tables(tables)
+
+
+def _finalise(table: pa.Table) -> pa.Table:
+    """Rows still pending after the last stage are kept."""
+    status = pc.if_else(pc.equal(table.column("status"), schema.PENDING), schema.KEPT, table.column("status"))
+    return table.set_column(table.schema.get_field_index("status"), "status", status)
+
+
+def _write_parts(batch: pa.Table, out_uri: str, cfg_json: str, results_hash: str) -> pa.Table:
+    """Write the batch's rows as one ledger part (and one scored part) per input shard; return receipts."""
+    cfg = CurateConfig.model_validate_json(cfg_json)
+    fs, root = resolve(out_uri)
+    batch = _finalise(batch)
+    scored_schema = schema.with_metadata(
+        schema.scored_schema(cfg.embedding_dim),
+        table="scored",
+        config_hash=results_hash,
+        extra={"embedding_model": cfg.models.embedding.name, "embedding_dim": cfg.embedding_dim},
+    )
+    ledger_schema = schema.with_metadata(schema.ledger_schema(), table="ledger", config_hash=results_hash)
+    receipts = []
+    for shard_id in sorted(set(batch.column("shard_id").to_pylist())):
+        rows = batch.filter(pc.equal(batch.column("shard_id"), shard_id))
+        sources = sorted(rows.column("source").to_pylist())
+        part = "part-" + hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16] + ".parquet"
+        ledger_file = f"{LEDGER_DIR}/{shard_id}/{part}"
+        write_parquet_atomic(
+            fs, join(root, ledger_file), rows.select(ledger_schema.names).cast(ledger_schema), row_group_size=cfg.output.row_group_size,
+            compression=cfg.output.compression,
+        )
+        kept = rows.filter(pc.equal(rows.column("status"), schema.KEPT))
+        scored_file = None
+        if kept.num_rows:
+            scored_file = f"{SCORED_DIR}/{shard_id}/{part}"
+            write_parquet_atomic(
+                fs, join(root, scored_file), kept.select(scored_schema.names).cast(scored_schema),
+                row_group_size=cfg.output.row_group_size, compression=cfg.output.compression,
+            )
+        receipts.append(
+            {
+                "shard_id": shard_id,
+                "shard_size": rows.column("shard_size")[0].as_py(),
+                "rows": rows.num_rows,
+                "kept": kept.num_rows,
+                "ledger_file": ledger_file,  # relative to the output root
+                "scored_file": scored_file,
+            }
+        )
+    return pa.Table.from_pylist(receipts)
+
+
+class ScorePhase:
+    """Runs phase 1 for one output folder; resumable per input shard."""
+
+    def __init__(self, cfg: CurateConfig, out_uri: str, log: Callable[[str], None] = print):
+        self.cfg, self.out_uri, self.log = cfg, out_uri, log
+        self.fs, self.root = resolve(out_uri)
+        self.results_hash = cfg.results_hash()
+
+    def commit_path(self, shard_id: str) -> str:
+        return join(self.root, STATE_DIR, "score", f"{shard_id}.json")
+
+    def committed(self) -> dict[str, dict]:
+        records = [read_json(self.fs, p) for p in list_files(self.fs, join(self.root, STATE_DIR, "score"), ".json")]
+        return {r["shard_id"]: r for r in records}
+
+    def _clear_uncommitted(self, shards: list[InputShard], committed: dict[str, dict]) -> None:
+        for shard in shards:
+            if shard.shard_id not in committed:
+                for top in (LEDGER_DIR, SCORED_DIR):
+                    delete_quietly(self.fs, join(self.root, top, shard.shard_id))
+
+    def build(self, shards: list[InputShard]) -> ray.data.Dataset:
+        cfg_json = self.cfg.model_dump_json()
+        ds = ray.data.from_items([s.to_row() for s in shards], override_num_blocks=len(shards))
+        ds = ds.map_batches(_read_shards, batch_size=1, batch_format="pyarrow", fn_kwargs={"cfg_json": cfg_json}, num_cpus=0.25)
+        for name in self.cfg.enabled_stages:
+            from curation.stages import STAGES
+
+            settings = self.cfg.stages[name]
+            common = dict(batch_size=settings.batch_size, batch_format="pyarrow", num_cpus=settings.num_cpus)
+            if settings.num_gpus:
+                common["num_gpus"] = settings.num_gpus
+            if STAGES[name].uses_actors:
+                lo, hi = settings.actors
+                ds = ds.map_batches(
+                    _named_actor(name),
+                    fn_constructor_kwargs={"stage_name": name, "cfg_json": cfg_json},
+                    compute=ActorPoolStrategy(min_size=lo, max_size=hi),
+                    max_restarts=3,
+                    **common,
+                )
+            else:
+                ds = ds.map_batches(
+                    _named_task(name), fn_kwargs={"cfg_json": cfg_json}, max_retries=3, **common
+                )
+        return ds.map_batches(
+            _write_parts,
+            batch_size=self.cfg.input.files_per_shard,
+            batch_format="pyarrow",
+            num_cpus=0.25,
+            fn_kwargs={"out_uri": self.out_uri, "cfg_json": cfg_json, "results_hash": self.results_hash},
+        )
+
+    def run(self, shards: list[InputShard]) -> dict:
+        committed = self.committed()
+        todo = [s for s in shards if s.shard_id not in committed]
+        self._clear_uncommitted(shards, committed)
+        self.log(f"[score] {len(shards)} input shards, {len(committed)} already committed, {len(todo)} to score")
+        start = time.monotonic()
+        done_rows = 0
+        if todo:
+            parts: dict[str, list[dict]] = defaultdict(list)
+            next_report = 0.0
+            for receipt in self.build(todo).iter_rows():
+                parts[receipt["shard_id"]].append(receipt)
+                got = parts[receipt["shard_id"]]
+                if sum(r["rows"] for r in got) == receipt["shard_size"]:
+                    self._commit(receipt["shard_id"], got)
+                    committed[receipt["shard_id"]] = {"rows": receipt["shard_size"]}
+                    done_rows += receipt["shard_size"]
+                    elapsed = time.monotonic() - start
+                    if elapsed >= next_report or len(committed) == len(shards):
+                        next_report = elapsed + 10.0
+                        self.log(
+                            f"[score] committed {len(committed)}/{len(shards)} shards, {done_rows} inputs this run,"
+                            f" {done_rows / max(elapsed, 1e-9):.1f} img/s"
+                        )
+            missing = [s.shard_id for s in todo if s.shard_id not in committed]
+            if missing:
+                raise RuntimeError(f"[score] shards not complete after the pipeline finished: {missing[:5]}")
+        elapsed = time.monotonic() - start
+        summary = {"shards": len(shards), "inputs_this_run": done_rows, "seconds": round(elapsed, 2)}
+        write_json_atomic(self.fs, join(self.root, STATE_DIR, "score.done.json"), {**summary, "results_hash": self.results_hash})
+        return summary
+
+    def _commit(self, shard_id: str, receipts: list[dict]) -> None:
+        record = {
+            "shard_id": shard_id,
+            "rows": sum(r["rows"] for r in receipts),
+            "kept": sum(r["kept"] for r in receipts),
+            "ledger_files": sorted(r["ledger_file"] for r in receipts),
+            "scored_files": sorted(r["scored_file"] for r in receipts if r["scored_file"]),
+            "results_hash": self.results_hash,
+        }
+        write_json_atomic(self.fs, self.commit_path(shard_id), record)
