@@ -157,8 +157,15 @@ def _read_tar(uri: str) -> list[dict]:
             for member in tar:
                 if not member.isfile() or not member.name.lower().endswith(IMAGE_SUFFIXES):
                     continue  # sidecars (json, txt, cls) of WebDataset samples are not inputs
-                f = tar.extractfile(member)
-                rows.append(_row(f"{uri}#{member.name}", f.read() if f else None))
+                source = f"{uri}#{member.name}"
+                data = tar.extractfile(member).read()
+                if len(data) < member.size:
+                    raise tarfile.ReadError(f"member {member.name} truncated at {len(data)} of {member.size} bytes")
+                rows.append(_row(source, data))
+            # tarfile ends quietly at a cut-off header; a complete archive ends with two zero blocks.
+            size = fs.get_file_info(path).size
+            if size is not None and size - tar.offset < 2 * tarfile.BLOCKSIZE:
+                raise tarfile.ReadError(f"archive cut off at byte {size} (no end-of-archive marker)")
     except Exception as exc:  # noqa: BLE001 - a damaged tar keeps what was read plus one row for the rest
         rows.append(_row(f"{uri}#<after {len(rows)} members>", None, f"tar shard unreadable from here: {type(exc).__name__}: {exc}"))
     return rows
