@@ -20,7 +20,7 @@ import ray
 from ray.data import ActorPoolStrategy
 
 from common import schema
-from common.storage import delete_quietly, join, list_files, read_json, resolve, write_json_atomic, write_parquet_atomic
+from common.storage import delete_quietly, exists, join, list_files, read_json, resolve, write_json_atomic, write_parquet_atomic
 from curation.config import CurateConfig
 from curation.pool import InputShard, read_shard
 from curation.stage import StageRunner
@@ -106,6 +106,29 @@ def _write_parts(batch: pa.Table, out_uri: str, cfg_json: str, results_hash: str
             }
         )
     return pa.Table.from_pylist(receipts)
+
+
+class RunMismatch(RuntimeError):
+    """The output folder holds a run made with different settings."""
+
+
+def claim_output(out_uri: str, results_hash: str, input_uri: str, new_run: bool) -> None:
+    """Record which run owns ``out_uri``; refuse to mix results of different settings in one output."""
+    fs, root = resolve(out_uri)
+    path = join(root, STATE_DIR, "run.json")
+    input_uri = input_uri if "://" in input_uri else resolve(input_uri)[1]
+    if exists(fs, path) and not new_run:
+        run = read_json(fs, path)
+        if run["results_hash"] != results_hash or run["input"] != input_uri:
+            raise RunMismatch(
+                f"{out_uri} holds a run of input {run['input']} with config hash {run['results_hash']}; this command has "
+                f"input {input_uri} and config hash {results_hash}. Rerun with the same input and settings to resume, "
+                "choose another --output, or pass --new-run to discard the old results."
+            )
+        return
+    for top in (SCORED_DIR, LEDGER_DIR, STATE_DIR):
+        delete_quietly(fs, join(root, top))
+    write_json_atomic(fs, path, {"results_hash": results_hash, "input": input_uri})
 
 
 class ScorePhase:

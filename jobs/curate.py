@@ -18,7 +18,7 @@ from common.storage import StorageError
 from curation.config import CurateConfig
 from curation.ledger import read_ledger, summary_table
 from curation.pool import PoolError, list_shards
-from curation.score import ScorePhase
+from curation.score import RunMismatch, ScorePhase, claim_output
 
 PHASES = ("score",)
 
@@ -29,6 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input", required=True, help="pool: folder of images, Parquet files or WebDataset tars (local or s3://)")
     p.add_argument("--output", required=True, help="output root (local or s3://)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
+    p.add_argument("--new-run", action="store_true", help="discard results of a different earlier run in --output")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. filters.min_short_side=512")
     return p.parse_args(argv)
 
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise ConfigError(f"--phases: unknown phase(s) {unknown}; choose from {list(PHASES)}")
         shards = list_shards(args.input, cfg.input) if "score" in phases else []
-    except (ConfigError, PoolError, StorageError) as exc:
+        claim_output(args.output, cfg.results_hash(), args.input, args.new_run)
+    except (ConfigError, PoolError, StorageError, RunMismatch) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
