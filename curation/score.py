@@ -108,6 +108,19 @@ def _write_parts(batch: pa.Table, out_uri: str, cfg_json: str, results_hash: str
     return pa.Table.from_pylist(receipts)
 
 
+def score_in_process(cfg: CurateConfig, shards: list[InputShard]) -> pa.Table:
+    """The same stages in this process, batch by batch, without Ray: the baseline benchmarks compare against."""
+    cfg_json = cfg.model_dump_json()
+    runners = [(StageRunner(name, cfg_json), cfg.stages[name].batch_size) for name in cfg.enabled_stages]
+    tables = []
+    for shard in shards:
+        table = read_shard(shard.to_row(), cfg.input, cfg.embedding_dim)
+        for runner, size in runners:
+            table = pa.concat_tables([runner(table.slice(i, size)) for i in range(0, table.num_rows, size)])
+        tables.append(_finalise(table))
+    return pa.concat_tables(tables)
+
+
 class RunMismatch(RuntimeError):
     """The output folder holds a run made with different settings."""
 
