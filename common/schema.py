@@ -23,6 +23,8 @@ PENDING = "pending"  # still flowing through the stages
 KEPT = "kept"  # passed every phase-1 stage
 REJECTED = "rejected"  # a stage decided against it (see stage + reason)
 ERROR = "error"  # a stage raised on this image; reason holds the exception
+DUPLICATE = "duplicate"  # phase 2: a near-duplicate of the image named in duplicate_of
+UNSAMPLED = "unsampled"  # phase 3: not selected by balanced sampling (cluster_ids say where it fell)
 
 HEAD_YAW_CLASSES = ("frontal", "left_profile", "right_profile", "not_visible")
 
@@ -109,6 +111,13 @@ _FATE = [
     pa.field("reason", pa.string()),
 ]
 
+# Written by the global phases (dedup, sample); null in phase 1.
+_GLOBAL = [
+    pa.field("duplicate_of", pa.string()),  # key of the image kept in its duplicate group
+    pa.field("duplicate_signal", pa.string()),  # "phash" or "embedding": which signal linked it
+    pa.field("cluster_ids", pa.list_(pa.int32())),  # balanced-sampling cluster per level, coarse to fine
+]
+
 
 def embedding_type(dim: int) -> pa.DataType:
     return pa.list_(pa.float32(), dim)
@@ -127,6 +136,7 @@ def working_schema(embedding_dim: int) -> pa.Schema:
             *_SCORES,
             pa.field("embedding", embedding_type(embedding_dim)),
             *_FATE,
+            *_GLOBAL,
         ]
     )
 
@@ -136,7 +146,13 @@ def scored_schema(embedding_dim: int) -> pa.Schema:
 
 
 def ledger_schema() -> pa.Schema:
-    return pa.schema([*_FATE, *_IDENTITY, *_SCORES])
+    return pa.schema([*_FATE, *_IDENTITY, *_SCORES, *_GLOBAL])
+
+
+def curated_schema(embedding_dim: int | None) -> pa.Schema:
+    """Final curated shards: scored rows plus cluster ids; the embedding only when asked for."""
+    embedding = [pa.field("embedding", embedding_type(embedding_dim))] if embedding_dim else []
+    return pa.schema([*_IDENTITY, image_field(), *_SCORES, _GLOBAL[2], *embedding])
 
 
 def with_metadata(schema: pa.Schema, *, table: str, config_hash: str, extra: dict | None = None) -> pa.Schema:
