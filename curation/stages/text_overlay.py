@@ -1,8 +1,127 @@
-from curation.stage import Stage
+"""Text overlay: reject images whose pixels are largely covered by text (captions, memes, banners, screenshots).
+
+Runs the PP-OCR text detector (DB segmentation) that ships inside the ``rapidocr`` wheel, detection only: no
+orientation classifier, no recogniser, so one ONNX model per actor. The score is the fraction of the image covered
+by the union of the detected text boxes (polygons rasterised into one mask, so overlapping boxes count once).
+Incidental scene text (a sign, a bus route display, a name tag) covers a percent or two of a photo and is kept;
+overlaid captions and document-like images cover far more.
+
+On natural photos the detector also fires on text-like textures (rows of stars on a flag, a cup on a saucer, a
+pagoda) and returns thick, squat boxes for them: wide patches that are hardly longer than they are tall. A real
+text line is either thin relative to the image or several glyphs long, so such boxes are not counted
+(``models.ocr.thick_box_side_frac`` and ``thick_box_min_aspect``). Elongated false hits (a close-up of a cat's
+pair of eyes) still count.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from curation.imageio import decode
+from curation.stage import Row, Stage, Update, reject
+
+
+def text_area_fraction(boxes: list[np.ndarray], height: int, width: int) -> float:
+    """Fraction of a ``height`` x ``width`` image covered by the union of the polygons in ``boxes`` (pixels, x/y)."""
+    import cv2
+
+    if not boxes:
+        return 0.0
+    mask = np.zeros((height, width), dtype=np.uint8)
+    # One fill per box: fillPoly given several polygons applies the even-odd rule, so overlaps would cancel out.
+    for box in boxes:
+        cv2.fillConvexPoly(mask, np.round(box).astype(np.int32).reshape(-1, 1, 2), 1)
+    return float(np.count_nonzero(mask)) / float(height * width)
+
+
+def is_text_line(box: np.ndarray, height: int, width: int, thick_side_frac: float, thick_min_aspect: float) -> bool:
+    """Whether a detected quadrilateral is shaped like a text line rather than a text-like texture patch."""
+    import cv2
+
+    (_, _), (w, h), _ = cv2.minAreaRect(box.astype(np.float32))
+    thickness, length = min(w, h), max(w, h)
+    if thickness <= thick_side_frac * min(height, width):
+        return True
+    return length >= thick_min_aspect * thickness
+
+
+def _det_model_path(det_cfg: Any) -> Path:
+    """The detector's ONNX file inside the installed wheel, named by rapidocr's own model registry."""
+    import rapidocr
+    from rapidocr.inference_engine.base import FileInfo, InferSession
+
+    info = InferSession.get_model_url(
+        FileInfo(
+            engine_type=det_cfg.engine_type,
+            ocr_version=det_cfg.ocr_version,
+            task_type=det_cfg.task_type,
+            lang_type=det_cfg.lang_type,
+            model_type=det_cfg.model_type,
+        )
+    )
+    path = Path(rapidocr.__file__).parent / "models" / Path(str(info["model_dir"])).name
+    if not path.is_file():
+        # Never fall back to rapidocr's downloader: workers may be offline and must not fetch weights.
+        raise FileNotFoundError(f"text detector weights not found in the rapidocr wheel: {path}")
+    return path
 
 
 class TextOverlayStage(Stage):
     name = "text_overlay"
+    reads = ("image",)
+    writes = ("text_area_frac", "text_boxes")
+    uses_actors = True
 
-    def process_batch(self, rows):
-        return [{} for _ in rows]
+    def setup(self) -> None:
+        import rapidocr
+        from rapidocr.ch_ppocr_det import TextDetector
+        from rapidocr.utils.log import logger as rapidocr_logger
+        from rapidocr.utils.parse_parameters import ParseParams
+
+        rapidocr_logger.setLevel(logging.WARNING)  # it logs the engine and model path at INFO on every load
+        settings = self.cfg.models.ocr
+        cfg = ParseParams.load(Path(rapidocr.__file__).parent / "config.yaml")
+        det = cfg.Det
+        det.engine_cfg = cfg.EngineConfig.onnxruntime
+        # rapidocr ignores a thread count above os.cpu_count() (and then uses every core): clamp it.
+        det.engine_cfg.intra_op_num_threads = min(self.threads, os.cpu_count() or 1)
+        det.engine_cfg.inter_op_num_threads = 1
+        # An explicit model_path makes rapidocr skip its download step entirely.
+        det.model_path = str(_det_model_path(det))
+        # Images arrive already decoded at max_side; "max" keeps them at that size (rounded to multiples of 32)
+        # instead of rapidocr's default of upscaling the short side to 736.
+        det.limit_type = "max"
+        det.limit_side_len = settings.max_side
+        det.box_thresh = settings.box_score
+        self.detector = TextDetector(det)
+
+    def process_batch(self, rows: list[Row]) -> list[Update]:
+        return [self._one(row) for row in rows]
+
+    def _one(self, row: Row) -> Update:
+        import cv2
+
+        settings = self.cfg.models.ocr
+        rgb = decode(row["image"]["bytes"], max_side=settings.max_side, mode="RGB")
+        height, width = rgb.shape[:2]
+        # PP-OCR models are trained on OpenCV's BGR channel order.
+        result = self.detector(cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR))
+        found = [] if result.boxes is None else list(result.boxes)
+        lines = [
+            b
+            for b in found
+            if is_text_line(b, height, width, settings.thick_box_side_frac, settings.thick_box_min_aspect)
+        ]
+        frac = text_area_fraction(lines, height, width)
+        update: Update = {"text_area_frac": frac, "text_boxes": min(len(lines), np.iinfo(np.int16).max)}
+        limit = self.cfg.filters.max_text_area_frac
+        if frac > limit:
+            boxes = f"{len(lines)} box" if len(lines) == 1 else f"{len(lines)} boxes"
+            detail = f"text covers {frac:.1%} of the image in {boxes} (max {limit:.1%})"
+            return {**update, **reject("text_overlay", detail)}
+        return update
