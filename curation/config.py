@@ -52,7 +52,7 @@ class Filters(Strict):
     person_min_score: float = Field(0.5, ge=0, le=1)
     person_min_height_frac: float = Field(0.4, ge=0, le=1)
     person_min_area_frac: float = Field(0.08, ge=0, le=1)
-    min_quality: float = Field(0.35, ge=0, le=1)
+    min_quality: float = Field(0.5, ge=0, le=1)  # see curation/stages/quality.py for the scale
     max_text_area_frac: float = Field(0.03, ge=0, le=1)
 
 
@@ -60,15 +60,63 @@ class PersonModelSettings(Strict):
     """OpenCV HOG people detector + Haar face cascades (lite person detection and head pose)."""
 
     hog_max_side: int = Field(640, ge=64)
-    face_max_side: int = Field(640, ge=64)
+    hog_scale: float = Field(1.05, gt=1.0)  # pyramid step of the HOG window scan
+    # HOG alone fires on text columns and towers: its SVM margin must be large to count without a face.
+    hog_weight_mid: float = 2.0  # margin scoring 0.5
+    hog_weight_scale: float = Field(0.35, gt=0)
+    face_max_side: int = Field(512, ge=64)  # 640 finds smaller faces at 1.3x the cost
+    face_scale_factor: float = Field(1.1, gt=1.0)
+    face_min_side_frac: float = Field(0.04, ge=0, le=1)  # smallest face searched, of the short side
+    # face log-odds = sum over cascade passes of weight * ln(1 + summed margins of its windows) - bias, the
+    # profile counting its stronger direction. Fitted by hand on the package photos and their variants: a lone
+    # frontal_default cluster stays below 0.5 (it fires on fur and pagodas), frontal_alt2 is the precise one.
+    face_weight_default: float = Field(0.8, ge=0)
+    face_weight_alt2: float = Field(2.4, ge=0)
+    face_weight_profile: float = Field(2.0, ge=0)
+    face_bias: float = 4.0
+    # body implied by a face (in face-box sides): width, and extent below the face's top
+    body_face_widths: float = Field(3.0, gt=0)
+    body_face_heights: float = Field(8.0, gt=0)
+    min_candidate_score: float = Field(0.2, ge=0, le=1)  # weaker persons/faces are not listed
+    nms_iou: float = Field(0.5, gt=0, le=1)
+    eye_face_side: int = Field(128, ge=32)  # head pose: faces are searched for eyes at about this size
 
 
 class QualityModelSettings(Strict):
-    max_side: int = Field(512, ge=64)
+    """Technical quality (lite stand-in for an aesthetic model); see curation/stages/quality.py."""
+
+    max_side: int = Field(512, ge=64)  # decode size; sharpness is judged as if shown at this long side
+    # Weights of the part scores in the weighted geometric mean. Colourfulness is light so grayscale photos pass.
+    weights: dict[str, float] = Field(
+        default_factory=lambda: {
+            "sharpness": 0.25,
+            "exposure": 0.25,
+            "contrast": 0.225,
+            "noise": 0.225,
+            "colourfulness": 0.05,
+        }
+    )
+
+    @field_validator("weights")
+    @classmethod
+    def _known_parts(cls, v: dict[str, float]) -> dict[str, float]:
+        parts = ("sharpness", "exposure", "contrast", "colourfulness", "noise")  # common.schema.QUALITY_PARTS_TYPE
+        if set(v) != set(parts) or any(w < 0 for w in v.values()) or sum(v.values()) <= 0:
+            raise ValueError(f"weights must give a non-negative weight to each of {list(parts)}, not all 0")
+        return v
 
 
 class OcrModelSettings(Strict):
-    max_side: int = Field(960, ge=64)
+    """RapidOCR's PP-OCR text detector, detection only; see curation/stages/text_overlay.py."""
+
+    # Decode and detect at this long side (smaller images are not upscaled). 640 gives the same verdicts as 960 on
+    # overlays at 0.43x the CPU time, and finds very large glyphs that 960 misses; it only drops some tiny text.
+    max_side: int = Field(640, ge=64)
+    box_score: float = Field(0.5, ge=0, le=1)  # min mean text probability inside a box (DB box_thresh)
+    # A box thicker than this fraction of the image's short side counts as text only when it is at least
+    # thick_box_min_aspect times as long as it is thick: the detector's false hits on textures are thick and squat.
+    thick_box_side_frac: float = Field(0.08, ge=0, le=1)
+    thick_box_min_aspect: float = Field(2.0, ge=1)
 
 
 class EmbeddingModelSettings(Strict):
@@ -91,10 +139,10 @@ class ModelSettings(Strict):
 def _default_stages() -> dict[str, StageSettings]:
     return {
         "decode": StageSettings(batch_size=32, num_cpus=0.5),
-        "person": StageSettings(batch_size=8, num_cpus=1.0, actors=(1, 2)),
+        "person": StageSettings(batch_size=8, num_cpus=0.5, actors=(1, 2)),
         "head_pose": StageSettings(batch_size=16, num_cpus=0.25, actors=(1, 1)),
         "quality": StageSettings(batch_size=16, num_cpus=0.5),
-        "text_overlay": StageSettings(batch_size=8, num_cpus=1.0, actors=(1, 2)),
+        "text_overlay": StageSettings(batch_size=8, num_cpus=0.5, actors=(1, 2)),
         "phash": StageSettings(batch_size=32, num_cpus=0.25),
         "embedding": StageSettings(batch_size=32, num_cpus=0.5),
     }

@@ -1,0 +1,253 @@
+"""Lite person detection and head pose on real photos that ship in installed packages, and variants of them."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from PIL import Image
+
+from common import schema
+from curation.config import CurateConfig
+from curation.stage import REJECT
+from curation.stages.people import HeadPoseStage, PersonStage
+
+PEOPLE = ("bus", "zidane", "grace_hopper", "astronaut", "camera")
+NO_PERSON = ("china", "flower", "coffee", "rocket", "chelsea", "text", "page")
+VARIANTS = ("original", "mirrored", "jpeg_q30", "resized_0.6")
+MIN_SIDE = 384  # decode's default minimum short side: every row a stage sees has at least this
+
+
+def _photo(name: str) -> np.ndarray:
+    """RGB array of a shipped photo, upscaled so its short side is at least MIN_SIDE."""
+    if name in ("bus", "zidane"):
+        # Located without importing ultralytics: its import patches PIL.Image.open.
+        spec = importlib.util.find_spec("ultralytics")
+        assert spec is not None and spec.submodule_search_locations
+        img = Image.open(Path(next(iter(spec.submodule_search_locations))) / "assets" / f"{name}.jpg")
+    elif name == "grace_hopper":
+        from matplotlib import cbook
+
+        img = Image.open(cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))
+    elif name in ("china", "flower"):
+        from sklearn.datasets import load_sample_image
+
+        img = Image.fromarray(load_sample_image(f"{name}.jpg"))
+    else:
+        import skimage.data
+
+        img = Image.fromarray(getattr(skimage.data, name)())
+    img = img.convert("RGB")
+    if min(img.size) < MIN_SIDE:
+        s = MIN_SIDE / min(img.size)
+        img = img.resize((max(MIN_SIDE, round(img.width * s)), max(MIN_SIDE, round(img.height * s))),
+                         Image.Resampling.LANCZOS)
+    return np.asarray(img)
+
+
+def _jpeg(rgb: np.ndarray, quality: int = 95) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def _variant(rgb: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "original":
+        return rgb
+    if kind == "mirrored":
+        return np.ascontiguousarray(rgb[:, ::-1])
+    if kind == "jpeg_q30":
+        return np.asarray(Image.open(io.BytesIO(_jpeg(rgb, 30))).convert("RGB"))
+    if kind == "resized_0.6":
+        h, w = rgb.shape[:2]
+        s = max(0.6, MIN_SIDE / min(h, w))  # keep the short side >= MIN_SIDE
+        return np.asarray(Image.fromarray(rgb).resize((round(w * s), round(h * s)), Image.Resampling.BILINEAR))
+    raise ValueError(kind)
+
+
+def _rotated(rgb: np.ndarray, degrees: float) -> np.ndarray:
+    """Rotated counter-clockwise as displayed (PIL's convention), same size."""
+    return np.asarray(Image.fromarray(rgb).rotate(degrees, resample=Image.Resampling.BICUBIC))
+
+
+def _row(rgb: np.ndarray, name: str) -> dict:
+    return {"image": {"bytes": _jpeg(rgb), "path": f"{name}.jpg"}, "width": rgb.shape[1], "height": rgb.shape[0]}
+
+
+def _stage(cls: type, cfg: CurateConfig | None = None):
+    st = cls(cfg or CurateConfig())
+    st.setup()
+    return st
+
+
+@pytest.fixture(scope="module")
+def person_stage() -> PersonStage:
+    return _stage(PersonStage)
+
+
+@pytest.fixture(scope="module")
+def head_stage() -> HeadPoseStage:
+    return _stage(HeadPoseStage)
+
+
+@pytest.fixture(scope="module")
+def photos() -> dict[str, np.ndarray]:
+    return {name: _photo(name) for name in PEOPLE + NO_PERSON}
+
+
+@pytest.fixture(scope="module")
+def results(person_stage, photos) -> dict[tuple[str, str], tuple[dict, dict]]:
+    """(photo, variant) -> (row, person update): every variant of the person photos, originals of the rest."""
+    cases = [(n, v) for n in PEOPLE for v in VARIANTS] + [(n, "original") for n in NO_PERSON]
+    rows = [_row(_variant(photos[n], v), f"{n}_{v}") for n, v in cases]
+    updates = person_stage.process_batch(rows)
+    assert len(updates) == len(rows)
+    return {case: (row, update) for case, row, update in zip(cases, rows, updates)}
+
+
+@pytest.fixture(scope="module")
+def head_results(head_stage, results) -> dict[tuple[str, str], dict]:
+    kept = [(case, row, u) for case, (row, u) in results.items() if REJECT not in u]
+    updates = head_stage.process_batch([{**row, **u} for _, row, u in kept])
+    return {case: update for (case, _, _), update in zip(kept, updates)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", PEOPLE)
+def test_person_photos_and_their_variants_are_kept(results, name, variant):
+    cfg = CurateConfig()
+    _, u = results[(name, variant)]
+    assert REJECT not in u, u.get(REJECT)
+    assert u["prominent_count"] >= 1
+    main = u["persons"][0]
+    assert main["prominent"]
+    assert main["score"] >= cfg.filters.person_min_score
+    assert (main["height_frac"] >= cfg.filters.person_min_height_frac
+            or main["area_frac"] >= cfg.filters.person_min_area_frac)
+    assert (u["main_person_score"], u["main_person_height_frac"], u["main_person_area_frac"]) == pytest.approx(
+        (main["score"], main["height_frac"], main["area_frac"])
+    )
+
+
+@pytest.mark.parametrize("name", NO_PERSON)
+def test_photos_without_people_are_rejected(results, name):
+    _, u = results[(name, "original")]
+    assert REJECT in u
+    code = u[REJECT].split(":")[0]
+    assert code in ("no_person", "no_prominent_person")
+    assert u["prominent_count"] == 0
+    if code == "no_person":
+        assert u["persons"] == [] and u["person_count"] == 0
+    else:
+        assert u["person_count"] >= 1 and not any(p["prominent"] for p in u["persons"])
+
+
+def test_no_prominent_person_detail_names_the_best_candidate_against_the_thresholds(photos):
+    # Thresholds no box can meet: bus still has candidates, so the reason is no_prominent_person.
+    cfg = CurateConfig()
+    cfg = cfg.model_copy(update={"filters": cfg.filters.model_copy(
+        update={"person_min_height_frac": 0.99, "person_min_area_frac": 0.99})})
+    u = _stage(PersonStage, cfg).process_batch([_row(photos["bus"], "bus")])[0]
+    assert u[REJECT].startswith("no_prominent_person: ")
+    main = u["persons"][0]
+    detail = u[REJECT]
+    assert f"score {main['score']:.2f} (min {cfg.filters.person_min_score})" in detail
+    assert f"height {main['height_frac']:.2f} of the image (min 0.99)" in detail
+    assert f"area {main['area_frac']:.3f} (min 0.99)" in detail
+    assert u["main_person_height_frac"] == pytest.approx(main["height_frac"])
+
+
+def test_boxes_lie_within_the_image_and_fractions_match_them(results):
+    checked = 0
+    for (name, variant), (row, u) in results.items():
+        w, h = row["width"], row["height"]
+        assert u["person_count"] == len(u["persons"])
+        assert u["prominent_count"] == sum(p["prominent"] for p in u["persons"])
+        for box in [*u["persons"], *u["faces"]]:
+            assert 0 <= box["x0"] < box["x1"] <= w and 0 <= box["y0"] < box["y1"] <= h, (name, variant, box)
+            assert 0.0 <= box["score"] <= 1.0
+            checked += 1
+        for p in u["persons"]:
+            assert p["height_frac"] == pytest.approx((p["y1"] - p["y0"]) / h)
+            assert p["area_frac"] == pytest.approx((p["x1"] - p["x0"]) * (p["y1"] - p["y0"]) / (w * h))
+            assert p["detector"] in ("hog", "face", "hog+face")
+    assert checked > 20
+
+
+def test_updates_match_the_working_schema(results, head_results):
+    table = schema.working_schema(8)
+    updates = [u for _, u in results.values()] + list(head_results.values())
+    for column in {k for u in updates for k in u if k != REJECT}:
+        pa.array([u.get(column) for u in updates], type=table.field(column).type)  # raises on a mismatch
+
+
+def test_zidane_shows_two_people_side_by_side(results):
+    row, u = results[("zidane", "original")]
+    assert u["person_count"] >= 2
+    centres = sorted((p["x0"] + p["x1"]) / 2 for p in u["persons"] if p["prominent"])
+    # Two distinct prominent people, not two boxes on one: their centres lie far apart.
+    assert len(centres) >= 2 and centres[-1] - centres[0] > 0.2 * row["width"]
+
+
+@pytest.mark.parametrize("name", ["grace_hopper", "astronaut"])
+def test_portraits_face_the_camera(results, head_results, name):
+    for variant in VARIANTS:
+        _, u = results[(name, variant)]
+        assert any(f["view"] == "frontal" and f["score"] >= 0.5 for f in u["faces"]), variant
+        main = head_results[(name, variant)]["persons"][0]
+        assert main["head_yaw_class"] == "frontal", variant
+        assert head_results[(name, variant)]["head_yaw_class"] == "frontal"
+
+
+def test_profile_view_swaps_sides_on_the_mirror_image(head_results):
+    # The cameraman looks into a camera on the image's right: his nose points right.
+    for variant in ("original", "jpeg_q30", "resized_0.6"):
+        assert head_results[("camera", variant)]["head_yaw_class"] == "right_profile", variant
+    assert head_results[("camera", "mirrored")]["head_yaw_class"] == "left_profile"
+
+
+def test_head_pose_annotates_every_prominent_person_and_rejects_nothing(results, head_results):
+    assert len(head_results) == len(PEOPLE) * len(VARIANTS)
+    for case, hu in head_results.items():
+        assert REJECT not in hu
+        before = results[case][1]["persons"]
+        assert [(p["x0"], p["score"]) for p in hu["persons"]] == [(p["x0"], p["score"]) for p in before]
+        for p in hu["persons"]:
+            assert p["head_yaw"] is None and p["head_pitch"] is None  # the lite profile gives classes only
+            if not p["prominent"]:
+                assert p["head_yaw_class"] is None
+                continue
+            assert p["head_yaw_class"] in schema.HEAD_YAW_CLASSES
+            assert 0.0 <= p["head_confidence"] <= 1.0
+            assert p["head_roll"] is None or -90 <= p["head_roll"] <= 90
+        assert (hu["head_yaw_class"], hu["head_confidence"]) == (
+            hu["persons"][0]["head_yaw_class"], hu["persons"][0]["head_confidence"])
+
+
+def test_a_body_without_a_face_is_not_visible(head_stage, results):
+    row, u = results[("bus", "original")]
+    hu = head_stage.process_batch([{**row, **u, "faces": []}])[0]
+    prominent = [p for p in hu["persons"] if p["prominent"]]
+    assert prominent and all(p["head_yaw_class"] == "not_visible" for p in prominent)
+    assert all(0.0 < p["head_confidence"] <= 1.0 and p["head_roll"] is None for p in prominent)
+
+
+@pytest.mark.parametrize("name", ["astronaut", "grace_hopper"])
+def test_head_roll_follows_a_rotation_of_the_photo(person_stage, head_stage, photos, name):
+    rolls = {}
+    for degrees in (15, -15):
+        row = _row(_rotated(photos[name], degrees), f"{name}_rot{degrees}")
+        u = person_stage.process_batch([row])[0]
+        assert REJECT not in u, u.get(REJECT)
+        main = head_stage.process_batch([{**row, **u}])[0]["persons"][0]
+        assert main["head_yaw_class"] == "frontal"
+        assert main["head_roll"] is not None
+        rolls[degrees] = main["head_roll"]
+    # Counter-clockwise rotation raises the eye on the image's right: negative roll; clockwise: positive.
+    assert rolls[15] < 0 < rolls[-15]
+    assert rolls[-15] - rolls[15] == pytest.approx(30, abs=10)
+
