@@ -16,6 +16,10 @@ from PIL import Image, ImageOps
 # Decode validates size limits itself (and rejects with a reason); PIL's global guard would raise first.
 Image.MAX_IMAGE_PIXELS = None
 
+# PIL's own opener, held before anything can patch it: ultralytics replaces Image.open on import with a version that
+# tries to pip-install a HEIF plugin on unidentified bytes, which would turn "not an image" into an import error.
+_pil_open = Image.open
+
 
 def _to_mode(img: Image.Image, mode: str) -> Image.Image:
     """Normalise any PIL mode (CMYK, I;16, P with transparency, LA, ...) to ``mode`` ("RGB" or "L")."""
@@ -42,7 +46,7 @@ def open_image(data: bytes) -> Image.Image:
     """Open lazily (header only); raises on bytes PIL cannot identify."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return Image.open(io.BytesIO(data))
+        return _pil_open(io.BytesIO(data))
 
 
 def decode(data: bytes, max_side: int | None = None, mode: str = "RGB") -> np.ndarray:

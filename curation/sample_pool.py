@@ -181,7 +181,7 @@ def _photo_from_file(name: str, path: Path) -> Photo:
     return Photo(name, img, data)
 
 
-def _ultralytics_assets() -> Path:
+def ultralytics_assets() -> Path:
     """ultralytics' ``ASSETS`` folder, located without importing ultralytics: its import patches
     ``PIL.Image.open`` so that an unidentifiable file triggers a pip install attempt (of pi-heif) and then raises
     ModuleNotFoundError instead of UnidentifiedImageError, which would change decode's verdict on bad inputs."""
@@ -198,7 +198,7 @@ def load_photos() -> dict[str, Photo]:
     """The ten shipped photos, found through their packages' own APIs."""
     photos: dict[str, Photo] = {}
     for name in ("bus", "zidane"):
-        photos[name] = _photo_from_file(name, _ultralytics_assets() / f"{name}.jpg")
+        photos[name] = _photo_from_file(name, ultralytics_assets() / f"{name}.jpg")
     try:
         from matplotlib import cbook
     except ImportError:

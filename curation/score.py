@@ -182,12 +182,11 @@ class ScorePhase:
                     _named_actor(name),
                     fn_constructor_kwargs={"stage_name": name, "cfg_json": cfg_json},
                     compute=ActorPoolStrategy(min_size=lo, max_size=hi),
-                    max_restarts=3,
                     **common,
                 )
             else:
                 ds = ds.map_batches(
-                    _named_task(name), fn_kwargs={"cfg_json": cfg_json}, max_retries=3, **common
+                    _named_task(name), fn_kwargs={"cfg_json": cfg_json}, **common
                 )
         return ds.map_batches(
             _write_parts,

@@ -16,13 +16,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import skimage.data
-import ultralytics
 from PIL import Image
 from sklearn.datasets import load_sample_image
 
 from common import schema
 from curation.config import CurateConfig
 from curation.imageio import decode
+from curation.sample_pool import ultralytics_assets
 from curation.stage import REJECT
 from curation.stages.embedding import LITE_NAME, EmbeddingStage
 from curation.stages.phash import PhashStage, hamming, hash_to_int
@@ -54,7 +54,7 @@ def _resize_long(img: np.ndarray, long_side: int) -> np.ndarray:
 @pytest.fixture(scope="module")
 def photo_files() -> dict[str, bytes]:
     """Encoded photos: the JPEG files as shipped where there are files, else arrays encoded at quality 95."""
-    assets = Path(ultralytics.__file__).parent / "assets"
+    assets = ultralytics_assets()
     files = {
         "bus": (assets / "bus.jpg").read_bytes(),
         "zidane": (assets / "zidane.jpg").read_bytes(),

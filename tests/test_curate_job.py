@@ -1,0 +1,139 @@
+"""End to end: the curate job on the sample pool (real photos, variants, bad inputs) with a local 2-CPU Ray."""
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+
+from common import schema
+from curation.config import CurateConfig
+from curation.ledger import committed_files, read_ledger, reason_code
+from jobs import curate, make_sample_pool
+
+LITE = "configs/curate/lite.yaml"
+FILTER_STAGES = ("decode", "person", "quality", "text_overlay")  # stages that reject on the sample pool
+
+
+@pytest.fixture(scope="session")
+def sample_pool(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("pool") / "folder"
+    assert make_sample_pool.main(["--out", str(root), "--seed", "0"]) == 0
+    return root
+
+
+@pytest.fixture(scope="session")
+def manifest(sample_pool) -> dict[str, dict]:
+    entries = [json.loads(line) for line in (sample_pool / "_manifest.jsonl").read_text().splitlines()]
+    return {str(sample_pool / e["path"]): e for e in entries}
+
+
+@pytest.fixture(scope="session")
+def curated(sample_pool, ray_local, repo_root, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("curated") / "out"
+    code = curate.main(["--config", str(repo_root / LITE), "--input", str(sample_pool), "--output", str(out)])
+    assert code == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def ledger(curated) -> dict[str, dict]:
+    rows = read_ledger(str(curated)).to_pylist()
+    return {r["source"]: r for r in rows}
+
+
+def test_ledger_has_exactly_one_row_per_input(curated, manifest):
+    sources = read_ledger(str(curated), ["source"]).column("source").to_pylist()
+    assert len(sources) == len(set(sources))
+    assert set(sources) == set(manifest)
+
+
+def test_kept_plus_rejected_equals_inputs(ledger, curated):
+    status = Counter(r["status"] for r in ledger.values())
+    assert set(status) <= {schema.KEPT, schema.REJECTED, schema.ERROR}
+    scored = pads.dataset([str(curated / f) for f in committed_files(str(curated), "scored")], format="parquet")
+    assert scored.count_rows() == status[schema.KEPT] > 0
+    assert status[schema.KEPT] + status[schema.REJECTED] + status[schema.ERROR] == len(ledger)
+
+
+def test_every_filter_stage_keeps_and_rejects_something(ledger):
+    rejected_by = Counter(r["stage"] for r in ledger.values() if r["status"] == schema.REJECTED)
+    for stage in FILTER_STAGES:
+        assert rejected_by[stage] > 0, f"{stage} rejected nothing"
+    kept = [r for r in ledger.values() if r["status"] == schema.KEPT]
+    # a kept image passed every stage, so each stage also kept something
+    assert kept and all(r["stage"] == CurateConfig().enabled_stages[-1] for r in kept)
+
+
+def test_outcomes_match_what_the_pool_was_built_to_test(ledger, manifest):
+    wrong = []
+    for source, entry in manifest.items():
+        row = ledger[source]
+        expect = entry["expect"]
+        if expect == "kept" and row["status"] != schema.KEPT:
+            wrong.append((entry["path"], "expected kept", row["stage"], row["reason"]))
+        elif expect == "rejected":
+            stages = [entry["stage"]] if "stage" in entry else entry["stage_any"]
+            reasons = [entry["reason"]] if "reason" in entry else entry.get("reason_any")
+            if row["status"] != schema.REJECTED or row["stage"] not in stages or (
+                reasons and reason_code(row["reason"]) not in reasons
+            ):
+                wrong.append((entry["path"], f"expected rejected by {stages} {reasons}", row["stage"], row["reason"]))
+        elif expect == "any" and row["status"] != schema.KEPT and row["stage"] not in entry["stage_any"]:
+            wrong.append((entry["path"], f"expected kept or rejected by {entry['stage_any']}", row["stage"], row["reason"]))
+    assert not wrong, "\n".join(map(str, wrong))
+
+
+def test_bad_inputs_get_precise_reasons(ledger, manifest):
+    bad = {s: e for s, e in manifest.items() if e["category"] == "bad"}
+    assert len(bad) >= 7
+    for source, entry in bad.items():
+        row = ledger[source]
+        assert row["status"] == schema.REJECTED and row["stage"] == "decode", entry["path"]
+        assert ":" in row["reason"] and len(row["reason"]) > len(reason_code(row["reason"])) + 3, row["reason"]
+
+
+def test_scores_before_rejection_are_kept_in_the_ledger(ledger):
+    late = [r for r in ledger.values() if r["status"] == schema.REJECTED and r["stage"] in ("quality", "text_overlay")]
+    assert late
+    for row in late:
+        assert row["key"] and row["width"] >= 384 and row["person_count"] >= 1
+    quality_rejects = [r for r in late if r["stage"] == "quality"]
+    assert all(r["quality"] is not None and r["text_area_frac"] is None for r in quality_rejects)
+
+
+def test_scored_shards_read_back_with_declared_schema_and_original_bytes(curated, manifest):
+    cfg = CurateConfig()
+    files = committed_files(str(curated), "scored")
+    assert files and all(f.startswith("scored/") for f in files)
+    for f in files:
+        table = pq.read_table(curated / f)
+        assert table.schema.equals(schema.scored_schema(cfg.embedding_dim))
+        meta = schema.read_metadata(table.schema)
+        assert meta["schema_version"] == schema.SCHEMA_VERSION and meta["table"] == "scored"
+        assert meta["config_hash"] == cfg.results_hash()
+        for row in table.to_pylist():
+            data = row["image"]["bytes"]
+            assert hashlib.sha256(data).hexdigest() == row["key"]
+            assert Path(row["source"]).read_bytes() == data  # never re-encoded
+            assert row["phash"] is not None and len(row["embedding"]) == cfg.embedding_dim
+            assert row["prominent_count"] >= 1 and row["quality"] >= cfg.filters.min_quality
+
+
+def test_rerun_resumes_without_rescoring(curated, sample_pool, repo_root, capsys):
+    before = {p: p.stat().st_mtime_ns for p in curated.rglob("*.parquet")}
+    code = curate.main(["--config", str(repo_root / LITE), "--input", str(sample_pool), "--output", str(curated)])
+    assert code == 0
+    assert "0 to score" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in curated.rglob("*.parquet")} == before
+
+
+def test_wrong_input_and_bad_override_fail_fast(tmp_path, repo_root, capsys):
+    args = ["--config", str(repo_root / LITE), "--output", str(tmp_path / "o")]
+    assert curate.main([*args, "--input", str(tmp_path / "missing")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    assert curate.main([*args, "--input", str(tmp_path), "filters.min_short_sid=3"]) == 2
+    assert "filters.min_short_sid: unknown key" in capsys.readouterr().err
