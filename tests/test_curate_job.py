@@ -137,3 +137,25 @@ def test_wrong_input_and_bad_override_fail_fast(tmp_path, repo_root, capsys):
     assert "no such file or folder" in capsys.readouterr().err
     assert curate.main([*args, "--input", str(tmp_path), "filters.min_short_sid=3"]) == 2
     assert "filters.min_short_sid: unknown key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
+def test_parquet_and_webdataset_pools_give_the_same_decode_fates(fmt, ray_local, repo_root, tmp_path, ledger, manifest):
+    pool = tmp_path / fmt
+    assert make_sample_pool.main(["--out", str(pool), "--seed", "0", "--format", fmt]) == 0
+    out = tmp_path / "out"
+    only_cheap = [f"stages.{s}.enabled=false" for s in ("person", "head_pose", "quality", "text_overlay", "embedding")]
+    args = ["--config", str(repo_root / LITE), "--input", str(pool), "--output", str(out), *only_cheap]
+    assert curate.main(args) == 0
+    by_name = {e["name"]: e for e in map(json.loads, (pool / "_manifest.jsonl").read_text().splitlines())}
+    folder_rows = {manifest[s]["name"]: r for s, r in ledger.items()}
+    rows = read_ledger(str(out)).to_pylist()
+    assert len(rows) == len(by_name)
+    for row in rows:
+        name = next(n for n, e in by_name.items() if str(pool / e["path"]) == row["source"])
+        folder = folder_rows[name]
+        if folder["stage"] == "decode":  # the same decode verdict, whatever the container
+            assert (row["status"], reason_code(row["reason"])) == (folder["status"], reason_code(folder["reason"])), name
+        else:
+            assert row["status"] == schema.KEPT and row["key"] == folder["key"], name
+            assert folder["phash"] is None or row["phash"] == folder["phash"], name
