@@ -85,7 +85,12 @@ def load_config(model: type[M], path: str | Path | None, overrides: list[str] = 
         raise ConfigError(_describe(exc, source)) from None
 
 
+def hash_json(obj) -> str:
+    """A short stable hash of JSON-able data (sorted keys)."""
+    payload = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
 def config_hash(cfg: BaseModel, exclude: set[str] | None = None) -> str:
     """A short stable hash of the settings that change results (sorted JSON of the model)."""
-    payload = json.dumps(cfg.model_dump(mode="json", exclude=exclude), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    return hash_json(cfg.model_dump(mode="json", exclude=exclude))

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from common.config import Strict, config_hash
+from common.config import Strict, config_hash, hash_json
 
 
 class StageSettings(Strict):
@@ -148,6 +148,38 @@ def _default_stages() -> dict[str, StageSettings]:
     }
 
 
+class DedupSettings(Strict):
+    """Phase 2: near-duplicates by pHash distance and by embedding similarity; one image kept per group."""
+
+    phash_radius: int = Field(8, ge=0, le=32)  # Hamming distance over 64 bits
+    embedding_threshold: float = Field(0.95, ge=-1, le=1)  # cosine similarity
+    embedding_k: int = Field(16, ge=1)  # neighbours examined per image
+    flat_max: int = Field(50_000, ge=2)  # exact search up to this many images, inverted file above
+    signals: list[Literal["phash", "embedding"]] = ["phash", "embedding"]
+    # keep rule: highest of the first score column that is set (aesthetic on the full profile, quality on lite),
+    # then larger resolution, then smaller key
+    keep_score: list[str] = ["aesthetic", "quality"]
+    memory_budget_mb: int = Field(2048, ge=1)  # embeddings beyond this are memory-mapped from local scratch
+
+
+class SampleSettings(Strict):
+    """Phase 3: hierarchical k-means on the embeddings, then a balanced selection to a target size."""
+
+    target_count: int | None = Field(None, ge=0)
+    target_fraction: float | None = Field(None, gt=0, le=1)  # used when target_count is not set; default 1.0
+    clusters: list[int] | None = None  # per level, fine to coarse; default about sqrt(N), then a tenth of that
+    mode: Literal["random", "closest"] = "closest"
+    balance_key: str | None = "head_yaw_class"  # a scored column to spread picks over inside each cluster
+    seed: int = 0
+
+
+class WriteSettings(Strict):
+    """Phase 4: final curated shards."""
+
+    rows_per_shard: int = Field(1000, ge=1)
+    include_embedding: bool = False
+
+
 class RaySettings(Strict):
     address: str | None = None  # None: join RAY_ADDRESS if set, else start a local Ray
     num_cpus: int | None = None  # local Ray only
@@ -160,6 +192,9 @@ class CurateConfig(Strict):
     models: ModelSettings = ModelSettings()
     input: InputSettings = InputSettings()
     output: OutputSettings = OutputSettings()
+    dedup: DedupSettings = DedupSettings()
+    sample: SampleSettings = SampleSettings()
+    write: WriteSettings = WriteSettings()
     ray: RaySettings = RaySettings()
 
     @model_validator(mode="after")
@@ -182,8 +217,17 @@ class CurateConfig(Strict):
         return self.models.embedding.dim
 
     def results_hash(self) -> str:
-        """Hash of what changes results (stage list, thresholds, models), not of resources or paths."""
+        """Hash of what changes phase-1 results (stage list, thresholds, models), not of resources or paths.
+
+        The global phases hash their own sections (``phase_hash``), so they can be re-tuned without re-scoring.
+        """
         return config_hash(
             self.model_copy(update={"stages": {n: StageSettings() for n in self.enabled_stages}}),
-            exclude={"input", "output", "ray"},
+            exclude={"input", "output", "ray", "dedup", "sample", "write"},
         )
+
+    def phase_hash(self, phase: str) -> str:
+        """Hash of a global phase's settings and of every phase before it."""
+        upto = {"dedup": ("dedup",), "sample": ("dedup", "sample"), "write": ("dedup", "sample", "write", "output")}
+        sections = {name: getattr(self, name).model_dump(mode="json") for name in upto[phase]}
+        return hash_json({"score": self.results_hash(), **sections})

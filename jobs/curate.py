@@ -18,9 +18,10 @@ from common.storage import StorageError
 from curation.config import CurateConfig
 from curation.ledger import read_ledger, summary_table
 from curation.pool import PoolError, list_shards
+from curation.phases import GLOBAL_PHASES, GlobalPhases, PhaseOrderError
 from curation.score import RunMismatch, ScorePhase, claim_output
 
-PHASES = ("score",)
+PHASES = ("score", *GLOBAL_PHASES)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     if "score" in phases:
         summary = ScorePhase(cfg, args.output).run(shards)
         print(f"[score] done: {summary['inputs_this_run']} inputs scored this run in {summary['seconds']} s")
+    try:
+        for phase in (p for p in GLOBAL_PHASES if p in phases):
+            GlobalPhases(cfg, args.output).run(phase)
+    except PhaseOrderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     ledger = read_ledger(args.output, ["status", "stage", "reason"])
     print("\n[curate] summary\n" + summary_table(ledger, time.monotonic() - start))
     return 0

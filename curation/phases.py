@@ -1,0 +1,343 @@
+"""Phases 2-4, the global ones: dedup, sample, write.
+
+They read the committed phase-1 results (never image bytes, except "write", which streams them shard by shard),
+decide, and record their decisions beside the output:
+
+    dedup/decisions.parquet    images dropped as near-duplicates: key kept instead, signal that linked them
+    sample/decisions.parquet   every dedup survivor: cluster ids per level, selected or not
+    shards/part-NNNNN.parquet  final curated shards; shards/manifest.json (files, sha256, totals, funnel)
+    final_ledger/<shard_id>.parquet   the ledger with every phase applied: one row per input
+
+Each phase writes ``_state/<phase>.done.json`` with the hash of its settings (and of the phases before it) last,
+so a rerun skips a phase that is done with the same settings, and re-running one phase clears the later ones.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import ray
+
+from common import schema
+from common.storage import (
+    delete_quietly,
+    exists,
+    join,
+    list_files,
+    read_json,
+    resolve,
+    write_json_atomic,
+    write_parquet_atomic,
+)
+from curation import dedup as dd
+from curation import sampling
+from curation.config import CurateConfig
+from curation.score import LEDGER_DIR, STATE_DIR
+
+GLOBAL_PHASES = ("dedup", "sample", "write")
+DEDUP_FILE, SAMPLE_FILE = "dedup/decisions.parquet", "sample/decisions.parquet"
+SHARDS_DIR, FINAL_LEDGER_DIR = "shards", "final_ledger"
+_SURVIVOR_COLUMNS = ["key", "source", "shard_id", "phash", "width", "height", "quality", "aesthetic", "head_yaw_class"]
+
+
+class PhaseOrderError(RuntimeError):
+    """A phase was asked for before the phase it needs has completed."""
+
+
+def _done_path(root: str, phase: str) -> str:
+    return join(root, STATE_DIR, f"{phase}.done.json")
+
+
+def phase_done(out_uri: str, phase: str, settings_hash: str | None = None) -> bool:
+    fs, root = resolve(out_uri)
+    path = _done_path(root, phase)
+    if not exists(fs, path):
+        return False
+    return settings_hash is None or read_json(fs, path).get("settings_hash") == settings_hash
+
+
+def committed_records(out_uri: str) -> list[dict]:
+    fs, root = resolve(out_uri)
+    return [read_json(fs, p) for p in list_files(fs, join(root, STATE_DIR, "score"), ".json")]
+
+
+@dataclass
+class Survivors:
+    """Phase-1 survivors' metadata, in (shard_id, source) order; embeddings may be memory-mapped."""
+
+    table: pa.Table  # _SURVIVOR_COLUMNS
+    embedding: np.ndarray  # (N, D) float32, L2-normalised
+    scratch: str | None = None
+
+    def close(self) -> None:
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def load_survivors(out_uri: str, cfg: CurateConfig) -> Survivors:
+    """Read the committed scored files' metadata columns and embeddings (no image bytes)."""
+    fs, root = resolve(out_uri)
+    files = sorted(f for r in committed_records(out_uri) for f in r["scored_files"])
+    total = sum(pq.ParquetFile(fs.open_input_file(join(root, f))).metadata.num_rows for f in files)
+    dim = cfg.embedding_dim
+    scratch = None
+    if total * dim * 4 > cfg.dedup.memory_budget_mb * 2**20:
+        scratch = tempfile.mkdtemp(prefix="humans1b-embeddings-")
+        embedding = np.lib.format.open_memmap(os.path.join(scratch, "e.npy"), "w+", np.float32, (total, dim))
+    else:
+        embedding = np.empty((total, dim), np.float32)
+    tables, at = [], 0
+    for f in files:
+        t = pq.read_table(join(root, f), columns=[*_SURVIVOR_COLUMNS, "embedding"], filesystem=fs)
+        if t.column("embedding").null_count:
+            raise PhaseOrderError(
+                f"{f} has images without an embedding: the global phases need the embedding stage "
+                "(enable stages.embedding and rescore, or run --phases score only)"
+            )
+        flat = t.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        embedding[at : at + t.num_rows] = flat.reshape(t.num_rows, dim)
+        at += t.num_rows
+        tables.append(t.drop_columns(["embedding"]))
+    table = pa.concat_tables(tables) if tables else pa.table({c: [] for c in _SURVIVOR_COLUMNS})
+    # a stable order that does not depend on how parts were split
+    order = np.lexsort((np.asarray(table.column("source").to_pylist(), object), np.asarray(table.column("shard_id").to_pylist(), object)))
+    return Survivors(table.take(pa.array(order)), embedding[:at][order], scratch)
+
+
+def _first_score(table: pa.Table, columns: list[str]) -> np.ndarray:
+    score = np.full(table.num_rows, np.nan)
+    for name in reversed(columns):  # earlier columns win where set
+        values = table.column(name).to_numpy(zero_copy_only=False).astype(np.float64)
+        score = np.where(np.isnan(values), score, values)
+    return score
+
+
+class GlobalPhases:
+    def __init__(self, cfg: CurateConfig, out_uri: str, log: Callable[[str], None] = print):
+        self.cfg, self.out_uri, self.log = cfg, out_uri, log
+        self.fs, self.root = resolve(out_uri)
+
+    # --- bookkeeping ---------------------------------------------------------------------------------------------
+
+    def _require(self, phase: str) -> None:
+        needed = {"dedup": "score", "sample": "dedup", "write": "sample"}[phase]
+        ok = exists(self.fs, _done_path(self.root, needed)) if needed == "score" else phase_done(
+            self.out_uri, needed, self.cfg.phase_hash(needed)
+        )
+        if not ok:
+            raise PhaseOrderError(f"phase {phase} needs phase {needed} to be complete with these settings; run --phases {needed},{phase}")
+
+    def _start(self, phase: str) -> None:
+        for later in GLOBAL_PHASES[GLOBAL_PHASES.index(phase) :]:
+            delete_quietly(self.fs, _done_path(self.root, later))
+
+    def _finish(self, phase: str, record: dict, start: float) -> None:
+        record = {**record, "settings_hash": self.cfg.phase_hash(phase), "seconds": round(time.monotonic() - start, 2)}
+        write_json_atomic(self.fs, _done_path(self.root, phase), record)
+
+    def run(self, phase: str) -> dict:
+        if phase_done(self.out_uri, phase, self.cfg.phase_hash(phase)):
+            record = read_json(self.fs, _done_path(self.root, phase))
+            self.log(f"[{phase}] already done with these settings, skipped")
+            return record
+        self._require(phase)
+        self._start(phase)
+        start = time.monotonic()
+        record = getattr(self, f"_{phase}")()
+        self._finish(phase, record, start)
+        return record
+
+    # --- phase 2: dedup ------------------------------------------------------------------------------------------
+
+    def _dedup(self) -> dict:
+        cfg = self.cfg.dedup
+        survivors = load_survivors(self.out_uri, self.cfg)
+        try:
+            t, n = survivors.table, survivors.table.num_rows
+            pairs: dict[str, object] = {}
+            if "phash" in cfg.signals and n:
+                hashes = t.column("phash").to_numpy(zero_copy_only=False)
+                pairs["phash"] = dd.phash_pairs(hashes.astype(np.uint64), cfg.phash_radius, threads=os.cpu_count() or 1)
+            if "embedding" in cfg.signals and n:
+                pairs["embedding"] = dd.embedding_pairs(
+                    survivors.embedding, cfg.embedding_threshold, cfg.embedding_k, flat_max=cfg.flat_max
+                )
+            result = dd.resolve_duplicates(
+                n,
+                pairs,
+                score=_first_score(t, cfg.keep_score) if n else None,
+                width=t.column("width").to_numpy(zero_copy_only=False),
+                height=t.column("height").to_numpy(zero_copy_only=False),
+                keys=np.asarray([f"{k}\x00{s}" for k, s in zip(t.column("key").to_pylist(), t.column("source").to_pylist())], object),
+            )
+            dropped = np.flatnonzero(~result.keep)
+            keys = np.asarray(t.column("key").to_pylist(), object)
+            signal = result.linked_by_name()
+            decisions = pa.table(
+                {
+                    "source": t.column("source").take(pa.array(dropped, pa.int64())),
+                    "key": pa.array(keys[dropped].tolist(), pa.string()),
+                    "duplicate_of": pa.array(keys[result.duplicate_of[dropped]].tolist(), pa.string()),
+                    "duplicate_signal": pa.array([signal[i] for i in dropped], pa.string()),
+                }
+            )
+            write_parquet_atomic(self.fs, join(self.root, DEDUP_FILE), decisions, row_group_size=10_000)
+            by_signal = Counter(decisions.column("duplicate_signal").to_pylist())
+            pair_counts = {name: int(np.asarray(p.i).size) for name, p in pairs.items()}
+            self.log(f"[dedup] {n} survivors, {len(dropped)} near-duplicates dropped {dict(by_signal)}; pairs {pair_counts}")
+            return {"inputs": n, "dropped": len(dropped), "by_signal": dict(by_signal), "pairs": pair_counts}
+        finally:
+            survivors.close()
+
+    def dropped_sources(self) -> set[str]:
+        return set(pq.read_table(join(self.root, DEDUP_FILE), columns=["source"], filesystem=self.fs).column("source").to_pylist())
+
+    # --- phase 3: sample -----------------------------------------------------------------------------------------
+
+    def _sample(self) -> dict:
+        cfg = self.cfg.sample
+        survivors = load_survivors(self.out_uri, self.cfg)
+        try:
+            dropped = self.dropped_sources()
+            t = survivors.table
+            alive = np.asarray([s not in dropped for s in t.column("source").to_pylist()], bool)
+            t, x = t.filter(pa.array(alive)), np.ascontiguousarray(survivors.embedding[alive])
+            n = t.num_rows
+            size = cfg.target_count if cfg.target_count is not None else None
+            fraction = None if size is not None else (cfg.target_fraction or 1.0)
+            if n == 0:
+                selected, ids, levels = np.zeros(0, bool), [], 0
+            else:
+                balance = None
+                if cfg.balance_key:
+                    values = t.column(cfg.balance_key).to_pylist()
+                    codes = {v: i for i, v in enumerate(sorted({str(v) for v in values}))}
+                    balance = np.asarray([codes[str(v)] for v in values], np.int64)
+                clusters = cfg.clusters
+                if clusters is not None:
+                    clusters = [max(1, min(k, n)) for k in clusters]
+                elif n < 8:
+                    clusters = [1]
+                selection = sampling.balanced_sample(
+                    x, size=size, fraction=fraction, n_clusters=clusters, mode=cfg.mode, balance_key=balance, seed=cfg.seed
+                )
+                selected = np.zeros(n, bool)
+                selected[selection.indices] = True
+                ids = selection.cluster_ids.tolist()
+                levels = selection.hierarchy.n_levels
+            decisions = pa.table(
+                {
+                    "source": t.column("source"),
+                    "key": t.column("key"),
+                    "shard_id": t.column("shard_id"),
+                    "cluster_ids": pa.array(ids, pa.list_(pa.int32())),
+                    "selected": pa.array(selected, pa.bool_()),
+                }
+            )
+            write_parquet_atomic(self.fs, join(self.root, SAMPLE_FILE), decisions, row_group_size=10_000)
+            kept = int(selected.sum())
+            self.log(f"[sample] {n} after dedup, {kept} selected, {n - kept} unsampled ({levels} cluster levels)")
+            return {"inputs": n, "selected": kept, "unsampled": n - kept, "levels": levels}
+        finally:
+            survivors.close()
+
+    # --- phase 4: write ------------------------------------------------------------------------------------------
+
+    def _write(self) -> dict:
+        decisions = pq.read_table(join(self.root, SAMPLE_FILE), filesystem=self.fs)
+        chosen = decisions.filter(decisions.column("selected"))
+        # global order: input shard, then source; output shard k takes rows [k * R, (k + 1) * R)
+        order = np.lexsort((np.asarray(chosen.column("source").to_pylist(), object), np.asarray(chosen.column("shard_id").to_pylist(), object)))
+        chosen = chosen.take(pa.array(order, pa.int64()))
+        rows = self.cfg.write.rows_per_shard
+        n_out = (chosen.num_rows + rows - 1) // rows
+        records = {r["shard_id"]: r for r in committed_records(self.out_uri)}
+        cfg_json = self.cfg.model_dump_json()
+        delete_quietly(self.fs, join(self.root, SHARDS_DIR))
+        delete_quietly(self.fs, join(self.root, FINAL_LEDGER_DIR))
+        futures = []
+        for k in range(n_out):
+            part = chosen.slice(k * rows, rows)
+            shard_ids = sorted(set(part.column("shard_id").to_pylist()))
+            files = [f for s in shard_ids for f in records[s]["scored_files"]]
+            wanted = {s: c for s, c in zip(part.column("source").to_pylist(), part.column("cluster_ids").to_pylist())}
+            futures.append(_write_final_shard.remote(self.out_uri, f"{SHARDS_DIR}/part-{k:05d}.parquet", files, wanted, cfg_json))
+        shards = ray.get(futures)
+        funnel = self._write_final_ledger(records)
+        manifest = {
+            "schema_version": schema.SCHEMA_VERSION,
+            "config_hash": self.cfg.results_hash(),
+            "settings_hash": self.cfg.phase_hash("write"),
+            "embedding_model": self.cfg.models.embedding.name,
+            "shards": shards,
+            "totals": {"shards": len(shards), "rows": sum(s["rows"] for s in shards), "bytes": sum(s["bytes"] for s in shards)},
+            "funnel": funnel,
+        }
+        write_json_atomic(self.fs, join(self.root, SHARDS_DIR, "manifest.json"), manifest)
+        self.log(f"[write] {manifest['totals']['rows']} images in {len(shards)} shards ({manifest['totals']['bytes']} bytes)")
+        return manifest["totals"]
+
+    def _write_final_ledger(self, records: dict[str, dict]) -> dict:
+        """The phase-1 ledger with dedup and sample fates applied, one file per input shard; returns the funnel."""
+        dups = pq.read_table(join(self.root, DEDUP_FILE), filesystem=self.fs).to_pylist()
+        dup_by_source = {d["source"]: d for d in dups}
+        sample_rows = pq.read_table(join(self.root, SAMPLE_FILE), filesystem=self.fs).to_pylist()
+        sample_by_source = {d["source"]: d for d in sample_rows}
+        ledger_schema = schema.with_metadata(schema.ledger_schema(), table="final_ledger", config_hash=self.cfg.results_hash())
+        funnel: Counter = Counter()
+        for shard_id in sorted(records):
+            parts = [pq.read_table(join(self.root, f), filesystem=self.fs) for f in records[shard_id]["ledger_files"]]
+            rows = sorted(pa.concat_tables(parts).to_pylist(), key=lambda r: r["source"])
+            for row in rows:
+                if row["status"] == schema.KEPT:
+                    dup, sample = dup_by_source.get(row["source"]), sample_by_source.get(row["source"])
+                    if dup:
+                        row.update(status=schema.DUPLICATE, stage="dedup", duplicate_of=dup["duplicate_of"],
+                                   duplicate_signal=dup["duplicate_signal"],
+                                   reason=f"duplicate: near-duplicate of {dup['duplicate_of']} by {dup['duplicate_signal']}")
+                    elif sample and not sample["selected"]:
+                        row.update(status=schema.UNSAMPLED, stage="sample", cluster_ids=sample["cluster_ids"],
+                                   reason=f"unsampled: cluster {sample['cluster_ids']} was over its share of the target")
+                    else:
+                        row.update(stage="write", cluster_ids=sample["cluster_ids"] if sample else None)
+                phase = row["stage"] if row["stage"] in GLOBAL_PHASES else "score"
+                funnel[f"{phase}/{row['stage']}/{row['status']}/{(row['reason'] or '').split(':', 1)[0]}"] += 1
+            table = pa.Table.from_pylist(rows, schema=ledger_schema)
+            write_parquet_atomic(self.fs, join(self.root, FINAL_LEDGER_DIR, f"{shard_id}.parquet"), table,
+                                 row_group_size=self.cfg.output.row_group_size, compression=self.cfg.output.compression)
+        return dict(sorted(funnel.items()))
+
+
+@ray.remote(num_cpus=0.5)
+def _write_final_shard(out_uri: str, path: str, files: list[str], wanted: dict[str, list[int]], cfg_json: str) -> dict:
+    """One final shard: the wanted rows of the given scored files, in (shard_id, source) order, with cluster ids."""
+    cfg = CurateConfig.model_validate_json(cfg_json)
+    fs, root = resolve(out_uri)
+    dim = cfg.embedding_dim if cfg.write.include_embedding else None
+    target = schema.with_metadata(
+        schema.curated_schema(dim), table="curated", config_hash=cfg.results_hash(),
+        extra={"embedding_model": cfg.models.embedding.name, "embedding_dim": cfg.embedding_dim},
+    )
+    pieces = []
+    for f in files:
+        t = pq.read_table(join(root, f), filesystem=fs)
+        t = t.filter(pc.is_in(t.column("source"), pa.array(sorted(wanted), pa.string())))
+        pieces.append(t)
+    table = pa.concat_tables(pieces)
+    order = np.lexsort((np.asarray(table.column("source").to_pylist(), object), np.asarray(table.column("shard_id").to_pylist(), object)))
+    table = table.take(pa.array(order, pa.int64()))
+    table = table.append_column("cluster_ids", pa.array([wanted[s] for s in table.column("source").to_pylist()], pa.list_(pa.int32())))
+    table = table.select(target.names).cast(target)
+    sha = write_parquet_atomic(fs, join(root, path), table, row_group_size=cfg.output.row_group_size, compression=cfg.output.compression)
+    size = fs.get_file_info(join(root, path)).size
+    return {"file": path.rsplit("/", 1)[-1], "rows": table.num_rows, "bytes": size, "sha256": sha}
