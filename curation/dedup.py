@@ -55,8 +55,8 @@ def as_hashes(hashes: np.ndarray) -> np.ndarray:
 #
 # Why own code: faiss's binary hash indexes (IndexBinaryMultiHash with nflip) implement the same multi-index
 # hashing, but probe a std::unordered_map per query and flip: on 200k random hashes at radius 8 (3 tables of 21
-# bits, nflip=2) they took 5.4 s on this 2-core machine against 1.1 s for the vectorised band scan below (dense
-# band tables, every flip mask applied to all bucket keys at once); 1M hashes take about 9 s here. The plain
+# bits, nflip=2) they took 5-11 s on this 2-core machine against 1.1-1.2 s for the vectorised band scan below
+# (dense band tables, every flip mask applied to all bucket keys at once); 1M hashes take 9-10 s here. The plain
 # pigeonhole split into r+1 bands does not scale either: 7-bit bands put N/128 hashes in every bucket (4e9
 # comparisons per band at 1M).
 # ---------------------------------------------------------------------------------------------------------------

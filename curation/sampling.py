@@ -85,7 +85,11 @@ def _closest_per_cluster(assign: np.ndarray, dist: np.ndarray, r: int) -> np.nda
 def _fit_level(
     x: np.ndarray, k: int, *, seed: int, n_iter: int, resample_steps: int, resample_size: int, mpc: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One level: k-means, then ``resample_steps`` refits on the points closest to each centroid."""
+    """One level: k-means, then ``resample_steps`` refits on the points closest to each centroid.
+
+    Each refit starts afresh (k-means++ on the subset, as the paper's code does): started from the current
+    centroids it stays in the same local optimum and the resampling changes little.
+    """
     centroids = _kmeans(x, k, seed, n_iter, mpc)
     assign, dist = _assign(x, centroids)
     for step in range(resample_steps):
@@ -266,7 +270,7 @@ def target_size(n: int, size: int | None = None, fraction: float | None = None) 
     if fraction is not None:
         if not 0 < fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-        return int(round(fraction * n))
+        return min(n, int(np.floor(fraction * n + 0.5)))  # half rounds up (Python's round() goes to even)
     if size < 0:
         raise ValueError(f"size must be >= 0, got {size}")
     return min(int(size), n)
