@@ -125,7 +125,7 @@ class EmbeddingModelSettings(Strict):
 
 
 class PhashSettings(Strict):
-    draft_side: int = Field(256, ge=32)  # decode JPEGs at about this size before hashing
+    draft_side: int = Field(192, ge=32)  # decode JPEGs at about this size before hashing (hash within 2 bits)
 
 
 class ModelSettings(Strict):
@@ -160,6 +160,7 @@ class DedupSettings(Strict):
     # then larger resolution, then smaller key
     keep_score: list[str] = ["aesthetic", "quality"]
     memory_budget_mb: int = Field(2048, ge=1)  # embeddings beyond this are memory-mapped from local scratch
+    distribute_above: int = Field(500_000, ge=0)  # more survivors than this: pair search runs as Ray tasks
 
 
 class SampleSettings(Strict):

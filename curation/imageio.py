@@ -49,20 +49,25 @@ def open_image(data: bytes) -> Image.Image:
         return _pil_open(io.BytesIO(data))
 
 
-def decode(data: bytes, max_side: int | None = None, mode: str = "RGB") -> np.ndarray:
-    """Decode, apply EXIF orientation, normalise to ``mode``; downscale so the longer side is <= ``max_side``.
-
-    Returns an HxW(x3) uint8 array. With ``max_side`` set, JPEGs are decoded in draft mode at the smallest
-    scale that is still at least ``max_side`` on the longer side.
-    """
+def open_reduced(data: bytes, max_side: int | None = None, mode: str = "RGB") -> Image.Image:
+    """Decode to a PIL image in ``mode``, EXIF-oriented; JPEGs in draft mode at the smallest libjpeg scale that keeps
+    the longer side at least ``max_side`` (no resampling beyond that: callers that need an exact size resize)."""
     img = open_image(data)
     if max_side is not None and img.format == "JPEG":
         w, h = img.size
         scale = max(w, h) / max_side
         if scale >= 2:
             img.draft(mode if img.mode in ("RGB", "L") else None, (int(w / scale) + 1, int(h / scale) + 1))
-    img = ImageOps.exif_transpose(img)
-    img = _to_mode(img, mode)
+    return _to_mode(ImageOps.exif_transpose(img), mode)
+
+
+def decode(data: bytes, max_side: int | None = None, mode: str = "RGB") -> np.ndarray:
+    """Decode, apply EXIF orientation, normalise to ``mode``; downscale so the longer side is <= ``max_side``.
+
+    Returns an HxW(x3) uint8 array. With ``max_side`` set, JPEGs are decoded in draft mode at the smallest scale
+    that is still at least ``max_side`` on the longer side.
+    """
+    img = open_reduced(data, max_side, mode)
     if max_side is not None and max(img.size) > max_side:
         w, h = img.size
         s = max_side / max(w, h)

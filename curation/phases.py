@@ -114,6 +114,39 @@ def load_survivors(out_uri: str, cfg: CurateConfig) -> Survivors:
     return Survivors(table.take(pa.array(order)), embedding[:at][order], scratch)
 
 
+@ray.remote(num_cpus=1)
+def _band_task(unique: np.ndarray, plan: dd.BandPlan, task: dd.HashTask) -> tuple[np.ndarray, ...]:
+    return dd.band_pairs(unique, plan, task.band_index, (task.mask_start, task.mask_stop))
+
+
+@ray.remote(num_cpus=1)
+def _ivf_task(x: np.ndarray, part: dd.IvfPartition, lists: range, k: int, threshold: float) -> tuple[np.ndarray, ...]:
+    return dd.ivf_block_pairs(x, part, lists, k, threshold)
+
+
+def phash_pairs_on_ray(hashes: np.ndarray, radius: int, splits_per_band: int = 8) -> dd.HashPairs:
+    """``dd.phash_pairs`` with each band's masks spread over Ray tasks (the distinct hashes shipped once)."""
+    groups = dd.collapse_exact(hashes)
+    if radius == 0 or groups.unique.size < 2:
+        empty = np.empty(0, np.int64)
+        return dd.pairs_from_unique(groups, empty, empty, np.empty(0, np.uint8))
+    plan = dd.plan_bands(groups.unique.size, radius)
+    unique = ray.put(groups.unique)
+    results = ray.get([_band_task.remote(unique, plan, t) for t in plan.tasks(splits_per_band)])
+    u, v, d = (np.concatenate(parts) for parts in zip(*results))
+    return dd.pairs_from_unique(groups, u, v, d)
+
+
+def embedding_pairs_on_ray(x: np.ndarray, threshold: float, k: int, lists_per_task: int = 64, seed: int = 0) -> dd.EmbeddingPairs:
+    """The inverted-file path of ``dd.embedding_pairs`` with ranges of lists spread over Ray tasks."""
+    part = dd.build_ivf_partition(x, None, 2, seed=seed)
+    x_ref = ray.put(np.ascontiguousarray(x, dtype=np.float32))
+    ranges = [range(a, min(a + lists_per_task, part.nlist)) for a in range(0, part.nlist, lists_per_task)]
+    results = ray.get([_ivf_task.remote(x_ref, part, r, k, threshold) for r in ranges])
+    i, j, sim = (np.concatenate(parts) for parts in zip(*results))
+    return dd.unique_embedding_pairs(i, j, sim, x.shape[0], "ivf-ray")
+
+
 def _first_score(table: pa.Table, columns: list[str]) -> np.ndarray:
     score = np.full(table.num_rows, np.nan)
     for name in reversed(columns):  # earlier columns win where set
@@ -165,12 +198,19 @@ class GlobalPhases:
         try:
             t, n = survivors.table, survivors.table.num_rows
             pairs: dict[str, object] = {}
+            distribute = n > cfg.distribute_above
             if "phash" in cfg.signals and n:
-                hashes = t.column("phash").to_numpy(zero_copy_only=False)
-                pairs["phash"] = dd.phash_pairs(hashes.astype(np.uint64), cfg.phash_radius, threads=os.cpu_count() or 1)
+                hashes = t.column("phash").to_numpy(zero_copy_only=False).astype(np.uint64)
+                pairs["phash"] = (
+                    phash_pairs_on_ray(hashes, cfg.phash_radius)
+                    if distribute
+                    else dd.phash_pairs(hashes, cfg.phash_radius, threads=os.cpu_count() or 1)
+                )
             if "embedding" in cfg.signals and n:
-                pairs["embedding"] = dd.embedding_pairs(
-                    survivors.embedding, cfg.embedding_threshold, cfg.embedding_k, flat_max=cfg.flat_max
+                pairs["embedding"] = (
+                    embedding_pairs_on_ray(survivors.embedding, cfg.embedding_threshold, cfg.embedding_k)
+                    if distribute and n > cfg.flat_max
+                    else dd.embedding_pairs(survivors.embedding, cfg.embedding_threshold, cfg.embedding_k, flat_max=cfg.flat_max)
                 )
             result = dd.resolve_duplicates(
                 n,

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -164,3 +165,61 @@ def test_parquet_and_webdataset_pools_give_the_same_decode_fates(fmt, ray_local,
         else:
             assert row["status"] == schema.KEPT and row["key"] == folder["key"], name
             assert folder["phash"] is None or row["phash"] == folder["phash"], name
+
+
+def test_near_duplicate_variants_collapse_to_the_best_one(ledger, manifest):
+    groups: dict[str, list[dict]] = {}
+    for source, entry in manifest.items():
+        if entry["category"] == "people" and entry["variant"] in ("original", "q40", "resize", "exact_copy"):
+            row = ledger[source]
+            if row["status"] in SURVIVED_SCORING:
+                groups.setdefault(entry["origin"], []).append(row)
+    assert len(groups) >= 3
+    for origin, rows in groups.items():
+        survivors = [r for r in rows if r["status"] != schema.DUPLICATE]
+        assert len(survivors) == 1, (origin, [(r["source"], r["status"]) for r in rows])
+        best = survivors[0]
+        for dup in (r for r in rows if r["status"] == schema.DUPLICATE):
+            assert dup["duplicate_of"] == best["key"] and dup["duplicate_signal"] in ("phash", "embedding")
+            assert dup["stage"] == "dedup" and best["key"] in dup["reason"]
+            # keep rule: highest quality, then larger resolution
+            assert (best["quality"], best["width"] * best["height"]) >= (dup["quality"], dup["width"] * dup["height"])
+
+
+def test_unsampled_rows_name_their_clusters(ledger):
+    unsampled = [r for r in ledger.values() if r["status"] == schema.UNSAMPLED]
+    kept = [r for r in ledger.values() if r["status"] == schema.KEPT]
+    assert unsampled and all(r["cluster_ids"] and r["stage"] == "sample" for r in unsampled)
+    assert all(r["cluster_ids"] for r in kept)
+    assert len(kept) == math.floor(0.8 * (len(unsampled) + len(kept)) + 0.5)  # sample.target_fraction of lite.yaml
+
+
+def test_manifest_describes_the_final_shards(curated, ledger):
+    manifest = json.loads((curated / "shards" / "manifest.json").read_text())
+    assert manifest["schema_version"] == schema.SCHEMA_VERSION
+    assert manifest["totals"]["rows"] == sum(r["status"] == schema.KEPT for r in ledger.values())
+    assert sum(manifest["funnel"].values()) == len(ledger)
+    for shard in manifest["shards"]:
+        data = (curated / "shards" / shard["file"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == shard["sha256"] and len(data) == shard["bytes"]
+        table = pq.read_table(curated / "shards" / shard["file"])
+        assert table.num_rows == shard["rows"]
+        assert table.schema.equals(schema.curated_schema(None))
+        for row in table.to_pylist():
+            assert hashlib.sha256(row["image"]["bytes"]).hexdigest() == row["key"]
+            assert ledger[row["source"]]["status"] == schema.KEPT and row["cluster_ids"]
+
+
+def test_rewriting_gives_byte_identical_shards_and_manifest(curated, sample_pool, repo_root):
+    before = {p.name: p.read_bytes() for p in (curated / "shards").iterdir()}
+    (curated / "_state" / "write.done.json").unlink()
+    args = ["--config", str(repo_root / LITE), "--input", str(sample_pool), "--output", str(curated), "--phases", "write"]
+    assert curate.main(args) == 0
+    assert {p.name: p.read_bytes() for p in (curated / "shards").iterdir()} == before
+
+
+def test_global_phases_refuse_to_run_out_of_order(tmp_path, sample_pool, repo_root, capsys):
+    out = tmp_path / "fresh"
+    args = ["--config", str(repo_root / LITE), "--input", str(sample_pool), "--output", str(out), "--phases", "sample"]
+    assert curate.main(args) == 2
+    assert "needs phase dedup" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
 The hash only looks at a 32x32 grayscale thumbnail, so decoding the full image is wasted work: the JPEG is
 decoded in draft mode (libjpeg's 1/2..1/8 scaled IDCT, straight to grayscale) to about
-``cfg.models.phash.draft_side`` on the long side, EXIF-oriented, and hashed from there. On the package photos
+``cfg.models.phash.draft_side`` or more on the long side, EXIF-oriented, and hashed from there. On the package photos
 this stays within a couple of bits of the hash of the full decode at a fraction of the cost.
 
 Bit order of the stored ``uint64``: the 8x8 boolean hash (row-major, row 0 = lowest vertical frequencies) read
@@ -14,8 +14,9 @@ most significant bit first, exactly the order of ``str(imagehash.ImageHash)``. S
 from __future__ import annotations
 
 import numpy as np
+from PIL import Image
 
-from curation.imageio import decode
+from curation.imageio import open_reduced
 from curation.stage import Row, Stage, Update
 
 
@@ -24,12 +25,11 @@ def hash_to_int(hash_bits: np.ndarray) -> int:
     return int.from_bytes(np.packbits(np.asarray(hash_bits, dtype=bool).ravel()).tobytes(), "big")
 
 
-def phash_of(gray: np.ndarray) -> int:
-    """pHash of a decoded uint8 image (grayscale, or RGB converted as PIL does) as a uint64-ranged int."""
+def phash_of(image: np.ndarray | Image.Image) -> int:
+    """pHash of a decoded image (uint8 array or PIL image; RGB converted as PIL does) as a uint64-ranged int."""
     import imagehash
-    from PIL import Image
 
-    return hash_to_int(imagehash.phash(Image.fromarray(gray)).hash)
+    return hash_to_int(imagehash.phash(image if isinstance(image, Image.Image) else Image.fromarray(image)).hash)
 
 
 def hamming(a: int, b: int) -> int:
@@ -47,4 +47,5 @@ class PhashStage(Stage):
 
     def process_batch(self, rows: list[Row]) -> list[Update]:
         side = self.cfg.models.phash.draft_side
-        return [{"phash": phash_of(decode(row["image"]["bytes"], max_side=side, mode="L"))} for row in rows]
+        # imagehash resamples to 32x32 itself: hand it the draft decode as is, without a resize in between
+        return [{"phash": phash_of(open_reduced(row["image"]["bytes"], max_side=side, mode="L"))} for row in rows]
