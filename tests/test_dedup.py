@@ -278,11 +278,12 @@ def test_resolve_without_pairs_keeps_everything():
 
 def _photos() -> dict[str, Image.Image]:
     import matplotlib
-    import ultralytics
     from skimage import data
     from sklearn.datasets import load_sample_image
 
-    assets = pathlib.Path(ultralytics.__file__).parent / "assets"
+    from curation.sample_pool import ultralytics_assets
+
+    assets = ultralytics_assets()
     out = {n: Image.fromarray(getattr(data, n)()).convert("RGB") for n in ("astronaut", "camera", "chelsea")}
     out["bus"] = Image.open(assets / "bus.jpg").convert("RGB")
     out["zidane"] = Image.open(assets / "zidane.jpg").convert("RGB")

@@ -1,0 +1,255 @@
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from pretrain.backbone import (
+    CARD,
+    SIZES,
+    Attention,
+    BackboneConfig,
+    Sapiens2Backbone,
+    build,
+    count_params,
+    flops,
+    grid_coords,
+    rope_tables,
+)
+
+TINY = SIZES["tiny"]
+
+
+def _model(cfg: BackboneConfig, seed: int = 0) -> Sapiens2Backbone:
+    torch.manual_seed(seed)
+    model = Sapiens2Backbone(cfg).eval()
+    with torch.no_grad():  # layer scales of 1.0 so that every block visibly shapes the output
+        for blk in model.blocks:
+            blk.ls1.fill_(1.0)
+            blk.ls2.fill_(1.0)
+    return model
+
+
+def _outputs(out) -> torch.Tensor:
+    return torch.cat([out.cls[:, None], out.registers, out.patches], dim=1)
+
+
+def _perturb_outside(images: torch.Tensor, keep: torch.Tensor, patch: int) -> torch.Tensor:
+    """Replace every patch not listed in keep with fresh noise."""
+    B, _, H, W = images.shape
+    gw = W // patch
+    kept = torch.zeros(B, (H // patch) * gw, dtype=torch.bool).scatter_(1, keep, True)
+    kept = kept.view(B, 1, H // patch, 1, gw, 1).expand(-1, 3, -1, patch, -1, patch).reshape(B, 3, H, W)
+    return torch.where(kept, images, torch.randn_like(images) * 5)
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_every_size_shapes_on_meta(name):
+    cfg = SIZES[name]
+    model = build(cfg, "meta")
+    H, W = (4096, 3072) if cfg.window else (1024, 768)
+    out = model(torch.empty(2, 3, H, W, device="meta"))
+    assert model.patch_grid(H, W) == (H // 16, W // 16)
+    assert out.grid == model.token_grid(H, W) == (64, 48)  # 4K: 256x192 patches pooled to 64x48 tokens
+    assert out.cls.shape == (2, cfg.width)
+    assert out.registers.shape == (2, 8, cfg.width)
+    assert out.patches.shape == (2, 64 * 48, cfg.width)
+    assert out.keep is None
+    if not cfg.window:  # the masked path: only the visible quarter of the patches
+        keep = torch.empty(2, 768, dtype=torch.long, device="meta")
+        assert model(torch.empty(2, 3, H, W, device="meta"), keep).patches.shape == (2, 768, cfg.width)
+
+
+@pytest.mark.parametrize("name", sorted(CARD))
+def test_parameter_counts_match_the_card(name):
+    n = count_params(name)
+    assert abs(n / CARD[name][0] - 1) < 0.01, (name, n)
+    # the 4K variant only adds the pooling offset
+    assert count_params(f"{name}-4k") == n + SIZES[name].width
+
+
+def test_flops_match_the_card_for_5b_and_stay_close_for_the_rest():
+    assert abs(flops("5b") / CARD["5b"][1] - 1) < 0.03
+    for name, (_, card) in CARD.items():
+        assert abs(flops(name) / card - 1) < 0.06, name
+    assert flops("5b", attention=True) > 1.15 * flops("5b")
+
+
+@pytest.mark.parametrize("name,H,W,visible", [("tiny-gqa", 1024, 768, 1.0), ("tiny-4k", 512, 384, 1.0), ("0.4b", 1024, 768, 0.25)])
+def test_flops_equal_torch_flop_counter(name, H, W, visible):
+    """The analytic count equals torch's own counter (2 FLOPs per multiply-add, attention included), on the meta
+    device, where attention runs as plain matmuls that the counter sees."""
+    model = build(name, "meta")
+    gh, gw = model.token_grid(H, W)
+    keep = torch.arange(round(visible * gh * gw), device="meta")[None] if visible < 1 else None
+    with FlopCounterMode(display=False) as counter:
+        model(torch.zeros(1, 3, H, W, device="meta"), keep)
+    assert counter.get_total_flops() == 2 * flops(name, H, W, visible=visible, attention=True)
+
+
+def test_gqa_exactly_in_the_middle_blocks():
+    for name in ["tiny-gqa", "0.4b", "5b"]:
+        cfg = SIZES[name]
+        model = build(cfg, "meta")
+        kv = [blk.attn.qkv.out_features // cfg.head_dim - cfg.heads for blk in model.blocks]
+        kv = [k // 2 for k in kv]  # qkv rows = heads + 2 * kv_heads
+        expected = [cfg.heads // 2 if 8 <= i < cfg.depth - 8 else cfg.heads for i in range(cfg.depth)]
+        assert kv == expected, name
+    assert all(blk.attn.kv_heads == 12 for blk in build("0.1b", "meta").blocks)  # depth 12: none
+
+
+def test_rope_rotates_patches_only_and_by_axis():
+    coords = grid_coords(4, 6)
+    cos, sin = rope_tables(coords, head_dim=16, base=100.0, prefix=9, dtype=torch.float32)
+    assert cos.shape == sin.shape == (1, 9 + 24, 16)
+    assert torch.equal(cos[:, :9], torch.ones(1, 9, 16)) and torch.equal(sin[:, :9], torch.zeros(1, 9, 16))
+    patch_sin = sin[0, 9:].view(4, 6, 16)
+    row_dims = [0, 1, 2, 3, 8, 9, 10, 11]  # half the dims (paired i, i + 8) follow the row, half the column
+    col_dims = [4, 5, 6, 7, 12, 13, 14, 15]
+    assert torch.allclose(patch_sin[:, :1, row_dims], patch_sin[:, :, row_dims])  # constant along a row
+    assert torch.allclose(patch_sin[:1, :, col_dims], patch_sin[:, :, col_dims])  # constant along a column
+    assert not torch.allclose(patch_sin[:1, :, row_dims], patch_sin[:, :, row_dims])
+    assert not torch.allclose(patch_sin[:, :1, col_dims], patch_sin[:, :, col_dims])
+
+
+def test_rope_makes_attention_depend_on_relative_position_only():
+    cfg = SIZES["tiny-gqa"]
+    torch.manual_seed(0)
+    attn = Attention(cfg, kv_heads=2)
+    x = torch.randn(2, 10, cfg.width)
+    coords = grid_coords(16, 16)
+    pos = torch.randint(0, 12, (10, 2))  # (row, col) of 10 tokens on a 16x16 grid
+
+    def run(p: torch.Tensor) -> torch.Tensor:
+        rope = rope_tables(coords[p[:, 0] * 16 + p[:, 1]], cfg.head_dim, cfg.rope_base, 0, x.dtype)
+        return attn(x, rope)
+
+    base = run(pos)
+    assert torch.allclose(run(pos + torch.tensor([3, 2])), base, atol=1e-5)  # shift all together: same
+    moved_row, moved_col = pos.clone(), pos.clone()
+    moved_row[0, 0] += 3
+    moved_col[0, 1] += 3
+    assert not torch.allclose(run(moved_row), base, atol=1e-3)  # one token moves along a column
+    assert not torch.allclose(run(moved_col), base, atol=1e-3)  # one token moves along a row
+
+
+def test_encoder_sees_only_the_kept_patches():
+    model = _model(TINY)
+    torch.manual_seed(1)
+    images = torch.randn(2, 3, 96, 64)  # 6x4 grid
+    keep = torch.stack([torch.randperm(24)[:6] for _ in range(2)])
+    with torch.no_grad():
+        out = model(images, keep)
+        other = model(_perturb_outside(images, keep, 16), keep)
+        full, all_kept = model(images), model(images, torch.arange(24).expand(2, -1))
+        changed_kept = images.clone()
+        r, c = divmod(int(keep[0, 0]), 4)
+        changed_kept[0, :, r * 16 : (r + 1) * 16, c * 16 : (c + 1) * 16] += 1.0
+        changed = model(changed_kept, keep)
+    assert out.patches.shape == (2, 6, TINY.width) and torch.equal(out.keep, keep) and out.grid == (6, 4)
+    assert torch.allclose(_outputs(out), _outputs(other), atol=1e-5)
+    assert not torch.allclose(out.cls, full.cls, atol=1e-3)
+    assert torch.allclose(_outputs(full), _outputs(all_kept), atol=1e-5)
+    assert not torch.allclose(changed.cls[0], out.cls[0], atol=1e-4)  # a kept patch does matter
+    # each kept token is processed at its own grid position, whatever the order of keep
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    with torch.no_grad():
+        permuted = model(images, keep[:, perm])
+    assert torch.allclose(permuted.patches, out.patches[:, perm], atol=1e-5)
+    assert torch.allclose(permuted.cls, out.cls, atol=1e-5)
+
+
+def test_4k_one_window_over_the_whole_grid_equals_a_global_stage():
+    """Window = whole grid, no registers: the pooled window token is the [CLS] token of a plain global model."""
+    local = BackboneConfig(width=64, depth=2, heads=4, num_registers=0, window=4, local_depth=2)
+    plain = dataclasses.replace(local, window=None, local_depth=0)
+    model4k, model = _model(local), _model(plain, seed=1)
+    model.load_state_dict({k: v for k, v in model4k.state_dict().items() if k != "window_query"})
+    images = torch.randn(2, 3, 64, 64)  # 4x4 patches = one 4x4 window
+    with torch.no_grad():
+        out4k, out = model4k(images), model(images)
+    assert out4k.grid == (1, 1) and out4k.patches.shape == (2, 1, 64)
+    assert torch.allclose(out4k.patches[:, 0], out.cls, atol=1e-5)
+
+
+def test_4k_dropped_windows_and_masked_patches_do_not_reach_the_output():
+    cfg = SIZES["tiny-4k"]  # 4x4 windows
+    model = _model(cfg)
+    torch.manual_seed(2)
+    images = torch.randn(2, 3, 128, 128)  # 8x8 patches = 2x2 windows
+    # image 0: window 0 whole + one patch of window 3; image 1: windows 1 and 2 partly
+    keep = torch.tensor([[0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 63],
+                         [4, 5, 12, 13, 32, 33, 40, 41, 48, 49, 56, 57, 6, 7, 14, 15]])
+    with torch.no_grad():
+        out = model(images, keep)
+        other = model(_perturb_outside(images, keep, 16), keep)
+        full = model(images)
+    assert out.grid == (2, 2) and out.keep.tolist() == [[0, 3], [1, 2]]
+    assert out.patches.shape == (2, 2, cfg.width)
+    assert torch.allclose(_outputs(out), _outputs(other), atol=1e-5)
+    changed = images.clone()
+    changed[0, :, 112:, 112:] += 1.0  # patch 63, the one visible patch of window 3
+    with torch.no_grad():
+        assert not torch.allclose(model(changed, keep).patches[0, 1], out.patches[0, 1], atol=1e-4)
+    assert not torch.allclose(out.cls, full.cls, atol=1e-3)  # full has all four windows
+    uneven = torch.tensor([[0, 1], [0, 63]])  # one window vs two
+    with pytest.raises(ValueError, match="same number of visible windows"):
+        model(images, uneven)
+
+
+def test_bf16_forward_at_1024x768_stays_finite_and_close_to_fp32():
+    model = _model(TINY)
+    images = torch.randn(1, 3, 1024, 768)
+    with torch.no_grad():
+        ref = model(images).patches
+        out = model.to(torch.bfloat16)(images.to(torch.bfloat16)).patches
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert (out.float() - ref).norm() / ref.norm() < 0.05
+
+
+def test_no_weight_decay_names():
+    model = _model(SIZES["tiny-4k"])
+    names = model.no_weight_decay()
+    assert {"cls_token", "registers", "window_query", "norm.weight", "patch_embed.bias"} <= names
+    assert {"blocks.0.ls1", "blocks.0.ls2", "blocks.0.attn.q_norm.weight", "blocks.0.attn.qkv.bias"} <= names
+    assert not any(n.endswith(".weight") and n.split(".")[-2] in ("qkv", "proj", "w12", "w3") for n in names)
+    assert "patch_embed.weight" not in names
+
+
+def test_meta_build_materialises_with_init_weights():
+    model = build(TINY, "meta")
+    model.to_empty(device="cpu")
+    model.init_weights()
+    out = model(torch.randn(1, 3, 64, 64))
+    assert torch.isfinite(out.cls).all()
+    assert torch.equal(model.blocks[0].ls1, torch.full((64,), TINY.layer_scale_init))
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    images, keep = torch.randn(2, 3, 64, 64), torch.tensor([[0, 5, 9, 15], [1, 2, 3, 4]])
+    grads = []
+    for flag in (False, True):
+        model = _model(TINY).train()
+        model.activation_checkpointing = flag
+        model(images, keep).patches.square().mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_tiny_model_learns_a_toy_regression():
+    """[CLS] regresses the mean colour of the visible patches (needs attention over the patches)."""
+    torch.manual_seed(0)
+    model = Sapiens2Backbone(TINY).train()
+    head = torch.nn.Linear(TINY.width, 3)
+    opt = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=3e-3)
+    losses = []
+    for _ in range(40):
+        images = torch.randn(16, 3, 64, 64) * 0.5 + torch.randn(16, 3, 1, 1)
+        keep = torch.rand(16, 16).argsort(1)[:, :8]
+        target = images.mean((2, 3))
+        loss = torch.nn.functional.mse_loss(head(model(images, keep).cls), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < 0.3 * sum(losses[:5]) / 5
