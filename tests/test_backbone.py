@@ -54,7 +54,7 @@ def test_every_size_shapes_on_meta(name):
     assert out.cls.shape == (2, cfg.width)
     assert out.registers.shape == (2, 8, cfg.width)
     assert out.patches.shape == (2, 64 * 48, cfg.width)
-    assert out.keep is None
+    assert out.keep is None and out.featmap().shape == (2, cfg.width, 64, 48)
     if not cfg.window:  # the masked path: only the visible quarter of the patches
         keep = torch.empty(2, 768, dtype=torch.long, device="meta")
         assert model(torch.empty(2, 3, H, W, device="meta"), keep).patches.shape == (2, 768, cfg.width)
@@ -75,7 +75,9 @@ def test_flops_match_the_card_for_5b_and_stay_close_for_the_rest():
     assert flops("5b", attention=True) > 1.15 * flops("5b")
 
 
-@pytest.mark.parametrize("name,H,W,visible", [("tiny-gqa", 1024, 768, 1.0), ("tiny-4k", 512, 384, 1.0), ("0.4b", 1024, 768, 0.25)])
+@pytest.mark.parametrize(
+    "name,H,W,visible", [("tiny-gqa", 1024, 768, 1.0), ("tiny-4k", 512, 384, 1.0), ("0.4b", 1024, 768, 0.25)]
+)
 def test_flops_equal_torch_flop_counter(name, H, W, visible):
     """The analytic count equals torch's own counter (2 FLOPs per multiply-add, attention included), on the meta
     device, where attention runs as plain matmuls that the counter sees."""
@@ -91,8 +93,8 @@ def test_gqa_exactly_in_the_middle_blocks():
     for name in ["tiny-gqa", "0.4b", "5b"]:
         cfg = SIZES[name]
         model = build(cfg, "meta")
-        kv = [blk.attn.qkv.out_features // cfg.head_dim - cfg.heads for blk in model.blocks]
-        kv = [k // 2 for k in kv]  # qkv rows = heads + 2 * kv_heads
+        # from the weights themselves: qkv has (heads + 2 * kv_heads) * head_dim rows
+        kv = [(blk.attn.qkv.out_features // cfg.head_dim - cfg.heads) // 2 for blk in model.blocks]
         expected = [cfg.heads // 2 if 8 <= i < cfg.depth - 8 else cfg.heads for i in range(cfg.depth)]
         assert kv == expected, name
     assert all(blk.attn.kv_heads == 12 for blk in build("0.1b", "meta").blocks)  # depth 12: none
@@ -147,6 +149,8 @@ def test_encoder_sees_only_the_kept_patches():
         changed_kept[0, :, r * 16 : (r + 1) * 16, c * 16 : (c + 1) * 16] += 1.0
         changed = model(changed_kept, keep)
     assert out.patches.shape == (2, 6, TINY.width) and torch.equal(out.keep, keep) and out.grid == (6, 4)
+    with pytest.raises(ValueError, match="no dense feature map"):
+        out.featmap()
     assert torch.allclose(_outputs(out), _outputs(other), atol=1e-5)
     assert not torch.allclose(out.cls, full.cls, atol=1e-3)
     assert torch.allclose(_outputs(full), _outputs(all_kept), atol=1e-5)
@@ -237,19 +241,18 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 
 def test_tiny_model_learns_a_toy_regression():
-    """[CLS] regresses the mean colour of the visible patches (needs attention over the patches)."""
+    """[CLS] regresses the mean colour of the image from half its patches (it must attend to them)."""
     torch.manual_seed(0)
     model = Sapiens2Backbone(TINY).train()
     head = torch.nn.Linear(TINY.width, 3)
     opt = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=3e-3)
     losses = []
-    for _ in range(40):
-        images = torch.randn(16, 3, 64, 64) * 0.5 + torch.randn(16, 3, 1, 1)
-        keep = torch.rand(16, 16).argsort(1)[:, :8]
-        target = images.mean((2, 3))
-        loss = torch.nn.functional.mse_loss(head(model(images, keep).cls), target)
+    for _ in range(30):
+        images = torch.randn(8, 3, 32, 48) * 0.5 + torch.randn(8, 3, 1, 1)  # 2x3 patches
+        keep = torch.rand(8, 6).argsort(1)[:, :3]
+        loss = torch.nn.functional.mse_loss(head(model(images, keep).cls), images.mean((2, 3)))
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    assert sum(losses[-5:]) / 5 < 0.3 * sum(losses[:5]) / 5
+    assert sum(losses[-5:]) / 5 < 0.4 * sum(losses[:5]) / 5

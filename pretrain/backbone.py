@@ -1,0 +1,359 @@
+"""Sapiens2-style ViT backbone, all sizes, plus the hierarchical 4K variant, in one file.
+
+Architecture (public model card and standalone backbone): 16x16 patch embedding; one [CLS] and
+`num_registers` register tokens; pre-norm blocks with RMSNorm, QK-Norm, 2D axial RoPE on the patch tokens,
+SwiGLU FFN (hidden = 4 x width, three width x hidden matrices), LayerScale on both branches; grouped-query
+attention (kv heads = heads / 2) only in the middle blocks [8, depth - 8); a final RMSNorm.
+
+Masked (MAE) training: `forward(images, keep)` runs the transformer on the visible patches only, each at its
+true grid position, so dropped patches cannot influence any output.
+
+4K variant (`window` set): the first `local_depth` blocks attend inside non-overlapping window x window
+windows of the patch grid. Each window carries one extra pooling token, initialised from the [CLS] token plus a
+learned offset, that attends over its window in those blocks; after the local stage that token is the window's
+single token, so the grid shrinks by `window` per side (4096x3072 -> 256x192 patches -> 64x48 tokens). The
+remaining blocks attend globally over [CLS, registers, window tokens] with RoPE at the reduced grid positions.
+Under masking the window is the unit at the global level: windows without a visible patch never enter the
+global stage, and masked patches inside a kept window are excluded from its attention as keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    width: int
+    depth: int
+    heads: int
+    kv_heads: int | None = None  # kv heads of the middle (GQA) blocks; None -> heads // 2
+    mhsa_edge: int = 8  # this many blocks at each end keep full multi-head attention
+    ffn_ratio: int = 4
+    patch_size: int = 16
+    in_chans: int = 3
+    num_registers: int = 8
+    layer_scale_init: float = 1e-4
+    rope_base: float = 100.0
+    norm_eps: float = 1e-6
+    qkv_bias: bool = True
+    window: int | None = None  # 4K variant: window side in patches (4 -> 4x4 windows)
+    local_depth: int = 0  # 4K variant: the first blocks that attend inside windows
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.width % self.heads or (self.width // self.heads) % 4:
+            raise ValueError("head dim must be a multiple of 4 (2D RoPE rotates pairs on two axes)")
+        if self.heads % self.gqa_kv_heads:
+            raise ValueError("kv_heads must divide heads")
+        if (self.window is None) != (self.local_depth == 0) or not 0 <= self.local_depth <= self.depth:
+            raise ValueError("the 4K variant needs both window and 0 < local_depth <= depth")
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+    @property
+    def hidden(self) -> int:
+        return self.ffn_ratio * self.width
+
+    @property
+    def gqa_kv_heads(self) -> int:
+        return self.kv_heads if self.kv_heads is not None else self.heads // 2
+
+    def block_kv_heads(self, index: int) -> int:
+        middle = self.mhsa_edge <= index < self.depth - self.mhsa_edge
+        return self.gqa_kv_heads if middle else self.heads
+
+
+_BASE = {
+    "tiny": BackboneConfig(width=64, depth=4, heads=4),
+    "tiny-gqa": BackboneConfig(width=32, depth=18, heads=4),  # GQA in blocks 8 and 9
+    "0.1b": BackboneConfig(width=768, depth=12, heads=12),  # depth 12: no middle blocks, no GQA
+    "0.4b": BackboneConfig(width=1024, depth=24, heads=16, kv_heads=8),
+    "0.8b": BackboneConfig(width=1280, depth=32, heads=16, kv_heads=8),
+    "1b": BackboneConfig(width=1536, depth=40, heads=24, kv_heads=12),
+    "5b": BackboneConfig(width=2432, depth=56, heads=32, kv_heads=16),
+}
+# 4K variants: 4x4 windows; as many local blocks as the public 4K backbones give their window stage
+# (there those are extra blocks in front; here they are the first blocks of `depth`).
+_LOCAL_DEPTH = {"tiny": 2, "0.1b": 2, "0.4b": 2, "0.8b": 3, "1b": 4, "5b": 6}
+SIZES: dict[str, BackboneConfig] = {
+    **_BASE,
+    **{f"{k}-4k": dataclasses.replace(_BASE[k], window=4, local_depth=d) for k, d in _LOCAL_DEPTH.items()},
+}
+# Public model card at 1024x768: (parameters, FLOPs).
+CARD: dict[str, tuple[float, float]] = {
+    "0.1b": (0.114e9, 0.342e12),
+    "0.4b": (0.398e9, 1.260e12),
+    "0.8b": (0.818e9, 2.592e12),
+    "1b": (1.462e9, 4.715e12),
+    "5b": (5.071e9, 15.722e12),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2D RoPE. Coordinates are patch centres normalised to [-1, 1] per axis, so a window token (the centre of its
+# patches) lands on the same coordinate in the reduced grid. Of each head's dims, one half rotates with the row
+# and the other half with the column; CLS / register / pooling tokens (the prefix) get the identity rotation.
+
+
+def grid_coords(gh: int, gw: int, device: torch.device | str | None = None) -> Tensor:
+    """[gh * gw, 2] (row, col) centre coordinates in [-1, 1], row-major."""
+    rows = (torch.arange(gh, device=device, dtype=torch.float32) + 0.5) * (2.0 / gh) - 1.0
+    cols = (torch.arange(gw, device=device, dtype=torch.float32) + 0.5) * (2.0 / gw) - 1.0
+    return torch.stack(torch.meshgrid(rows, cols, indexing="ij"), dim=-1).reshape(-1, 2)
+
+
+def rope_tables(
+    coords: Tensor, head_dim: int, base: float, prefix: int, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape [..., 1, prefix + n, head_dim] for coords [..., n, 2] (the 1 broadcasts over heads)."""
+    quarter = head_dim // 4
+    periods = base ** (torch.arange(quarter, device=coords.device, dtype=torch.float32) / quarter)
+    angles = (2 * math.pi) * coords.float()[..., None] / periods  # [..., n, 2, quarter]
+    angles = angles.flatten(-2)  # [..., n, head_dim / 2]: (row freqs, col freqs)
+    angles = torch.cat([angles, angles], dim=-1)  # dim i and i + head_dim / 2 share an angle
+    angles = F.pad(angles, (0, 0, prefix, 0))  # angle 0 = no rotation for the prefix tokens
+    return angles.cos().to(dtype).unsqueeze(-3), angles.sin().to(dtype).unsqueeze(-3)
+
+
+def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """Rotate dim i with dim i + head_dim / 2 (x: [B, heads, L, head_dim])."""
+    cos, sin = rope
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: BackboneConfig, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.width, (cfg.heads + 2 * kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        # QK-Norm bounds the logits, which keeps bf16 attention over thousands of tokens stable.
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+        self.proj = nn.Linear(cfg.width, cfg.width)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
+        B, L, _ = x.shape
+        q, k, v = self.qkv(x).split([self.heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2], dim=-1)
+        q = apply_rope(self.q_norm(q.view(B, L, self.heads, self.head_dim).transpose(1, 2)), rope)
+        k = apply_rope(self.k_norm(k.view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)), rope)
+        v = v.view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
+        return self.proj(out.transpose(1, 2).reshape(B, L, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.w12 = nn.Linear(width, 2 * hidden)  # gate and value in one matmul
+        self.w3 = nn.Linear(hidden, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, value = self.w12(x).chunk(2, dim=-1)
+        return self.w3(F.silu(gate) * value)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: BackboneConfig, kv_heads: int) -> None:
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.width, eps=cfg.norm_eps)
+        self.attn = Attention(cfg, kv_heads)
+        self.ls1 = nn.Parameter(torch.full((cfg.width,), cfg.layer_scale_init))
+        self.norm2 = nn.RMSNorm(cfg.width, eps=cfg.norm_eps)
+        self.ffn = SwiGLU(cfg.width, cfg.hidden)
+        self.ls2 = nn.Parameter(torch.full((cfg.width,), cfg.layer_scale_init))
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
+        x = x + self.ls1 * self.attn(self.norm1(x), rope, mask)
+        return x + self.ls2 * self.ffn(self.norm2(x))
+
+
+@dataclass
+class BackboneOutput:
+    cls: Tensor  # [B, D]
+    registers: Tensor  # [B, R, D]
+    patches: Tensor  # [B, n_tokens, D]: the kept tokens (in `keep` order) or the whole token grid
+    grid: tuple[int, int]  # token grid (the patch grid, or the reduced grid of the 4K variant)
+    keep: Tensor | None  # token-grid indices of `patches`, or None when all tokens are present
+
+    def featmap(self) -> Tensor:
+        """[B, D, gh, gw]; only for unmasked outputs."""
+        if self.keep is not None:
+            raise ValueError("a masked output has no dense feature map")
+        return self.patches.transpose(1, 2).unflatten(2, self.grid)
+
+
+class Sapiens2Backbone(nn.Module):
+    def __init__(self, cfg: BackboneConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.width
+        self.patch_embed = nn.Conv2d(cfg.in_chans, D, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, D))
+        self.registers = nn.Parameter(torch.zeros(1, cfg.num_registers, D))
+        # 4K: each window's pooling token is the [CLS] token plus this learned offset (zero at init).
+        self.window_query = nn.Parameter(torch.zeros(1, 1, D)) if cfg.window else None
+        self.blocks = nn.ModuleList(Block(cfg, cfg.block_kv_heads(i)) for i in range(cfg.depth))
+        self.norm = nn.RMSNorm(D, eps=cfg.norm_eps)
+        self.activation_checkpointing = cfg.activation_checkpointing
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter; call after materialising a model built on the meta device."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Conv2d)):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.RMSNorm):
+                m.reset_parameters()
+            elif isinstance(m, Block):
+                m.ls1.fill_(self.cfg.layer_scale_init)
+                m.ls2.fill_(self.cfg.layer_scale_init)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+        nn.init.trunc_normal_(self.registers, std=0.02)
+        if self.window_query is not None:
+            nn.init.zeros_(self.window_query)
+
+    def no_weight_decay(self) -> set[str]:
+        """Names of norms, biases, layer scales and the learned tokens."""
+        tokens = {"cls_token", "registers", "window_query"}
+        return {n for n, p in self.named_parameters() if p.ndim <= 1 or n in tokens}
+
+    def patch_grid(self, h: int, w: int) -> tuple[int, int]:
+        """Patch grid of an h x w image; `keep` indexes it row-major."""
+        p, win = self.cfg.patch_size, self.cfg.window or 1
+        if h % (p * win) or w % (p * win):
+            raise ValueError(f"image {h}x{w} is not a multiple of {p * win} px")
+        return h // p, w // p
+
+    def token_grid(self, h: int, w: int) -> tuple[int, int]:
+        """Grid of the tokens the global blocks see (the patch grid shrunk by the window in the 4K variant)."""
+        gh, gw = self.patch_grid(h, w)
+        win = self.cfg.window or 1
+        return gh // win, gw // win
+
+    def forward(self, images: Tensor, keep: Tensor | None = None) -> BackboneOutput:
+        B, _, H, W = images.shape
+        grid = self.patch_grid(H, W)
+        x = self.patch_embed(images).flatten(2).transpose(1, 2)  # [B, gh * gw, D]
+        coords = grid_coords(*grid, device=x.device)
+        blocks = list(self.blocks)
+        if self.cfg.window:
+            x, keep, grid = self._local_stage(x, coords, grid, keep, blocks[: self.cfg.local_depth])
+            coords, blocks = grid_coords(*grid, device=x.device), blocks[self.cfg.local_depth :]
+        elif keep is not None:
+            x = x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))
+        prefix = 1 + self.cfg.num_registers
+        coords = coords if keep is None else coords[keep]
+        rope = rope_tables(coords, self.cfg.head_dim, self.cfg.rope_base, prefix, x.dtype)
+        x = torch.cat([self.cls_token.expand(B, -1, -1), self.registers.expand(B, -1, -1), x], dim=1)
+        for blk in blocks:
+            x = self._run(blk, x, rope)
+        x = self.norm(x)
+        return BackboneOutput(cls=x[:, 0], registers=x[:, 1:prefix], patches=x[:, prefix:], grid=grid, keep=keep)
+
+    def _run(self, blk: Block, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(blk, x, rope, mask, use_reentrant=False)
+        return blk(x, rope, mask)
+
+    def _local_stage(
+        self, x: Tensor, coords: Tensor, grid: tuple[int, int], keep: Tensor | None, blocks: list[Block]
+    ) -> tuple[Tensor, Tensor | None, tuple[int, int]]:
+        """Windowed blocks + per-window pooling: [B, gh*gw, D] -> [B, n_windows, D] (kept windows only)."""
+        B, N, D = x.shape
+        win, (gh, gw) = self.cfg.window, grid
+        th, tw = gh // win, gw // win
+        # Patch index of every window slot, windows and slots both row-major: [th * tw, win * win].
+        slots = torch.arange(N, device=x.device).view(th, win, tw, win).transpose(1, 2).reshape(th * tw, win * win)
+        mask = None
+        if keep is None:
+            windows = slots.expand(B, -1, -1)
+        else:
+            # Windows without a visible patch are dropped before (equivalently: after) the local stage, since
+            # windows never see each other there; they therefore never reach the global stage.
+            visible = torch.zeros(B, N, dtype=torch.bool, device=x.device).scatter_(1, keep, True)[:, slots]
+            kept_windows = visible.any(-1)  # [B, th * tw]
+            n = kept_windows.sum(1)
+            if (n != n[0]).any():
+                raise ValueError(f"every image needs the same number of visible windows, got {n.tolist()}")
+            keep = kept_windows.nonzero()[:, 1].view(B, -1)  # sorted window indices on the reduced grid
+            windows = slots[keep]  # [B, n, win * win]
+            visible = visible.gather(1, keep[..., None].expand(-1, -1, win * win))
+            # Masked patches of a kept window are not keys; the pooling token is always one, so no row is empty.
+            mask = F.pad(visible.flatten(0, 1), (1, 0), value=True)[:, None, None, :]
+        tokens = x.gather(1, windows.flatten(1)[..., None].expand(-1, -1, D)).view(-1, win * win, D)
+        query = (self.cls_token + self.window_query).expand(tokens.shape[0], -1, -1)
+        seq = torch.cat([query, tokens], dim=1)
+        rope = rope_tables(coords[windows].flatten(0, 1), self.cfg.head_dim, self.cfg.rope_base, 1, x.dtype)
+        for blk in blocks:
+            seq = self._run(blk, seq, rope, mask)
+        return seq[:, 0].view(B, -1, D), keep, (th, tw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build(cfg: BackboneConfig | str, device: torch.device | str | None = None) -> Sapiens2Backbone:
+    cfg = SIZES[cfg] if isinstance(cfg, str) else cfg
+    with torch.device(device or "cpu"):
+        return Sapiens2Backbone(cfg)
+
+
+def count_params(cfg: BackboneConfig | str) -> int:
+    """Parameter count, from a model built on the meta device (no weights are allocated)."""
+    return sum(p.numel() for p in build(cfg, "meta").parameters())
+
+
+def flops(
+    cfg: BackboneConfig | str,
+    height: int = 1024,
+    width: int = 768,
+    *,
+    visible: float = 1.0,
+    attention: bool = False,
+) -> float:
+    """Forward multiply-adds (MACs) of one image.
+
+    The public card's figures are multiply-adds of the weight matrices, about params x tokens (5B at 1024x768:
+    15.60 T here vs 15.722 T on the card, -0.8%; 0.1B +2.6%, 0.4B -3.4%, 0.8B -3.3%, 1B -5.0%), and leave out the
+    attention score and value products, so that is the default. `attention=True` adds them (2 * L^2 * width per
+    block, +16.6% for 5B at 1024x768), which is what a utilisation (MFU) figure needs; training FLOPs are then
+    about 2 x 3 x this (a MAC is two FLOPs; the backward pass costs twice the forward). `visible` is the fraction
+    of patches (4K: of windows) the encoder keeps.
+    """
+    cfg = SIZES[cfg] if isinstance(cfg, str) else cfg
+    D, p = cfg.width, cfg.patch_size
+    gh, gw = height // p, width // p
+    prefix = 1 + cfg.num_registers
+
+    def block(i: int, seqs: float, length: float) -> float:
+        kv = cfg.block_kv_heads(i) * cfg.head_dim
+        linear = D * (D + 2 * kv) + D * D + 3 * D * cfg.hidden  # qkv, proj, SwiGLU
+        return seqs * (length * linear + (2 * length * length * D if attention else 0.0))
+
+    total = gh * gw * cfg.in_chans * p * p * D  # patch embedding runs on the whole image
+    if cfg.window:
+        win2 = cfg.window**2
+        n_windows = round(visible * gh * gw / win2)
+        total += sum(block(i, n_windows, 1 + win2) for i in range(cfg.local_depth))
+        n_tokens = n_windows
+    else:
+        n_tokens = round(visible * gh * gw)
+    total += sum(block(i, 1, prefix + n_tokens) for i in range(cfg.local_depth, cfg.depth))
+    return float(total)
