@@ -73,7 +73,9 @@ def build_pools(work: Path, n: int) -> tuple[Path, Path, Path]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=160, help="images per benchmark pool")
+    ap.add_argument("--only", choices=["a", "b", "c"], action="append", help="run only these parts (repeatable)")
     args = ap.parse_args()
+    parts = set(args.only or "abc")
     cfg = load_config(CurateConfig, REPO / "configs/curate/lite.yaml")
     work = Path(tempfile.mkdtemp(prefix="bench-curation-"))
     try:
@@ -81,31 +83,38 @@ def main() -> None:
         print(f"machine: {platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}; pool of {args.n}")
 
         # (b) runs first, before Ray's processes share the machine
-        files = person_photos(source) * 4
-        rows = [{"image": {"bytes": f.read_bytes(), "path": f.name}} for f in files]
-        phash_stage = StageRunner("phash", cfg.model_dump_json()).stage
-        naive_s, naive = timed(lambda: [imagehash.phash(Image.open(f)) for f in files])
-        ours_s, ours = timed(lambda: phash_stage.process_batch(rows))
-        dist = [h - imagehash.hex_to_hash(f"{u['phash']:016x}") for h, u in zip(naive, ours)]
-        print(f"(b) naive phash loop {naive_s * 1e3 / len(files):.1f} ms/img, phash stage {ours_s * 1e3 / len(files):.1f}"
-              f" ms/img: {naive_s / ours_s:.2f}x, max distance {max(dist)} bits, mean {np.mean(dist):.2f}"
-              f"  [goal >= 2.5x within 2 bits]")
-
-        # (a) plain one-core loop vs Ray with 2 CPUs, same stages, same pool
-        shards = list_shards(str(normal), cfg.input)
-        loop_s, table = timed(lambda: score_in_process(cfg, shards))
-        init_ray(num_cpus=2)
-        ray_s = ray_score(cfg, normal, work / "out_a")
-        kept = sum(s == "kept" for s in table.column("status").to_pylist())
-        print(f"(a) one-core loop {loop_s:.1f} s ({args.n / loop_s:.2f} img/s), Ray 2 CPUs {ray_s:.1f} s "
-              f"({args.n / ray_s:.2f} img/s): {loop_s / ray_s:.2f}x  [goal >= 1.8x; {kept} kept]")
-
-        # (c) cheap-first: half tiny vs none
-        normal_s = ray_s
-        tiny_s = ray_score(cfg, half_tiny, work / "out_c")
-        print(f"(c) no tiny {normal_s:.1f} s, half tiny {tiny_s:.1f} s: {normal_s / tiny_s:.2f}x  [goal >= 1.7x]")
+        if "b" in parts:
+            bench_phash(cfg, source)
+        if parts & {"a", "c"}:
+            init_ray(num_cpus=2)
+        if "a" in parts:
+            # (a) plain one-core loop vs Ray with 2 CPUs, same stages, same pool
+            shards = list_shards(str(normal), cfg.input)
+            loop_s, table = timed(lambda: score_in_process(cfg, shards))
+            ray_s = ray_score(cfg, normal, work / "out_a")
+            kept = sum(s == "kept" for s in table.column("status").to_pylist())
+            print(f"(a) one-core loop {loop_s:.1f} s ({args.n / loop_s:.2f} img/s), Ray 2 CPUs {ray_s:.1f} s "
+                  f"({args.n / ray_s:.2f} img/s): {loop_s / ray_s:.2f}x  [goal >= 1.8x; {kept} kept]")
+        if "c" in parts:
+            # (c) cheap-first: the same Ray pipeline on a pool with half tiny images vs none
+            normal_s = ray_score(cfg, normal, work / "out_c0")
+            tiny_s = ray_score(cfg, half_tiny, work / "out_c1")
+            print(f"(c) no tiny {normal_s:.1f} s, half tiny {tiny_s:.1f} s: {normal_s / tiny_s:.2f}x  [goal >= 1.7x]")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def bench_phash(cfg: CurateConfig, source: Path) -> None:
+    """(b) the pHash stage vs the naive loop on the pool's person photos."""
+    files = person_photos(source) * 4
+    rows = [{"image": {"bytes": f.read_bytes(), "path": f.name}} for f in files]
+    phash_stage = StageRunner("phash", cfg.model_dump_json()).stage
+    naive_s, naive = timed(lambda: [imagehash.phash(Image.open(f)) for f in files])
+    ours_s, ours = timed(lambda: phash_stage.process_batch(rows))
+    dist = [h - imagehash.hex_to_hash(f"{u['phash']:016x}") for h, u in zip(naive, ours)]
+    print(f"(b) naive phash loop {naive_s * 1e3 / len(files):.1f} ms/img, phash stage {ours_s * 1e3 / len(files):.1f}"
+          f" ms/img: {naive_s / ours_s:.2f}x, max distance {max(dist)} bits, mean {np.mean(dist):.2f}"
+          f"  [goal >= 2.5x within 2 bits]")
 
 
 if __name__ == "__main__":

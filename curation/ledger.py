@@ -37,7 +37,7 @@ def reason_code(reason: str | None) -> str:
     return (reason or "").split(":", 1)[0]
 
 
-def summary_table(ledger: pa.Table, seconds: float | None = None) -> str:
+def summary_table(ledger: pa.Table) -> str:
     """A plain-text funnel: inputs, kept, and rejected/errored counts per stage and reason code."""
     status = ledger.column("status").to_pylist()
     stage = ledger.column("stage").to_pylist()
@@ -51,6 +51,4 @@ def summary_table(ledger: pa.Table, seconds: float | None = None) -> str:
     for (status_, st, code), n in sorted(groups.items(), key=lambda kv: (-kv[1], kv[0])):
         label = f"{st} / {code}" + (" (error)" if status_ == schema.ERROR else "")
         lines.append(f"{label:<{width}}{n:>8}  {pct(n)}")
-    if seconds:
-        lines.append(f"{'images/s':<{width}}{total / seconds:>8.1f}")
     return "\n".join(lines)

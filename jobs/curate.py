@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     if "score" in phases:
         summary = ScorePhase(cfg, args.output).run(shards)
-        print(f"[score] done: {summary['inputs_this_run']} inputs scored this run in {summary['seconds']} s")
+        rate = summary["inputs_this_run"] / max(summary["seconds"], 1e-9)
+        print(f"[score] done: {summary['inputs_this_run']} inputs scored this run in {summary['seconds']} s ({rate:.2f} img/s)")
     try:
         for phase in (p for p in GLOBAL_PHASES if p in phases):
             GlobalPhases(cfg, args.output).run(phase)
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ledger = read_ledger(args.output, ["status", "stage", "reason"])
-    print("\n[curate] summary\n" + summary_table(ledger, time.monotonic() - start))
+    print(f"\n[curate] summary (all phases, {time.monotonic() - start:.1f} s this run)\n" + summary_table(ledger))
     return 0
 
 
