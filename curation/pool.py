@@ -13,6 +13,7 @@ commit records, hidden files), as in Spark and pyarrow datasets.
 from __future__ import annotations
 
 import os
+import stat
 import tarfile
 from dataclasses import asdict, dataclass
 
@@ -119,6 +120,11 @@ def _row(source: str, data: bytes | None, error: str | None = None) -> dict:
 def _read_file(uri: str) -> dict:
     try:
         fs, path = resolve(uri)
+        if is_local(fs):
+            mode = os.stat(path).st_mode  # follows links; raises on broken ones and link loops
+            if not stat.S_ISREG(mode):  # a FIFO or device would block or never end
+                kind = "fifo" if stat.S_ISFIFO(mode) else "directory" if stat.S_ISDIR(mode) else "special file"
+                return _row(uri, None, f"cannot read {uri}: not a regular file ({kind})")
         with fs.open_input_stream(path) as f:
             return _row(uri, f.read())
     except Exception as exc:  # noqa: BLE001 - any read failure becomes a ledger reason

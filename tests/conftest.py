@@ -1,7 +1,11 @@
+import json
 import os
 import pathlib
+from pathlib import Path
 
 import pytest
+
+from jobs import make_sample_pool
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -21,3 +25,31 @@ def ray_local():
         ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def sample_pool(tmp_path_factory) -> Path:
+    """The sample pool (folder format, default size, seed 0), built once per session."""
+    root = tmp_path_factory.mktemp("pool") / "folder"
+    assert make_sample_pool.main(["--out", str(root), "--seed", "0"]) == 0
+    return root
+
+
+@pytest.fixture(scope="session")
+def manifest(sample_pool) -> dict[str, dict]:
+    entries = [json.loads(line) for line in (sample_pool / "_manifest.jsonl").read_text().splitlines()]
+    return {str(sample_pool / e["path"]): e for e in entries}
+
+
+@pytest.fixture(scope="session")
+def curated_run(sample_pool, ray_local, tmp_path_factory) -> Path:
+    """The sample pool curated once with the lite profile into final shards of 4 images (so there are several).
+
+    Shared by the whole session: read it, or copy it before changing anything.
+    """
+    from jobs import curate
+
+    out = tmp_path_factory.mktemp("curated_run") / "out"
+    args = ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(sample_pool), "--output", str(out)]
+    assert curate.main([*args, "write.rows_per_shard=4"]) == 0
+    return out

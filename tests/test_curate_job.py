@@ -21,19 +21,6 @@ SURVIVED_SCORING = {schema.KEPT, schema.DUPLICATE, schema.UNSAMPLED}  # fates of
 
 
 @pytest.fixture(scope="session")
-def sample_pool(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("pool") / "folder"
-    assert make_sample_pool.main(["--out", str(root), "--seed", "0"]) == 0
-    return root
-
-
-@pytest.fixture(scope="session")
-def manifest(sample_pool) -> dict[str, dict]:
-    entries = [json.loads(line) for line in (sample_pool / "_manifest.jsonl").read_text().splitlines()]
-    return {str(sample_pool / e["path"]): e for e in entries}
-
-
-@pytest.fixture(scope="session")
 def curated(sample_pool, ray_local, repo_root, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("curated") / "out"
     code = curate.main(["--config", str(repo_root / LITE), "--input", str(sample_pool), "--output", str(out)])
