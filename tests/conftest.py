@@ -22,7 +22,7 @@ def ray_local():
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
 
@@ -53,3 +53,4 @@ def curated_run(sample_pool, ray_local, tmp_path_factory) -> Path:
     args = ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(sample_pool), "--output", str(out)]
     assert curate.main([*args, "write.rows_per_shard=4"]) == 0
     return out
+
