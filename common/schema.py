@@ -115,7 +115,7 @@ _FATE = [
 _GLOBAL = [
     pa.field("duplicate_of", pa.string()),  # key of the image kept in its duplicate group
     pa.field("duplicate_signal", pa.string()),  # "phash" or "embedding": which signal linked it
-    pa.field("cluster_ids", pa.list_(pa.int32())),  # balanced-sampling cluster per level, coarse to fine
+    pa.field("cluster_ids", pa.list_(pa.int32())),  # balanced-sampling cluster per level, leaf first
 ]
 
 

@@ -1,0 +1,387 @@
+"""Verify a curated output before anyone trains on it.
+
+Checks, each reported as a ``Problem`` that names the file (relative to the output root), the row where there is
+one, and what is wrong:
+
+- every shard the manifest lists exists, with the manifest's size, sha256, row count, schema and file metadata;
+- ``shards/`` holds nothing the manifest does not list (readers that glob ``*.parquet`` would pick it up);
+- every image decodes and its bytes hash to its ``key``; keys (and sources) are unique across all shards;
+- the final ledger has one file per committed input shard and covers every input of that shard exactly once
+  (the inputs are the phase-1 ledger's rows, counted in the shard's commit record); its funnel equals the
+  manifest's; its kept rows are exactly the shards' rows.
+
+Everything goes through ``common.storage``, so ``s3://bucket/prefix`` is audited like a local folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from common import schema
+from common.storage import exists, join, list_files, read_json, resolve
+from curation.imageio import open_reduced
+from curation.ledger import reason_code
+from curation.phases import FINAL_LEDGER_DIR, GLOBAL_PHASES, SHARDS_DIR
+from curation.score import STATE_DIR
+
+MANIFEST = f"{SHARDS_DIR}/manifest.json"
+STATUSES = (schema.KEPT, schema.REJECTED, schema.ERROR, schema.DUPLICATE, schema.UNSAMPLED)
+_CHUNK = 8 * 2**20
+
+
+@dataclass(frozen=True, order=True)
+class Problem:
+    file: str  # relative to the output root
+    row: int | None  # 0-based row in that file, when the problem is one row's
+    what: str
+
+    def __str__(self) -> str:
+        where = self.file if self.row is None else f"{self.file} row {self.row}"
+        return f"{where}: {self.what}"
+
+
+@dataclass
+class AuditResult:
+    out_uri: str
+    problems: list[Problem]
+    counts: dict[str, int]  # what was checked: shards, shard_rows, images_decoded, inputs, ledger_rows
+    seconds: float
+    manifest: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        checked = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in self.counts.items())
+        head = f"{self.out_uri}: " + ("sound" if self.ok else f"{len(self.problems)} problem(s)")
+        return "\n".join([f"{head} (checked {checked}; {self.seconds:.1f} s)", *(f"  {p}" for p in self.problems)])
+
+
+def funnel_key(stage: str | None, status: str, reason: str | None) -> str:
+    """The manifest's funnel bucket of a final-ledger row: ``<phase>/<stage>/<status>/<reason code>``."""
+    phase = stage if stage in GLOBAL_PHASES else "score"
+    return f"{phase}/{stage}/{status}/{reason_code(reason)}"
+
+
+@dataclass
+class _ShardRows:
+    """What one shard contributes to the cross-shard checks: (key, source) per row, in file order."""
+
+    file: str
+    keys: list[str | None] = field(default_factory=list)
+    sources: list[str | None] = field(default_factory=list)
+    decoded: int = 0
+
+
+def _sha256(fs: pafs.FileSystem, path: str) -> str:
+    digest = hashlib.sha256()
+    with fs.open_input_stream(path) as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _short(digest: str | None) -> str:
+    return "null" if digest is None else f"{digest[:16]}…"
+
+
+def _decode_error(data: bytes) -> str | None:
+    """None when the bytes decode to an image; else why not. A draft decode still reads the whole stream."""
+    try:
+        open_reduced(data, max_side=64).load()
+    except Exception as exc:  # noqa: BLE001 - any decoder failure is the finding
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _schema_difference(actual: pa.Schema, expected: pa.Schema) -> str | None:
+    if actual.remove_metadata().equals(expected):
+        return None
+    parts = []
+    missing = [n for n in expected.names if n not in actual.names]
+    extra = [n for n in actual.names if n not in expected.names]
+    if missing:
+        parts.append(f"missing columns {missing}")
+    if extra:
+        parts.append(f"unexpected columns {extra}")
+    for f in expected:
+        if f.name in actual.names:
+            got = actual.field(f.name)
+            if not got.type.equals(f.type) or got.nullable != f.nullable:
+                parts.append(f"column {f.name} is {got.type}{'' if got.nullable else ' not null'}, expected {f.type}"
+                             f"{'' if f.nullable else ' not null'}")
+    if not parts and actual.names != expected.names:
+        parts.append(f"columns in order {actual.names}, expected {expected.names}")
+    return "schema differs from common/schema.py curated_schema: " + "; ".join(parts)
+
+
+class _Auditor:
+    def __init__(self, out_uri: str, decode: bool, workers: int):
+        self.out_uri, self.decode, self.workers = out_uri, decode, workers
+        self.fs, self.root = resolve(out_uri)
+        self.problems: list[Problem] = []
+        self.counts: Counter = Counter()
+
+    def problem(self, file: str, row: int | None, what: str) -> None:
+        self.problems.append(Problem(file, row, what))
+
+    def path(self, rel: str) -> str:
+        return join(self.root, rel)
+
+    def _files_under(self, rel: str) -> list[str]:
+        """Every file below ``rel`` (relative paths), hidden ones too: leftovers count as stray files."""
+        base = self.path(rel)
+        if not exists(self.fs, base):
+            return []
+        infos = self.fs.get_file_info(pafs.FileSelector(base, recursive=True))
+        return sorted(f"{rel}/{i.path[len(base):].lstrip('/')}" for i in infos if i.type == pafs.FileType.File)
+
+    # --- manifest and shards ---------------------------------------------------------------------------------
+
+    def manifest(self) -> dict | None:
+        if not exists(self.fs, self.path(MANIFEST)):
+            self.problem(MANIFEST, None, "missing: the write phase has not completed (run jobs.curate to the end)")
+            return None
+        try:
+            manifest = read_json(self.fs, self.path(MANIFEST))
+        except ValueError as exc:
+            self.problem(MANIFEST, None, f"not valid JSON: {exc}")
+            return None
+        missing = [k for k in ("shards", "totals", "funnel", "schema_version", "config_hash") if k not in manifest]
+        if missing:
+            self.problem(MANIFEST, None, f"not a manifest: no {', '.join(missing)}")
+            return None
+        if manifest["schema_version"] != schema.SCHEMA_VERSION:
+            self.problem(MANIFEST, None, f"schema version {manifest['schema_version']}; this audit checks version "
+                                         f"{schema.SCHEMA_VERSION}")
+        shards = manifest["shards"]
+        totals = {"shards": len(shards), "rows": sum(s["rows"] for s in shards), "bytes": sum(s["bytes"] for s in shards)}
+        for key, value in totals.items():
+            if manifest["totals"].get(key) != value:
+                self.problem(MANIFEST, None, f"totals.{key} is {manifest['totals'].get(key)}, its shards add up to {value}")
+        return manifest
+
+    def check_shard(self, entry: dict, manifest: dict) -> tuple[list[Problem], _ShardRows]:
+        rel = f"{SHARDS_DIR}/{entry['file']}"
+        problems: list[Problem] = []
+        rows = _ShardRows(rel)
+        add = lambda row, what: problems.append(Problem(rel, row, what))  # noqa: E731
+        path = self.path(rel)
+        info = self.fs.get_file_info(path)
+        if info.type != pafs.FileType.File:
+            add(None, "listed in the manifest but missing")
+            return problems, rows
+        if info.size != entry["bytes"]:
+            add(None, f"{info.size} bytes, the manifest says {entry['bytes']} (truncated or appended to)")
+        digest = _sha256(self.fs, path)
+        if digest != entry["sha256"]:
+            add(None, f"sha256 {_short(digest)} differs from the manifest's {_short(entry['sha256'])} (contents changed)")
+        try:
+            pf = pq.ParquetFile(self.fs.open_input_file(path))
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for damaged footers
+            add(None, f"not a readable Parquet file: {type(exc).__name__}: {exc}")
+            return problems, rows
+        actual = pf.schema_arrow
+        meta = schema.read_metadata(actual)
+        dim = (meta.get("extra") or {}).get("embedding_dim") if "embedding" in actual.names else None
+        if (diff := _schema_difference(actual, schema.curated_schema(dim))) is not None:
+            add(None, diff)
+        for name, want in (("table", "curated"), ("schema_version", manifest["schema_version"]),
+                           ("config_hash", manifest["config_hash"])):
+            if meta.get(name) != want:
+                add(None, f"file metadata humans1b.{name} is {meta.get(name)!r}, expected {want!r}")
+        if pf.metadata.num_rows != entry["rows"]:
+            add(None, f"{pf.metadata.num_rows} rows, the manifest says {entry['rows']}")
+        columns = [c for c in ("key", "source", "image") if c in actual.names]
+        offset = 0
+        for rg in range(pf.num_row_groups):
+            n = pf.metadata.row_group(rg).num_rows
+            try:
+                t = pf.read_row_group(rg, columns=columns)
+            except Exception as exc:  # noqa: BLE001 - a damaged page: name the rows it holds
+                add(offset, f"row group {rg} (rows {offset}-{offset + n - 1}) unreadable: {type(exc).__name__}: {exc}")
+                rows.keys.extend([None] * n)
+                rows.sources.extend([None] * n)
+                offset += n
+                continue
+            keys = t.column("key").to_pylist() if "key" in columns else [None] * n
+            sources = t.column("source").to_pylist() if "source" in columns else [None] * n
+            images = t.column("image").to_pylist() if "image" in columns else [None] * n
+            for i, (key, image) in enumerate(zip(keys, images)):
+                data = (image or {}).get("bytes")
+                if data is None:
+                    add(offset + i, "image bytes are null")
+                    continue
+                actual_key = hashlib.sha256(data).hexdigest()
+                if actual_key != key:
+                    add(offset + i, f"sha256 of the image bytes is {_short(actual_key)}, the key says {_short(key)}")
+                if self.decode:
+                    if (err := _decode_error(data)) is not None:
+                        add(offset + i, f"image does not decode: {err}")
+                    else:
+                        rows.decoded += 1
+            rows.keys.extend(keys)
+            rows.sources.extend(sources)
+            offset += n
+        return problems, rows
+
+    def shards(self, manifest: dict) -> list[_ShardRows]:
+        entries = manifest["shards"]
+        with ThreadPoolExecutor(max_workers=max(1, self.workers)) as pool:
+            results = list(pool.map(lambda e: self.check_shard(e, manifest), entries))
+        listed = {f"{SHARDS_DIR}/{e['file']}" for e in entries}
+        for rel in self._files_under(SHARDS_DIR):
+            if rel not in listed and rel != MANIFEST:
+                self.problem(rel, None, "not in the manifest (a stray file: readers globbing *.parquet would read it)")
+        counts = Counter(e["file"] for e in entries)
+        for name, n in counts.items():
+            if n > 1:
+                self.problem(MANIFEST, None, f"lists {name} {n} times")
+        shard_rows = []
+        for problems, rows in results:
+            self.problems.extend(problems)
+            shard_rows.append(rows)
+            self.counts["shard_rows"] += len(rows.keys)
+            self.counts["images_decoded"] += rows.decoded
+        self.counts["shards"] = len(entries)
+        for what, attr in (("key", "keys"), ("source", "sources")):
+            first: dict[str, tuple[str, int]] = {}
+            for rows in shard_rows:
+                for i, value in enumerate(getattr(rows, attr)):
+                    if value is None:
+                        continue
+                    if value in first:
+                        f, r = first[value]
+                        self.problem(rows.file, i, f"{what} {_short(value) if what == 'key' else value} is not unique: "
+                                                   f"also at {f} row {r}")
+                    else:
+                        first[value] = (rows.file, i)
+        return shard_rows
+
+    # --- ledger --------------------------------------------------------------------------------------------------
+
+    def _read(self, rel: str, columns: list[str]) -> pa.Table | None:
+        try:
+            return pq.read_table(self.path(rel), columns=columns, filesystem=self.fs)
+        except FileNotFoundError:
+            self.problem(rel, None, "missing")
+        except Exception as exc:  # noqa: BLE001 - damaged or foreign file
+            self.problem(rel, None, f"not a readable ledger file: {type(exc).__name__}: {exc}")
+        return None
+
+    def ledger(self) -> list[dict]:
+        """Check the final ledger against the commit records; return its rows with their file and row."""
+        records = {}
+        for path in list_files(self.fs, self.path(f"{STATE_DIR}/score"), ".json"):
+            record = read_json(self.fs, path)
+            records[record["shard_id"]] = record
+        done_rel = f"{STATE_DIR}/score.done.json"
+        if not exists(self.fs, self.path(done_rel)):
+            self.problem(done_rel, None, "missing: the score phase has not completed")
+        elif (want := read_json(self.fs, self.path(done_rel)).get("shards")) != len(records):
+            self.problem(f"{STATE_DIR}/score", None, f"{len(records)} input shards committed, the score phase had {want}")
+        for phase in GLOBAL_PHASES:
+            rel = f"{STATE_DIR}/{phase}.done.json"
+            if not exists(self.fs, self.path(rel)):
+                self.problem(rel, None, f"missing: phase {phase} has not completed")
+        self.counts["inputs"] = sum(r["rows"] for r in records.values())
+        expected = {f"{FINAL_LEDGER_DIR}/{s}.parquet": s for s in records}
+        for rel in self._files_under(FINAL_LEDGER_DIR):
+            if rel not in expected:
+                self.problem(rel, None, "not the final ledger of a committed input shard (a stray file)")
+        columns = ["source", "shard_id", "key", "status", "stage", "reason"]
+        rows: list[dict] = []
+        for rel, shard_id in sorted(expected.items()):
+            record = records[shard_id]
+            inputs: dict[str, tuple[str, int]] = {}
+            for part in record["ledger_files"]:
+                t = self._read(part, ["source"])
+                for i, s in enumerate(t.column("source").to_pylist() if t is not None else []):
+                    inputs.setdefault(s, (part, i))
+            if len(inputs) != record["rows"]:
+                self.problem(f"{STATE_DIR}/score/{shard_id}.json", None,
+                             f"records {record['rows']} inputs, its phase-1 ledger files hold {len(inputs)} distinct ones")
+            table = self._read(rel, columns)
+            if table is None:
+                continue
+            if table.num_rows != record["rows"]:
+                self.problem(rel, None, f"{table.num_rows} rows for {record['rows']} inputs of shard {shard_id}")
+            seen: dict[str, int] = {}
+            for i, row in enumerate(table.to_pylist()):
+                source = row["source"]
+                if source in seen:
+                    self.problem(rel, i, f"input {source} has a second row (first at row {seen[source]})")
+                    continue
+                seen[source] = i
+                if source not in inputs:
+                    self.problem(rel, i, f"{source} is not an input of shard {shard_id}")
+                if row["shard_id"] != shard_id:
+                    self.problem(rel, i, f"shard_id {row['shard_id']!r}, expected {shard_id!r}")
+                if row["status"] not in STATUSES:
+                    self.problem(rel, i, f"unknown status {row['status']!r}")
+                rows.append({**row, "file": rel, "row": i})
+            for source, (part, i) in inputs.items():
+                if source not in seen:
+                    self.problem(rel, None, f"no row for input {source} ({part} row {i})")
+        first: dict[str, dict] = {}
+        for row in rows:  # an input in two shards' ledgers would be counted twice
+            if row["source"] in first:
+                other = first[row["source"]]
+                if other["file"] != row["file"]:
+                    self.problem(row["file"], row["row"], f"input {row['source']} also has a row in {other['file']} "
+                                                          f"row {other['row']}")
+            else:
+                first[row["source"]] = row
+        self.counts["ledger_rows"] = len(rows)
+        return rows
+
+    def cross_check(self, manifest: dict, shard_rows: list[_ShardRows], ledger: list[dict]) -> None:
+        funnel = Counter(funnel_key(r["stage"], r["status"], r["reason"]) for r in ledger)
+        for key in sorted(set(funnel) | set(manifest["funnel"])):
+            if funnel.get(key, 0) != manifest["funnel"].get(key, 0):
+                self.problem(MANIFEST, None, f"funnel {key}: the manifest says {manifest['funnel'].get(key, 0)}, the "
+                                             f"final ledger has {funnel.get(key, 0)}")
+        by_source = {r["source"]: r for r in ledger}
+        in_shards = set()
+        for rows in shard_rows:
+            for i, (key, source) in enumerate(zip(rows.keys, rows.sources)):
+                if source is None:
+                    continue
+                in_shards.add(source)
+                entry = by_source.get(source)
+                if entry is None:
+                    self.problem(rows.file, i, f"{source} has no final-ledger row")
+                elif entry["status"] != schema.KEPT:
+                    self.problem(rows.file, i, f"{source} is in a shard but {entry['file']} row {entry['row']} says "
+                                               f"{entry['status']}")
+                elif entry["key"] != key:
+                    self.problem(rows.file, i, f"key {_short(key)} differs from {entry['file']} row {entry['row']}'s "
+                                               f"{_short(entry['key'])}")
+        for r in ledger:
+            if r["status"] == schema.KEPT and r["source"] not in in_shards:
+                self.problem(r["file"], r["row"], f"{r['source']} is kept but no readable shard row holds it")
+
+
+def audit(out_uri: str, *, decode: bool = True, workers: int | None = None) -> AuditResult:
+    """Verify the curated output at ``out_uri`` (local or ``s3://``); see the module docstring for the checks."""
+    start = time.monotonic()
+    auditor = _Auditor(out_uri, decode, workers or min(8, os.cpu_count() or 1))
+    manifest = auditor.manifest()
+    shard_rows = auditor.shards(manifest) if manifest else []
+    ledger = auditor.ledger()
+    if manifest:
+        auditor.cross_check(manifest, shard_rows, ledger)
+    order = {p: i for i, p in enumerate(auditor.problems)}  # stable: by file, then row, then finding order
+    problems = sorted(dict.fromkeys(auditor.problems), key=lambda p: (p.file, -1 if p.row is None else p.row, order[p]))
+    counts = {k: auditor.counts[k] for k in ("shards", "shard_rows", "images_decoded", "inputs", "ledger_rows")}
+    return AuditResult(out_uri, problems, counts, time.monotonic() - start, manifest)

@@ -1,0 +1,59 @@
+"""Verify a curated output and, with --report, render an HTML report of it.
+
+    python -m jobs.audit <out>                                   # exit 0 if sound, 1 with the list of problems
+    python -m jobs.audit <out> --report [--config configs/curate/lite.yaml] [key=value ...]
+    ray job submit --working-dir . -- python -m jobs.audit s3://bucket/curated --report
+
+The report lands in <out>/report/index.html (a self-contained folder). Its thresholds and config section come from
+--config and overrides, as given to jobs.curate; the report says whether they match the hashes the run recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from common.config import ConfigError, load_config
+from common.storage import StorageError
+from curation.audit import audit
+from curation.config import CurateConfig
+from curation.report import ReportOptions, write_report
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jobs.audit", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("output", help="curated output root (local or s3://), as given to jobs.curate --output")
+    p.add_argument("--report", action="store_true", help="also write <out>/report/index.html")
+    p.add_argument("--config", help="the run's YAML config, for the report's thresholds (default: built-in defaults)")
+    p.add_argument("--no-decode", action="store_true", help="skip decoding every image (hashes are still checked)")
+    p.add_argument("--workers", type=int, default=None, help="threads reading shards and images (default: min(8, CPUs))")
+    p.add_argument("--seed", type=int, default=0, help="which random images the report's contact sheets show")
+    p.add_argument("--per-sheet", type=int, default=ReportOptions.per_sheet, help="thumbnails per contact sheet")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as given to jobs.curate")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(CurateConfig, args.config, args.overrides) if args.report else None
+        result = audit(args.output, decode=not args.no_decode, workers=args.workers)
+    except (ConfigError, StorageError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(result.summary())
+    if args.report:
+        source = " ".join([args.config or "built-in defaults", *args.overrides])
+        options = ReportOptions(seed=args.seed, per_sheet=args.per_sheet, workers=args.workers or ReportOptions.workers)
+        try:
+            write_report(args.output, cfg, result, config_source=source, options=options)
+        except Exception as exc:  # noqa: BLE001 - damage the audit listed can stop the report; say so, keep the list
+            if result.ok:
+                raise
+            print(f"report not written: the output is too damaged to read: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
