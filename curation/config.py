@@ -42,6 +42,15 @@ class OutputSettings(Strict):
     compression: str = "zstd"
 
 
+class PromptFilter(Strict):
+    """A zero-shot CLIP filter: softmax over the prompts of two sets (named in ``models.clip.prompt_sets``); the
+    image is rejected when the probability mass on the ``reject`` set exceeds ``max_reject``."""
+
+    keep: str
+    reject: str
+    max_reject: float = Field(0.5, ge=0, le=1)
+
+
 class Filters(Strict):
     min_short_side: int = Field(384, ge=1)
     max_pixels: int = Field(120_000_000, ge=1)  # declared size above this is a decompression bomb
@@ -54,6 +63,10 @@ class Filters(Strict):
     person_min_area_frac: float = Field(0.08, ge=0, le=1)
     min_quality: float = Field(0.5, ge=0, le=1)  # see curation/stages/quality.py for the scale
     max_text_area_frac: float = Field(0.03, ge=0, le=1)
+    # Full profile (curation/stages/clip.py); None or empty turns a filter off.
+    min_aesthetic: float | None = None  # LAION aesthetic predictor scale, about 1..10
+    min_realism: float | None = Field(None, ge=0, le=1)  # probability of the photo prompts
+    prompt_filters: dict[str, PromptFilter] = {}  # name -> filter; rejects with reason code prompt_<name>
 
 
 class PersonModelSettings(Strict):
@@ -128,12 +141,76 @@ class PhashSettings(Strict):
     draft_side: int = Field(192, ge=32)  # decode JPEGs at about this size before hashing (hash within 2 bits)
 
 
+class ModelStoreSettings(Strict):
+    """Where model references resolve (curation/models.py): a local path, a URI (s3://, gs://, file://; fetched once
+    per node into ``cache_dir``), a bare file name looked up under ``roots``, or ``hf-hub:org/repo[/file]``, looked up
+    under ``roots`` as ``org/repo[/file]`` (a mirror) and fetched from the Hugging Face hub only when ``online``."""
+
+    cache_dir: str = "~/.cache/humans1b/models"
+    roots: list[str] = []  # local folders or URIs, searched in order
+    online: bool = False
+
+
+Precision = Literal["auto", "fp32", "fp16", "bf16"]  # auto: fp16 on a GPU, fp32 on CPU
+
+
+class YoloModelSettings(Strict):
+    """Full profile person detection (ultralytics YOLO) and head pose from a YOLO pose model's face keypoints;
+    see curation/stages/yolo.py. Checkpoints: ultralytics ``.pt`` files or ``.safetensors`` from
+    ``curation.models.save_yolo``; both load without unpickling code."""
+
+    detector: str | None = "hf-hub:Ultralytics/YOLO11/yolo11m.pt"  # None: the pose model's boxes are the persons
+    pose: str = "hf-hub:Ultralytics/YOLO11/yolo11m-pose.pt"
+    person_class: str = "person"  # the detector's class name for people
+    imgsz: int = Field(640, ge=32, multiple_of=32)  # letterboxed square input
+    precision: Precision = "auto"
+    min_candidate_score: float = Field(0.25, ge=0, le=1)  # weaker boxes are not listed
+    nms_iou: float = Field(0.7, gt=0, le=1)
+    max_det: int = Field(100, ge=1)
+    pose_match_iou: float = Field(0.5, gt=0, le=1)  # a pose detection belongs to the detector box it overlaps most
+    keypoint_min_conf: float = Field(0.5, ge=0, le=1)  # a face keypoint counts as visible at this confidence
+    frontal_max_yaw: float = Field(45.0, gt=0, lt=90)  # |yaw| above this is a profile
+
+
+def _default_prompt_sets() -> dict[str, list[str]]:
+    return {
+        "photo": ["a photo", "a photograph of a person", "a candid photo", "a snapshot taken with a phone camera"],
+        "not_photo": [
+            "a painting", "a drawing", "a sketch", "a cartoon", "an anime illustration", "a 3D render",
+            "a video game screenshot", "a screenshot of a computer screen", "a digital illustration", "a comic",
+        ],
+    }
+
+
+class RealismSettings(Strict):
+    photo: str = "photo"  # prompt set names in models.clip.prompt_sets
+    not_photo: str = "not_photo"
+
+
+class ClipModelSettings(Strict):
+    """Full profile OpenCLIP image embedding shared by the aesthetic head, the realism score and the prompt filters;
+    see curation/stages/clip.py. ``checkpoint``: a weights file (with ``arch`` an open_clip config name) or a folder
+    holding ``open_clip_config.json`` and its weights (the hub layout; ``arch`` is then ignored)."""
+
+    arch: str = "ViT-L-14"
+    checkpoint: str = "hf-hub:timm/vit_large_patch14_clip_224.openai"
+    precision: Precision = "auto"
+    # LAION's improved aesthetic predictor (MLP or linear head on the L2-normalised embedding); it was trained on
+    # OpenAI's ViT-L/14 embeddings, so it is only meaningful with that checkpoint. None: no aesthetic score.
+    aesthetic_head: str | None = "sac+logos+ava1-l14-linearMSE.pth"
+    prompt_sets: dict[str, list[str]] = Field(default_factory=_default_prompt_sets)
+    realism: RealismSettings = RealismSettings()
+
+
 class ModelSettings(Strict):
     person: PersonModelSettings = PersonModelSettings()
     quality: QualityModelSettings = QualityModelSettings()
     ocr: OcrModelSettings = OcrModelSettings()
     embedding: EmbeddingModelSettings = EmbeddingModelSettings()
     phash: PhashSettings = PhashSettings()
+    store: ModelStoreSettings = ModelStoreSettings()
+    yolo: YoloModelSettings = YoloModelSettings()
+    clip: ClipModelSettings = ClipModelSettings()
 
 
 def _default_stages() -> dict[str, StageSettings]:
@@ -207,6 +284,25 @@ class CurateConfig(Strict):
             raise ValueError(f"unknown stage(s) {unknown}; known: {sorted(STAGES)}")
         if next(iter(self.stages), None) != "decode" or not self.stages["decode"].enabled:
             raise ValueError("the first stage must be 'decode' and it cannot be disabled")
+        return self
+
+    @model_validator(mode="after")
+    def _full_profile_consistent(self) -> CurateConfig:
+        # Checked when the config loads, so a typo fails the job at start rather than in a stage actor mid-run.
+        sets = self.models.clip.prompt_sets
+        named = {f"filters.prompt_filters.{n}.{side}": getattr(pf, side)
+                 for n, pf in self.filters.prompt_filters.items() for side in ("keep", "reject")}
+        named |= {f"models.clip.realism.{side}": getattr(self.models.clip.realism, side) for side in ("photo", "not_photo")}
+        for where, name in named.items():
+            if not sets.get(name):
+                raise ValueError(f"{where} names prompt set {name!r}, which models.clip.prompt_sets does not define "
+                                 f"(or defines empty); defined: {sorted(sets)}")
+        bad = [n for n in self.filters.prompt_filters if not n.isidentifier()]
+        if bad:
+            raise ValueError(f"filters.prompt_filters names must be identifiers (they become reason codes): {bad}")
+        writers = [s for s in ("embedding", "clip") if s in self.enabled_stages]
+        if len(writers) > 1:
+            raise ValueError(f"stages {writers} both write the embedding column; enable one")
         return self
 
     @property
