@@ -32,6 +32,8 @@ from curation.stage import Row, Stage, Update, reject
 if TYPE_CHECKING:
     import cv2
 
+    from curation.config import Filters
+
 # Cascade files under cv2.data.haarcascades: (evidence kind, file name).
 _FACE_CASCADES = (
     ("default", "haarcascade_frontalface_default.xml"),
@@ -103,6 +105,25 @@ class Person:
     box: np.ndarray  # x0, y0, x1, y1 in pixels of the oriented image
     score: float
     detector: str
+
+
+def prominence(f: Filters, score: float, height_frac: float, area_frac: float) -> float:
+    """>= 1 exactly when the prominent-person rule holds; otherwise how near a candidate comes to it."""
+
+    def ratio(value: float, minimum: float) -> float:
+        return value / minimum if minimum > 0 else math.inf
+
+    return min(ratio(score, f.person_min_score),
+               max(ratio(height_frac, f.person_min_height_frac), ratio(area_frac, f.person_min_area_frac)))
+
+
+def order_main_first(records: list[dict], f: Filters) -> None:
+    """Sort person records so persons[0] is the main person: the most confident prominent one (scores within 0.01
+    count as equal, then the larger wins), else the candidate nearest to passing the rule."""
+    records.sort(key=lambda r: (
+        (0, -round(r["score"], 2), -r["area_frac"]) if r["prominent"]
+        else (1, -prominence(f, r["score"], r["height_frac"], r["area_frac"]), 0.0)
+    ))
 
 
 class PersonStage(Stage):
@@ -322,16 +343,11 @@ class PersonStage(Stage):
             hf, af = (y1 - y0) / height, (x1 - x0) * (y1 - y0) / area
             records.append(
                 {"x0": x0, "y0": y0, "x1": x1, "y1": y1, "score": float(p.score), "detector": p.detector,
-                 "height_frac": hf, "area_frac": af, "prominent": self._prominence(p.score, hf, af) >= 1.0,
+                 "height_frac": hf, "area_frac": af, "prominent": prominence(f, p.score, hf, af) >= 1.0,
                  "head_yaw_class": None, "head_confidence": None, "head_yaw": None, "head_pitch": None,
                  "head_roll": None}
             )
-        # persons[0] is the main person: the most confident prominent one (scores within 0.01 count as equal,
-        # then the larger wins), else the candidate nearest to passing the rule.
-        records.sort(key=lambda r: (
-            (0, -round(r["score"], 2), -r["area_frac"]) if r["prominent"]
-            else (1, -self._prominence(r["score"], r["height_frac"], r["area_frac"]), 0.0)
-        ))
+        order_main_first(records, f)
         face_records = [
             {"x0": float(fc.box[0]), "y0": float(fc.box[1]), "x1": float(fc.box[2]), "y1": float(fc.box[3]),
              "score": float(fc.score), "view": fc.view}
@@ -358,16 +374,6 @@ class PersonStage(Stage):
             )
             return {**update, **reject("no_prominent_person", detail)}
         return update
-
-    def _prominence(self, score: float, height_frac: float, area_frac: float) -> float:
-        """>= 1 exactly when the prominent-person rule holds; otherwise how near a candidate comes to it."""
-        f = self.cfg.filters
-
-        def ratio(value: float, minimum: float) -> float:
-            return value / minimum if minimum > 0 else math.inf
-
-        return min(ratio(score, f.person_min_score),
-                   max(ratio(height_frac, f.person_min_height_frac), ratio(area_frac, f.person_min_area_frac)))
 
 
 class HeadPoseStage(Stage):

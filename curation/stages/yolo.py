@@ -36,6 +36,7 @@ import numpy as np
 
 from curation.imageio import decode
 from curation.stage import Row, Stage, Update, reject
+from curation.stages.people import order_main_first, prominence
 
 if TYPE_CHECKING:
     from curation.config import Filters
@@ -170,17 +171,6 @@ def yaw_class(yaw: float, frontal_max_yaw: float) -> str:
     if yaw > frontal_max_yaw:
         return "right_profile"
     return "frontal"
-
-
-def prominence(f: Filters, score: float, height_frac: float, area_frac: float) -> float:
-    """>= 1 exactly when the prominent-person rule holds (the lite rule of PersonStage._prominence); otherwise how near
-    a candidate comes to it."""
-
-    def ratio(value: float, minimum: float) -> float:
-        return value / minimum if minimum > 0 else math.inf
-
-    return min(ratio(score, f.person_min_score),
-               max(ratio(height_frac, f.person_min_height_frac), ratio(area_frac, f.person_min_area_frac)))
 
 
 def _iou_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -353,11 +343,7 @@ class YoloPersonStage(Stage):
                  "head_yaw_class": cls, "head_confidence": head_conf, "head_yaw": _none_if_nan(heads.yaw[h]),
                  "head_pitch": _none_if_nan(heads.pitch[h]), "head_roll": _none_if_nan(heads.roll[h])}
             )
-        # persons[0] is the main person, ordered as in the lite profile.
-        records.sort(key=lambda r: (
-            (0, -round(r["score"], 2), -r["area_frac"]) if r["prominent"]
-            else (1, -prominence(f, r["score"], r["height_frac"], r["area_frac"]), 0.0)
-        ))
+        order_main_first(records, f)  # persons[0] is the main person, as in the lite profile
         faces.sort(key=lambda fc: -fc["score"])
         main = records[0] if records else None
         update: Update = {
