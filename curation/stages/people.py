@@ -126,18 +126,22 @@ def order_main_first(records: list[dict], f: Filters) -> None:
     ))
 
 
+# What every person detector writes (the full profile's adds the main person's head pose).
+PERSON_COLUMNS = (
+    "persons",
+    "faces",
+    "person_count",
+    "prominent_count",
+    "main_person_score",
+    "main_person_height_frac",
+    "main_person_area_frac",
+)
+
+
 class PersonStage(Stage):
     name = "person"
     reads = ("image", "width", "height")
-    writes = (
-        "persons",
-        "faces",
-        "person_count",
-        "prominent_count",
-        "main_person_score",
-        "main_person_height_frac",
-        "main_person_area_frac",
-    )
+    writes = PERSON_COLUMNS
     uses_actors = True
 
     def setup(self) -> None:

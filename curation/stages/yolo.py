@@ -36,7 +36,7 @@ import numpy as np
 
 from curation.imageio import decode
 from curation.stage import Row, Stage, Update, reject
-from curation.stages.people import order_main_first, prominence
+from curation.stages.people import PERSON_COLUMNS, order_main_first, prominence
 
 if TYPE_CHECKING:
     from curation.config import Filters
@@ -204,17 +204,7 @@ def _none_if_nan(v: float) -> float | None:
 class YoloPersonStage(Stage):
     name = "yolo_person"
     reads = ("image", "width", "height")
-    writes = (
-        "persons",
-        "faces",
-        "person_count",
-        "prominent_count",
-        "main_person_score",
-        "main_person_height_frac",
-        "main_person_area_frac",
-        "head_yaw_class",
-        "head_confidence",
-    )
+    writes = (*PERSON_COLUMNS, "head_yaw_class", "head_confidence")
     uses_actors = True
 
     def setup(self) -> None:
