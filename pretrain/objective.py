@@ -1,0 +1,349 @@
+"""The pretraining objective: L = L_MAE + lambda * L_CL, with an EMA teacher for the contrastive term.
+
+- L_MAE: the student encodes the visible patches of each clean global view; a light transformer decoder puts mask
+  tokens at the hidden positions and predicts every patch's pixels, normalised per patch (mean / variance over
+  the patch's pixels and channels, as MAE's ``norm_pix_loss``). The loss is the mean squared error over the masked
+  patches only. Patches are cut with ``pixel_unshuffle`` and put back with ``pixel_shuffle``.
+- L_CL: DINO-style self-distillation on the [CLS] token. A projection head (MLP -> bottleneck -> L2 norm ->
+  weight-normalised prototypes) turns [CLS] into prototype scores. The teacher, an exponential moving average of
+  the student's backbone and head, encodes the whole colour-augmented global views; its scores are centred (or
+  balanced by Sinkhorn-Knopp) and sharpened by a low temperature. The student encodes the masked clean global
+  views and the local crops; the loss is the cross-entropy between the teacher's softmax on one global view and
+  the student's log-softmax on every other view.
+
+Schedules (by optimiser step): teacher momentum cosine from 0.996 to 1 over the run; teacher temperature linear
+from its warm-up value to its final value. The teacher never receives gradients: it runs under ``no_grad`` and
+its parameters have ``requires_grad=False``; only ``update_teacher`` changes it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor, nn
+
+from common.config import Strict
+from pretrain.backbone import BackboneOutput, Sapiens2Backbone
+from pretrain.masking import Masks, MaskingConfig, generate_masks
+from pretrain.views import Views, ViewsConfig, make_views
+
+
+class MAEConfig(Strict):
+    width: int = Field(512, ge=4, multiple_of=4)  # multiple of 4 for the 2D sin-cos position code
+    depth: int = Field(4, ge=1)
+    heads: int = Field(16, ge=1)
+    ffn_ratio: float = Field(4.0, gt=0)
+    norm_pix: bool = True  # per-patch normalised pixel targets
+    norm_eps: float = Field(1e-6, gt=0)
+
+
+class CLConfig(Strict):
+    hidden: int = Field(2048, ge=1)
+    bottleneck: int = Field(256, ge=1)
+    layers: int = Field(3, ge=1)
+    prototypes: int = Field(65536, ge=2)
+    student_temp: float = Field(0.1, gt=0)
+    teacher_temp: float = Field(0.07, gt=0)
+    teacher_temp_warmup: float = Field(0.04, gt=0)  # starting teacher temperature
+    teacher_temp_warmup_steps: int = Field(0, ge=0)
+    normalize: Literal["center", "sinkhorn"] = "center"
+    center_momentum: float = Field(0.9, ge=0, lt=1)
+    sinkhorn_iters: int = Field(3, ge=1)
+    momentum: float = Field(0.996, ge=0, le=1)  # teacher EMA momentum at step 0 ...
+    momentum_end: float = Field(1.0, ge=0, le=1)  # ... and at the last step (cosine between)
+
+
+class ObjectiveConfig(Strict):
+    lambda_cl: float = Field(1.0, ge=0)
+    mae: MAEConfig = MAEConfig()
+    cl: CLConfig = CLConfig()
+    masking: MaskingConfig = MaskingConfig()
+    views: ViewsConfig = ViewsConfig()
+    check_finite: bool = True  # raise on a NaN / inf loss term (one host sync per step)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A loss term became NaN or infinite; the message names the step and the term."""
+
+
+# --- schedules ----------------------------------------------------------------------------------------------------
+
+
+def teacher_momentum(step: int, total_steps: int, start: float = 0.996, end: float = 1.0) -> float:
+    """Cosine from ``start`` at step 0 to ``end`` at ``total_steps`` (and after)."""
+    progress = min(max(step, 0), total_steps) / max(total_steps, 1)
+    return end - (end - start) * (math.cos(math.pi * progress) + 1) / 2
+
+
+def teacher_temperature(step: int, cfg: CLConfig) -> float:
+    if step >= cfg.teacher_temp_warmup_steps:
+        return cfg.teacher_temp
+    return cfg.teacher_temp_warmup + (cfg.teacher_temp - cfg.teacher_temp_warmup) * step / cfg.teacher_temp_warmup_steps
+
+
+# --- MAE ----------------------------------------------------------------------------------------------------------
+
+
+def patchify(images: Tensor, patch: int) -> Tensor:
+    """[B, C, H, W] -> [B, N, C * patch * patch], patches row-major, each vector laid out (C, p, p)."""
+    return F.pixel_unshuffle(images, patch).flatten(2).transpose(1, 2)
+
+
+def unpatchify(patches: Tensor, grid: tuple[int, int], patch: int) -> Tensor:
+    """Inverse of ``patchify``: [B, N, C * patch * patch] -> [B, C, gh * patch, gw * patch]."""
+    return F.pixel_shuffle(patches.transpose(1, 2).unflatten(2, grid), patch)
+
+
+def mae_targets(images: Tensor, patch: int, norm_pix: bool = True, eps: float = 1e-6) -> Tensor:
+    """Per-patch pixel targets [B, N, C * patch * patch], each patch normalised to zero mean, unit variance."""
+    target = patchify(images.float(), patch)
+    if not norm_pix:
+        return target
+    mean = target.mean(dim=-1, keepdim=True)
+    var = target.var(dim=-1, keepdim=True)
+    return (target - mean) / (var + eps).sqrt()
+
+
+def mae_loss(pred: Tensor, target: Tensor, masked: Tensor) -> Tensor:
+    """Mean squared error over the masked patches only; ``masked`` [B, n_mask] indexes the patch axis.
+
+    Visible patches are never read, so whatever is predicted there (even NaN) changes neither loss nor gradient.
+    """
+    index = masked.unsqueeze(-1).expand(-1, -1, pred.shape[-1])
+    return (pred.gather(1, index).float() - target.gather(1, index)).pow(2).mean()
+
+
+def sincos_2d(grid: tuple[int, int], dim: int, device: torch.device | str | None = None) -> Tensor:
+    """Fixed 2D sin-cos position code [gh * gw, dim] (MAE's): a quarter of the dims each for sin/cos of row/col."""
+    quarter = dim // 4
+    omega = 1.0 / 10000 ** (torch.arange(quarter, device=device, dtype=torch.float32) / quarter)
+    rows, cols = torch.meshgrid(
+        torch.arange(grid[0], device=device, dtype=torch.float32),
+        torch.arange(grid[1], device=device, dtype=torch.float32),
+        indexing="ij",
+    )
+    y, x = rows.reshape(-1, 1) * omega, cols.reshape(-1, 1) * omega
+    return torch.cat([y.sin(), y.cos(), x.sin(), x.cos()], dim=1)
+
+
+class MAEDecoder(nn.Module):
+    """Encoder tokens + mask tokens at the hidden positions -> per-patch pixels [B, N, C * patch * patch].
+
+    The encoder's [CLS] and register tokens join the sequence as context (MAE keeps [CLS] in its decoder).
+    """
+
+    def __init__(self, in_dim: int, cfg: MAEConfig, patch: int, channels: int = 3) -> None:
+        super().__init__()
+        self.patch = patch
+        self.embed = nn.Linear(in_dim, cfg.width)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, cfg.width))
+        layer = nn.TransformerEncoderLayer(
+            cfg.width,
+            cfg.heads,
+            round(cfg.ffn_ratio * cfg.width),
+            dropout=0.0,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
+        self.blocks = nn.TransformerEncoder(layer, cfg.depth, norm=nn.LayerNorm(cfg.width), enable_nested_tensor=False)
+        self.pred = nn.Linear(cfg.width, channels * patch * patch)
+        nn.init.normal_(self.mask_token, std=0.02)
+
+    def forward(self, enc: BackboneOutput) -> Tensor:
+        x = self.embed(enc.patches)
+        b, n_vis, width = x.shape
+        n = enc.grid[0] * enc.grid[1]
+        if enc.keep is not None:
+            full = self.mask_token.to(x.dtype).expand(b, n, width)
+            x = full.scatter(1, enc.keep.unsqueeze(-1).expand(-1, -1, width), x)
+        elif n_vis != n:
+            raise ValueError(f"{n_vis} tokens without `keep` on a {enc.grid} grid")
+        x = x + sincos_2d(enc.grid, width, x.device).to(x.dtype)
+        prefix = self.embed(torch.cat([enc.cls.unsqueeze(1), enc.registers], dim=1))
+        x = self.blocks(torch.cat([prefix, x], dim=1))
+        return self.pred(x[:, prefix.shape[1] :])
+
+
+# --- self-distillation --------------------------------------------------------------------------------------------
+
+
+class DINOHead(nn.Module):
+    """MLP -> bottleneck -> L2 normalisation -> weight-normalised prototypes (unit-norm rows, norm frozen at 1)."""
+
+    def __init__(self, in_dim: int, cfg: CLConfig) -> None:
+        super().__init__()
+        dims = [in_dim] + [cfg.hidden] * (cfg.layers - 1) + [cfg.bottleneck]
+        layers: list[nn.Module] = []
+        for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+            layers += [nn.Linear(a, b)] + ([nn.GELU()] if i < len(dims) - 2 else [])
+        self.mlp = nn.Sequential(*layers)
+        for m in self.mlp:
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+        self.prototypes = nn.utils.parametrizations.weight_norm(nn.Linear(cfg.bottleneck, cfg.prototypes, bias=False))
+        magnitude = self.prototypes.parametrizations.weight.original0
+        with torch.no_grad():
+            magnitude.fill_(1.0)
+        magnitude.requires_grad_(False)  # scores are cosine similarities: only the directions learn
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.prototypes(F.normalize(self.mlp(x), dim=-1))
+
+
+def _all_reduce(t: Tensor) -> int:
+    """Sum ``t`` over data-parallel ranks in place; returns the world size (1 without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+        return dist.get_world_size()
+    return 1
+
+
+@torch.no_grad()
+def sinkhorn_knopp(scores: Tensor, temp: float, iters: int) -> Tensor:
+    """Teacher targets [B, K] whose prototype marginals are uniform over the (global) batch (DINOv2 / SwAV)."""
+    q = torch.exp(scores.float() / temp).t()  # [K, B]; scores are cosines in [-1, 1], so no overflow
+    k = q.shape[0]
+    total = q.sum()
+    world = _all_reduce(total)
+    q /= total
+    n = q.shape[1] * world
+    for _ in range(iters):
+        rows = q.sum(dim=1, keepdim=True)
+        _all_reduce(rows)
+        q /= rows * k
+        q /= q.sum(dim=0, keepdim=True) * n
+    return (q * n).t()
+
+
+def distillation_loss(teacher_probs: Tensor, student_logits: Tensor, student_temp: float) -> Tensor:
+    """Mean over view pairs (teacher view g, student view v != g) of the cross-entropy, averaged over the batch.
+
+    teacher_probs [G, B, K]; student_logits [V, B, K] with the G global views first, in the teacher's order.
+    """
+    g, b = teacher_probs.shape[:2]
+    log_p = F.log_softmax(student_logits.float() / student_temp, dim=-1)
+    ce = -torch.einsum("gbk,vbk->gv", teacher_probs.float(), log_p) / b  # [G, V]
+    pairs = ~torch.eye(g, log_p.shape[0], dtype=torch.bool, device=ce.device)
+    return ce[pairs].mean()
+
+
+# --- the joint objective ------------------------------------------------------------------------------------------
+
+
+class JointObjective(nn.Module):
+    """Student backbone + MAE decoder + projection head, their EMA teacher, and L = L_MAE + lambda * L_CL.
+
+    Optimise the parameters with ``requires_grad`` (student, decoder, head); call ``update_teacher(step)`` after
+    each optimiser step. The teacher and the centre are part of ``state_dict`` so a resume restores them.
+    """
+
+    def __init__(self, backbone: Sapiens2Backbone, cfg: ObjectiveConfig, total_steps: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.total_steps = total_steps
+        width, window = backbone.cfg.width, backbone.cfg.window or 1
+        self.student = backbone
+        self.decoder = MAEDecoder(width, cfg.mae, backbone.cfg.patch_size * window, backbone.cfg.in_chans)
+        self.head = DINOHead(width, cfg.cl)
+        self.teacher = nn.ModuleDict({"backbone": copy.deepcopy(backbone), "head": copy.deepcopy(self.head)})
+        self.teacher.requires_grad_(False)
+        self.teacher.eval()
+        self.register_buffer("center", torch.zeros(1, cfg.cl.prototypes))
+        self.register_buffer("center_ready", torch.zeros((), dtype=torch.bool))
+
+    def train(self, mode: bool = True) -> JointObjective:
+        super().train(mode)
+        self.teacher.eval()  # the teacher only ever infers
+        return self
+
+    def no_weight_decay(self) -> set[str]:
+        """Trainable parameter names exempt from weight decay: the backbone's, plus norms, biases, mask token."""
+        names = {f"student.{n}" for n in self.student.no_weight_decay()}
+        for prefix, module in (("decoder", self.decoder), ("head", self.head)):
+            names |= {f"{prefix}.{n}" for n, p in module.named_parameters() if p.requires_grad and p.ndim <= 1}
+        return names | {"decoder.mask_token"}
+
+    def forward(self, images: Tensor, step: int, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        """Views and masks from ``images`` ([B, 3, H, W], uint8 or [0, 1] floats), then ``losses``."""
+        views = make_views(images, self.cfg.views, generator)
+        return self.losses(views, step, self.masks_for(views, generator))
+
+    def masks_for(self, views: Views, generator: torch.Generator | None = None) -> Masks:
+        """Masks on the encoder's token grid for every global view (on the views' device)."""
+        grid = self.student.token_grid(*views.global_clean.shape[-2:])
+        batch = views.global_clean.shape[0]
+        return generate_masks(batch, grid, self.cfg.masking, generator=generator, device=views.global_clean.device)
+
+    def losses(self, views: Views, step: int, masks: Masks) -> dict[str, Tensor]:
+        """{"loss": L, "mae": L_MAE, "cl": L_CL}; only "loss" carries gradients."""
+        g, n_local = views.n_global, views.n_local
+        b = views.global_clean.shape[0] // g
+        student = self.student(views.global_clean, self._patch_keep(masks.keep, views.global_clean))
+        target = mae_targets(views.global_clean, self.decoder.patch, self.cfg.mae.norm_pix, self.cfg.mae.norm_eps)
+        mae = mae_loss(self.decoder(student), target, masks.masked)
+
+        cls = [student.cls]
+        if n_local:
+            cls.append(self.student(views.local).cls)
+        student_logits = self.head(torch.cat(cls)).view(g + n_local, b, -1)
+        with torch.no_grad():
+            teacher = self.teacher["head"](self.teacher["backbone"](views.global_aug).cls)
+            probs = self.teacher_probs(teacher, step).view(g, b, -1)
+        cl = distillation_loss(probs, student_logits, self.cfg.cl.student_temp)
+
+        total = mae + self.cfg.lambda_cl * cl
+        if self.cfg.check_finite:
+            _check_finite(step, {"mae": mae, "cl": cl, "loss": total})
+        return {"loss": total, "mae": mae.detach(), "cl": cl.detach()}
+
+    @torch.no_grad()
+    def teacher_probs(self, scores: Tensor, step: int) -> Tensor:
+        """Teacher targets [N, K] from its prototype scores: centred softmax (then the centre moves), or Sinkhorn."""
+        cl = self.cfg.cl
+        temp = teacher_temperature(step, cl)
+        if cl.normalize == "sinkhorn":
+            return sinkhorn_knopp(scores, temp, cl.sinkhorn_iters)
+        batch_mean = scores.float().sum(dim=0, keepdim=True)
+        batch_mean /= scores.shape[0] * _all_reduce(batch_mean)
+        # The centre starts at the first batch's mean: a zero centre would leave the first teacher targets one-hot
+        # on the prototype every image shares, the very collapse the centring is there to prevent.
+        self.center.copy_(torch.where(self.center_ready, self.center, batch_mean))
+        self.center_ready.fill_(True)
+        probs = F.softmax((scores.float() - self.center) / temp, dim=-1)
+        self.center.lerp_(batch_mean, 1 - cl.center_momentum)
+        return probs
+
+    @torch.no_grad()
+    def update_teacher(self, step: int) -> float:
+        """teacher <- m * teacher + (1 - m) * student for backbone and head; returns the momentum m used."""
+        m = teacher_momentum(step, self.total_steps, self.cfg.cl.momentum, self.cfg.cl.momentum_end)
+        teacher = [*self.teacher["backbone"].parameters(), *self.teacher["head"].parameters()]
+        student = [*self.student.parameters(), *self.head.parameters()]
+        torch._foreach_lerp_(teacher, student, 1.0 - m)
+        return m
+
+    def _patch_keep(self, keep: Tensor, images: Tensor) -> Tensor:
+        """Encoder ``keep`` from token-grid indices: the same for a plain backbone; for the 4K variant every patch
+        of each kept window (the encoder keeps exactly those windows)."""
+        window = self.student.cfg.window
+        if not window:
+            return keep
+        gh, gw = self.student.patch_grid(*images.shape[-2:])
+        th, tw = gh // window, gw // window
+        slots = torch.arange(gh * gw, device=keep.device).view(th, window, tw, window).transpose(1, 2)
+        return slots.reshape(th * tw, window * window)[keep].flatten(1).sort(dim=1).values
+
+
+def _check_finite(step: int, terms: dict[str, Tensor]) -> None:
+    finite = torch.stack([torch.isfinite(v.detach()).all() for v in terms.values()]).tolist()  # one host sync
+    for (name, value), ok in zip(terms.items(), finite):
+        if not ok:
+            raise NonFiniteLossError(f"step {step}: loss term {name!r} is {value.item()}")

@@ -1,0 +1,321 @@
+"""The joint MAE + self-distillation objective: MAE targets and loss, EMA teacher, centring, views, NaN guard,
+and a tiny model learning on the sample photos."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from pretrain.backbone import SIZES, build
+from pretrain.masking import generate_masks
+from pretrain.objective import (
+    CLConfig,
+    JointObjective,
+    MAEConfig,
+    NonFiniteLossError,
+    ObjectiveConfig,
+    distillation_loss,
+    mae_loss,
+    mae_targets,
+    patchify,
+    sinkhorn_knopp,
+    teacher_momentum,
+    teacher_temperature,
+    unpatchify,
+)
+from pretrain.views import Views, ViewsConfig, colour_augment, make_views, normalize
+
+SMALL_VIEWS = ViewsConfig(global_size=(64, 48), local_size=(32, 32), n_local=2)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one thread is fastest, and OpenMP workers spin badly on a shared two-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def small_config(**changes) -> ObjectiveConfig:
+    cfg = ObjectiveConfig(
+        mae=MAEConfig(width=32, depth=1, heads=4),
+        cl=CLConfig(hidden=64, bottleneck=32, prototypes=64),
+        views=SMALL_VIEWS,
+    )
+    return cfg.model_copy(update=changes)
+
+
+def tiny_objective(total_steps: int = 100, **changes) -> JointObjective:
+    torch.manual_seed(0)
+    return JointObjective(build("tiny"), small_config(**changes), total_steps=total_steps)
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# --- MAE ----------------------------------------------------------------------------------------------------------
+
+
+def test_patchify_layout_and_pixel_shuffle_roundtrip() -> None:
+    x = torch.randn(2, 3, 48, 32)
+    p = patchify(x, 16)
+    assert p.shape == (2, 6, 768)
+    # patch (row 1, col 1) of the 3x2 grid is index 3, laid out (C, 16, 16)
+    assert torch.equal(p[1, 3], x[1, :, 16:32, 16:32].reshape(-1))
+    assert torch.equal(unpatchify(p, (3, 2), 16), x)
+
+
+def test_mae_targets_are_normalised_per_patch() -> None:
+    x = torch.rand(2, 3, 32, 32) * 5 + 3
+    t = mae_targets(x, 16)
+    assert t.mean(-1).abs().max() < 1e-5
+    assert (t.var(-1) - 1).abs().max() < 1e-3
+    assert torch.equal(mae_targets(x, 16, norm_pix=False), patchify(x, 16))
+
+
+def test_mae_loss_zero_on_perfect_prediction_and_blind_to_visible_patches() -> None:
+    target = mae_targets(torch.rand(4, 3, 64, 48), 16)  # 4x3 grid
+    masks = generate_masks(4, (4, 3), generator=_gen())
+    assert mae_loss(target.clone(), target, masks.masked).item() == 0.0
+
+    pred = (target + torch.randn_like(target)).requires_grad_(True)
+    loss = mae_loss(pred, target, masks.masked)
+    manual = ((pred - target) ** 2).mean(-1)[masks.mask].mean()
+    assert loss.item() > 0.5 and loss.item() == pytest.approx(manual.item(), rel=1e-5)
+
+    # Anything at the visible patches, even NaN, changes neither the loss nor any gradient.
+    other = pred.detach().clone()
+    other[~masks.mask] = float("nan")
+    other.requires_grad_(True)
+    other_loss = mae_loss(other, target, masks.masked)
+    assert other_loss.item() == loss.item()
+    loss.backward()
+    other_loss.backward()
+    assert torch.equal(other.grad, pred.grad)
+    assert (pred.grad[~masks.mask] == 0).all() and (pred.grad[masks.mask] != 0).any()
+
+
+def test_decoder_fills_masked_positions_from_mask_tokens() -> None:
+    obj = tiny_objective()
+    images = torch.randn(3, 3, 64, 48)
+    masks = generate_masks(3, (4, 3), generator=_gen())
+    enc = obj.student(images, masks.keep)
+    pred = obj.decoder(enc)
+    assert pred.shape == (3, 12, 3 * 16 * 16)
+    mae_loss(pred, mae_targets(images, 16), masks.masked).backward()
+    assert obj.decoder.mask_token.grad.abs().sum() > 0  # masked positions are predicted from the mask token
+
+
+# --- teacher ------------------------------------------------------------------------------------------------------
+
+
+def test_momentum_and_temperature_schedules() -> None:
+    assert teacher_momentum(0, 1000) == pytest.approx(0.996)
+    assert teacher_momentum(500, 1000) == pytest.approx(0.998)
+    assert teacher_momentum(1000, 1000) == 1.0 and teacher_momentum(5000, 1000) == 1.0
+    cl = CLConfig(teacher_temp_warmup=0.04, teacher_temp=0.07, teacher_temp_warmup_steps=30)
+    assert teacher_temperature(0, cl) == pytest.approx(0.04)
+    assert teacher_temperature(15, cl) == pytest.approx(0.055)
+    assert teacher_temperature(30, cl) == teacher_temperature(10_000, cl) == 0.07
+
+
+def test_ema_update_is_m_teacher_plus_one_minus_m_student() -> None:
+    obj = tiny_objective(total_steps=1000)
+    teacher = [*obj.teacher["backbone"].parameters(), *obj.teacher["head"].parameters()]
+    student = [*obj.student.parameters(), *obj.head.parameters()]
+    assert len(teacher) == len(student) > 10
+    with torch.no_grad():
+        for t, s in zip(teacher, student):
+            t.copy_(torch.randn_like(t))
+            s.copy_(torch.randn_like(s))
+    before = [t.detach().clone() for t in teacher]
+    m = obj.update_teacher(500)
+    assert m == pytest.approx(0.998)
+    for t, t0, s in zip(teacher, before, student):
+        torch.testing.assert_close(t, m * t0 + (1 - m) * s, rtol=1e-6, atol=1e-6)
+
+
+def test_centering_math() -> None:
+    cl = CLConfig(prototypes=8, teacher_temp_warmup=0.04, teacher_temp=0.07, teacher_temp_warmup_steps=10)
+    obj = tiny_objective(cl=cl)
+    s1, s2 = torch.randn(6, 8), torch.randn(6, 8)
+    # First batch: the centre starts at its mean.
+    p1 = obj.teacher_probs(s1, step=0)
+    c1 = s1.mean(0, keepdim=True)
+    torch.testing.assert_close(p1, F.softmax((s1 - c1) / 0.04, dim=-1))
+    torch.testing.assert_close(obj.center, c1)
+    # Later: softmax against the current centre, then centre <- m * centre + (1 - m) * batch mean.
+    p2 = obj.teacher_probs(s2, step=5)
+    torch.testing.assert_close(p2, F.softmax((s2 - c1) / 0.055, dim=-1))
+    torch.testing.assert_close(obj.center, 0.9 * c1 + 0.1 * s2.mean(0, keepdim=True))
+
+
+def test_sinkhorn_balances_prototypes() -> None:
+    scores = torch.randn(32, 8) + torch.tensor([3.0] + [0.0] * 7)  # prototype 0 would dominate a softmax
+    q = sinkhorn_knopp(scores, temp=0.1, iters=50)
+    torch.testing.assert_close(q.sum(1), torch.ones(32))
+    torch.testing.assert_close(q.sum(0), torch.full((8,), 4.0), rtol=1e-3, atol=1e-3)
+    assert F.softmax(scores / 0.1, -1).sum(0)[0] > 20  # ... which the balancing undid
+
+
+def test_distillation_loss_pairs_every_teacher_view_with_the_other_student_views() -> None:
+    g, v, b, k = 2, 5, 3, 7
+    probs = F.softmax(torch.randn(g, b, k), -1)
+    logits = torch.randn(v, b, k)
+    expected = [
+        -(probs[i] * F.log_softmax(logits[j] / 0.1, -1)).sum(-1).mean() for i in range(g) for j in range(v) if i != j
+    ]
+    assert distillation_loss(probs, logits, 0.1).item() == pytest.approx(torch.stack(expected).mean().item(), rel=1e-5)
+
+
+def test_no_gradient_reaches_the_teacher() -> None:
+    obj = tiny_objective()
+    assert all(not p.requires_grad for p in obj.teacher.parameters())
+    out = obj(torch.rand(4, 3, 96, 72), step=0, generator=_gen())
+    assert set(out) == {"loss", "mae", "cl"} and out["loss"].requires_grad and not out["cl"].requires_grad
+    out["loss"].backward()
+    assert all(p.grad is None for p in obj.teacher.parameters())
+    for module in (obj.student, obj.decoder, obj.head):
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters())
+    before = [p.clone() for p in obj.teacher.parameters()]
+    torch.optim.SGD([p for p in obj.parameters() if p.requires_grad], lr=1.0).step()
+    assert all(torch.equal(a, p) for a, p in zip(before, obj.teacher.parameters()))  # only update_teacher moves it
+    obj.update_teacher(0)
+    assert not all(torch.equal(a, p) for a, p in zip(before, obj.teacher.parameters()))
+    obj.train()
+    assert obj.student.training and not obj.teacher.training
+
+
+# --- views --------------------------------------------------------------------------------------------------------
+
+
+def test_colour_augmentation_never_touches_the_global_views() -> None:
+    skin = torch.tensor([0.80, 0.55, 0.45]).view(1, 3, 1, 1)
+    images = skin.expand(16, 3, 120, 90).clone()  # a constant colour: every crop of it is that colour
+    cfg = SMALL_VIEWS.model_copy(update={"jitter_prob": 1.0})
+    v = make_views(images, cfg, _gen())
+    assert v.global_clean.shape == (32, 3, 64, 48) and v.global_aug.shape == (32, 3, 64, 48)
+    assert v.local.shape == (32, 3, 32, 32)
+    torch.testing.assert_close(v.global_clean, normalize(skin, cfg).expand_as(v.global_clean))
+    changed = lambda t: (t - normalize(skin, cfg)).abs().amax(dim=(1, 2, 3)) > 0.05  # noqa: E731
+    assert changed(v.global_aug).float().mean() > 0.9 and changed(v.local).float().mean() > 0.9
+
+
+def test_augmented_global_views_are_the_same_crops() -> None:
+    photo = torch.rand(4, 3, 120, 90)
+    no_colour = SMALL_VIEWS.model_copy(
+        update={"jitter_prob": 0.0, "grayscale_prob": 0.0, "global_blur_prob": (0.0, 0.0)}
+    )
+    v = make_views(photo, no_colour, _gen(3))
+    torch.testing.assert_close(v.global_aug, v.global_clean)
+    assert not torch.equal(v.global_clean[:4], v.global_clean[4:])  # two different crops per image
+    again = make_views(photo, no_colour, _gen(3))
+    assert torch.equal(again.global_clean, v.global_clean) and torch.equal(again.local, v.local)
+
+
+def test_colour_augment_identity_when_nothing_drawn() -> None:
+    x = torch.rand(3, 3, 20, 16)
+    cfg = SMALL_VIEWS.model_copy(update={"jitter_prob": 0.0, "grayscale_prob": 0.0})
+    torch.testing.assert_close(colour_augment(x, cfg, blur_prob=0.0, solarize_prob=0.0, generator=_gen()), x)
+    solarised = colour_augment(x, cfg, blur_prob=0.0, solarize_prob=1.0, generator=_gen())
+    torch.testing.assert_close(solarised, torch.where(x >= 0.5, 1 - x, x))
+
+
+def test_mae_term_depends_only_on_the_clean_global_views() -> None:
+    obj = tiny_objective()
+    v = make_views(torch.rand(4, 3, 96, 72), SMALL_VIEWS, _gen())
+    masks = obj.masks_for(v, _gen(1))
+    first = obj.losses(v, 0, masks)
+    swapped = Views(v.global_clean, torch.randn_like(v.global_aug), torch.randn_like(v.local), 2, 2)
+    second = obj.losses(swapped, 0, masks)
+    assert first["mae"].item() == second["mae"].item()
+    assert first["cl"].item() != second["cl"].item()
+
+
+# --- safety and variants ------------------------------------------------------------------------------------------
+
+
+def test_non_finite_loss_names_step_and_term() -> None:
+    obj = tiny_objective()
+    v = make_views(torch.rand(2, 3, 96, 72), SMALL_VIEWS, _gen())
+    masks = obj.masks_for(v, _gen())
+    bad_local = Views(v.global_clean, v.global_aug, torch.full_like(v.local, float("nan")), 2, 2)
+    with pytest.raises(NonFiniteLossError, match=r"step 7: loss term 'cl' is nan"):
+        obj.losses(bad_local, 7, masks)
+    bad_clean = Views(torch.full_like(v.global_clean, float("inf")), v.global_aug, v.local, 2, 2)
+    with pytest.raises(NonFiniteLossError, match=r"step 12: loss term 'mae'"):
+        obj.losses(bad_clean, 12, masks)
+
+
+def test_hierarchical_backbone_masks_whole_windows() -> None:
+    torch.manual_seed(0)
+    views = ViewsConfig(global_size=(128, 128), local_size=(64, 64), n_local=1)
+    obj = JointObjective(build("tiny-4k"), small_config(views=views), total_steps=10)
+    assert obj.decoder.patch == 64  # one token per 4x4-patch window
+    v = make_views(torch.rand(2, 3, 160, 160), views, _gen())
+    masks = obj.masks_for(v, _gen())
+    assert masks.mask.shape == (4, 4)  # 2x2 windows, 3 of 4 masked
+    patch_keep = obj._patch_keep(masks.keep, v.global_clean)
+    assert patch_keep.shape == (4, 16)  # every patch of the one kept window
+    assert torch.equal(obj.student(v.global_clean, patch_keep).keep, masks.keep)
+    out = obj.losses(v, 0, masks)
+    assert torch.isfinite(out["loss"])
+
+
+# --- learning on real photos --------------------------------------------------------------------------------------
+
+
+def _photo_batch(height: int = 128, width: int = 96) -> torch.Tensor:
+    from curation.sample_pool import load_photos
+
+    batch = []
+    for photo in load_photos().values():
+        img = photo.image.convert("RGB")
+        w, h = img.size
+        if h * width > w * height:  # centre crop to the model's aspect, then resize
+            crop_h = round(w * height / width)
+            img = img.crop((0, (h - crop_h) // 2, w, (h - crop_h) // 2 + crop_h))
+        else:
+            crop_w = round(h * width / height)
+            img = img.crop(((w - crop_w) // 2, 0, (w - crop_w) // 2 + crop_w, h))
+        img = img.resize((width, height), Image.Resampling.BILINEAR)
+        batch.append(torch.from_numpy(np.array(img)).permute(2, 0, 1))
+    return torch.stack(batch)
+
+
+def test_tiny_model_joint_loss_falls_on_sample_photos() -> None:
+    images = _photo_batch()  # the 12 photos that ship in packages, uint8
+    assert images.shape == (12, 3, 128, 96)
+    torch.manual_seed(0)
+    # Four blocks need no deep-network LayerScale damping; at 1e-4 a fresh tiny model's [CLS] barely depends on
+    # the image, which leaves self-distillation nothing to work with in a short run.
+    backbone = build(dataclasses.replace(SIZES["tiny"], layer_scale_init=1.0))
+    steps, prototypes = 150, 64
+    cl = CLConfig(hidden=128, bottleneck=64, prototypes=prototypes, teacher_temp=0.04, momentum=0.99)
+    obj = JointObjective(backbone, small_config(lambda_cl=0.1, cl=cl), total_steps=steps)
+    trainable = [p for p in obj.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=5e-4, weight_decay=0.05, foreach=True)
+    gen = _gen()
+    history = []
+    for step in range(steps):
+        out = obj(images, step, gen)
+        opt.zero_grad(set_to_none=True)
+        out["loss"].backward()
+        opt.step()
+        obj.update_teacher(step)
+        history.append([out[k].item() for k in ("loss", "mae", "cl")])
+    h = np.array(history)
+    first, last = h[:25].mean(0), h[-25:].mean(0)
+    print("first 25 steps (loss, mae, cl):", first, "last 25:", last)
+    assert np.isfinite(h).all()
+    assert last[0] < 0.85 * first[0], (first, last)  # the joint loss falls clearly ...
+    assert last[1] < 0.85 * first[1], (first, last)  # ... and so does reconstruction
+    assert last[2] < 0.95 * math.log(prototypes), (first, last)  # self-distillation has not collapsed to uniform
