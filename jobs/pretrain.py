@@ -1,0 +1,96 @@
+"""Pretrain a Sapiens2-style backbone on curated shards with Ray Train (FSDP2), resumable.
+
+    python -m jobs.pretrain --config configs/pretrain/tiny.yaml --data <out>/shards --storage <dir or s3://...> \\
+        --name run1 [key=value ...]
+    ray job submit --working-dir . -- python -m jobs.pretrain --config configs/pretrain/sapiens2_0.4b.yaml \\
+        --data s3://... --storage s3://... --name run1
+
+Running the same command again (same --storage and --name) resumes from the run's latest checkpoint; raising
+``steps=`` extends a finished run. At the end the student backbone is exported to <storage>/<name>/backbone.safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from common import storage
+from common.config import ConfigError, load_config
+from common.ray_utils import init_ray
+from common.storage import StorageError
+from pretrain import checkpoint as ckpt
+from pretrain.config import PretrainConfig
+from pretrain.data import DataError, ensure_index
+from pretrain.train import METRICS, fit, run_uri_for
+
+RUN_FILE = "run.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.pretrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--config", required=True, help="YAML config, e.g. configs/pretrain/tiny.yaml")
+    p.add_argument("--data", required=True, help="curated shards: the curate job's <out>/shards (local or s3://)")
+    p.add_argument("--storage", required=True, help="runs root (local or s3://); the run lives in <storage>/<name>")
+    p.add_argument("--name", required=True, help="run name; the same name resumes")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ray.workers=8")
+    return p.parse_args(argv)
+
+
+def claim_run(run_uri: str, data_uri: str, cfg: PretrainConfig) -> bool:
+    """Record what the run trains on; a rerun must name the same data and model. Returns True when resuming."""
+    fs, run = storage.resolve(run_uri)
+    path = storage.join(run, RUN_FILE)
+    mine = {"data": data_uri, "model_hash": cfg.model_hash(), "size": cfg.model.size}
+    if not storage.exists(fs, path):
+        storage.write_json_atomic(fs, path, {**mine, "created": time.time()})
+        return False
+    earlier = storage.read_json(fs, path)
+    for key in ("data", "model_hash"):
+        if earlier[key] != mine[key]:
+            raise ConfigError(
+                f"run {run_uri} was started with {key}={earlier[key]!r}, this command gives {mine[key]!r}; "
+                "use a new --name for a different run"
+            )
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(PretrainConfig, args.config, args.overrides)
+        run_uri = run_uri_for(args.storage, args.name)
+        data_uri = args.data if "://" in args.data else os.path.abspath(args.data)
+        resuming = claim_run(run_uri, data_uri, cfg)
+        index = ensure_index(data_uri, run_uri)
+    except (ConfigError, DataError, StorageError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    per_step = cfg.samples_per_step()
+    print(
+        f"[pretrain] {'resuming' if resuming else 'starting'} {run_uri}: size={cfg.model.size} steps={cfg.steps} "
+        f"workers={cfg.ray.workers} gpu={cfg.ray.use_gpu} global batch={per_step} "
+        f"data={index.num_samples} samples in {index.num_units} row groups "
+        f"({index.num_samples // per_step} steps/epoch)",
+        flush=True,
+    )
+    start = time.monotonic()
+    fit(cfg, args.storage, args.name)
+    latest = ckpt.latest_committed(run_uri)
+    print(f"[pretrain] done in {time.monotonic() - start:.0f} s")
+    print(f"[pretrain] checkpoints: {storage.join(run_uri, ckpt.CHECKPOINTS)} (latest: {latest})")
+    print(f"[pretrain] metrics:     {storage.join(run_uri, METRICS)}/*.jsonl")
+    if latest is not None:
+        out = storage.join(run_uri, ckpt.BACKBONE_FILE)
+        meta = ckpt.export_backbone(latest, out)
+        print(f"[pretrain] backbone:    {out} (size {meta['size']}, step {meta['step']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The pretraining config: model size, objective, data ingest, optimiser and schedules, checkpoints, cluster.
+
+Shipped configs live in ``configs/pretrain/*.yaml``; every field has a default here so a config only states what
+it changes. Overrides use the same ``key=value`` style as curation (``optim.lr=3e-4``, ``ray.workers=8``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from common.config import Strict, hash_json
+from pretrain.backbone import SIZES, BackboneConfig
+from pretrain.objective import ObjectiveConfig
+
+
+class ModelSettings(Strict):
+    size: str = "0.4b"  # a key of pretrain.backbone.SIZES
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
+    compile: bool = False  # torch.compile each transformer block
+
+    @field_validator("size")
+    @classmethod
+    def _known_size(cls, v: str) -> str:
+        if v not in SIZES:
+            raise ValueError(f"unknown size; choose from {sorted(SIZES)}")
+        return v
+
+    def backbone(self) -> BackboneConfig:
+        return dataclasses.replace(SIZES[self.size], activation_checkpointing=self.activation_checkpointing)
+
+
+class DataSettings(Strict):
+    # (H, W) of the decoded image: a person-centred crop of the model's aspect resized to this size. None: the
+    # objective's global view size. The views are then cut from it on the device.
+    image_size: tuple[int, int] | None = None
+    batch_size: int = Field(32, ge=1)  # images per worker per micro-batch
+    shuffle: bool = True  # seeded per epoch: row groups in a random order, rows shuffled inside each
+    person_crop: bool = True  # centre the crop on the prominent persons' boxes (else the image centre)
+    read_segments: int = Field(8, ge=1)  # plan segments (runs of rows of one row group) per Ray Data read task
+    read_cpus: float = Field(1.0, gt=0)  # CPUs per read-and-decode task
+    prefetch_batches: int = Field(2, ge=0)
+    plan_steps: int = Field(1000, ge=1)  # optimiser steps per Ray Data dataset; the next one starts when reached
+
+
+class OptimSettings(Strict):
+    lr: float = Field(1.5e-4, gt=0)  # peak learning rate, after warm-up
+    min_lr: float = Field(1e-6, ge=0)  # end of the cosine decay
+    warmup_steps: int = Field(0, ge=0)  # linear warm-up, in optimiser steps
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.04, ge=0)  # cosine schedule from this ...
+    weight_decay_end: float = Field(0.2, ge=0)  # ... to this (DINO-style); never on 1-D params and tokens
+    grad_clip: float | None = Field(1.0, gt=0)  # max global grad norm; None: no clipping (the norm is still logged)
+    grad_accum: int = Field(1, ge=1)  # micro-batches per optimiser step
+
+
+class CheckpointSettings(Strict):
+    every: int = Field(500, ge=1)  # optimiser steps between checkpoints (and one at the end)
+    keep: int = Field(3, ge=1)  # the newest this many stay
+    on_preemption: bool = True  # save at once when Ray reports that a node is about to be reclaimed
+    preemption_check_every: int = Field(10, ge=1)  # steps between preemption queries (a barrier each)
+
+
+class LogSettings(Strict):
+    every: int = Field(10, ge=1)  # steps per metrics line
+    record_keys: bool = False  # write the sample keys of every step (all ranks) to the metrics log
+    peak_tflops: float | None = Field(None, gt=0)  # per-GPU peak for MFU; None: looked up from the GPU name
+
+
+class FaultSettings(Strict):
+    """Fault drill: SIGKILL one worker process when it reaches a step, once per run (a marker file remembers)."""
+
+    kill_at_step: int | None = Field(None, ge=1)
+    kill_rank: int = Field(0, ge=0)
+
+
+class RaySettings(Strict):
+    address: str | None = None  # None: join RAY_ADDRESS if set, else start a local Ray
+    num_cpus: int | None = None  # local Ray only
+    workers: int = Field(1, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, ge=0)
+    torch_threads: int | None = Field(None, ge=1)  # intra-op threads per worker (CPU training)
+    max_failures: int = Field(3, ge=-1)  # worker-group restarts before the run fails (-1: unlimited)
+
+
+class PretrainConfig(Strict):
+    seed: int = 0
+    steps: int = Field(ge=1)  # optimiser steps of the whole run (the schedules' length)
+    precision: Literal["bf16", "fp32"] = "bf16"  # on GPU: bf16 params/compute, fp32 reduce; CPU runs fp32
+    model: ModelSettings = ModelSettings()
+    objective: ObjectiveConfig = ObjectiveConfig()
+    data: DataSettings = DataSettings()
+    optim: OptimSettings = OptimSettings()
+    checkpoint: CheckpointSettings = CheckpointSettings()
+    log: LogSettings = LogSettings()
+    fault: FaultSettings = FaultSettings()
+    ray: RaySettings = RaySettings()
+
+    @model_validator(mode="after")
+    def _sizes_fit_the_model(self) -> PretrainConfig:
+        bb = self.model.backbone()
+        unit = bb.patch_size * (bb.window or 1)
+        for name, (h, w) in (("global", self.objective.views.global_size), ("local", self.objective.views.local_size)):
+            if h % unit or w % unit:
+                raise ValueError(f"objective.views.{name}_size {h}x{w} must be a multiple of {unit} px")
+        if self.data.image_size is not None and min(self.data.image_size) < 1:
+            raise ValueError("data.image_size must be positive")
+        return self
+
+    @property
+    def image_size(self) -> tuple[int, int]:
+        return self.data.image_size or self.objective.views.global_size
+
+    def samples_per_step(self, workers: int | None = None) -> int:
+        """Images per optimiser step over all workers (the global batch)."""
+        return self.data.batch_size * self.optim.grad_accum * (workers or self.ray.workers)
+
+    def model_hash(self) -> str:
+        """Hash of what the checkpointed tensors' shapes depend on: a resume with another value is refused."""
+        o = self.objective
+        return hash_json(
+            {"size": self.model.size, "mae": o.mae.model_dump(mode="json"), "cl": o.cl.model_dump(mode="json")}
+        )

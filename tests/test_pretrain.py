@@ -1,0 +1,413 @@
+"""Pretraining on Ray Train with FSDP2 (2 CPU workers, gloo) on the curated sample shards, and its parts.
+
+The reference run trains 12 steps (2 workers x 2 micro-batches of 1) with a checkpoint every 4 and records every
+step's sample keys; the other runs
+are checked against it: a run whose worker is killed mid-training must end with exactly the reference's samples
+and losses per step, and a 2-worker checkpoint must continue on 1 worker with the next samples of the epoch.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from common import storage as fs_storage
+from common.config import ConfigError, load_config
+from jobs import pretrain as job
+from pretrain import checkpoint as ckpt
+from pretrain import data
+from pretrain.backbone import SIZES, build
+from pretrain.config import OptimSettings, PretrainConfig
+from pretrain.objective import JointObjective
+from pretrain.train import build_model, build_optimizer, fingerprint, latest_per_step, lr_at, read_metrics, wd_at
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs/pretrain/tiny.yaml")
+STEPS, EVERY = 12, 4
+FAST = [
+    f"steps={STEPS}",
+    f"checkpoint.every={EVERY}",
+    "checkpoint.keep=2",
+    "objective.views.global_size=[64,48]",
+    "objective.views.local_size=[32,32]",
+    "optim.warmup_steps=2",
+    "data.batch_size=1",  # 2 micro-batches of 1 per step and worker: accumulation on, a global batch of 4
+    "optim.grad_accum=2",
+    "log.every=1",
+    "log.record_keys=true",
+]
+
+
+def run_job(shards: Path, storage: Path, name: str, *overrides: str) -> Path:
+    args = ["--config", TINY, "--data", str(shards), "--storage", str(storage), "--name", name]
+    assert job.main([*args, *FAST, *overrides]) == 0
+    return storage / name
+
+
+def keys_by_step(run: Path) -> dict[int, list[list[str]]]:
+    return {s: r["keys"] for s, r in latest_per_step(read_metrics(str(run), "samples")).items()}
+
+
+def shard_keys(index: data.DataIndex) -> dict[tuple[str, int], list[str]]:
+    return {
+        (f, g): pq.ParquetFile(f).read_row_group(g, columns=["key"]).column("key").to_pylist()
+        for f, g in ((index.files[i], int(r)) for i, r in zip(index.file, index.row_group))
+    }
+
+
+def expected_keys(index: data.DataIndex, position: data.DataPosition, steps: int, per_worker: int, world: int):
+    """Each step's keys per rank, straight from the epoch order (independent of the Ray Data path)."""
+    lookup, out = shard_keys(index), []
+    for _ in range(steps):
+        nxt = data.advance(position, per_worker * world, index.num_samples)
+        order = data.EpochOrder(index, 0, nxt.epoch)
+        lo = nxt.consumed - per_worker * world
+        ranks = []
+        for r in range(world):
+            segs = order.segments(lo + r * per_worker, lo + (r + 1) * per_worker)
+            ranks.append([lookup[(s["file"], s["row_group"])][i] for s in segs for i in s["rows"]])
+        out.append(ranks)
+        position = nxt
+    return out
+
+
+@pytest.fixture(scope="module")
+def shards(curated_run) -> Path:
+    return curated_run / "shards"
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def reference(shards, storage) -> Path:
+    return run_job(shards, storage, "reference")
+
+
+# --- the reference run ----------------------------------------------------------------------------------------------
+
+
+def test_short_fsdp_run_finishes_and_its_loss_falls(reference):
+    train = latest_per_step(read_metrics(str(reference)))
+    assert sorted(train) == list(range(1, STEPS + 1))
+    losses = [train[s]["loss"] for s in range(1, STEPS + 1)]
+    assert all(math.isfinite(x) for x in losses)
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.05, losses
+    assert train[STEPS]["mae"] < train[1]["mae"]
+    for s, r in train.items():  # schedules step per optimiser step; timings add up
+        assert r["lr"] == pytest.approx(lr_at(s - 1, load_config(PretrainConfig, TINY, FAST).optim, STEPS))
+        assert r["step_s"] == pytest.approx(r["data_wait_s"] + r["compute_s"])
+        assert r["images_per_s"] > 0 and r["tokens_per_s"] > r["images_per_s"] and "mfu" not in r
+
+
+def test_checkpoints_are_committed_and_only_the_last_k_kept(reference):
+    kept = ckpt.list_checkpoints(str(reference))
+    assert [(step, committed) for step, _, committed in kept] == [(8, True), (12, True)]
+    commit = ckpt.read_commit(kept[-1][1])
+    assert commit["step"] == STEPS and commit["world_size"] == 2
+    assert commit["samples_seen"] == STEPS * 4
+    index = data.load_index(str(reference))
+    position = data.DataPosition()
+    for _ in range(STEPS):
+        position = data.advance(position, 4, index.num_samples)
+    assert commit["data_position"] == position.to_dict()
+
+
+def test_workers_read_disjoint_slices_in_the_planned_order(reference):
+    index = data.load_index(str(reference))
+    assert len(index.files) == index.num_units >= 3  # shards of 4 rows, one row group each
+    recorded = keys_by_step(reference)
+    assert [recorded[s] for s in range(1, STEPS + 1)] == expected_keys(index, data.DataPosition(), STEPS, 2, 2)
+    by_epoch: dict[int, list[str]] = {}
+    for record in read_metrics(str(reference), "samples"):
+        by_epoch.setdefault(record["epoch"], []).extend(k for rank in record["keys"] for k in rank)
+    per_epoch = index.num_samples // 4 * 4  # whole global batches of 4
+    for epoch, keys in by_epoch.items():
+        assert len(keys) == len(set(keys)), f"a sample fed twice in epoch {epoch}"
+        assert len(keys) == per_epoch or epoch == max(by_epoch)
+
+
+def test_export_writes_a_backbone_that_loads(reference, tmp_path):
+    latest = ckpt.latest_committed(str(reference))
+    out = tmp_path / "backbone.safetensors"
+    meta = ckpt.export_backbone(latest, str(out))
+    assert meta["size"] == "tiny" and meta["step"] == str(STEPS)
+    backbone = ckpt.load_backbone(str(out))  # strict: exactly the backbone's keys
+    # The same tensors through a different path: the whole objective, unsharded, from the DCP checkpoint.
+    full = JointObjective(build("tiny"), load_config(PretrainConfig, TINY, FAST).objective, STEPS)
+    state = {"model": full.state_dict()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(latest), planner=ckpt.SafeLoadPlanner(), no_dist=True)
+    for name, tensor in backbone.state_dict().items():
+        torch.testing.assert_close(tensor, state["model"][f"student.{name}"], rtol=0, atol=0)
+    fresh = build("tiny").state_dict()
+    assert not torch.equal(fresh["blocks.0.attn.qkv.weight"], backbone.state_dict()["blocks.0.attn.qkv.weight"])
+    out_tokens = backbone(torch.randn(1, 3, 64, 48)).patches
+    assert out_tokens.shape == (1, 12, SIZES["tiny"].width) and torch.isfinite(out_tokens).all()
+    job_export = ckpt.read_safetensors(str(reference / ckpt.BACKBONE_FILE))[0]  # the job's own export
+    assert all(torch.equal(job_export[k], v) for k, v in backbone.state_dict().items())
+
+
+# --- failures and resumes -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def killed(shards, storage, reference) -> Path:
+    return run_job(shards, storage, "killed", "fault.kill_at_step=6", "fault.kill_rank=1")
+
+
+def test_killed_worker_resumes_from_last_checkpoint_with_the_same_samples_and_state(killed, reference):
+    (resume,) = read_metrics(str(killed), "resume")
+    assert resume["step"] == EVERY and resume["checkpoint"].endswith(f"step_{EVERY:09d}")
+    saved, loaded = resume["saved_fingerprint"], resume["fingerprint"]
+    assert loaded.keys() == saved.keys() and all(loaded[k] == pytest.approx(saved[k], rel=1e-9) for k in saved)
+    assert saved["exp_avg_sq"] > 0  # the optimiser state is part of it
+    # The finished run is step for step the uninterrupted one: same samples, same losses.
+    assert keys_by_step(killed) == keys_by_step(reference)
+    ref, got = latest_per_step(read_metrics(str(reference))), latest_per_step(read_metrics(str(killed)))
+    for s in range(1, STEPS + 1):
+        assert got[s]["loss"] == pytest.approx(ref[s]["loss"], rel=1e-5), s
+    # Samples fed twice: only those of the steps after the restored checkpoint that the killed attempt reached.
+    samples = read_metrics(str(killed), "samples")
+    attempts = sorted({r["attempt"] for r in samples})
+    assert len(attempts) == 2
+    first = [r["step"] for r in samples if r["attempt"] == attempts[0]]
+    refed = [s for s in first if s > EVERY]
+    assert first == list(range(1, first[-1] + 1)) and refed and max(refed) <= 2 * EVERY
+
+
+def test_two_worker_checkpoint_loads_into_one_process(reference):
+    uri = ckpt.latest_committed(str(reference))
+    commit = ckpt.read_commit(uri)
+    assert commit["world_size"] == 2
+    cfg = PretrainConfig.model_validate(commit["config"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build_model(cfg, torch.device("cpu"))
+        optimizer = build_optimizer(model, cfg.optim)
+        fresh = fingerprint(model, optimizer)
+        ckpt.load(uri, model, optimizer)
+        loaded = fingerprint(model, optimizer)
+        for k, v in commit["fingerprint"].items():
+            assert loaded[k] == pytest.approx(v, rel=1e-9) and fresh[k] != loaded[k], k
+        steps = {float(optimizer.state[p]["step"]) for p in optimizer.state}
+        assert steps == {float(STEPS)}
+        # and it trains on from there
+        images = torch.randint(0, 256, (2, 3, 64, 48), dtype=torch.uint8)
+        model(images, STEPS, torch.Generator().manual_seed(0))["loss"].backward()
+        optimizer.step()
+        assert fingerprint(model, optimizer)["params"] != pytest.approx(loaded["params"], rel=1e-12)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_worker_run_continues_on_one_worker(shards, storage, reference):
+    shutil.copytree(reference, storage / "resharded")
+    run = run_job(shards, storage, "resharded", "ray.workers=1", f"steps={STEPS + 4}")
+    (resume,) = read_metrics(str(run), "resume")
+    assert (resume["step"], resume["saved_world_size"], resume["world_size"]) == (STEPS, 2, 1)
+    for k, v in resume["saved_fingerprint"].items():
+        assert resume["fingerprint"][k] == pytest.approx(v, rel=1e-9)
+    # One worker continues the data order where two left it: the next 2 samples per step.
+    index = data.load_index(str(run))
+    position = data.DataPosition(**resume["data_position"])
+    recorded = keys_by_step(run)
+    assert [recorded[s] for s in range(STEPS + 1, STEPS + 5)] == expected_keys(index, position, 4, 2, 1)
+    train = latest_per_step(read_metrics(str(run)))
+    assert all(math.isfinite(train[s]["loss"]) for s in range(STEPS + 1, STEPS + 5))
+    assert ckpt.read_commit(ckpt.latest_committed(str(run)))["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_killed_driver_rerun_resumes_with_the_same_samples(shards, storage, reference, ray_local):
+    name = "driver-killed"
+    address = ray_local.get_runtime_context().gcs_address
+    args = ["--config", TINY, "--data", str(shards), "--storage", str(storage), "--name", name, *FAST]
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "jobs.pretrain", *args, f"ray.address={address}"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and driver.poll() is None:
+            metrics = storage / name / "metrics"
+            done = [r["step"] for r in read_metrics(str(storage / name), "train")] if metrics.exists() else []
+            if done and max(done) > EVERY:
+                break
+            time.sleep(0.2)
+        assert driver.poll() is None, "the driver finished before it could be killed"
+    finally:
+        driver.kill()
+        driver.wait()
+    run = run_job(shards, storage, name)
+    (resume,) = read_metrics(str(run), "resume")
+    assert resume["step"] >= EVERY
+    assert keys_by_step(run) == keys_by_step(reference)
+
+
+def test_rerun_of_a_run_with_other_data_or_model_is_refused(shards, storage, reference, capsys):
+    args = ["--config", TINY, "--storage", str(storage), "--name", "reference"]
+    assert job.main([*args, "--data", str(shards.parent), *FAST]) == 2
+    assert job.main([*args, "--data", str(shards), *FAST, "objective.cl.prototypes=128"]) == 2
+    assert "use a new --name" in capsys.readouterr().err
+
+
+# --- parts, without Ray ---------------------------------------------------------------------------------------------
+
+
+def _index(rows: list[list[int]]) -> data.DataIndex:
+    units = [(f, g, n) for f, groups in enumerate(rows) for g, n in enumerate(groups)]
+    return data.DataIndex(
+        files=[f"f{i}" for i in range(len(rows))],
+        file=np.array([u[0] for u in units], np.int32),
+        row_group=np.array([u[1] for u in units], np.int32),
+        rows=np.array([u[2] for u in units], np.int64),
+    )
+
+
+def _positions(segments: list[dict], index: data.DataIndex) -> list[tuple[str, int, int]]:
+    return [(s["file"], s["row_group"], r) for s in segments for r in s["rows"]]
+
+
+def test_the_data_position_is_a_prefix_whatever_the_worker_count():
+    index = _index([[5, 5, 3], [7], [2, 6]])  # 28 samples in 6 row groups
+    order = data.EpochOrder(index, seed=3, epoch=0)
+    sequence = _positions(order.segments(0, index.num_samples), index)
+    assert len(set(sequence)) == 28
+    # 2 workers x 3 for 2 steps, then 1 worker x 4 for 2 steps: together the first 20 samples of the order.
+    pos, taken = data.DataPosition(), []
+    for world, per_worker in ((2, 3), (1, 4)):
+        plans = [
+            data.worker_plan(
+                index, seed=3, shuffle=True, position=pos, steps=2, per_worker=per_worker, world=world, rank=r
+            )
+            for r in range(world)
+        ]
+        taken += [p for segs, _ in plans for p in _positions(segs, index)]
+        pos = plans[0][1]
+    assert pos == data.DataPosition(0, 20) and sorted(taken) == sorted(sequence[:20])
+    # The next step does not fit (28 - 20 < 12): a new epoch in a new order.
+    segs, pos = data.worker_plan(index, seed=3, shuffle=True, position=pos, steps=1, per_worker=12, world=1, rank=0)
+    assert pos == data.DataPosition(1, 12)
+    assert _positions(segs, index) == _positions(data.EpochOrder(index, 3, 1).segments(0, 12), index)
+    assert _positions(segs, index) != sequence[:12]
+
+
+def test_schedules_warm_up_then_decay_per_optimiser_step():
+    o = OptimSettings(lr=1e-3, min_lr=1e-5, warmup_steps=10, weight_decay=0.04, weight_decay_end=0.4)
+    lrs = [lr_at(s, o, 100) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lr_at(100, o, 100) == pytest.approx(1e-5)
+    assert wd_at(0, o, 100) == pytest.approx(0.04) and wd_at(100, o, 100) == pytest.approx(0.4)
+
+
+def test_crop_keeps_the_output_aspect_and_centres_on_the_prominent_person():
+    persons = [
+        {"x0": 900, "y0": 100, "x1": 1000, "y1": 700, "prominent": True},
+        {"x0": 0, "y0": 0, "x1": 50, "y1": 50, "prominent": False},
+    ]
+    centre = data.person_centre(persons, 1200, 800)
+    assert centre == (950, 400)
+    x0, y0, x1, y1 = data.aspect_crop(1200, 800, (128, 96), centre)
+    assert (y0, y1) == (0, 800) and (x1 - x0) / (y1 - y0) == pytest.approx(96 / 128)
+    assert x1 == 1200 or x0 < 950 < x1  # shifted to keep the person, clamped inside the image
+    assert data.person_centre([], 1200, 800) == (600, 400)
+
+
+class _Payload:
+    pass
+
+
+def test_checkpoint_loading_refuses_pickled_objects(tmp_path):
+    saved = {"w": torch.ones(3), "hyper": {"lr": 0.1, "betas": (0.9, 0.95)}}
+    dcp.save(saved, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    state = {"w": torch.zeros(3), "hyper": {"lr": 0.0, "betas": (0.0, 0.0)}}
+    dcp.load(state, checkpoint_id=str(tmp_path / "ok"), planner=ckpt.SafeLoadPlanner(), no_dist=True)
+    assert state["hyper"] == {"lr": 0.1, "betas": (0.9, 0.95)} and torch.equal(state["w"], torch.ones(3))
+    dcp.save({"obj": _Payload()}, checkpoint_id=str(tmp_path / "evil"), no_dist=True)
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"obj": None}, checkpoint_id=str(tmp_path / "evil"), planner=ckpt.SafeLoadPlanner(), no_dist=True)
+    assert isinstance(info.value.failures[0][0], pickle.UnpicklingError)  # (exception, traceback) per rank
+    unsafe = {"obj": None}  # DCP's own planner would have run the pickle
+    dcp.load(unsafe, checkpoint_id=str(tmp_path / "evil"), no_dist=True)
+    assert isinstance(unsafe["obj"], _Payload)
+
+
+def test_config_overrides_are_typed_and_checked():
+    cfg = load_config(PretrainConfig, TINY, ["optim.lr=3e-4", "ray.workers=4"])
+    assert cfg.optim.lr == 3e-4 and cfg.samples_per_step() == 2 * 4
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(PretrainConfig, TINY, ["optim.learning_rate=1"])
+    with pytest.raises(ConfigError, match="unknown size"):
+        load_config(PretrainConfig, TINY, ["model.size=2b"])
+    with pytest.raises(ConfigError, match="multiple of 16"):
+        load_config(PretrainConfig, TINY, ["objective.views.local_size=[40,40]"])
+    assert load_config(PretrainConfig, REPO / "configs/pretrain/sapiens2_0.4b.yaml").model.backbone().width == 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_checkpoint_and_export_on_an_object_store(monkeypatch):
+    """Save, list, load and export through pyarrow's S3 filesystem (a local moto server), no fsspec backend."""
+    moto_server = pytest.importorskip("moto.server")
+    import pyarrow.fs as pafs
+
+    port = _free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}.items():
+            monkeypatch.setenv(k, v)
+        s3 = pafs.S3FileSystem(
+            endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1", allow_bucket_creation=True
+        )
+        s3.create_dir("runs")
+        # s3:// URIs resolve to the moto endpoint (on AWS, pyarrow's from_uri finds the real one).
+        resolve = fs_storage.resolve
+        monkeypatch.setattr(fs_storage, "resolve", lambda uri: (s3, uri[5:]) if uri.startswith("s3://") else resolve(uri))
+        cfg = load_config(PretrainConfig, TINY, FAST)
+        torch.manual_seed(0)
+        model = JointObjective(build("tiny"), cfg.objective, STEPS)
+        optimizer = build_optimizer(model, cfg.optim)
+        model(torch.randint(0, 256, (2, 3, 64, 48), dtype=torch.uint8), 0, torch.Generator().manual_seed(0))[
+            "loss"
+        ].backward()
+        optimizer.step()
+        run = "s3://runs/tiny"
+        uri = ckpt.step_uri(run, 1)
+        ckpt.save(uri, model, optimizer, {"step": 1, "config": cfg.model_dump(mode="json")})
+        assert ckpt.list_checkpoints(run) == [(1, uri, True)] and ckpt.read_commit(uri)["step"] == 1
+        torch.manual_seed(1)
+        other = JointObjective(build("tiny"), cfg.objective, STEPS)
+        other_opt = build_optimizer(other, cfg.optim)
+        ckpt.load(uri, other, other_opt)
+        for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+            assert torch.equal(a, b), name
+        p = next(iter(optimizer.state))
+        q = dict(zip(model.parameters(), other.parameters()))[p]
+        assert torch.equal(optimizer.state[p]["exp_avg_sq"], other_opt.state[q]["exp_avg_sq"])
+        ckpt.export_backbone(uri, f"{run}/{ckpt.BACKBONE_FILE}")
+        backbone = ckpt.load_backbone(f"{run}/{ckpt.BACKBONE_FILE}")
+        assert all(torch.equal(v, model.student.state_dict()[k]) for k, v in backbone.state_dict().items())
+    finally:
+        server.stop()
