@@ -48,6 +48,9 @@ PERSON_TYPE = pa.struct(
         ("head_yaw", pa.float32()),
         ("head_pitch", pa.float32()),
         ("head_roll", pa.float32()),
+        # pose-model keypoints of this person (full profile; null in lite or where the pose model missed the
+        # person), COCO order, flattened as x, y, confidence per keypoint, pixels of the oriented image
+        ("keypoints", pa.list_(pa.float32())),
     ]
 )
 

@@ -21,7 +21,9 @@ from common import schema
 from common.config import ConfigError, load_config
 from curation import models
 from curation.config import CurateConfig
+from curation.imageio import decode
 from curation.ledger import committed_files, read_ledger, reason_code
+from curation.random_store import TINY_CLIP, build_random_store, store_overrides
 from curation.stage import REJECT, StageRunner
 from curation.stages.clip import ClipStage
 from curation.stages.yolo import (
@@ -39,14 +41,7 @@ from curation.stages.yolo import (
 )
 
 FULL = Path(__file__).resolve().parents[1] / "configs" / "curate" / "full.yaml"
-CLIP_DIM = 32
-# A tiny OpenCLIP architecture in open_clip's own config format (what open_clip_config.json holds on the hub).
-TINY_CLIP = {
-    "embed_dim": CLIP_DIM,
-    "vision_cfg": {"image_size": 64, "layers": 2, "width": 64, "patch_size": 16, "head_width": 32, "mlp_ratio": 2.0},
-    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2},
-}
-OPENAI_NORM = {"mean": [0.48145466, 0.4578275, 0.40821073], "std": [0.26862954, 0.26130258, 0.27577711]}
+CLIP_DIM = TINY_CLIP["embed_dim"]
 
 
 # --- fixtures -------------------------------------------------------------------------------------------------------
@@ -54,37 +49,10 @@ OPENAI_NORM = {"mean": [0.48145466, 0.4578275, 0.40821073], "std": [0.26862954, 
 
 @pytest.fixture(scope="session")
 def store_dir(tmp_path_factory) -> Path:
-    """Random-init YOLO11n detector and pose model, a tiny OpenCLIP and LAION-layout aesthetic heads, saved the
+    """Random-init YOLO11n detector and pose model, a tiny OpenCLIP and a LAION-layout aesthetic head, saved the
     way a cluster's store would hold them."""
-    import open_clip
-    import torch
-    from safetensors.torch import save_file
-
     out = tmp_path_factory.mktemp("model_store")
-    models.import_ultralytics()  # keeps PIL's Image.open
-    from ultralytics.nn.tasks import DetectionModel, PoseModel
-
-    torch.manual_seed(0)
-    det = DetectionModel("yolo11n.yaml", nc=80, verbose=False)
-    det.names = {0: "person", **{i: f"class{i}" for i in range(1, 80)}}  # COCO's layout: person is class 0
-    pose = PoseModel("yolo11n-pose.yaml", nc=1, verbose=False)  # 17 COCO keypoints, one class as in yolo11*-pose
-    pose.names = {0: "person"}
-    models.save_yolo(det, out / "yolo-det.safetensors")
-    models.save_yolo(pose, out / "yolo-pose.safetensors")
-
-    clip = open_clip.create_model("ViT-S-32", pretrained=None, **TINY_CLIP)  # built-in name, tiny overrides
-    folder = out / "tiny-clip"
-    folder.mkdir()
-    (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": TINY_CLIP, "preprocess_cfg": OPENAI_NORM}))
-    save_file({k: v.contiguous() for k, v in clip.state_dict().items()}, str(folder / "open_clip_model.safetensors"))
-
-    # LAION's improved predictor layout (Linear/Dropout Sequential saved as layers.N.*), as a torch state dict
-    sizes = [(CLIP_DIM, 64), (64, 16), (16, 8), (8, 1)]
-    mlp = {}
-    for index, (i, o) in zip((0, 2, 4, 5), sizes):
-        mlp[f"layers.{index}.weight"] = torch.randn(o, i) * 0.3
-        mlp[f"layers.{index}.bias"] = torch.full((o,), 5.0 if o == 1 else 0.0)
-    torch.save(mlp, out / "aesthetic-mlp.pth")
+    build_random_store(out)
     return out
 
 
@@ -107,13 +75,8 @@ def _rows(photos: dict[str, bytes], names: list[str]) -> list[dict]:
 
 def _full_cfg(store_dir: Path, *overrides: str) -> CurateConfig:
     base = [
-        f"models.yolo.detector={store_dir / 'yolo-det.safetensors'}",
-        f"models.yolo.pose={store_dir / 'yolo-pose.safetensors'}",
+        *store_overrides(store_dir, CLIP_DIM),
         "models.yolo.imgsz=320",
-        f"models.clip.checkpoint={store_dir / 'tiny-clip'}",
-        f"models.clip.aesthetic_head={store_dir / 'aesthetic-mlp.pth'}",
-        f"models.embedding.dim={CLIP_DIM}",
-        f"models.store.cache_dir={store_dir / 'cache'}",
         "stages.yolo_person.num_cpus=1",
         "stages.clip.num_cpus=1",
     ]
@@ -286,7 +249,7 @@ def test_store_copies_an_s3_object_once_per_node_and_refreshes_a_changed_one(s3_
     model = models.load_yolo(again)  # and it loads through the real loader
     assert tuple(model.kpt_shape) == (17, 3)
     # a folder (open_clip hub layout) comes over whole
-    folder = first.fetch(f"{base}/tiny-clip?{query}", "models.clip.checkpoint")
+    folder = first.fetch(f"{base}/clip?{query}", "models.clip.checkpoint")
     assert sorted(p.name for p in folder.iterdir()) == ["open_clip_config.json", "open_clip_model.safetensors"]
     # a bare name under an s3 root
     rooted = models.ModelStore(cache_dir=str(tmp_path / "cache"), roots=(prefix,))
@@ -364,6 +327,7 @@ def test_yolo_stage_writes_lite_shaped_person_columns_for_a_batch(yolo_stage, ph
         assert u["head_yaw_class"] == persons[0]["head_yaw_class"]
         for p in persons:
             assert set(p) == person_fields and p["detector"] == "yolo"
+            assert p["keypoints"] is None or len(p["keypoints"]) == 17 * 3  # null where the pose model missed them
             assert 0 <= p["x0"] < p["x1"] <= row["width"] and 0 <= p["y0"] < p["y1"] <= row["height"]
             assert p["head_yaw_class"] in schema.HEAD_YAW_CLASSES and 0 <= p["head_confidence"] <= 1
             if p["head_yaw_class"] != "not_visible":
@@ -393,9 +357,19 @@ def test_yolo_pose_model_alone_gives_the_persons(store_dir, photos):
     stage = YoloPersonStage(cfg)
     stage.setup()
     assert stage.det is None
-    updates = stage.process_batch(_rows(photos, ["zidane", "astronaut"]))
+    rows = _rows(photos, ["zidane", "astronaut"])
+    updates = stage.process_batch(rows)
     _check_types(updates, cfg)
     assert all(u["person_count"] >= 1 for u in updates)
+    # Every person carries the pose model's 17 COCO keypoints, in the pixels of the full image like its box.
+    for row, u in zip(rows, updates):
+        image = decode(row["image"]["bytes"], max_side=cfg.models.yolo.imgsz)
+        _, _, kpts = stage.infer([image])[0]
+        kpts = kpts * np.array([row["width"] / image.shape[1], row["height"] / image.shape[0], 1.0])
+        stored = np.array([p["keypoints"] for p in u["persons"]]).reshape(-1, 17, 3)
+        assert stored.shape[0] == len(u["persons"]) and (0 <= stored[..., 2]).all() and (stored[..., 2] <= 1).all()
+        expected = {tuple(np.round(k.reshape(-1), 1)) for k in kpts}
+        assert {tuple(np.round(k.reshape(-1), 1)) for k in stored} <= expected
 
 
 # --- CLIP stage -----------------------------------------------------------------------------------------------------
@@ -499,7 +473,7 @@ def test_single_file_checkpoint_with_an_open_clip_arch(store_dir, photos, tmp_pa
     (tmp_path / "configs" / "humans1b-tiny.json").write_text(json.dumps(TINY_CLIP))
     open_clip.add_model_config(tmp_path / "configs")
     cfg = _full_cfg(store_dir, "models.clip.arch=humans1b-tiny",
-                    f"models.clip.checkpoint={store_dir / 'tiny-clip' / 'open_clip_model.safetensors'}",
+                    f"models.clip.checkpoint={store_dir / 'clip' / 'open_clip_model.safetensors'}",
                     "filters.min_aesthetic=null", "filters.min_realism=null", "filters.prompt_filters={}")
     stage = ClipStage(cfg)
     stage.setup()
@@ -556,7 +530,7 @@ def test_full_profile_curate_job_end_to_end(store_dir, ray_local, tmp_path):
         f"models.store.cache_dir={tmp_path / 'cache'}",
         "models.yolo.detector=yolo-det.safetensors", "models.yolo.pose=yolo-pose.safetensors",
         "models.yolo.imgsz=320", "models.yolo.min_candidate_score=0.00001",
-        f"models.clip.checkpoint={store_dir / 'tiny-clip'}",
+        f"models.clip.checkpoint={store_dir / 'clip'}",
         f"models.clip.aesthetic_head={store_dir / 'aesthetic-mlp.pth'}",
         f"models.embedding.dim={CLIP_DIM}", "models.embedding.name=test-tiny-clip",
         # random weights: open every model threshold; decode and the OCR stage still decide for real

@@ -349,7 +349,7 @@ class PersonStage(Stage):
                 {"x0": x0, "y0": y0, "x1": x1, "y1": y1, "score": float(p.score), "detector": p.detector,
                  "height_frac": hf, "area_frac": af, "prominent": prominence(f, p.score, hf, af) >= 1.0,
                  "head_yaw_class": None, "head_confidence": None, "head_yaw": None, "head_pitch": None,
-                 "head_roll": None}
+                 "head_roll": None, "keypoints": None}
             )
         order_main_first(records, f)
         face_records = [

@@ -292,27 +292,28 @@ class YoloPersonStage(Stage):
         scaled, faces_xy, faces_conf = [], [], []
         for row, im, (boxes, scores, kpts) in zip(rows, images, found):
             sx, sy = int(row["width"]) / im.shape[1], int(row["height"]) / im.shape[0]
-            scale = np.array([sx, sy, sx, sy])
-            scaled.append((boxes * scale, scores))
-            faces_xy.append(kpts[:, :FACE_KEYPOINTS, :2] * np.array([sx, sy]))
+            kpts = kpts * np.array([sx, sy, 1.0])  # to the pixels of the full image, as the boxes
+            scaled.append((boxes * np.array([sx, sy, sx, sy]), scores, kpts))
+            faces_xy.append(kpts[:, :FACE_KEYPOINTS, :2])
             faces_conf.append(kpts[:, :FACE_KEYPOINTS, 2])
         heads = estimate_head_pose(
             np.nan_to_num(np.concatenate(faces_xy)), np.nan_to_num(np.concatenate(faces_conf)), m.keypoint_min_conf
         )
         updates, at = [], 0
-        for row, (boxes, scores), conf in zip(rows, scaled, faces_conf):
+        for row, (boxes, scores, kpts) in zip(rows, scaled):
             idx = np.arange(at, at + len(boxes))
             at += len(boxes)
-            updates.append(self._row_update(row, boxes, scores, conf, heads, idx))
+            updates.append(self._row_update(row, boxes, scores, kpts, heads, idx))
         return updates
 
-    def _row_update(self, row: Row, boxes: np.ndarray, scores: np.ndarray, conf: np.ndarray, heads: HeadPoses,
+    def _row_update(self, row: Row, boxes: np.ndarray, scores: np.ndarray, kpts: np.ndarray, heads: HeadPoses,
                     idx: np.ndarray) -> Update:
         m, f = self.cfg.models.yolo, self.cfg.filters
         width, height = int(row["width"]), int(row["height"])
         clip = np.array([width, height, width, height], dtype=np.float64)
         records, faces = [], []
-        for b, s, c, h in zip(boxes, scores, conf, idx):
+        for b, s, k, h in zip(boxes, scores, kpts, idx):
+            c = k[:FACE_KEYPOINTS, 2]
             x0, y0, x1, y1 = (float(v) for v in np.clip(b, 0, clip))
             if x1 <= x0 or y1 <= y0:
                 continue
@@ -331,7 +332,8 @@ class YoloPersonStage(Stage):
                 {"x0": x0, "y0": y0, "x1": x1, "y1": y1, "score": float(s), "detector": "yolo",
                  "height_frac": hf, "area_frac": af, "prominent": prominence(f, float(s), hf, af) >= 1.0,
                  "head_yaw_class": cls, "head_confidence": head_conf, "head_yaw": _none_if_nan(heads.yaw[h]),
-                 "head_pitch": _none_if_nan(heads.pitch[h]), "head_roll": _none_if_nan(heads.roll[h])}
+                 "head_pitch": _none_if_nan(heads.pitch[h]), "head_roll": _none_if_nan(heads.roll[h]),
+                 "keypoints": None if np.isnan(k).all() else np.nan_to_num(k).reshape(-1).tolist()}
             )
         order_main_first(records, f)  # persons[0] is the main person, as in the lite profile
         faces.sort(key=lambda fc: -fc["score"])
