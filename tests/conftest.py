@@ -21,10 +21,16 @@ def ray_local():
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    start_local_ray()
     yield ray
     ray.shutdown()
+
+
+def start_local_ray() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
 
 
 @pytest.fixture(scope="session")
