@@ -177,3 +177,35 @@ def read_metadata(schema: pa.Schema) -> dict:
     if "extra" in out:
         out["extra"] = json.loads(out["extra"])
     return out
+
+
+# --- labelled shards (fine-tuning) ------------------------------------------------------------------------------
+# One row per image with the labels of any of the five tasks (a column is null where a row lacks that label).
+# Dense labels are encoded arrays, never pickles: PNG for 8-bit maps, ``.npy`` (numpy's own header + raw data,
+# read with allow_pickle=False) for float maps. File metadata ``humans1b.extra`` names the label vocabulary:
+# ``parts`` (class names, index = label value), ``keypoint_names``, ``keypoint_sigmas`` (OKS), ``image_size``.
+
+LABELLED_TABLE = "labelled"
+
+CAMERA_TYPE = pa.struct([("fx", pa.float32()), ("fy", pa.float32()), ("cx", pa.float32()), ("cy", pa.float32())])
+
+
+def labelled_schema() -> pa.Schema:
+    return pa.schema(
+        [
+            pa.field("key", pa.string(), nullable=False),  # sha256 hex of the image bytes
+            pa.field("source", pa.string()),  # where the row came from (e.g. synthetic:<seed>:<split>:<index>)
+            image_field(),
+            pa.field("width", pa.int32()),
+            pa.field("height", pa.int32()),
+            pa.field("mask", pa.binary()),  # PNG L: 255 where the dense labels are defined (the person)
+            pa.field("parts", pa.binary()),  # PNG L: body-part class per pixel (0 background)
+            pa.field("pointmap", pa.binary()),  # .npy float16 [H, W, 3]: camera-frame point (x right, y down, z fwd)
+            pa.field("normal", pa.binary()),  # .npy float16 [H, W, 3]: unit normal, camera frame
+            pa.field("albedo", pa.binary()),  # PNG RGB: diffuse albedo
+            pa.field("keypoints", pa.list_(pa.list_(pa.float32(), 2))),  # [K] x (x, y) pixels, pixel centres at ints
+            pa.field("keypoint_visibility", pa.list_(pa.uint8())),  # COCO: 0 not labelled, 1 occluded, 2 visible
+            pa.field("area", pa.float32()),  # person area in pixels (OKS scale)
+            pa.field("camera", CAMERA_TYPE),  # pinhole intrinsics of the pointmap
+        ]
+    )

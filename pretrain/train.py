@@ -38,7 +38,7 @@ from common import storage
 from pretrain import checkpoint as ckpt
 from pretrain import data
 from pretrain.backbone import build, flops
-from pretrain.config import OptimSettings, PretrainConfig
+from pretrain.config import OptimSettings, PretrainConfig, RaySettings
 from pretrain.masking import num_masked
 from pretrain.objective import JointObjective
 
@@ -467,21 +467,28 @@ def run_uri_for(storage_path: str, name: str) -> str:
 
 def fit(cfg: PretrainConfig, storage_path: str, name: str):
     """Run (or resume) the training run ``name`` under ``storage_path`` on the connected Ray cluster."""
+    config = {"config": cfg.model_dump(mode="json"), "run_uri": run_uri_for(storage_path, name)}
+    return launch(train_loop, config, cfg.ray, storage_path, name, keep=cfg.checkpoint.keep)
+
+
+def launch(loop, loop_config: dict, settings: RaySettings, storage_path: str, name: str, keep: int | None = None):
+    """``loop(loop_config)`` on a Ray Train worker group sized by ``settings``; Ray Train's run (its checkpoint
+    registry, restarts after failures) lives in ``<storage_path>/<name>``. Shared by pretraining and fine-tuning."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    resources = {"CPU": cfg.ray.cpus_per_worker} | ({"GPU": 1} if cfg.ray.use_gpu else {})
+    resources = {"CPU": settings.cpus_per_worker} | ({"GPU": 1} if settings.use_gpu else {})
     trainer = TorchTrainer(
-        train_loop,
-        train_loop_config={"config": cfg.model_dump(mode="json"), "run_uri": run_uri_for(storage_path, name)},
+        loop,
+        train_loop_config=loop_config,
         scaling_config=ray.train.ScalingConfig(
-            num_workers=cfg.ray.workers, use_gpu=cfg.ray.use_gpu, resources_per_worker=resources
+            num_workers=settings.workers, use_gpu=settings.use_gpu, resources_per_worker=resources
         ),
         run_config=ray.train.RunConfig(
             name=name,
             storage_path=storage_path if "://" in storage_path else os.path.abspath(os.path.expanduser(storage_path)),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            failure_config=ray.train.FailureConfig(max_failures=settings.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
         ),
     )
     return trainer.fit()

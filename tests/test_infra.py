@@ -43,6 +43,7 @@ CONFIG_MODELS = {
     "jobs.curate": ("curation.config", "CurateConfig"),
     "jobs.audit": ("curation.config", "CurateConfig"),
     "jobs.pretrain": ("pretrain.config", "PretrainConfig"),
+    "jobs.finetune": ("finetune.config", "FinetuneConfig"),
 }
 
 

@@ -1,0 +1,416 @@
+"""Fine-tuning on Ray Train (V2): backbone + task head, FSDP2, layer-wise LR decay, periodic evaluation.
+
+Same machinery as pretraining (``pretrain/train.py``): a ``TorchTrainer`` worker group (gloo on CPU, NCCL on GPU),
+FSDP2 on every transformer block, the head and the root (bf16 compute with fp32 reduction on GPU), the linear
+warm-up + cosine schedule, gradient clipping on the global norm, JSON-lines metrics under ``<run>/metrics/``, DCP
+checkpoints with a commit record (``pretrain/checkpoint.py``): a rerun of the same command, or Ray Train
+restarting the worker group, continues from the newest committed checkpoint with the same data order.
+
+- Backbone: an exported pretrained backbone (``backbone.safetensors`` of ``jobs.pretrain``, safetensors only) or a
+  random initialisation from the run's seed.
+- Optimiser: AdamW; layer-wise LR decay: the head and the final norm get the full rate, block ``i`` (of ``depth``)
+  ``decay ** (depth - i)``, the patch embedding and learned tokens ``decay ** (depth + 1)``; no weight decay on
+  1-D parameters (norms, biases, layer scales) or the learned tokens. ``optim.freeze_backbone`` trains the head
+  alone on features computed without gradients (dense probing).
+- Evaluation every ``eval.every`` steps and at the end, on every worker's share of the validation set; the
+  metric states are gathered on rank 0.
+- At the end: ``<run>/metrics.json`` (final metrics, the evaluation curve, the config), PNGs under
+  ``<run>/pictures/`` (input | target | prediction), and ``<run>/finetuned.safetensors`` (backbone + head, with
+  what ``load_finetuned`` needs to rebuild it in its metadata).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from common import storage
+from common.config import hash_json
+from finetune import data, tasks
+from finetune.config import FinetuneConfig
+from pretrain import checkpoint as ckpt
+from pretrain.backbone import BackboneConfig, Sapiens2Backbone, build
+from pretrain.data import DataIndex
+from pretrain.train import MetricsLog, launch, lr_at, progress, run_uri_for, wd_at
+from pretrain.views import IMAGENET_MEAN, IMAGENET_STD
+
+METRICS_FILE = "metrics.json"
+PICTURES = "pictures"
+FINETUNED_FILE = "finetuned.safetensors"
+
+
+# --- model --------------------------------------------------------------------------------------------------------
+
+
+class FinetuneModel(nn.Module):
+    """Backbone -> patch-token feature map -> head. Takes uint8 images [B, 3, H, W] (normalised inside)."""
+
+    def __init__(self, backbone: Sapiens2Backbone, head: nn.Module, frozen: bool = False) -> None:
+        super().__init__()
+        self.backbone, self.head, self.frozen = backbone, head, frozen
+        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
+        if frozen:
+            backbone.requires_grad_(False)
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = images.float() / 255 if images.dtype == torch.uint8 else images.float()
+        x = (x - self.mean) / self.std
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
+            feat = self.backbone(x).featmap()
+        return self.head(feat, tuple(images.shape[-2:]))
+
+    def no_weight_decay(self) -> set[str]:
+        exempt = {f"backbone.{n}" for n in self.backbone.no_weight_decay()}
+        return exempt | {f"head.{n}" for n, p in self.head.named_parameters() if p.ndim <= 1}
+
+
+def feature_stride(cfg: BackboneConfig) -> int:
+    return cfg.patch_size * (cfg.window or 1)
+
+
+def layer_id(name: str, depth: int) -> int:
+    """0: patch embedding and learned tokens; i + 1: block i; depth + 1: final norm and the head."""
+    if not name.startswith("backbone."):
+        return depth + 1
+    rest = name.removeprefix("backbone.")
+    if rest.startswith("blocks."):
+        return int(rest.split(".")[1]) + 1
+    if rest.startswith(("patch_embed", "cls_token", "registers", "window_query")):
+        return 0
+    return depth + 1
+
+
+def param_groups(model: FinetuneModel, decay: float, weight_decay: float) -> list[dict]:
+    """AdamW groups per (layer, decay or not): ``lr_scale`` = decay ** (depth + 1 - layer)."""
+    depth = model.backbone.cfg.depth
+    exempt = model.no_weight_decay()
+    groups: dict[tuple[int, bool], dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        lid, no_wd = layer_id(name, depth), name in exempt
+        g = groups.setdefault(
+            (lid, no_wd),
+            {"params": [], "lr_scale": decay ** (depth + 1 - lid), "decays": not no_wd,
+             "weight_decay": 0.0 if no_wd else weight_decay, "name": f"layer{lid}{'-no_decay' if no_wd else ''}"},
+        )  # fmt: skip
+        g["params"].append(p)
+    return [groups[k] for k in sorted(groups)]
+
+
+def build_backbone(cfg: FinetuneConfig, backbone_uri: str | None) -> Sapiens2Backbone:
+    if backbone_uri is None:
+        torch.manual_seed(cfg.seed)
+        return build(cfg.model.backbone())
+    backbone = ckpt.load_backbone(backbone_uri, activation_checkpointing=cfg.model.activation_checkpointing)
+    if dataclasses.replace(backbone.cfg, activation_checkpointing=False) != dataclasses.replace(
+        cfg.model.backbone(), activation_checkpointing=False
+    ):
+        raise ValueError(
+            f"the backbone in {backbone_uri} does not have the architecture of model.size={cfg.model.size!r}; "
+            "set model.size to the size it was pretrained with"
+        )
+    return backbone
+
+
+def build_model(
+    cfg: FinetuneConfig, task: tasks.Task, backbone_uri: str | None, device: torch.device | None = None
+) -> FinetuneModel:
+    """Backbone (pretrained or seeded random) + the task's head (seeded), FSDP2-sharded when a process group runs."""
+    backbone = build_backbone(cfg, backbone_uri)
+    torch.manual_seed(cfg.seed + 1)
+    head = task.build_head(backbone.cfg.width, feature_stride(backbone.cfg))
+    model = FinetuneModel(backbone, head, frozen=cfg.optim.freeze_backbone)
+    if cfg.model.compile:
+        for block in backbone.blocks:
+            block.compile()
+    if device is None or not dist.is_initialized():
+        return model.to(device or "cpu")
+    mp = MixedPrecisionPolicy()
+    if device.type == "cuda" and cfg.precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
+    for unit in [*backbone.blocks, head]:
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def build_optimizer(model: FinetuneModel, cfg: FinetuneConfig) -> torch.optim.AdamW:
+    o = cfg.optim
+    groups = param_groups(model, cfg.layer_decay(), o.weight_decay)
+    if not groups:
+        raise ValueError("nothing to train: every parameter is frozen")
+    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+
+
+def set_schedule(optimizer: torch.optim.Optimizer, cfg: FinetuneConfig, step: int) -> tuple[float, float]:
+    """Per-group learning rates (the schedule times each group's layer scale) and weight decay at ``step``."""
+    o = cfg.optim
+    lr = lr_at(step, o, cfg.steps)
+    wd = o.weight_decay if o.weight_decay_end is None else wd_at(step, o, cfg.steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group["lr_scale"]
+        group["weight_decay"] = wd if group["decays"] else 0.0
+    return lr, wd
+
+
+def _to(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+# --- the worker loop ----------------------------------------------------------------------------------------------
+
+
+def train_loop(loop_config: dict) -> None:
+    """``TorchTrainer``'s ``train_loop_per_worker``: the config (JSON data), the run spec and the run URI."""
+    Worker(FinetuneConfig.model_validate(loop_config["config"]), loop_config["spec"], loop_config["run_uri"]).run()
+
+
+class Worker:
+    def __init__(self, cfg: FinetuneConfig, spec: dict, run_uri: str) -> None:
+        import ray.train
+        import ray.train.torch
+
+        self.cfg, self.spec, self.run_uri = cfg, spec, run_uri
+        if cfg.ray.torch_threads:
+            torch.set_num_threads(cfg.ray.torch_threads)
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = ray.train.torch.get_device()
+        self.train_index = DataIndex.scan(spec["train"])
+        self.val_index = DataIndex.scan(spec["val"])
+        self.info = data.read_info(self.train_index, spec["train"])
+        if data.read_info(self.val_index, spec["val"]) != self.info:
+            raise data.DataError(f"{spec['val']} labels differ from {spec['train']} (classes, keypoints or size)")
+        self.task = tasks.make(spec["task"], cfg, self.info)
+        self.model = build_model(cfg, self.task, spec.get("backbone"), self.device)
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.step, self.curve, self.saved_step = 0, [], None
+        self._restore()
+        self.log = MetricsLog(run_uri, self.step) if self.rank == 0 else None
+
+    # --- checkpoints ---
+
+    def _hash(self) -> str:
+        """What the checkpointed tensors depend on: a resume with anything else is refused."""
+        c = self.cfg
+        return hash_json(
+            {"task": self.spec["task"], "size": c.model.size, "head": c.head.model_dump(mode="json"),
+             "frozen": c.optim.freeze_backbone, "classes": self.info.num_classes, "keypoints": self.info.num_keypoints}
+        )  # fmt: skip
+
+    def _restore(self) -> None:
+        choice = [None]
+        if self.rank == 0:
+            choice[0] = ckpt.latest_committed(self.run_uri)
+            ckpt.remove_stale(self.run_uri, ckpt.step_of(choice[0]) if choice[0] else None)
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return
+        commit = ckpt.load(choice[0], self.model, self.optimizer)
+        if commit["model_hash"] != self._hash():
+            raise ckpt.CheckpointError(
+                f"{choice[0]} holds another task, size, head or label set; use a new run name"
+            )
+        self.step, self.curve = commit["step"], commit["curve"]
+        self.saved_step = self.step
+
+    def _save(self) -> None:
+        uri = ckpt.step_uri(self.run_uri, self.step)
+        state = {"step": self.step, "curve": self.curve, "model_hash": self._hash(),
+                 "config": self.cfg.model_dump(mode="json"), "spec": self.spec}  # fmt: skip
+        ckpt.save(uri, self.model, self.optimizer, state)
+        self.saved_step = self.step
+        if self.rank == 0:  # keep the newest ``keep`` (these checkpoints are not registered with Ray Train)
+            fs, _ = storage.resolve(self.run_uri)
+            for _, old, _ in ckpt.list_checkpoints(self.run_uri)[: -self.cfg.checkpoint.keep]:
+                storage.delete_quietly(fs, storage.resolve(old)[1])
+            self.log.write({"kind": "checkpoint", "step": self.step, "uri": uri})
+
+    # --- training ---
+
+    def run(self) -> None:
+        c = self.cfg
+        if self.log:
+            progress(
+                f"[finetune] {self.spec['task']} size={c.model.size} "
+                f"backbone={'pretrained' if self.spec.get('backbone') else 'random'} frozen={c.optim.freeze_backbone} "
+                f"steps {self.step}->{c.steps} workers={self.world} batch={c.data.batch_size * self.world} "
+                f"layer_decay={c.layer_decay()} train={self.train_index.num_samples} val={self.val_index.num_samples}"
+            )
+        batches = data.train_batches(
+            self.train_index, self.spec["task"], self.info.image_size, seed=c.seed, batch_size=c.data.batch_size,
+            start_step=self.step, steps=c.steps, world=self.world, rank=self.rank, shuffle=c.data.shuffle,
+            prefetch=c.data.prefetch,
+        )  # fmt: skip
+        window: list[Tensor] = []
+        started, wait = time.perf_counter(), 0.0
+        while self.step < c.steps:
+            t = time.perf_counter()
+            batch = _to(next(batches), self.device)
+            wait += time.perf_counter() - t
+            lr, wd = set_schedule(self.optimizer, c, self.step)
+            out = self.model(batch["image"])
+            loss, terms = self.task.loss(self.model.head, out, batch)
+            loss.backward()
+            grads = [p.grad for p in self.params if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            if c.optim.grad_clip is not None:
+                torch.nn.utils.clip_grads_with_norm_(self.params, c.optim.grad_clip, grad_norm, foreach=True)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            full_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+            window.append(torch.stack([loss.detach().float(), full_norm.detach().float(), *terms.values()]))
+            if self.step % c.log.every == 0 or self.step == c.steps:
+                self._log(window, list(terms), lr, wd, time.perf_counter() - started, wait)
+                window, started, wait = [], time.perf_counter(), 0.0
+            if c.eval.every and self.step % c.eval.every == 0 and self.step < c.steps:
+                self.evaluate()
+            if c.checkpoint.every and self.step % c.checkpoint.every == 0 and self.step < c.steps:
+                self._save()
+        done = self.curve and self.curve[-1]["step"] == self.step and self.saved_step == self.step  # a rerun
+        final = self.curve[-1] if done else self.evaluate(pictures=c.eval.visualise)
+        if self.saved_step != self.step:
+            self._save()
+        self._finish(final)
+
+    def _log(self, window: list[Tensor], names: list[str], lr: float, wd: float, seconds: float, wait: float) -> None:
+        stats = torch.stack(window).mean(0).to(self.device)
+        dist.all_reduce(stats)
+        stats = (stats / self.world).tolist()
+        record = {"kind": "train", "step": self.step, "loss": stats[0], "grad_norm": stats[1],
+                  **dict(zip(names, stats[2:])), "lr": lr, "wd": wd, "step_s": seconds / len(window),
+                  "data_wait_s": wait / len(window),
+                  "images_per_s": len(window) * self.cfg.data.batch_size * self.world / seconds}  # fmt: skip
+        if self.log:
+            self.log.write(record)
+            terms = " ".join(f"{k} {v:.4f}" for k, v in zip(names, stats[2:]))
+            progress(
+                f"[finetune] step {self.step}/{self.cfg.steps} loss {stats[0]:.4f} ({terms}) lr {lr:.2e} "
+                f"gnorm {stats[1]:.3f} | {record['images_per_s']:.1f} img/s step {record['step_s']:.3f}s"
+            )
+
+    # --- evaluation ---
+
+    @torch.no_grad()
+    def evaluate(self, pictures: int = 0) -> dict:
+        self.model.eval()
+        acc, shown = self.task.metric(), []
+        for batch, valid in data.eval_batches(
+            self.val_index, self.spec["task"], self.info.image_size, batch_size=self.cfg.data.eval_batch_size,
+            world=self.world, rank=self.rank, limit=self.cfg.eval.max_samples,
+        ):  # fmt: skip
+            batch, valid = _to(batch, self.device), valid.to(self.device)
+            out = self.model(batch["image"])
+            self.task.update(acc, self.model.head, out, batch, valid)
+            if self.rank == 0:
+                for i in valid.nonzero().flatten().tolist()[: pictures - len(shown)]:
+                    target, pred = self.task.picture(self.model.head, out, batch, i)
+                    image = batch["image"][i].permute(1, 2, 0).cpu().numpy()
+                    shown.append(np.concatenate([image, target, pred], axis=1))
+        self.model.train()
+        states = [None] * self.world
+        dist.all_gather_object(states, acc.state())
+        result = [None]
+        if self.rank == 0:
+            merged = self.task.metric()
+            merged.merge(states)
+            result[0] = {"step": self.step, **merged.compute()}
+        dist.broadcast_object_list(result, src=0)
+        self.curve.append(result[0])
+        if self.log:
+            self.log.write({"kind": "eval", **result[0]})
+            summary = " ".join(f"{k} {v:.4f}" for k, v in result[0].items() if isinstance(v, float))
+            progress(f"[finetune] eval step {self.step}: {summary}")
+            fs, root = storage.resolve(self.run_uri)
+            for k, picture in enumerate(shown):
+                path = storage.join(root, PICTURES, f"{self.spec['task']}-{k:02d}.png")
+                storage.write_bytes_atomic(fs, path, data.png_bytes(picture))
+        return result[0]
+
+    # --- the end of the run ---
+
+    def _finish(self, final: dict) -> None:
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return
+        from safetensors.torch import save as st_save
+
+        fs, root = storage.resolve(self.run_uri)
+        meta = {
+            "format": "pt",
+            "task": self.spec["task"],
+            "backbone_config": json.dumps(
+                dataclasses.asdict(dataclasses.replace(self.model.backbone.cfg, activation_checkpointing=False))
+            ),
+            "config": self.cfg.model_dump_json(),
+            "labels": json.dumps(dataclasses.asdict(self.info)),
+            "step": str(self.step),
+        }
+        tensors = {k: v.contiguous() for k, v in state.items()}
+        storage.write_bytes_atomic(fs, storage.join(root, FINETUNED_FILE), st_save(tensors, metadata=meta))
+        report = {
+            "task": self.spec["task"],
+            "step": self.step,
+            "metrics": final,
+            "curve": self.curve,
+            "backbone": self.spec.get("backbone"),
+            "data": {"train": self.spec["train"], "val": self.spec["val"]},
+            "config": self.cfg.model_dump(mode="json"),
+        }
+        storage.write_json_atomic(fs, storage.join(root, METRICS_FILE), _finite(report))
+        self.log.close()
+
+
+def _finite(obj):
+    """NaN / inf -> None, so the JSON is standard."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+# --- loading a fine-tuned model ------------------------------------------------------------------------------------
+
+
+def load_finetuned(uri: str) -> tuple[FinetuneModel, tasks.Task]:
+    """The model (eval mode, CPU) and its task from ``finetuned.safetensors``; safetensors only, no pickle."""
+    tensors, meta = ckpt.read_safetensors(uri)
+    if "task" not in meta:
+        raise ValueError(f"{uri} is not a fine-tuned model (no task in its metadata); it may be a bare backbone")
+    cfg = FinetuneConfig.model_validate_json(meta["config"])
+    fields = json.loads(meta["backbone_config"])
+    bb_cfg = BackboneConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    labels = json.loads(meta["labels"])
+    info = data.LabelInfo(**{k: tuple(v) for k, v in labels.items()})
+    task = tasks.make(meta["task"], cfg, info)
+    model = FinetuneModel(Sapiens2Backbone(bb_cfg), task.build_head(bb_cfg.width, feature_stride(bb_cfg)))
+    model.load_state_dict(tensors, strict=True)
+    return model.eval(), task
+
+
+# --- the driver side ----------------------------------------------------------------------------------------------
+
+
+def fit(cfg: FinetuneConfig, spec: dict, storage_path: str, name: str):
+    """Run (or resume) the fine-tuning run ``name`` under ``storage_path`` on the connected Ray cluster."""
+    config = {"config": cfg.model_dump(mode="json"), "spec": spec, "run_uri": run_uri_for(storage_path, name)}
+    return launch(train_loop, config, cfg.ray, storage_path, name)

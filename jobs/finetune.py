@@ -1,0 +1,145 @@
+"""Fine-tune a (pretrained) backbone with a task head on labelled shards, with Ray Train, then evaluate it.
+
+    python -m jobs.finetune --task seg --config configs/finetune/tiny.yaml --data <labelled> --storage <runs> \\
+        --name seg1 [--backbone <runs>/<pretrain run>/backbone.safetensors] [key=value ...]
+
+``--task`` is one of pose, seg, pointmap, normal, albedo. ``--data`` is a folder with ``train/`` and ``val/``
+labelled shards (as ``jobs.make_synthetic`` writes), or the training shards themselves with ``--val-data``.
+Without ``--backbone`` the backbone starts from a random initialisation. The run lives in <storage>/<name>:
+``metrics.json`` (final metrics and the evaluation curve), ``pictures/*.png`` (input | target | prediction),
+``finetuned.safetensors``, ``metrics/*.jsonl`` and checkpoints; the same command again resumes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from common import storage
+from common.config import ConfigError, load_config
+from common.ray_utils import init_ray
+from common.storage import StorageError
+from finetune import data, tasks
+from finetune.config import FinetuneConfig
+from finetune.train import FINETUNED_FILE, METRICS_FILE, PICTURES, fit
+from pretrain import checkpoint as ckpt
+from pretrain.data import DataError, DataIndex
+from pretrain.train import run_uri_for
+
+RUN_FILE = "run.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.finetune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--task", required=True, choices=data.TASKS)
+    p.add_argument("--config", required=True, help="YAML config, e.g. configs/finetune/tiny.yaml")
+    p.add_argument("--data", required=True, help="labelled shards: a folder with train/ and val/ (local or s3://)")
+    p.add_argument("--val-data", default=None, help="validation shards, when --data holds the training shards")
+    p.add_argument("--storage", required=True, help="runs root (local or s3://); the run lives in <storage>/<name>")
+    p.add_argument("--name", required=True, help="run name; the same name resumes")
+    p.add_argument("--backbone", default=None, help="exported pretrained backbone (safetensors); default: random")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=3e-4")
+    return p.parse_args(argv)
+
+
+def _absolute(uri: str) -> str:
+    return uri if "://" in uri else os.path.abspath(os.path.expanduser(uri))
+
+
+def resolve_data(data_uri: str, val_uri: str | None) -> tuple[str, str]:
+    if val_uri is not None:
+        return _absolute(data_uri), _absolute(val_uri)
+    fs, root = storage.resolve(data_uri)
+    train, val = storage.join(data_uri, "train"), storage.join(data_uri, "val")
+    missing = [s for s in ("train", "val") if not storage.exists(fs, storage.join(root, s))]
+    if missing:
+        raise DataError(
+            f"{data_uri} has no {' or '.join(f'{m}/' for m in missing)} folder; pass a folder written by "
+            "`python -m jobs.make_synthetic --out <dir> --n N`, or the training shards with --val-data <shards>"
+        )
+    return _absolute(train), _absolute(val)
+
+
+def check_backbone(uri: str, cfg: FinetuneConfig) -> None:
+    fs, path = storage.resolve(uri)
+    if not storage.exists(fs, path):
+        raise StorageError(
+            f"--backbone {uri} does not exist (jobs.pretrain writes <storage>/<name>/backbone.safetensors)"
+        )
+    try:
+        _, meta = ckpt.read_safetensors(uri)
+    except Exception as exc:  # not a safetensors file at all
+        raise StorageError(f"--backbone {uri} is not a safetensors file: {exc}") from None
+    if "backbone_config" not in meta:
+        raise StorageError(f"--backbone {uri} carries no backbone_config metadata: not an exported backbone")
+    if meta.get("size") and meta["size"] != cfg.model.size:
+        raise ConfigError(
+            f"--backbone {uri} is size {meta['size']!r}, the config says model.size={cfg.model.size!r}; "
+            f"add model.size={meta['size']}"
+        )
+
+
+def claim_run(run_uri: str, spec: dict, cfg: FinetuneConfig) -> bool:
+    """Record what the run trains; a rerun must name the same task, data, backbone and size. True when resuming."""
+    fs, run = storage.resolve(run_uri)
+    path = storage.join(run, RUN_FILE)
+    mine = {**spec, "size": cfg.model.size}
+    if not storage.exists(fs, path):
+        storage.write_json_atomic(fs, path, {**mine, "created": time.time()})
+        return False
+    earlier = storage.read_json(fs, path)
+    for key, value in mine.items():
+        if earlier.get(key) != value:
+            raise ConfigError(
+                f"run {run_uri} was started with {key}={earlier.get(key)!r}, this command gives {value!r}; "
+                "use a new --name for a different run"
+            )
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(FinetuneConfig, args.config, args.overrides)
+        train_uri, val_uri = resolve_data(args.data, args.val_data)
+        info = data.read_info(DataIndex.scan(train_uri), train_uri)
+        val_index = DataIndex.scan(val_uri)
+        if data.read_info(val_index, val_uri) != info:
+            raise DataError(f"{val_uri} labels differ from {train_uri} (classes, keypoints or image size)")
+        tasks.make(args.task, cfg, info)  # validates the task against the data and the config
+        backbone = _absolute(args.backbone) if args.backbone else None
+        if backbone:
+            check_backbone(backbone, cfg)
+        spec = {"task": args.task, "train": train_uri, "val": val_uri, "backbone": backbone}
+        run_uri = run_uri_for(args.storage, args.name)
+        resuming = claim_run(run_uri, spec, cfg)
+    except (ConfigError, DataError, StorageError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    print(
+        f"[finetune] {'resuming' if resuming else 'starting'} {run_uri}: task={args.task} size={cfg.model.size} "
+        f"steps={cfg.steps} workers={cfg.ray.workers} backbone={backbone or 'random init'} "
+        f"image {info.image_size[0]}x{info.image_size[1]}, {info.num_classes} classes, {info.num_keypoints} keypoints",
+        flush=True,
+    )
+    start = time.monotonic()
+    fit(cfg, spec, args.storage, args.name)
+    fs, run = storage.resolve(run_uri)
+    report = storage.read_json(fs, storage.join(run, METRICS_FILE))
+    final = {k: v for k, v in report["metrics"].items() if isinstance(v, float)}
+    print(f"[finetune] done in {time.monotonic() - start:.0f} s; {args.task} at step {report['step']}: "
+          + " ".join(f"{k}={v:.4f}" for k, v in final.items()))  # fmt: skip
+    print(f"[finetune] metrics:  {storage.join(run_uri, METRICS_FILE)}")
+    print(f"[finetune] pictures: {storage.join(run_uri, PICTURES)}/")
+    print(f"[finetune] model:    {storage.join(run_uri, FINETUNED_FILE)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,454 @@
+"""Fine-tuning: the synthetic renderer's labels, the label codec, heads, losses, metrics, the optimiser, training.
+
+Metrics are checked against cases worked out by hand; the end-to-end run trains a segmentation head with Ray Train
+(2 CPU workers, FSDP2) on shards written by ``jobs.make_synthetic``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from common.config import load_config
+from finetune import data, heads, losses, metrics, tasks
+from finetune.config import FinetuneConfig
+from finetune.render import MAX_KEYPOINTS, PARTS, RenderConfig, keypoint_spec, render
+from finetune.train import build_model, build_optimizer, layer_id, load_finetuned, set_schedule
+from jobs import finetune as job
+from jobs import make_synthetic
+from pretrain.backbone import build
+from pretrain.data import DataIndex
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs/finetune/tiny.yaml")
+CFG = RenderConfig(height=128, width=96)
+
+
+@pytest.fixture(scope="module")
+def renders():
+    return [render(CFG, np.random.default_rng([7, i])) for i in range(6)]
+
+
+# --- renderer -------------------------------------------------------------------------------------------------------
+
+
+def test_normals_are_unit_and_face_the_camera(renders):
+    for r in renders:
+        n, m = r.normals[r.mask], r.mask
+        assert m.sum() > 200
+        np.testing.assert_allclose(np.linalg.norm(n, axis=-1), 1.0, atol=1e-5)
+        # the ray to a pixel is its 3D point; a visible surface is entered from the camera's side
+        assert ((n * r.points[m]).sum(-1) < 1e-6).all()
+        assert not r.normals[~m].any()
+
+
+def test_pointmap_depth_is_positive_and_projects_onto_its_own_pixel(renders):
+    for r in renders:
+        c, m = r.camera, r.mask
+        p = r.points[m].astype(np.float64)
+        assert (p[:, 2] > 0).all()
+        rows, cols = np.nonzero(m)
+        np.testing.assert_allclose(c["fx"] * p[:, 0] / p[:, 2] + c["cx"], cols, atol=1e-3)
+        np.testing.assert_allclose(c["fy"] * p[:, 1] / p[:, 2] + c["cy"], rows, atol=1e-3)
+        assert not r.points[~m].any() and not r.albedo[~m].any()
+
+
+def test_part_labels_cover_the_figure(renders):
+    seen = set()
+    for r in renders:
+        labels = np.unique(r.parts)
+        assert labels[0] == 0 and labels.max() < len(PARTS)
+        assert len(labels) >= 8  # background and most body parts in every render
+        seen |= set(labels.tolist())
+        # every foreground pixel has a surface (point, normal, albedo) and vice versa
+        assert (np.linalg.norm(r.normals, axis=-1) > 0.5).tolist() == r.mask.tolist()
+        assert 0 <= r.albedo.min() and r.albedo.max() <= 1
+    assert seen == set(range(len(PARTS)))
+
+
+def test_keypoints_project_inside_the_image_when_labelled(renders):
+    spec = keypoint_spec(MAX_KEYPOINTS)
+    for r in renders:
+        c = r.camera
+        k3 = r.keypoints_3d.astype(np.float64)
+        np.testing.assert_allclose(r.keypoints[:, 0], c["fx"] * k3[:, 0] / k3[:, 2] + c["cx"], atol=1e-3)
+        x, y = r.keypoints[:, 0], r.keypoints[:, 1]
+        inside = (x >= -0.5) & (x < CFG.width - 0.5) & (y >= -0.5) & (y < CFG.height - 0.5)
+        assert ((r.visibility > 0) == inside).all()
+        assert (r.visibility == 2).sum() > 30 and (r.visibility == 1).sum() > 30  # self-occlusion happens
+        # A visible surface landmark is where the pointmap puts the surface (at its pixel or a neighbour: the
+        # pixel centre may fall just off a silhouette); an occluded one lies behind what its pixel shows.
+        surface = np.array([a[0] == "surface" for a in spec.anchors])
+        padded = np.pad(r.points[..., 2], 1)
+        for v in (2, 1):
+            sel = (r.visibility == v) & surface
+            px = np.round(r.keypoints[sel]).astype(int) + 1
+            around = np.stack([padded[px[:, 1] + dy, px[:, 0] + dx] for dy in (-1, 0, 1) for dx in (-1, 0, 1)], 1)
+            if v == 2:
+                assert (np.abs(around - k3[sel, 2:3]) < 0.03 * k3[sel, 2:3]).any(1).mean() > 0.97
+            else:
+                assert (around[:, 4] < k3[sel, 2]).mean() > 0.85
+
+
+def test_renders_are_deterministic_and_keypoint_sets_nest():
+    a, b = render(CFG, 3), render(CFG, 3)
+    assert (a.image == b.image).all() and (a.keypoints == b.keypoints).all()
+    assert not (render(CFG, 4).image == a.image).all()
+    assert keypoint_spec(40).names == keypoint_spec(MAX_KEYPOINTS).names[:40]
+    assert keypoint_spec(MAX_KEYPOINTS).names[:3] == ("nose", "left_eye", "right_eye")
+    assert len(render(RenderConfig(height=64, width=48, num_keypoints=17), 0).keypoints) == 17
+    with pytest.raises(ValueError, match="num_keypoints"):
+        RenderConfig(num_keypoints=309)
+
+
+# --- shards -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("synthetic")
+    args = ["--out", str(out), "--n", "24", "--val", "8", "--height", "64", "--width", "48", "--rows-per-shard", "16"]
+    assert make_synthetic.main([*args, "--row-group-size", "8"]) == 0
+    return out
+
+
+def test_make_synthetic_writes_labelled_shards_that_decode_to_the_render(shards):
+    manifest = json.loads((shards / "train/manifest.json").read_text())
+    assert [s["rows"] for s in manifest["shards"]] == [16, 8] and manifest["parts"] == list(PARTS)
+    table = pq.read_table(shards / "train/part-00000.parquet")
+    assert table.schema.metadata[b"humans1b.table"] == b"labelled"
+    row = table.slice(3, 1).to_pylist()[0]
+    r = render(RenderConfig(height=64, width=48), np.random.default_rng([0, 0, 3]))
+    assert row["source"] == "synthetic:0:train:3"
+    assert (data.decode_image(row["image"]["bytes"]) == r.image).all()
+    seg = data.decode_sample(row, "seg", (64, 48))
+    assert (seg["parts"] == r.parts).all() and seg["image"].shape == (3, 64, 48)
+    normal = data.decode_sample(row, "normal", (64, 48))
+    assert (normal["mask"] == r.mask).all()
+    np.testing.assert_allclose(normal["target"], r.normals, atol=2e-3)  # float16 storage
+    pose = data.decode_sample(row, "pose", (64, 48))
+    assert (pose["keypoints"] == r.keypoints).all() and (pose["visibility"] == r.visibility).all()
+    with pytest.raises(data.DataError, match="image_size"):
+        data.decode_sample(row, "seg", (128, 96))
+
+
+def test_make_synthetic_is_reproducible(shards, tmp_path):
+    again = tmp_path / "again"
+    args = ["--out", str(again), "--n", "24", "--val", "8", "--height", "64", "--width", "48", "--rows-per-shard", "16"]
+    assert make_synthetic.main([*args, "--row-group-size", "8"]) == 0
+    for name in ("train/part-00000.parquet", "val/part-00000.parquet", "train/manifest.json"):
+        assert (again / name).read_bytes() == (shards / name).read_bytes()
+
+
+def test_training_batches_follow_the_plan_and_resume(shards):
+    index = DataIndex.scan(str(shards / "train"))
+    kwargs = dict(seed=0, batch_size=4, steps=6, world=2)
+
+    def fingerprints(rank: int, start: int) -> list[list[int]]:  # pixel sums identify the samples
+        batches = data.train_batches(index, "seg", (64, 48), start_step=start, rank=rank, **kwargs)
+        return [b["image"].flatten(1).sum(1).tolist() for b in batches]
+
+    full = [fingerprints(r, 0) for r in (0, 1)]
+    assert all(len(f) == 6 for f in full)
+    for epoch in (0, 1):  # 24 samples = 3 global batches of 2 x 4: every sample once per epoch
+        assert len({x for s in range(3 * epoch, 3 * epoch + 3) for r in (0, 1) for x in full[r][s]}) == 24
+    assert fingerprints(1, 4) == full[1][4:]  # a resumed worker continues with the same samples
+    val = DataIndex.scan(str(shards / "val"))
+    evals = [list(data.eval_batches(val, "seg", (64, 48), batch_size=3, world=2, rank=r)) for r in (0, 1)]
+    assert [len(e) for e in evals] == [2, 2]  # 8 samples: 4 per rank in batches of 3, padded
+    assert sum(int(v.sum()) for e in evals for _, v in e) == 8
+
+
+# --- heads and losses -----------------------------------------------------------------------------------------------
+
+
+def test_udp_heatmaps_decode_back_to_the_keypoints():
+    kp = torch.tensor([[[10.3, 20.7], [50.0, 100.2], [0.0, 0.0], [47.77, 63.1], [200.0, 5.0]]])
+    vis = torch.tensor([[2, 1, 2, 2, 2]])
+    target, weight = heads.udp_heatmaps(kp, vis, (128, 96), 4, 2.0)
+    assert target.shape == (1, 5, 32, 24) and weight.tolist() == [[1, 1, 1, 1, 0]]  # the last is off the map
+    decoded, scores = heads.decode_heatmaps(target, (128, 96), blur=0)
+    assert (decoded[0, :4] - kp[0, :4]).abs().max() < 1e-3  # exact, the corner (0, 0) included
+    assert (scores[0, :4] > 0.9).all() and scores[0, 4] == 0
+    blurred, _ = heads.decode_heatmaps(target, (128, 96), blur=1.0)  # away from the edges blurring keeps the peak
+    assert (blurred[0, [1, 3]] - kp[0, [1, 3]]).abs().max() < 1e-3
+
+
+def test_each_loss_is_zero_on_a_perfect_prediction():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(2, 12, 10, generator=g) > 0.3
+    normal = torch.nn.functional.normalize(torch.randn(2, 12, 10, 3, generator=g), dim=-1)
+    albedo = torch.rand(2, 12, 10, 3, generator=g)
+    points = torch.randn(2, 12, 10, 3, generator=g) * 0.2 + torch.tensor([0.0, 0.0, 3.0])
+    noisy = lambda x: x + 0.05 * torch.randn(x.shape, generator=g)  # noqa: E731
+    for fn, target in ((losses.normal_loss, normal), (losses.albedo_loss, albedo), (losses.pointmap_loss, points)):
+        zero, terms = fn(target, target, mask)
+        assert zero.item() == pytest.approx(0, abs=1e-6)
+        assert all(v.item() == pytest.approx(0, abs=1e-6) for v in terms.values())
+        assert fn(noisy(target), target, mask)[0] > 1e-3
+    # pointmap: a scaled prediction is right in shape (aligned term 0) but wrong in scale (absolute term > 0)
+    _, terms = losses.pointmap_loss(points * 2, points, mask)
+    assert terms["aligned"].item() == pytest.approx(0, abs=1e-6) and terms["absolute"] > 0.1
+
+    labels = torch.randint(0, 5, (2, 12, 10), generator=g)
+    labels[0, 0, :] = 255
+    perfect = 40.0 * torch.nn.functional.one_hot(labels.clamp(max=4), 5).permute(0, 3, 1, 2).float()
+    total, terms = losses.seg_loss(perfect, labels, class_weights=torch.tensor([1.0, 2, 1, 1, 3]))
+    assert total.item() == pytest.approx(0, abs=1e-5) and terms["ce"] < 1e-6
+    perfect[0, :, 0, :] = torch.randn(5, 10, generator=g)  # ignored pixels do not count
+    assert losses.seg_loss(perfect, labels)[0].item() == pytest.approx(0, abs=1e-5)
+    assert losses.seg_loss(noisy(perfect / 40), labels)[0] > 0.5
+
+    kp = torch.tensor([[[20.0, 30.0], [40.0, 60.0]]])
+    target, weight = heads.udp_heatmaps(kp, torch.tensor([[2, 2]]), (64, 48), 4, 1.5)
+    assert losses.heatmap_loss(target, target, weight).item() == 0
+    assert losses.heatmap_loss(noisy(target), target, weight) > 0
+
+
+# --- metrics (hand-computed cases) ---------------------------------------------------------------------------------
+
+
+def _one_keypoint_at_oks(value: float, sigma: float, area: float) -> float:
+    """The distance at which a single keypoint has similarity ``value``: exp(-d^2 / (2 area (2 sigma)^2))."""
+    return math.sqrt(-math.log(value) * 2 * area * (2 * sigma) ** 2)
+
+
+def test_oks_and_keypoint_ap_match_hand_computed_values():
+    sigmas, area = np.array([0.05, 0.05]), 400.0
+    gt, vis = np.array([[10.0, 10.0], [30.0, 30.0]]), np.array([2, 0])  # the second is unlabelled
+    d = _one_keypoint_at_oks(0.62, 0.05, area)
+    off = gt + [[d, 0.0], [99.0, 99.0]]
+    assert metrics.oks(off, gt, vis, area, sigmas) == pytest.approx(0.62)
+    assert metrics.oks(gt, gt, vis, area, sigmas) == 1.0
+    gts = [[(gt, vis, area)], [(gt, vis, area)]]
+    # Higher score on the exact detection: thresholds 0.50-0.60 find both (AP 1); 0.65-0.95 find one of two, at
+    # precision 1 up to recall 0.5: 51 of the 101 recall points.
+    ap = metrics.keypoint_ap(gts, [[(gt, 0.9)], [(off, 0.8)]], sigmas)
+    assert ap["AP"] == pytest.approx((3 + 7 * 51 / 101) / 10)
+    assert ap["AP50"] == 1 and ap["AP75"] == pytest.approx(51 / 101)
+    # Higher score on the poor detection: precision 1/2 at recall 1/2 for the strict thresholds.
+    ap = metrics.keypoint_ap(gts, [[(gt, 0.8)], [(off, 0.9)]], sigmas)
+    assert ap["AP"] == pytest.approx((3 + 7 * 25.5 / 101) / 10)
+    # A ground truth with no labelled keypoint is ignored; a detection matched to nothing is a false positive.
+    ignored = [(gt, np.array([0, 0]), area)]
+    assert metrics.keypoint_ap([gts[0], ignored], [[(gt, 0.9)], [(gt, 0.95)]], sigmas)["AP"] == pytest.approx(1.0)
+    assert metrics.keypoint_ap([gts[0], []], [[(gt, 0.9)], [(gt, 0.95)]], sigmas)["AP"] == pytest.approx(0.5)
+
+
+def test_segmentation_miou_and_macc_match_hand_computed_values():
+    labels = np.array([[0, 0, 1], [1, 1, 2], [255, 255, 255]])
+    pred = np.array([[0, 1, 1], [1, 2, 2], [3, 3, 3]])
+    acc = metrics.SegMetric(num_classes=4)
+    acc.update(torch.from_numpy(pred[:1]), torch.from_numpy(labels[:1]))  # two updates, one confusion matrix
+    acc.update(torch.from_numpy(pred[1:]), torch.from_numpy(labels[1:]))
+    r = acc.compute()
+    # class 0: tp 1, union 2; class 1: tp 2, union 4; class 2: tp 1, union 2; class 3: absent (ignored pixels only)
+    assert r["IoU"] == [0.5, 0.5, 0.5, None]
+    assert r["mIoU"] == pytest.approx(0.5)
+    assert r["mAcc"] == pytest.approx((1 / 2 + 2 / 3 + 1) / 3)
+    assert r["aAcc"] == pytest.approx(4 / 6)
+
+
+def test_normal_pointmap_and_albedo_metrics_match_hand_computed_values():
+    deg = np.radians([0.0, 90.0, 10.0, 20.0])
+    target = torch.tensor([[[[0.0, 0.0, -1.0]] * 4]])  # [1, 1, 4, 3]
+    pred = torch.tensor([[[[math.sin(a), 0.0, -math.cos(a)] for a in deg]]], dtype=torch.float32)
+    n = metrics.NormalMetric()
+    n.update(pred, target, torch.ones(1, 1, 4, dtype=torch.bool))
+    r = n.compute()
+    assert r["mean"] == pytest.approx(30, abs=1e-3) and r["median"] == pytest.approx(15, abs=1e-3)
+    assert r["within_11.25"] == pytest.approx(50) and r["within_30"] == pytest.approx(75)
+
+    # targets at depth 1 and 2, both predicted at depth 1: scale s = (1 + 2) / 2 = 1.5, errors 0.5 / 1 and 0.5 / 2
+    p = metrics.PointmapMetric()
+    mask = torch.tensor([[[True, True, False]]])
+    pred = torch.tensor([[[[0, 0, 1.0], [0, 0, 1.0], [5, 5, 5.0]]]])
+    p.update(pred, torch.tensor([[[[0, 0, 1.0], [0, 0, 2.0], [0, 0, 9.0]]]]), mask)  # the third is unlabelled
+    assert p.compute() == pytest.approx({"rel_point": 0.375, "abs_rel_depth": 0.375})
+
+    a = metrics.AlbedoMetric()
+    t = torch.full((2, 4, 4, 3), 0.5)
+    a.update(t + 0.1, t, torch.ones(2, 4, 4, dtype=torch.bool))
+    assert a.compute() == pytest.approx({"mae": 0.1, "psnr": 20.0})
+
+
+def test_metric_states_merge_like_one_accumulator():
+    g = torch.Generator().manual_seed(1)
+    pred, target = torch.randn(4, 5, 5, 3, generator=g), torch.randn(4, 5, 5, 3, generator=g)
+    mask = torch.rand(4, 5, 5, generator=g) > 0.4
+    whole, parts = metrics.NormalMetric(), [metrics.NormalMetric(), metrics.NormalMetric()]
+    whole.update(pred, target, mask)
+    parts[0].update(pred[:2], target[:2], mask[:2])
+    parts[1].update(pred[2:], target[2:], mask[2:])
+    merged = metrics.NormalMetric()
+    merged.merge([p.state() for p in parts])
+    assert merged.compute() == pytest.approx(whole.compute())
+
+
+# --- optimiser ------------------------------------------------------------------------------------------------------
+
+
+def _info(h: int = 64, w: int = 48, k: int = 40) -> data.LabelInfo:
+    spec = keypoint_spec(k)
+    return data.LabelInfo(PARTS, spec.names, tuple(float(s) for s in spec.sigmas), (h, w))
+
+
+def test_layer_wise_lr_decay_and_no_decay_on_1d_params():
+    cfg = load_config(FinetuneConfig, TINY, ["optim.layer_decay=0.5", "optim.warmup_steps=0"])
+    model = build_model(cfg, tasks.make("seg", cfg, _info()), None)
+    opt = build_optimizer(model, cfg)
+    set_schedule(opt, cfg, 0)
+    rate = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            rate[id(p)] = (group["lr"], group["weight_decay"])
+    named = dict(model.named_parameters())
+    lr = cfg.optim.lr
+    assert rate[id(named["head.out.weight"])] == (lr, 0.1)
+    assert rate[id(named["head.out.bias"])] == (lr, 0.0)
+    assert rate[id(named["backbone.blocks.3.attn.qkv.weight"])] == (lr * 0.5, 0.1)
+    assert rate[id(named["backbone.blocks.0.ffn.w12.weight"])] == (lr * 0.5**4, 0.1)
+    assert rate[id(named["backbone.blocks.0.norm1.weight"])] == (lr * 0.5**4, 0.0)
+    assert rate[id(named["backbone.patch_embed.weight"])] == (lr * 0.5**5, 0.1)
+    assert rate[id(named["backbone.cls_token"])] == (lr * 0.5**5, 0.0)
+    assert len(rate) == len(named)
+    assert layer_id("backbone.norm.weight", 4) == 5
+    # per-size defaults of the public configs
+    for size, decay in (("tiny", 0.85), ("0.4b", 0.8), ("1b", 0.9), ("5b", 0.94), ("0.8b-4k", 0.85)):
+        assert load_config(FinetuneConfig, TINY, [f"model.size={size}"]).layer_decay() == decay
+    frozen = load_config(FinetuneConfig, TINY, ["optim.freeze_backbone=true"])
+    model = build_model(frozen, tasks.make("seg", frozen, _info()), None)
+    trained = {id(p) for g in build_optimizer(model, frozen).param_groups for p in g["params"]}
+    assert trained == {id(p) for p in model.head.parameters()}
+
+
+# --- every head trains ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_batch() -> dict[str, dict[str, torch.Tensor]]:
+    cfg = RenderConfig(height=64, width=48, num_keypoints=40)
+    rows = []
+    for i in range(4):
+        r = render(cfg, np.random.default_rng([5, i]))
+        rows.append(data.encode_row(r.image, source="t", mask=r.mask, parts=r.parts, pointmap=r.points,
+                                    normal=r.normals, albedo=r.albedo, keypoints=r.keypoints,
+                                    visibility=r.visibility, area=float(r.mask.sum()), camera=r.camera))  # fmt: skip
+    return {t: data.collate([data.decode_sample(row, t, (64, 48)) for row in rows]) for t in data.TASKS}
+
+
+@pytest.mark.parametrize("task_name", data.TASKS)
+def test_every_head_trains_a_few_steps_and_its_loss_falls(task_name, small_batch):
+    torch.set_num_threads(2)
+    cfg = load_config(FinetuneConfig, TINY, ["optim.warmup_steps=0", "steps=12", "optim.lr=3e-3", "optim.min_lr=3e-3"])
+    task = tasks.make(task_name, cfg, _info())
+    model = build_model(cfg, task, None)
+    opt = build_optimizer(model, cfg)
+    batch = small_batch[task_name]
+    losses_seen = []
+    for step in range(12):
+        set_schedule(opt, cfg, step)
+        out = model(batch["image"])
+        loss, _ = task.loss(model.head, out, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses_seen.append(loss.item())
+    assert np.mean(losses_seen[-3:]) < 0.9 * losses_seen[0], losses_seen
+    with torch.no_grad():  # output contracts of the heads
+        out = model(batch["image"])
+    if task_name == "normal":
+        torch.testing.assert_close(out.norm(dim=-1), torch.ones(out.shape[:-1]))
+    if task_name == "albedo":
+        assert out.min() >= 0 and out.max() <= 1
+    if task_name == "pointmap":
+        assert (out[..., 2] > 0).all()
+    if task_name == "pose":
+        assert out.shape == (4, 40, 16, 12)
+
+
+@pytest.mark.parametrize("task_name", data.TASKS)
+def test_a_perfect_prediction_scores_perfectly_through_the_task(task_name, small_batch):
+    cfg = load_config(FinetuneConfig, TINY)
+    task = tasks.make(task_name, cfg, _info())
+    head = task.build_head(64, 16)
+    batch = small_batch[task_name]
+    if task_name == "pose":
+        perfect = head.targets(batch["keypoints"], batch["visibility"], (64, 48))[0]
+    elif task_name == "seg":
+        perfect = 30.0 * torch.nn.functional.one_hot(batch["parts"], len(PARTS)).permute(0, 3, 1, 2).float()
+    else:
+        perfect = batch["target"]
+    acc = task.metric()
+    valid = torch.tensor([True, True, True, False])
+    task.update(acc, head, perfect, batch, valid)
+    result = acc.compute()
+    expected = {"pose": ("AP", 1.0), "seg": ("mIoU", 1.0), "normal": ("mean", 0.0), "albedo": ("mae", 0.0),
+                "pointmap": ("rel_point", 0.0)}[task_name]  # fmt: skip
+    assert result[expected[0]] == pytest.approx(expected[1], abs=0.02)
+    target, prediction = task.picture(head, perfect, batch, 0)
+    assert target.shape == prediction.shape == (64, 48, 3) and target.dtype == np.uint8
+    if task_name != "pose":  # pose draws the keypoints in two colours
+        assert (target == prediction).all()
+
+
+def test_pretrained_backbone_is_loaded_and_a_wrong_size_refused(tmp_path):
+    import dataclasses
+
+    torch.manual_seed(5)
+    backbone = build("tiny")
+    meta = {"format": "pt", "size": "tiny", "step": "1",
+            "backbone_config": json.dumps(dataclasses.asdict(backbone.cfg))}  # fmt: skip
+    path = tmp_path / "backbone.safetensors"
+    save_file({k: v.contiguous() for k, v in backbone.state_dict().items()}, str(path), metadata=meta)
+    cfg = load_config(FinetuneConfig, TINY)
+    model = build_model(cfg, tasks.make("normal", cfg, _info()), str(path))
+    torch.testing.assert_close(model.backbone.blocks[2].ffn.w3.weight, backbone.blocks[2].ffn.w3.weight)
+    wrong = load_config(FinetuneConfig, TINY, ["model.size=tiny-gqa"])
+    with pytest.raises(ValueError, match="model.size"):
+        build_model(wrong, tasks.make("normal", wrong, _info()), str(path))
+
+
+# --- the job ----------------------------------------------------------------------------------------------------------
+
+
+def test_job_refuses_bad_inputs_with_a_clear_message(shards, tmp_path, capsys):
+    base = ["--config", TINY, "--storage", str(tmp_path), "--name", "x"]
+    assert job.main(["--task", "seg", "--data", str(shards / "train"), *base]) == 2
+    assert "no train/ or val/ folder" in capsys.readouterr().err
+    assert job.main(["--task", "seg", "--data", str(shards), *base, "optim.lr=-1"]) == 2
+    assert "optim.lr" in capsys.readouterr().err
+    assert job.main(["--task", "seg", "--data", str(shards), *base, "--backbone", str(tmp_path / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_finetune_job_trains_evaluates_and_resumes(shards, tmp_path, ray_local):
+    args = ["--task", "seg", "--config", TINY, "--data", str(shards), "--storage", str(tmp_path), "--name", "seg"]
+    fast = ["steps=6", "log.every=2", "eval.every=3", "eval.visualise=2", "data.batch_size=2", "ray.workers=2",
+            "ray.cpus_per_worker=1", "ray.torch_threads=1"]  # fmt: skip
+    assert job.main([*args, *fast]) == 0
+    run = tmp_path / "seg"
+    report = json.loads((run / "metrics.json").read_text())
+    assert report["task"] == "seg" and report["step"] == 6
+    assert [c["step"] for c in report["curve"]] == [3, 6]
+    assert 0 <= report["metrics"]["mIoU"] <= 1 and len(report["metrics"]["IoU"]) == len(PARTS)
+    pictures = sorted((run / "pictures").glob("*.png"))
+    assert len(pictures) == 2 and data.decode_image(pictures[0].read_bytes()).shape == (64, 3 * 48, 3)
+    train = [json.loads(line) for f in (run / "metrics").glob("*.jsonl") for line in f.read_text().splitlines()]
+    assert [r["step"] for r in train if r["kind"] == "train"] == [2, 4, 6]
+    model, task = load_finetuned(str(run / "finetuned.safetensors"))
+    assert task.name == "seg"
+    with torch.no_grad():
+        assert model(torch.zeros(1, 3, 64, 48, dtype=torch.uint8)).shape == (1, len(PARTS), 64, 48)
+    # The same command again finds the finished run's checkpoint: no training step is repeated.
+    assert job.main([*args, *fast]) == 0
+    train = [json.loads(line) for f in (run / "metrics").glob("*.jsonl") for line in f.read_text().splitlines()]
+    assert [r["step"] for r in train if r["kind"] == "train"] == [2, 4, 6]
+    assert job.main([*args, *fast, "model.size=tiny-gqa"]) == 2  # a different run under the same name
