@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import time
 
 import numpy as np
@@ -33,7 +32,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from common import storage
 from common.config import hash_json
@@ -42,7 +40,7 @@ from finetune.config import FinetuneConfig
 from pretrain import checkpoint as ckpt
 from pretrain.backbone import BackboneConfig, Sapiens2Backbone, build
 from pretrain.data import DataIndex
-from pretrain.train import MetricsLog, launch, lr_at, progress, run_uri_for, wd_at
+from pretrain.train import MetricsLog, launch, lr_at, optimizer_step, progress, run_uri_for, wd_at
 from pretrain.views import IMAGENET_MEAN, IMAGENET_STD
 
 METRICS_FILE = "metrics.json"
@@ -267,15 +265,9 @@ class Worker:
             out = self.model(batch["image"])
             loss, terms = self.task.loss(self.model.head, out, batch)
             loss.backward()
-            grads = [p.grad for p in self.params if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-            if c.optim.grad_clip is not None:
-                torch.nn.utils.clip_grads_with_norm_(self.params, c.optim.grad_clip, grad_norm, foreach=True)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            grad_norm = optimizer_step(self.optimizer, self.params, c.optim.grad_clip)
             self.step += 1
-            full_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-            window.append(torch.stack([loss.detach().float(), full_norm.detach().float(), *terms.values()]))
+            window.append(torch.stack([loss.detach().float(), grad_norm.float(), *terms.values()]))
             if self.step % c.log.every == 0 or self.step == c.steps:
                 self._log(window, list(terms), lr, wd, time.perf_counter() - started, wait)
                 window, started, wait = [], time.perf_counter(), 0.0

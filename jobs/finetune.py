@@ -26,9 +26,8 @@ from finetune.config import FinetuneConfig
 from finetune.train import FINETUNED_FILE, METRICS_FILE, PICTURES, fit
 from pretrain import checkpoint as ckpt
 from pretrain.data import DataError, DataIndex
-from pretrain.train import run_uri_for
+from pretrain.train import claim_run, run_uri_for
 
-RUN_FILE = "run.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,24 +82,6 @@ def check_backbone(uri: str, cfg: FinetuneConfig) -> None:
         )
 
 
-def claim_run(run_uri: str, spec: dict, cfg: FinetuneConfig) -> bool:
-    """Record what the run trains; a rerun must name the same task, data, backbone and size. True when resuming."""
-    fs, run = storage.resolve(run_uri)
-    path = storage.join(run, RUN_FILE)
-    mine = {**spec, "size": cfg.model.size}
-    if not storage.exists(fs, path):
-        storage.write_json_atomic(fs, path, {**mine, "created": time.time()})
-        return False
-    earlier = storage.read_json(fs, path)
-    for key, value in mine.items():
-        if earlier.get(key) != value:
-            raise ConfigError(
-                f"run {run_uri} was started with {key}={earlier.get(key)!r}, this command gives {value!r}; "
-                "use a new --name for a different run"
-            )
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -116,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             check_backbone(backbone, cfg)
         spec = {"task": args.task, "train": train_uri, "val": val_uri, "backbone": backbone}
         run_uri = run_uri_for(args.storage, args.name)
-        resuming = claim_run(run_uri, spec, cfg)
+        resuming = claim_run(run_uri, {**spec, "size": cfg.model.size})
     except (ConfigError, DataError, StorageError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -23,10 +23,7 @@ from common.storage import StorageError
 from pretrain import checkpoint as ckpt
 from pretrain.config import PretrainConfig
 from pretrain.data import DataError, ensure_index
-from pretrain.train import METRICS, fit, run_uri_for
-
-RUN_FILE = "run.json"
-
+from pretrain.train import METRICS, claim_run, fit, run_uri_for
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -40,31 +37,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def claim_run(run_uri: str, data_uri: str, cfg: PretrainConfig) -> bool:
-    """Record what the run trains on; a rerun must name the same data and model. Returns True when resuming."""
-    fs, run = storage.resolve(run_uri)
-    path = storage.join(run, RUN_FILE)
-    mine = {"data": data_uri, "model_hash": cfg.model_hash(), "size": cfg.model.size}
-    if not storage.exists(fs, path):
-        storage.write_json_atomic(fs, path, {**mine, "created": time.time()})
-        return False
-    earlier = storage.read_json(fs, path)
-    for key in ("data", "model_hash"):
-        if earlier[key] != mine[key]:
-            raise ConfigError(
-                f"run {run_uri} was started with {key}={earlier[key]!r}, this command gives {mine[key]!r}; "
-                "use a new --name for a different run"
-            )
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides)
         run_uri = run_uri_for(args.storage, args.name)
         data_uri = args.data if "://" in args.data else os.path.abspath(args.data)
-        resuming = claim_run(run_uri, data_uri, cfg)
+        resuming = claim_run(run_uri, {"data": data_uri, "model_hash": cfg.model_hash()}, {"size": cfg.model.size})
         index = ensure_index(data_uri, run_uri)
     except (ConfigError, DataError, StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -35,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from common import storage
+from common.config import ConfigError
 from pretrain import checkpoint as ckpt
 from pretrain import data
 from pretrain.backbone import build, flops
@@ -43,6 +44,7 @@ from pretrain.masking import num_masked
 from pretrain.objective import JointObjective
 
 METRICS = "metrics"
+RUN_FILE = "run.json"
 # bf16 dense peak per GPU, for MFU when log.peak_tflops is not set (matched against the device name).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 
@@ -97,6 +99,18 @@ def build_optimizer(model: JointObjective, o: OptimSettings) -> torch.optim.Adam
     ]
     # fused: one kernel over all (sharded) parameters; the per-tensor default loop is 10x slower on DTensors
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grad_clip: float | None) -> Tensor:
+    """Clip the gradients to ``grad_clip`` (global norm over every shard), step, clear; returns the norm before
+    clipping as a plain tensor."""
+    grads = [p.grad for p in params if p.grad is not None]
+    grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if grad_clip is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm, foreach=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).detach()
 
 
 def _local(t: Tensor) -> Tensor:
@@ -329,18 +343,12 @@ class Worker:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
                 group["weight_decay"] = wd if group["name"] == "decay" else 0.0
-            grads = [p.grad for p in self.params if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-            if c.optim.grad_clip is not None:
-                torch.nn.utils.clip_grads_with_norm_(self.params, c.optim.grad_clip, grad_norm, foreach=True)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            grad_norm = optimizer_step(self.optimizer, self.params, c.optim.grad_clip)
             momentum = self.model.update_teacher(step)
             self.step += 1
             self.position = data.advance(self.position, per_step, self.index.num_samples)
             self.samples_seen += per_step
-            full_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-            window.add(torch.stack(terms).mean(0), full_norm.detach(), data_wait)
+            window.add(torch.stack(terms).mean(0), grad_norm, data_wait)
             self._fault_drill()
             if c.log.record_keys:
                 self._record_keys(keys)
@@ -469,6 +477,24 @@ def fit(cfg: PretrainConfig, storage_path: str, name: str):
     """Run (or resume) the training run ``name`` under ``storage_path`` on the connected Ray cluster."""
     config = {"config": cfg.model_dump(mode="json"), "run_uri": run_uri_for(storage_path, name)}
     return launch(train_loop, config, cfg.ray, storage_path, name, keep=cfg.checkpoint.keep)
+
+
+def claim_run(run_uri: str, identity: dict, info: dict | None = None) -> bool:
+    """Record what the run trains in ``<run>/run.json``; a rerun under the same name must give the same ``identity``
+    (``info`` is recorded, not compared). Returns True when resuming."""
+    fs, run = storage.resolve(run_uri)
+    path = storage.join(run, RUN_FILE)
+    if not storage.exists(fs, path):
+        storage.write_json_atomic(fs, path, {**identity, **(info or {}), "created": time.time()})
+        return False
+    earlier = storage.read_json(fs, path)
+    for key, value in identity.items():
+        if earlier.get(key) != value:
+            raise ConfigError(
+                f"run {run_uri} was started with {key}={earlier.get(key)!r}, this command gives {value!r}; "
+                "use a new --name for a different run"
+            )
+    return True
 
 
 def launch(loop, loop_config: dict, settings: RaySettings, storage_path: str, name: str, keep: int | None = None):
