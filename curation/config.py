@@ -261,6 +261,10 @@ class WriteSettings(Strict):
 class RaySettings(Strict):
     address: str | None = None  # None: join RAY_ADDRESS if set, else start a local Ray
     num_cpus: int | None = None  # local Ray only
+    # Reads of input shards and writes of results that fail with an I/O error (object store or network hiccup)
+    # are retried this many times before the job stops; both are idempotent. Lost actors and nodes are retried
+    # by Ray Data itself.
+    io_retries: int = Field(3, ge=0)
 
 
 class CurateConfig(Strict):

@@ -168,7 +168,11 @@ class ScorePhase:
     def build(self, shards: list[InputShard]) -> ray.data.Dataset:
         cfg_json = self.cfg.model_dump_json()
         ds = ray.data.from_items([s.to_row() for s in shards], override_num_blocks=len(shards))
-        ds = ds.map_batches(_read_shards, batch_size=1, batch_format="pyarrow", fn_kwargs={"cfg_json": cfg_json}, num_cpus=0.25)
+        io_retry = dict(max_retries=self.cfg.ray.io_retries, retry_exceptions=[OSError])
+        ds = ds.map_batches(
+            _read_shards, batch_size=1, batch_format="pyarrow", fn_kwargs={"cfg_json": cfg_json}, num_cpus=0.25,
+            **io_retry,
+        )
         for name in self.cfg.enabled_stages:
             from curation.stages import STAGES
 
@@ -194,6 +198,7 @@ class ScorePhase:
             batch_format="pyarrow",
             num_cpus=0.25,
             fn_kwargs={"out_uri": self.out_uri, "cfg_json": cfg_json, "results_hash": self.results_hash},
+            **io_retry,
         )
 
     def run(self, shards: list[InputShard]) -> dict:
