@@ -60,3 +60,14 @@ def curated_run(sample_pool, ray_local, tmp_path_factory) -> Path:
     assert curate.main([*args, "write.rows_per_shard=4"]) == 0
     return out
 
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors: one thread is fastest, and OpenMP workers spin badly on a shared two-core machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

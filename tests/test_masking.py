@@ -9,13 +9,7 @@ from torch.overrides import TorchFunctionMode
 from pretrain.masking import MaskingConfig, block_scores, generate_masks, num_masked
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is fastest, and OpenMP workers spin badly on a shared two-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _gen(seed: int = 0) -> torch.Generator:

@@ -34,13 +34,7 @@ from pretrain.views import Views, ViewsConfig, colour_augment, make_views, norma
 SMALL_VIEWS = ViewsConfig(global_size=(64, 48), local_size=(32, 32), n_local=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is fastest, and OpenMP workers spin badly on a shared two-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def small_config(**changes) -> ObjectiveConfig:
