@@ -107,6 +107,32 @@ class Person:
     detector: str
 
 
+def person_update(records: list[dict], faces: list[dict], f: Filters, nobody: str, **extra) -> Update:
+    """A person stage's columns from its person records (main person first) and faces, with ``extra`` columns,
+    and the verdict of the prominent-person rule; both profiles' person stages end here."""
+    main = records[0] if records else None
+    update: Update = {
+        "persons": records,
+        "faces": faces,
+        "person_count": len(records),
+        "prominent_count": sum(r["prominent"] for r in records),
+        "main_person_score": main["score"] if main else None,
+        "main_person_height_frac": main["height_frac"] if main else None,
+        "main_person_area_frac": main["area_frac"] if main else None,
+        **extra,
+    }
+    if main is None:
+        return {**update, **reject("no_person", nobody)}
+    if not update["prominent_count"]:
+        detail = (
+            f"best candidate ({main['detector']}): score {main['score']:.2f} (min {f.person_min_score}), "
+            f"height {main['height_frac']:.2f} of the image (min {f.person_min_height_frac}), "
+            f"area {main['area_frac']:.3f} (min {f.person_min_area_frac})"
+        )
+        return {**update, **reject("no_prominent_person", detail)}
+    return update
+
+
 def prominence(f: Filters, score: float, height_frac: float, area_frac: float) -> float:
     """>= 1 exactly when the prominent-person rule holds; otherwise how near a candidate comes to it."""
 
@@ -357,27 +383,7 @@ class PersonStage(Stage):
              "score": float(fc.score), "view": fc.view}
             for fc in faces if fc.score >= m.min_candidate_score
         ]
-        prominent = sum(r["prominent"] for r in records)
-        main = records[0] if records else None
-        update: Update = {
-            "persons": records,
-            "faces": face_records,
-            "person_count": len(records),
-            "prominent_count": prominent,
-            "main_person_score": main["score"] if main else None,
-            "main_person_height_frac": main["height_frac"] if main else None,
-            "main_person_area_frac": main["area_frac"] if main else None,
-        }
-        if main is None:
-            return {**update, **reject("no_person", "no person or face detected")}
-        if not prominent:
-            detail = (
-                f"best candidate ({main['detector']}): score {main['score']:.2f} (min {f.person_min_score}), "
-                f"height {main['height_frac']:.2f} of the image (min {f.person_min_height_frac}), "
-                f"area {main['area_frac']:.3f} (min {f.person_min_area_frac})"
-            )
-            return {**update, **reject("no_prominent_person", detail)}
-        return update
+        return person_update(records, face_records, f, nobody="no person or face detected")
 
 
 class HeadPoseStage(Stage):

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from curation.imageio import decode
-from curation.stage import Row, Stage, Update, reject
-from curation.stages.people import PERSON_COLUMNS, order_main_first, prominence
+from curation.stage import Row, Stage, Update
+from curation.stages.people import PERSON_COLUMNS, order_main_first, person_update, prominence
 
 if TYPE_CHECKING:
     from curation.config import Filters
@@ -338,24 +338,8 @@ class YoloPersonStage(Stage):
         order_main_first(records, f)  # persons[0] is the main person, as in the lite profile
         faces.sort(key=lambda fc: -fc["score"])
         main = records[0] if records else None
-        update: Update = {
-            "persons": records,
-            "faces": faces,
-            "person_count": len(records),
-            "prominent_count": sum(r["prominent"] for r in records),
-            "main_person_score": main["score"] if main else None,
-            "main_person_height_frac": main["height_frac"] if main else None,
-            "main_person_area_frac": main["area_frac"] if main else None,
-            "head_yaw_class": main["head_yaw_class"] if main else None,
-            "head_confidence": main["head_confidence"] if main else None,
-        }
-        if main is None:
-            return {**update, **reject("no_person", "no person detected")}
-        if not update["prominent_count"]:
-            detail = (
-                f"best candidate (yolo): score {main['score']:.2f} (min {f.person_min_score}), "
-                f"height {main['height_frac']:.2f} of the image (min {f.person_min_height_frac}), "
-                f"area {main['area_frac']:.3f} (min {f.person_min_area_frac})"
-            )
-            return {**update, **reject("no_prominent_person", detail)}
-        return update
+        return person_update(
+            records, faces, f, nobody="no person detected",
+            head_yaw_class=main["head_yaw_class"] if main else None,
+            head_confidence=main["head_confidence"] if main else None,
+        )
