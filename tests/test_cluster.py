@@ -15,10 +15,18 @@ from conftest import start_local_ray
 pytestmark = pytest.mark.slow
 
 HEAD_PORT, DASHBOARD_PORT = 6391, 8271
-# two nodes on one machine need their own ports; the second node's are fixed so the test can find and kill it
-WORKER_PORTS = ["--node-manager-port", "7101", "--object-manager-port", "7102", "--min-worker-port", "20200",
-                "--max-worker-port", "20300", "--dashboard-agent-listen-port", "7103", "--dashboard-agent-grpc-port", "7104",
-                "--runtime-env-agent-port", "7105", "--metrics-export-port", "7106"]
+
+
+def _ports(base: int) -> list[str]:
+    """A node's own ports: two nodes share this machine, and neither may collide with a local Ray of another test
+    (whose dashboard agent would otherwise hold the default port, leaving the job server without an agent)."""
+    names = ["--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+             "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port"]
+    ports = [arg for i, name in enumerate(names) for arg in (name, str(base + i))]
+    return [*ports, "--min-worker-port", str(base + 100), "--max-worker-port", str(base + 199)]
+
+
+HEAD_PORTS, WORKER_PORTS = _ports(7000), _ports(7300)  # the worker's node manager port (7300) identifies it
 # small actors, so work lands on both nodes and the head's two CPUs carry on alone
 SMALL = ["stages.person.actors=[1,1]", "stages.person.num_cpus=0.25", "stages.text_overlay.num_cpus=0.25",
          "stages.head_pose.num_cpus=0.25"]
@@ -34,7 +42,7 @@ def two_node_cluster(ray_local):
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     common = ["--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
     head = _ray("start", "--head", "--port", str(HEAD_PORT), "--dashboard-host", "127.0.0.1", "--dashboard-port",
-                str(DASHBOARD_PORT), "--include-dashboard", "true", "--num-cpus", "2", *common, env=env)
+                str(DASHBOARD_PORT), "--include-dashboard", "true", "--num-cpus", "2", *common, *HEAD_PORTS, env=env)
     assert head.returncode == 0, head.stderr
     worker = _ray("start", "--address", f"127.0.0.1:{HEAD_PORT}", "--num-cpus", "1", *common, *WORKER_PORTS, env=env)
     assert worker.returncode == 0, worker.stderr
@@ -49,7 +57,7 @@ def _kill_cluster() -> None:
     """Stop this test's cluster only (``ray stop`` would stop every Ray on the machine)."""
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if str(HEAD_PORT) in cmd or "node_manager_port=7101" in cmd:
+        if str(HEAD_PORT) in cmd or "node_manager_port=7300" in cmd:
             for child in proc.children(recursive=True):
                 child.kill()
             proc.kill()
@@ -60,7 +68,7 @@ def _kill_worker_node() -> int:
     killed = 0
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if "raylet" in cmd and "--node_manager_port=7101" in cmd:
+        if "raylet" in cmd and "--node_manager_port=7300" in cmd:
             for child in proc.children(recursive=True):
                 child.kill()
                 killed += 1
@@ -71,14 +79,15 @@ def _kill_worker_node() -> int:
 
 def _submit(env: dict, argv: list[str]) -> str:
     """Submit without waiting, retrying while the fresh cluster's job agent comes up; returns the submission id."""
-    for _ in range(60):
+    deadline = time.monotonic() + 300
+    while True:
         done = _ray("job", "submit", "--no-wait", "--address", f"http://127.0.0.1:{DASHBOARD_PORT}", *argv, env=env)
         found = re.search(r"raysubmit_\w+", done.stdout + done.stderr)
         if done.returncode == 0 and found:
             return found.group(0)
         assert "No available agent" in done.stdout + done.stderr or "Connection" in done.stderr, done.stderr
+        assert time.monotonic() < deadline, f"the job server never accepted the job: {done.stderr[-2000:]}"
         time.sleep(2)
-    raise AssertionError("the job server never accepted the job")
 
 
 def test_submitted_job_survives_losing_a_worker_node(two_node_cluster, sample_pool, repo_root, tmp_path, monkeypatch):
