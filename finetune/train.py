@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from common import storage
 from common.config import hash_json
@@ -40,7 +39,7 @@ from finetune.config import FinetuneConfig
 from pretrain import checkpoint as ckpt
 from pretrain.backbone import BackboneConfig, Sapiens2Backbone, build
 from pretrain.data import DataIndex
-from pretrain.train import MetricsLog, launch, lr_at, optimizer_step, progress, run_uri_for, wd_at
+from pretrain.train import MetricsLog, launch, lr_at, optimizer_step, progress, run_uri_for, shard, wd_at
 from pretrain.views import IMAGENET_MEAN, IMAGENET_STD
 
 METRICS_FILE = "metrics.json"
@@ -136,14 +135,7 @@ def build_model(
             block.compile()
     if device is None or not dist.is_initialized():
         return model.to(device or "cpu")
-    mp = MixedPrecisionPolicy()
-    if device.type == "cuda" and cfg.precision == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
-    for unit in [*backbone.blocks, head]:
-        fully_shard(unit, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
+    return shard(model, [*backbone.blocks, head], device, cfg.precision)
 
 
 def build_optimizer(model: FinetuneModel, cfg: FinetuneConfig) -> torch.optim.AdamW:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -77,13 +77,20 @@ def build_model(cfg: PretrainConfig, device: torch.device) -> JointObjective:
     if cfg.model.compile:
         for block in blocks:
             block.compile()
+    units = [*blocks, *model.decoder.blocks.layers, model.head, model.teacher["head"]]
+    return shard(model, units, device, cfg.precision)
+
+
+def shard(model: nn.Module, units: list[nn.Module], device: torch.device, precision: str) -> nn.Module:
+    """FSDP2 over the process group: one ``fully_shard`` per unit, then the root (the parameters left over, and the
+    move to ``device``); bf16 parameters and compute with fp32 gradient reduction on GPUs when asked."""
     mp = MixedPrecisionPolicy()
-    if device.type == "cuda" and cfg.precision == "bf16":
+    if device.type == "cuda" and precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
-    for unit in [*blocks, *model.decoder.blocks.layers, model.head, model.teacher["head"]]:
+    for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)  # the rest (embeddings, tokens, norms, centre) + moves to device
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
