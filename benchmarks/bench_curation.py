@@ -43,7 +43,7 @@ def ray_score(cfg: CurateConfig, pool: Path, out: Path) -> float:
     shutil.rmtree(out, ignore_errors=True)
     claim_output(str(out), cfg.results_hash(), str(pool), new_run=True)
     shards = list_shards(str(pool), cfg.input)
-    seconds, _ = timed(lambda: ScorePhase(cfg, str(out), log=lambda _: None).run(shards))
+    seconds, _ = timed(lambda: ScorePhase(cfg, str(out), str(pool), log=lambda _: None).run(shards))
     return seconds
 
 
@@ -90,7 +90,7 @@ def main() -> None:
         if "a" in parts:
             # (a) plain one-core loop vs Ray with 2 CPUs, same stages, same pool
             shards = list_shards(str(normal), cfg.input)
-            loop_s, table = timed(lambda: score_in_process(cfg, shards))
+            loop_s, table = timed(lambda: score_in_process(cfg, shards, str(normal)))
             ray_s = ray_score(cfg, normal, work / "out_a")
             kept = sum(s == "kept" for s in table.column("status").to_pylist())
             print(f"(a) one-core loop {loop_s:.1f} s ({args.n / loop_s:.2f} img/s), Ray 2 CPUs {ray_s:.1f} s "

@@ -44,12 +44,10 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs/pretrain/tiny.yaml"
 
 def in_memory_batches(cfg: PretrainConfig, shards: str, batch: int) -> list[torch.Tensor]:
     """The shards' images decoded, cropped and resized once, as uint8 [B, 3, H, W] batches."""
-    import pyarrow.parquet as pq
-
     index = data.DataIndex.scan(shards)
     images = []
     for f in index.files:
-        for row in pq.read_table(f, columns=list(data.READ_COLUMNS)).to_pylist():
+        for row in index.open(f).read(columns=list(data.READ_COLUMNS)).to_pylist():
             images.append(torch.from_numpy(data.decode_crop(row, cfg.image_size)).permute(2, 0, 1))
     stacked = torch.stack(images)
     return [stacked[i : i + batch] for i in range(0, len(stacked) - batch + 1, batch)]

@@ -7,6 +7,7 @@ that a local folder and ``s3://bucket/prefix`` behave the same. Writes are atomi
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -23,15 +24,44 @@ class StorageError(ValueError):
 
 
 def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
-    """Filesystem and path for a local path (relative allowed) or a URI such as ``s3://bucket/prefix``."""
+    """Filesystem and path for a local path (relative allowed) or a URI such as ``s3://bucket/prefix``.
+
+    A URI is parsed once; what its query carries (``?endpoint_override=...``, credentials) lives in the filesystem
+    object. Paths of files below it are plain strings: join them to the returned path, never rebuild a URI from
+    them (that drops the query and misreads keys holding ``%``, ``#``, ``?`` or spaces).
+    """
     if "://" not in uri:
         return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
+    return _from_uri(uri)
+
+
+@functools.lru_cache(maxsize=32)
+def _from_uri(uri: str) -> tuple[pafs.FileSystem, str]:
+    # cached: an object-store client per file would cost a connection and a credentials lookup each time
     try:
         return pafs.FileSystem.from_uri(uri)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
         raise StorageError(
-            f"cannot open {uri!r}: {exc}. Use a local path or a URI pyarrow supports (file://, s3://, gs://, hdfs://)"
+            f"cannot open {redact(uri)!r}: {exc}. Use a local path or a URI pyarrow supports (file://, s3://, gs://, hdfs://)"
         ) from None
+
+
+def redact(uri: str) -> str:
+    """``uri`` without its query string and user info, safe to print or to store as a name."""
+    if "://" not in uri:
+        return uri
+    scheme, rest = uri.split("://", 1)
+    rest = rest.split("?", 1)[0]
+    head, sep, tail = rest.partition("/")
+    return f"{scheme}://{head.rsplit('@', 1)[-1]}{sep}{tail}"
+
+
+def display_uri(root_uri: str, path: str) -> str:
+    """A readable name for ``path`` (a path on ``root_uri``'s filesystem): the scheme and the path, no query or
+    credentials. A name for ledgers and messages only; open the file through ``resolve(root_uri)``'s filesystem."""
+    if "://" not in root_uri:
+        return path
+    return f"{root_uri.split('://', 1)[0]}://{path}"
 
 
 def is_local(fs: pafs.FileSystem) -> bool:
@@ -82,11 +112,25 @@ def write_parquet_atomic(
     fs: pafs.FileSystem, path: str, table: pa.Table, *, row_group_size: int, compression: str = "zstd"
 ) -> str:
     """Write ``table`` as one Parquet file; returns the sha256 of the file's bytes."""
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, row_group_size=row_group_size, compression=compression)
-    data = sink.getvalue().to_pybytes()
+    data = encode_parquet(table, row_group_size=row_group_size, compression=compression)
     write_bytes_atomic(fs, path, data)
     return sha256(data).hexdigest()
+
+
+def file_sha256(fs: pafs.FileSystem, path: str) -> str:
+    """The sha256 of a file's bytes, streamed (raises ``FileNotFoundError`` when it is absent)."""
+    digest = sha256()
+    with fs.open_input_stream(path) as f:
+        while chunk := f.read(8 * 2**20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def encode_parquet(table: pa.Table, *, row_group_size: int, compression: str = "zstd") -> bytes:
+    """The bytes of ``table`` as one Parquet file (deterministic: the same table gives the same bytes)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, row_group_size=row_group_size, compression=compression)
+    return sink.getvalue().to_pybytes()
 
 
 def list_files(fs: pafs.FileSystem, path: str, suffix: str = "") -> list[str]:

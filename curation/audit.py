@@ -6,9 +6,10 @@ one, and what is wrong:
 - every shard the manifest lists exists, with the manifest's size, sha256, row count, schema and file metadata;
 - ``shards/`` holds nothing the manifest does not list (readers that glob ``*.parquet`` would pick it up);
 - every image decodes and its bytes hash to its ``key``; keys (and sources) are unique across all shards;
-- the final ledger has one file per committed input shard and covers every input of that shard exactly once
-  (the inputs are the phase-1 ledger's rows, counted in the shard's commit record); its funnel equals the
-  manifest's; its kept rows are exactly the shards' rows.
+- the manifest lists one final-ledger file per committed input shard, with its sha256, and ``final_ledger/``
+  holds nothing else; each covers every input of its shard exactly once (the inputs are the phase-1 ledger's rows,
+  counted in the shard's commit record); its funnel equals the manifest's; its kept rows are exactly the shards'
+  rows.
 
 Everything goes through ``common.storage``, so ``s3://bucket/prefix`` is audited like a local folder.
 """
@@ -27,15 +28,13 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from common import schema
-from common.storage import exists, join, list_files, read_json, resolve
+from common.storage import exists, file_sha256, join, list_files, read_json, resolve
 from curation.imageio import open_reduced
 from curation.ledger import reason_code
-from curation.phases import FINAL_LEDGER_DIR, GLOBAL_PHASES, SHARDS_DIR
+from curation.phases import FINAL_LEDGER_DIR, GLOBAL_PHASES, MANIFEST, SHARDS_DIR
 from curation.score import STATE_DIR
 
-MANIFEST = f"{SHARDS_DIR}/manifest.json"
 STATUSES = (schema.KEPT, schema.REJECTED, schema.ERROR, schema.DUPLICATE, schema.UNSAMPLED)
-_CHUNK = 8 * 2**20
 
 
 @dataclass(frozen=True, order=True)
@@ -81,14 +80,6 @@ class _ShardRows:
     keys: list[str | None] = field(default_factory=list)
     sources: list[str | None] = field(default_factory=list)
     decoded: int = 0
-
-
-def _sha256(fs: pafs.FileSystem, path: str) -> str:
-    digest = hashlib.sha256()
-    with fs.open_input_stream(path) as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _short(digest: str | None) -> str:
@@ -183,7 +174,7 @@ class _Auditor:
             return problems, rows
         if info.size != entry["bytes"]:
             add(None, f"{info.size} bytes, the manifest says {entry['bytes']} (truncated or appended to)")
-        digest = _sha256(self.fs, path)
+        digest = file_sha256(self.fs, path)
         if digest != entry["sha256"]:
             add(None, f"sha256 {_short(digest)} differs from the manifest's {_short(entry['sha256'])} (contents changed)")
         try:
@@ -279,7 +270,29 @@ class _Auditor:
             self.problem(rel, None, f"not a readable ledger file: {type(exc).__name__}: {exc}")
         return None
 
-    def ledger(self) -> list[dict]:
+    def _listed_ledger(self, manifest: dict, records: dict[str, dict]) -> dict[str, str]:
+        """The final-ledger files the manifest lists, checked against the commit records: {path: shard_id}."""
+        entries = manifest.get("final_ledger")
+        if entries is None:
+            self.problem(MANIFEST, None, "lists no final_ledger files (written by an older version): rerun jobs.curate "
+                                         "with --phases write")
+            return {}
+        listed = {}
+        for entry in entries:
+            rel = f"{FINAL_LEDGER_DIR}/{entry['file']}"
+            if entry["shard_id"] not in records:
+                self.problem(rel, None, f"listed in the manifest for input shard {entry['shard_id']}, which has no "
+                                        "commit record")
+                continue
+            listed[rel] = entry["shard_id"]
+            if exists(self.fs, self.path(rel)) and (digest := file_sha256(self.fs, self.path(rel))) != entry["sha256"]:
+                self.problem(rel, None, f"sha256 {_short(digest)} differs from the manifest's {_short(entry['sha256'])} "
+                                        "(contents changed)")
+        for shard_id in sorted(set(records) - set(listed.values())):
+            self.problem(MANIFEST, None, f"lists no final-ledger file for committed input shard {shard_id}")
+        return listed
+
+    def ledger(self, manifest: dict | None) -> list[dict]:
         """Check the final ledger against the commit records; return its rows with their file and row."""
         records = {}
         for path in list_files(self.fs, self.path(f"{STATE_DIR}/score"), ".json"):
@@ -295,10 +308,12 @@ class _Auditor:
             if not exists(self.fs, self.path(rel)):
                 self.problem(rel, None, f"missing: phase {phase} has not completed")
         self.counts["inputs"] = sum(r["rows"] for r in records.values())
-        expected = {f"{FINAL_LEDGER_DIR}/{s}.parquet": s for s in records}
+        if manifest is None:  # the manifest names the final-ledger files; its absence is reported already
+            return []
+        expected = self._listed_ledger(manifest, records)
         for rel in self._files_under(FINAL_LEDGER_DIR):
             if rel not in expected:
-                self.problem(rel, None, "not the final ledger of a committed input shard (a stray file)")
+                self.problem(rel, None, "not a final-ledger file the manifest lists (a stray file)")
         columns = ["source", "shard_id", "key", "status", "stage", "reason"]
         rows: list[dict] = []
         for rel, shard_id in sorted(expected.items()):
@@ -378,7 +393,7 @@ def audit(out_uri: str, *, decode: bool = True, workers: int | None = None) -> A
     auditor = _Auditor(out_uri, decode, workers or min(8, os.cpu_count() or 1))
     manifest = auditor.manifest()
     shard_rows = auditor.shards(manifest) if manifest else []
-    ledger = auditor.ledger()
+    ledger = auditor.ledger(manifest)
     if manifest:
         auditor.cross_check(manifest, shard_rows, ledger)
     order = {p: i for i, p in enumerate(auditor.problems)}  # stable: by file, then row, then finding order

@@ -6,9 +6,9 @@ it changes. Thresholds that decide a rejection live under ``filters``; knobs of 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from common.config import Strict, config_hash, hash_json
 
@@ -20,6 +20,9 @@ class StageSettings(Strict):
     num_gpus: float = Field(0.0, ge=0)
     # (min, max) actors for model stages; task stages ignore it.
     actors: tuple[int, int] = (1, 2)
+    # Time limit per image of a stage call (a batch of n rows gets n times this); a row past it is an error row
+    # (stage_timeout). None: no limit. See curation/stage.py.
+    timeout_s: float | None = Field(60.0, gt=0)
 
     @field_validator("actors")
     @classmethod
@@ -35,6 +38,8 @@ class InputSettings(Strict):
     files_per_shard: int = Field(64, ge=1)  # folder pools: files per input shard (the unit of resume)
     image_column: str = "image"  # parquet pools: binary column, or struct with a 'bytes' field
     source_column: str | None = None  # parquet pools: column naming each image (default: file#row=N)
+    # Parquet files and tars stream in chunks of about this size: a 50 GB shard never sits in memory whole.
+    read_chunk_mb: int = Field(64, ge=1)
 
 
 class OutputSettings(Strict):
@@ -144,11 +149,29 @@ class PhashSettings(Strict):
 class ModelStoreSettings(Strict):
     """Where model references resolve (curation/models.py): a local path, a URI (s3://, gs://, file://; fetched once
     per node into ``cache_dir``), a bare file name looked up under ``roots``, or ``hf-hub:org/repo[/file]``, looked up
-    under ``roots`` as ``org/repo[/file]`` (a mirror) and fetched from the Hugging Face hub only when ``online``."""
+    under ``roots`` as ``org/repo[/file]`` (a mirror) and fetched from the Hugging Face hub only when ``online``.
+    Any model reference may instead be a ``PinnedModel`` mapping (``ref``, ``sha256``, ``revision``)."""
 
     cache_dir: str = "~/.cache/humans1b/models"
     roots: list[str] = []  # local folders or URIs, searched in order
     online: bool = False
+    # A hub download without a pinned revision loads whatever the repository holds that day; refused unless true.
+    allow_unpinned_hub: bool = False
+
+
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$")]
+
+
+class PinnedModel(Strict):
+    """A model reference with pins; a plain string is the same reference unpinned. The store refuses a file whose
+    sha256 is not the pinned one, and downloads hub files only at the pinned commit."""
+
+    ref: str
+    sha256: Sha256 | dict[str, Sha256] | None = None  # of the file; of each file of a folder (relative path -> digest)
+    revision: str | None = Field(None, pattern=r"^[0-9a-f]{40}$")  # hf-hub: references: the commit to download
+
+
+ModelRef = str | PinnedModel
 
 
 Precision = Literal["auto", "fp32", "fp16", "bf16"]  # auto: fp16 on a GPU, fp32 on CPU
@@ -159,8 +182,8 @@ class YoloModelSettings(Strict):
     see curation/stages/yolo.py. Checkpoints: ultralytics ``.pt`` files or ``.safetensors`` from
     ``curation.models.save_yolo``; both load without unpickling code."""
 
-    detector: str | None = "hf-hub:Ultralytics/YOLO11/yolo11m.pt"  # None: the pose model's boxes are the persons
-    pose: str = "hf-hub:Ultralytics/YOLO11/yolo11m-pose.pt"
+    detector: ModelRef | None = "hf-hub:Ultralytics/YOLO11/yolo11m.pt"  # None: the pose model's boxes are the persons
+    pose: ModelRef = "hf-hub:Ultralytics/YOLO11/yolo11m-pose.pt"
     person_class: str = "person"  # the detector's class name for people
     imgsz: int = Field(640, ge=32, multiple_of=32)  # letterboxed square input
     precision: Precision = "auto"
@@ -193,13 +216,22 @@ class ClipModelSettings(Strict):
     holding ``open_clip_config.json`` and its weights (the hub layout; ``arch`` is then ignored)."""
 
     arch: str = "ViT-L-14"
-    checkpoint: str = "hf-hub:timm/vit_large_patch14_clip_224.openai"
+    checkpoint: ModelRef = "hf-hub:timm/vit_large_patch14_clip_224.openai"
     precision: Precision = "auto"
     # LAION's improved aesthetic predictor (MLP or linear head on the L2-normalised embedding); it was trained on
     # OpenAI's ViT-L/14 embeddings, so it is only meaningful with that checkpoint. None: no aesthetic score.
-    aesthetic_head: str | None = "sac+logos+ava1-l14-linearMSE.pth"
+    aesthetic_head: ModelRef | None = "sac+logos+ava1-l14-linearMSE.pth"
     prompt_sets: dict[str, list[str]] = Field(default_factory=_default_prompt_sets)
     realism: RealismSettings = RealismSettings()
+
+
+class FaultInjectionSettings(Strict):
+    """Images the test-only ``fault_injection`` stage (curation/stages/faults.py) fails on, by key (sha256)."""
+
+    raise_on: list[str] = []
+    hang_on: list[str] = []
+    hang: Literal["python", "native"] = "python"  # native: one C call that the runner cannot interrupt
+    hang_s: float = Field(3600.0, gt=0)
 
 
 class ModelSettings(Strict):
@@ -211,6 +243,7 @@ class ModelSettings(Strict):
     store: ModelStoreSettings = ModelStoreSettings()
     yolo: YoloModelSettings = YoloModelSettings()
     clip: ClipModelSettings = ClipModelSettings()
+    fault_injection: FaultInjectionSettings = FaultInjectionSettings()
 
 
 def _default_stages() -> dict[str, StageSettings]:

@@ -12,6 +12,8 @@ import warnings
 
 import numpy as np
 from PIL import Image, ImageOps
+from PIL.JpegImagePlugin import JpegImageFile
+from PIL.MpoImagePlugin import MpoImageFile
 
 # Decode validates size limits itself (and rejects with a reason); PIL's global guard would raise first.
 Image.MAX_IMAGE_PIXELS = None
@@ -49,11 +51,27 @@ def open_image(data: bytes) -> Image.Image:
         return _pil_open(io.BytesIO(data))
 
 
+def is_multi_picture(img: Image.Image) -> bool:
+    """A JPEG that carries more pictures after its primary one (MPO: stereo pairs, HDR gain maps, previews). The
+    primary picture is the photo; PIL opens it at frame 0, which every reader here uses."""
+    return isinstance(img, MpoImageFile)
+
+
+def sequence_frames(img: Image.Image) -> int:
+    """Frames of an animation or pages of a multi-page file; 1 for a still, a multi-picture JPEG included."""
+    return 1 if is_multi_picture(img) else getattr(img, "n_frames", 1)
+
+
+def picture_format(img: Image.Image) -> str | None:
+    """The format of the picture curated: a multi-picture JPEG's primary picture is a plain JPEG stream."""
+    return "JPEG" if is_multi_picture(img) else img.format
+
+
 def open_reduced(data: bytes, max_side: int | None = None, mode: str = "RGB") -> Image.Image:
     """Decode to a PIL image in ``mode``, EXIF-oriented; JPEGs in draft mode at the smallest libjpeg scale that keeps
     the longer side at least ``max_side`` (no resampling beyond that: callers that need an exact size resize)."""
     img = open_image(data)
-    if max_side is not None and img.format == "JPEG":
+    if max_side is not None and isinstance(img, JpegImageFile):  # multi-picture JPEGs too
         w, h = img.size
         scale = max(w, h) / max_side
         if scale >= 2:

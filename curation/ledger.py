@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 
 from common import schema
 from common.storage import exists, join, list_files, read_json, resolve
+from curation.phases import FINAL_LEDGER_DIR, MANIFEST
 from curation.score import LEDGER_DIR, STATE_DIR
 
 
@@ -22,10 +23,12 @@ def committed_files(out_uri: str, kind: str) -> list[str]:
 
 
 def read_ledger(out_uri: str, columns: list[str] | None = None) -> pa.Table:
-    """One row per input: the final ledger once the write phase is done, else phase 1's committed ledger."""
+    """One row per input: the final ledger once the write phase is done (the files its manifest lists), else phase
+    1's committed ledger."""
     fs, root = resolve(out_uri)
     if exists(fs, join(root, STATE_DIR, "write.done.json")):
-        files = list_files(fs, join(root, "final_ledger"), ".parquet")
+        entries = read_json(fs, join(root, MANIFEST))["final_ledger"]
+        files = [join(root, FINAL_LEDGER_DIR, e["file"]) for e in entries]
         return pa.concat_tables([pq.read_table(f, columns=columns, filesystem=fs) for f in files])
     tables = [pq.read_table(join(root, f), columns=columns, filesystem=fs) for f in committed_files(out_uri, LEDGER_DIR)]
     if not tables:

@@ -11,15 +11,22 @@ A model reference (a string in the config) is one of:
   (an offline mirror of the hub), then fetched from the Hugging Face hub, but only when ``models.store.online``.
 
 A reference found nowhere raises ``ModelNotFoundError`` at stage setup, naming the config key, every place looked
-and how to provide the weights. Checkpoints load as safetensors or through ``torch.load(weights_only=True)``;
-ultralytics ``.pt`` files pickle whole modules, so their classes are allowed by policy (``nn.Module`` subclasses
-defined in ``torch.nn`` or ``ultralytics.nn``, plus a few plain containers), never by running the pickle.
+and how to provide the weights. A reference may carry pins (``curation.config.PinnedModel``): the sha256 of the file
+(or of each file of a folder), checked on the node's copy before anything loads it, and the hub commit to download;
+an unpinned hub download is refused unless ``models.store.allow_unpinned_hub``. Either mismatch raises
+``ModelIntegrityError``.
+
+Checkpoints load as safetensors or through ``torch.load(weights_only=True)``. Ultralytics ``.pt`` files pickle whole
+modules; only the layer classes YOLO11 / YOLOv8 detect and pose models are made of may appear in them, and those
+only through stand-ins that cannot be called, so no constructor runs while unpickling (see ``_YOLO_LAYERS``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import hashlib
 import importlib
 import json
 import logging
@@ -27,7 +34,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,7 +47,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from curation.config import ClipModelSettings, ModelStoreSettings, Precision
+    from curation.config import ClipModelSettings, ModelRef, ModelStoreSettings, Precision
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +58,10 @@ _CHUNK = 16 * 2**20
 
 class ModelNotFoundError(RuntimeError):
     """A model reference resolves nowhere; the message says where it looked and how to provide the weights."""
+
+
+class ModelIntegrityError(RuntimeError):
+    """A model file is not the one its sha256 pin names, or a hub download has no pinned revision."""
 
 
 def _with_path(root: str, rel: str) -> str:
@@ -64,19 +75,29 @@ class ModelStore:
     cache_dir: str
     roots: tuple[str, ...] = ()
     online: bool = False
+    allow_unpinned_hub: bool = False
 
     @classmethod
     def from_settings(cls, s: ModelStoreSettings) -> ModelStore:
-        return cls(cache_dir=s.cache_dir, roots=tuple(s.roots), online=s.online)
+        return cls(cache_dir=s.cache_dir, roots=tuple(s.roots), online=s.online,
+                   allow_unpinned_hub=s.allow_unpinned_hub)
 
     @property
     def cache(self) -> Path:
         return Path(os.path.expanduser(self.cache_dir)).resolve()
 
-    def fetch(self, ref: str, what: str, hub_files: Sequence[str] | None = None) -> Path:
-        """The local path of the file or folder ``ref`` names. ``what`` is the config key (for messages);
-        ``hub_files`` limits which files a hub folder download fetches (glob patterns)."""
-        ref = ref.strip()
+    def fetch(self, ref: ModelRef, what: str, hub_files: Sequence[str] | None = None) -> Path:
+        """The local path of the file or folder ``ref`` names (a string or a ``PinnedModel``), checked against its
+        sha256 pin when it has one. ``what`` is the config key (for messages); ``hub_files`` limits which files a hub
+        folder download fetches (glob patterns)."""
+        name = ref if isinstance(ref, str) else ref.ref
+        path = self._resolve(name.strip(), what, hub_files, getattr(ref, "revision", None))
+        pin = getattr(ref, "sha256", None)
+        if pin:
+            _check_sha256(path, pin, what)
+        return path
+
+    def _resolve(self, ref: str, what: str, hub_files: Sequence[str] | None, revision: str | None) -> Path:
         looked: list[str] = []
         if ref.startswith(HUB):
             rel = ref[len(HUB):].strip("/")
@@ -86,7 +107,7 @@ class ModelStore:
             if found is not None:
                 return found
             if self.online:
-                return self._from_hub(rel, what, hub_files, looked)
+                return self._from_hub(rel, what, hub_files, looked, revision)
             looked.append("the Hugging Face hub: not tried, models.store.online is false")
         elif "://" in ref:
             found = self._copy_once(ref, looked)
@@ -174,19 +195,71 @@ class ModelStore:
             log.info("copied %s to %s", shown, entry / name)
             return entry / name
 
-    def _from_hub(self, rel: str, what: str, files: Sequence[str] | None, looked: list[str]) -> Path:
+    def _from_hub(
+        self, rel: str, what: str, files: Sequence[str] | None, looked: list[str], revision: str | None
+    ) -> Path:
         from huggingface_hub import hf_hub_download, snapshot_download
 
+        if not (revision and _COMMIT.fullmatch(revision)):
+            if not self.allow_unpinned_hub:
+                raise ModelIntegrityError(
+                    f"{what}: refusing to download {HUB}{rel} from the Hugging Face hub without a pinned revision "
+                    f"(revision {revision!r}): it would load whatever the repository holds today. Pin the commit: "
+                    f"{what}: {{ref: {HUB}{rel}, revision: <40-hex commit hash>, sha256: <digest>}}; or, to accept "
+                    "the latest files knowingly, set models.store.allow_unpinned_hub=true."
+                )
+            log.warning("%s: downloading %s%s at %s, not a pinned commit", what, HUB, rel, revision or "the latest")
         parts = rel.split("/")
         repo, file = "/".join(parts[:2]), "/".join(parts[2:])
         cache = self.cache / "hf-hub"
         try:
             if file:
-                return Path(hf_hub_download(repo, file, cache_dir=cache))
-            return Path(snapshot_download(repo, cache_dir=cache, allow_patterns=list(files) if files else None))
+                return Path(hf_hub_download(repo, file, revision=revision, cache_dir=cache))
+            patterns = list(files) if files else None
+            return Path(snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=patterns))
         except Exception as exc:  # noqa: BLE001 - any hub failure becomes the not-found message
             looked.append(f"the Hugging Face hub ({type(exc).__name__}: {exc})")
             raise ModelNotFoundError(self._not_found(HUB + rel, what, looked)) from None
+
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_sha256(path: Path, pin: str | Mapping[str, str], what: str) -> None:
+    """Refuse ``path`` unless it holds exactly the bytes ``pin`` names: one digest for a file; for a folder, one per
+    file, every file pinned (an unpinned file beside pinned weights could be the one a loader picks)."""
+    if path.is_dir():
+        if isinstance(pin, str):
+            raise ModelIntegrityError(
+                f"{what}: {path} is a folder; pin each of its files ({what}.sha256: {{relative/path: digest}})"
+            )
+        files = {p.relative_to(path).as_posix(): p for p in sorted(path.rglob("*")) if p.is_file()}
+        unpinned, absent = sorted(set(files) - set(pin)), sorted(set(pin) - set(files))
+        if unpinned or absent:
+            raise ModelIntegrityError(
+                f"{what}: the files of {path} are not the pinned ones: unpinned {unpinned}, pinned but absent {absent}"
+            )
+        expected = {files[rel]: digest for rel, digest in pin.items()}
+    elif isinstance(pin, str):
+        expected = {path: pin}
+    else:
+        raise ModelIntegrityError(f"{what}: {path} is a file; its sha256 pin must be one digest, not a mapping")
+    for file, digest in expected.items():
+        actual = _sha256(file)
+        if actual != digest.lower():
+            raise ModelIntegrityError(
+                f"{what}: {file} has sha256 {actual}, but the config pins {digest.lower()}: it is not the file the pin "
+                f"names (changed at its source, or tampered with), so it is not loaded. If the new file is trusted, "
+                f"put its digest in {what}.sha256."
+            )
 
 
 _SECRET = re.compile(r"([?&][^=&]*(?:key|secret|token|session|password)[^=&]*=)[^&]*", re.IGNORECASE)
@@ -294,54 +367,177 @@ def save_yolo(model: nn.Module, path: str | Path) -> None:
     save_file(tensors, str(path), metadata=metadata)
 
 
-# Globals an ultralytics .pt may name besides nn.Module classes: argument namespaces and numpy scalars in metrics.
-_YOLO_EXTRA_GLOBALS = {
-    "ultralytics.utils.IterableSimpleNamespace",
-    "types.SimpleNamespace",
-    "numpy.dtype",
-    "numpy.ndarray",
-    "numpy.core.multiarray.scalar",
-    "numpy._core.multiarray.scalar",
-    "numpy.core.multiarray._reconstruct",
-    "numpy._core.multiarray._reconstruct",
+# The classes ultralytics YOLO11 and YOLOv8 detect and pose checkpoints are made of (what
+# torch.serialization.get_unsafe_globals_in_checkpoint lists for such models built from their yaml). Nothing else is
+# allowed in a .pt: not AutoBackend (it loads the file it is given with full pickle), ultralytics.engine, the YOLO
+# wrapper, nor layers that fetch weights (TorchVision). Each class is exposed to the unpickler only as a stand-in
+# that cannot be called (``_uncallable``), so no constructor runs while loading.
+_YOLO_LAYERS = frozenset({
+    "torch.nn.modules.activation.SiLU",
+    "torch.nn.modules.batchnorm.BatchNorm2d",
+    "torch.nn.modules.container.ModuleList",
+    "torch.nn.modules.container.Sequential",
+    "torch.nn.modules.conv.Conv2d",
+    "torch.nn.modules.linear.Identity",
+    "torch.nn.modules.pooling.MaxPool2d",
+    "torch.nn.modules.upsampling.Upsample",
+    "ultralytics.nn.modules.block.Attention",
+    "ultralytics.nn.modules.block.Bottleneck",
+    "ultralytics.nn.modules.block.C2PSA",
+    "ultralytics.nn.modules.block.C2f",
+    "ultralytics.nn.modules.block.C3k",
+    "ultralytics.nn.modules.block.C3k2",
+    "ultralytics.nn.modules.block.DFL",
+    "ultralytics.nn.modules.block.PSABlock",
+    "ultralytics.nn.modules.block.SPPF",
+    "ultralytics.nn.modules.conv.Concat",
+    "ultralytics.nn.modules.conv.Conv",
+    "ultralytics.nn.modules.conv.DWConv",
+    "ultralytics.nn.modules.head.Detect",
+    "ultralytics.nn.modules.head.Pose",
+    "ultralytics.nn.tasks.DetectionModel",
+    "ultralytics.nn.tasks.PoseModel",
+})
+_CONVERT_ONCE = (
+    "Convert the checkpoint once, on a trusted machine, to safetensors (weights plus the architecture as data): "
+    "curation.models.save_yolo(ultralytics.YOLO('model.pt').model, 'model.safetensors'), and point the config at that."
+)
+
+
+# Where the allowed layers' __setstate__ is defined; each of these was read: it only updates the instance's __dict__.
+_AUDITED_SETSTATE = {
+    "torch.nn.modules.module.Module",
+    "torch.nn.modules.conv._ConvNd",
+    "torch.nn.modules.upsampling.Upsample",
 }
-_YOLO_MODULE_PREFIXES = ("torch.nn.modules.", "ultralytics.nn.")
 
 
-def _allowed_global(name: str) -> Any | None:
-    """The object a checkpoint's global ``name`` refers to, when policy allows it; None otherwise. Modules are only
-    imported for names under the allowed prefixes, never for arbitrary names a file carries."""
-    import torch
+class _RefusedCall(ValueError):
+    """A checkpoint asked the unpickler to run code that loading a YOLO model never needs."""
 
-    module, _, attr = name.rpartition(".")
-    if name in _YOLO_EXTRA_GLOBALS or module.startswith("numpy.dtypes"):
-        obj = getattr(importlib.import_module(module), attr, None)
-        return obj
-    if not name.startswith(_YOLO_MODULE_PREFIXES):
-        return None
-    obj = getattr(importlib.import_module(module), attr, None)
-    return obj if isinstance(obj, type) and issubclass(obj, torch.nn.Module) else None
+
+class _NotCallable(type):
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        raise _RefusedCall(f"the checkpoint calls {cls.__module__}.{cls.__qualname__}(...); layer constructors never "
+                           "run while loading (torch.save writes modules without calling them)")
+
+
+@functools.cache
+def _uncallable(layer: type) -> type:
+    """The stand-in registered with the weights-only unpickler under ``layer``'s name.
+
+    The unpickler makes objects of an allowed class three ways. REDUCE calls ``cls(*args)`` with arguments taken from
+    the file, running ``__init__``: ``DetectionModel({...})`` ``eval``s the activation string of the dict it is given
+    and opens a yaml path, ``AutoBackend(path)`` unpickles another file. The stand-in refuses calls. NEWOBJ calls
+    ``cls.__new__``: here a bare instance, no constructor. BUILD passes the saved attributes to ``__setstate__``,
+    which for these classes is a dictionary update (``nn.Module``'s, after filling defaults for old files in
+    Conv2d's and Upsample's). torch.save writes modules with NEWOBJ and BUILD alone, so genuine checkpoints load;
+    ``_real_classes`` then gives every instance its own class back."""
+    setstate_owner = next(k for k in layer.__mro__ if "__setstate__" in vars(k))
+    if type(layer) is not type or f"{setstate_owner.__module__}.{setstate_owner.__name__}" not in _AUDITED_SETSTATE:
+        raise TypeError(f"{layer} restores its state with unaudited code ({setstate_owner.__setstate__})")
+
+    def new(stand_in: type, *args: Any) -> Any:
+        if args:
+            raise _RefusedCall(f"the checkpoint passes arguments to {layer.__qualname__}.__new__")
+        return object.__new__(stand_in)
+
+    return _NotCallable(layer.__name__, (layer,), {"__new__": new, "__module__": layer.__module__,
+                                                   "__qualname__": layer.__qualname__})
+
+
+def _layer_forward(stand_in: Any, name: str) -> Any:
+    """``builtins.getattr`` for checkpoints of older ultralytics, whose pose head keeps ``Detect.forward`` (pickled
+    as ``getattr(Detect, "forward")``); it answers that lookup only."""
+    if isinstance(stand_in, _NotCallable) and name == "forward":
+        return stand_in.forward
+    raise _RefusedCall(f"the checkpoint looks up {name!r} on {stand_in!r}; only a layer's forward is served")
+
+
+def _yolo_globals() -> dict[str, Any]:
+    """Every global a YOLO .pt may name, mapped to what the unpickler gets for it. Besides the layers: training
+    arguments (namespaces, paths, as inert pure paths) and numpy scalars in the training metrics."""
+    import pathlib
+    import types
+
+    import numpy as np
+
+    from ultralytics.utils import IterableSimpleNamespace
+
+    scalar, reconstruct = np.float64(0).__reduce__()[0], np.zeros(0).__reduce__()[0]
+    allowed: dict[str, Any] = {
+        "ultralytics.utils.IterableSimpleNamespace": IterableSimpleNamespace,
+        "types.SimpleNamespace": types.SimpleNamespace,
+        "builtins.getattr": _layer_forward,
+        "numpy.dtype": np.dtype,
+        "numpy.ndarray": np.ndarray,
+    }
+    for core in ("numpy.core", "numpy._core"):
+        allowed |= {f"{core}.multiarray.scalar": scalar, f"{core}.multiarray._reconstruct": reconstruct}
+    for module in ("pathlib", "pathlib._local"):
+        allowed |= {f"{module}.PosixPath": pathlib.PurePosixPath, f"{module}.WindowsPath": pathlib.PureWindowsPath}
+    for name in _YOLO_LAYERS:
+        module, _, attr = name.rpartition(".")
+        allowed[name] = _uncallable(getattr(importlib.import_module(module), attr))
+    return allowed
+
+
+def _real_classes(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(type(m), _NotCallable):
+            m.__class__ = type(m).__bases__[0]
 
 
 def _load_ultralytics_pt(path: Path) -> nn.Module:
+    import numpy as np
     import torch
 
+    from ultralytics.nn.tasks import DetectionModel
+
     needed = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-    allowed = {n: _allowed_global(n) for n in needed}
-    refused = sorted(n for n, obj in allowed.items() if obj is None)
+    allowed = _yolo_globals()
+    refused = sorted(set(needed) - set(allowed))
     if refused:
-        raise ValueError(
-            f"{path}: refusing to load, the checkpoint names globals outside the safe-loading policy: {refused}. "
-            "Convert it once on a trusted machine: curation.models.save_yolo(YOLO(pt).model, 'model.safetensors')"
-        )
-    with torch.serialization.safe_globals(list(allowed.values())):
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        raise ValueError(f"{path}: refusing to load: the checkpoint names globals outside the allow-list of YOLO11 / "
+                         f"YOLOv8 detect and pose layers: {refused}. {_CONVERT_ONCE}")
+    # A real layer class registered process-wide (torch.serialization.add_safe_globals) would be callable by REDUCE.
+    registered = {e[0] if isinstance(e, tuple) else e for e in torch.serialization.get_safe_globals()}
+    exposed = sorted(n for n in needed if n in _YOLO_LAYERS and allowed[n].__bases__[0] in registered)
+    if exposed:
+        raise RuntimeError(f"{path}: not loaded: {exposed} are registered with torch.serialization.add_safe_globals in "
+                           "this process, which would let a checkpoint call their constructors")
+    entries: list[Any] = [(allowed[n], n) for n in needed]
+    if "numpy.dtype" in needed:  # a dtype's state is restored on its numpy.dtypes class, which the file never names
+        entries += [type(np.dtype(code)) for code in "?" + np.typecodes["AllInteger"] + np.typecodes["AllFloat"]]
+    try:
+        with torch.serialization.safe_globals(entries):
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except _RefusedCall as exc:
+        raise ValueError(f"{path}: refusing to load: {exc}. {_CONVERT_ONCE}") from None
     model = None
     if isinstance(ckpt, dict):
         model = ckpt.get("ema") if ckpt.get("ema") is not None else ckpt.get("model")
-    if model is None:
-        raise ValueError(f"{path} is not an ultralytics checkpoint (no 'model' entry)")
+    if not isinstance(model, DetectionModel):
+        raise ValueError(f"{path} is not an ultralytics detect or pose checkpoint (its model entry is {type(model)})")
+    _real_classes(model)
     return model.float()
+
+
+def _check_yolo_architecture(cfg: Any, path: Path) -> None:
+    """Refuse an architecture dict that ultralytics' parse_model would turn into code: it ``eval``s the activation
+    string and resolves layer names in a namespace that also holds its file loaders. Allowed: the YOLO layers above
+    and an argument-free ``nn.<Activation>()``."""
+    layer_names = {name.rpartition(".")[2] if name.startswith("ultralytics.") else "nn." + name.rpartition(".")[2]
+                   for name in _YOLO_LAYERS}
+    act = cfg.get("activation") if isinstance(cfg, dict) else None
+    layers = (cfg.get("backbone") or []) + (cfg.get("head") or []) if isinstance(cfg, dict) else []
+    names = {str(layer[2]) if isinstance(layer, list) and len(layer) == 4 else repr(layer) for layer in layers}
+    bad = sorted(names - layer_names)
+    if act is not None and not (isinstance(act, str) and re.fullmatch(r"(torch\.)?nn\.[A-Za-z]\w*\(\)", act)):
+        bad.append(f"activation {act!r}")
+    if not layers or bad:
+        raise ValueError(f"{path}: refusing to build the architecture in its metadata: {bad or 'no layers'} outside "
+                         f"the YOLO11 / YOLOv8 detect and pose layers {sorted(layer_names)}")
 
 
 def load_yolo(path: Path) -> nn.Module:
@@ -361,6 +557,7 @@ def load_yolo(path: Path) -> nn.Module:
                 "write YOLO safetensors with curation.models.save_yolo"
             )
         cfg = json.loads(meta["yaml"])
+        _check_yolo_architecture(cfg, path)
         cls = PoseModel if meta["task"] == "pose" else DetectionModel
         model = cls(cfg, nc=cfg.get("nc"), verbose=False)
         model.load_state_dict(load_state_dict(path), strict=True)

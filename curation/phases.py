@@ -5,11 +5,17 @@ decide, and record their decisions beside the output:
 
     dedup/decisions.parquet    images dropped as near-duplicates: key kept instead, signal that linked them
     sample/decisions.parquet   every dedup survivor: cluster ids per level, selected or not
-    shards/part-NNNNN.parquet  final curated shards; shards/manifest.json (files, sha256, totals, funnel)
-    final_ledger/<shard_id>.parquet   the ledger with every phase applied: one row per input
+    shards/part-NNNNN-<digest>.parquet          final curated shards
+    final_ledger/<shard_id>-<digest>.parquet    the ledger with every phase applied: one row per input
+    shards/manifest.json       the current shards and final-ledger files (rows, bytes, sha256), totals, funnel
 
 Each phase writes ``_state/<phase>.done.json`` with the hash of its settings (and of the phases before it) last,
 so a rerun skips a phase that is done with the same settings, and re-running one phase clears the later ones.
+
+The manifest is the commit point of "write": the new files are written beside the old ones under names that end
+in a prefix of their sha256 (so a file a manifest lists is never overwritten with other bytes, and an identical
+rerun gives the same names and bytes), then the manifest is replaced in one atomic write, then the files it does
+not list are deleted. A reader that goes through the manifest sees the complete old set or the complete new one.
 """
 
 from __future__ import annotations
@@ -21,21 +27,25 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from hashlib import sha256
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 
 from common import schema
 from common.storage import (
     delete_quietly,
+    encode_parquet,
     exists,
     join,
     list_files,
     read_json,
     resolve,
+    write_bytes_atomic,
     write_json_atomic,
     write_parquet_atomic,
 )
@@ -47,6 +57,7 @@ from curation.score import LEDGER_DIR, STATE_DIR
 GLOBAL_PHASES = ("dedup", "sample", "write")
 DEDUP_FILE, SAMPLE_FILE = "dedup/decisions.parquet", "sample/decisions.parquet"
 SHARDS_DIR, FINAL_LEDGER_DIR = "shards", "final_ledger"
+MANIFEST = f"{SHARDS_DIR}/manifest.json"
 _SURVIVOR_COLUMNS = ["key", "source", "shard_id", "phash", "width", "height", "quality", "aesthetic", "head_yaw_class"]
 
 
@@ -156,8 +167,13 @@ def _first_score(table: pa.Table, columns: list[str]) -> np.ndarray:
 
 
 class GlobalPhases:
-    def __init__(self, cfg: CurateConfig, out_uri: str, log: Callable[[str], None] = print):
-        self.cfg, self.out_uri, self.log = cfg, out_uri, log
+    """``guard`` runs before each commit-point write and raises when this run may no longer write the output
+    (``common.lease.Lease.check``)."""
+
+    def __init__(
+        self, cfg: CurateConfig, out_uri: str, log: Callable[[str], None] = print, guard: Callable[[], None] = lambda: None
+    ):
+        self.cfg, self.out_uri, self.log, self.guard = cfg, out_uri, log, guard
         self.fs, self.root = resolve(out_uri)
 
     # --- bookkeeping ---------------------------------------------------------------------------------------------
@@ -176,6 +192,7 @@ class GlobalPhases:
 
     def _finish(self, phase: str, record: dict, start: float) -> None:
         record = {**record, "settings_hash": self.cfg.phase_hash(phase), "seconds": round(time.monotonic() - start, 2)}
+        self.guard()
         write_json_atomic(self.fs, _done_path(self.root, phase), record)
 
     def run(self, phase: str) -> dict:
@@ -184,6 +201,7 @@ class GlobalPhases:
             self.log(f"[{phase}] already done with these settings, skipped")
             return record
         self._require(phase)
+        self.guard()
         self._start(phase)
         start = time.monotonic()
         record = getattr(self, f"_{phase}")()
@@ -303,38 +321,60 @@ class GlobalPhases:
         n_out = (chosen.num_rows + rows - 1) // rows
         records = {r["shard_id"]: r for r in committed_records(self.out_uri)}
         cfg_json = self.cfg.model_dump_json()
-        delete_quietly(self.fs, join(self.root, SHARDS_DIR))
-        delete_quietly(self.fs, join(self.root, FINAL_LEDGER_DIR))
         futures = []
         for k in range(n_out):
             part = chosen.slice(k * rows, rows)
             shard_ids = sorted(set(part.column("shard_id").to_pylist()))
             files = [f for s in shard_ids for f in records[s]["scored_files"]]
             wanted = {s: c for s, c in zip(part.column("source").to_pylist(), part.column("cluster_ids").to_pylist())}
-            futures.append(_write_final_shard.remote(self.out_uri, f"{SHARDS_DIR}/part-{k:05d}.parquet", files, wanted, cfg_json))
+            futures.append(_write_final_shard.remote(self.out_uri, f"part-{k:05d}", files, wanted, cfg_json))
         shards = ray.get(futures)
-        funnel = self._write_final_ledger(records)
+        final_ledger, funnel = self._write_final_ledger(records)
         manifest = {
             "schema_version": schema.SCHEMA_VERSION,
             "config_hash": self.cfg.results_hash(),
             "settings_hash": self.cfg.phase_hash("write"),
             "embedding_model": self.cfg.models.embedding.name,
             "shards": shards,
+            "final_ledger": final_ledger,
             "totals": {"shards": len(shards), "rows": sum(s["rows"] for s in shards), "bytes": sum(s["bytes"] for s in shards)},
             "funnel": funnel,
         }
-        write_json_atomic(self.fs, join(self.root, SHARDS_DIR, "manifest.json"), manifest)
-        self.log(f"[write] {manifest['totals']['rows']} images in {len(shards)} shards ({manifest['totals']['bytes']} bytes)")
+        self.guard()
+        write_json_atomic(self.fs, join(self.root, MANIFEST), manifest)  # the switch to the new files
+        removed = self._remove_unlisted(manifest)
+        self.log(
+            f"[write] {manifest['totals']['rows']} images in {len(shards)} shards ({manifest['totals']['bytes']} bytes); "
+            f"{removed} files the manifest no longer lists removed"
+        )
         return manifest["totals"]
 
-    def _write_final_ledger(self, records: dict[str, dict]) -> dict:
-        """The phase-1 ledger with dedup and sample fates applied, one file per input shard; returns the funnel."""
+    def _remove_unlisted(self, manifest: dict) -> int:
+        """Delete every file under shards/ and final_ledger/ the manifest does not list (an earlier write's, the
+        leftovers of an interrupted one); returns how many."""
+        listed = {join(self.root, MANIFEST)}
+        listed |= {join(self.root, SHARDS_DIR, s["file"]) for s in manifest["shards"]}
+        listed |= {join(self.root, FINAL_LEDGER_DIR, f["file"]) for f in manifest["final_ledger"]}
+        removed = 0
+        for folder in (SHARDS_DIR, FINAL_LEDGER_DIR):
+            if not exists(self.fs, join(self.root, folder)):
+                continue
+            for info in self.fs.get_file_info(pafs.FileSelector(join(self.root, folder), recursive=True)):
+                if info.type == pafs.FileType.File and info.path not in listed:
+                    delete_quietly(self.fs, info.path)
+                    removed += 1
+        return removed
+
+    def _write_final_ledger(self, records: dict[str, dict]) -> tuple[list[dict], dict]:
+        """The phase-1 ledger with dedup and sample fates applied, one file per input shard; returns the files'
+        manifest entries and the funnel."""
         dups = pq.read_table(join(self.root, DEDUP_FILE), filesystem=self.fs).to_pylist()
         dup_by_source = {d["source"]: d for d in dups}
         sample_rows = pq.read_table(join(self.root, SAMPLE_FILE), filesystem=self.fs).to_pylist()
         sample_by_source = {d["source"]: d for d in sample_rows}
         ledger_schema = schema.with_metadata(schema.ledger_schema(), table="final_ledger", config_hash=self.cfg.results_hash())
         funnel: Counter = Counter()
+        files = []
         for shard_id in sorted(records):
             parts = [pq.read_table(join(self.root, f), filesystem=self.fs) for f in records[shard_id]["ledger_files"]]
             rows = sorted(pa.concat_tables(parts).to_pylist(), key=lambda r: r["source"])
@@ -353,13 +393,22 @@ class GlobalPhases:
                 phase = row["stage"] if row["stage"] in GLOBAL_PHASES else "score"
                 funnel[f"{phase}/{row['stage']}/{row['status']}/{(row['reason'] or '').split(':', 1)[0]}"] += 1
             table = pa.Table.from_pylist(rows, schema=ledger_schema)
-            write_parquet_atomic(self.fs, join(self.root, FINAL_LEDGER_DIR, f"{shard_id}.parquet"), table,
-                                 row_group_size=self.cfg.output.row_group_size, compression=self.cfg.output.compression)
-        return dict(sorted(funnel.items()))
+            files.append({**_write_named_by_content(self.fs, self.root, FINAL_LEDGER_DIR, shard_id, table, self.cfg),
+                          "shard_id": shard_id})
+        return files, dict(sorted(funnel.items()))
+
+
+def _write_named_by_content(fs: pafs.FileSystem, root: str, folder: str, stem: str, table: pa.Table, cfg: CurateConfig) -> dict:
+    """Write ``table`` as ``<folder>/<stem>-<sha256 prefix>.parquet``; returns its manifest entry."""
+    data = encode_parquet(table, row_group_size=cfg.output.row_group_size, compression=cfg.output.compression)
+    digest = sha256(data).hexdigest()
+    name = f"{stem}-{digest[:16]}.parquet"
+    write_bytes_atomic(fs, join(root, folder, name), data)
+    return {"file": name, "rows": table.num_rows, "bytes": len(data), "sha256": digest}
 
 
 @ray.remote(num_cpus=0.5)
-def _write_final_shard(out_uri: str, path: str, files: list[str], wanted: dict[str, list[int]], cfg_json: str) -> dict:
+def _write_final_shard(out_uri: str, stem: str, files: list[str], wanted: dict[str, list[int]], cfg_json: str) -> dict:
     """One final shard: the wanted rows of the given scored files, in (shard_id, source) order, with cluster ids."""
     cfg = CurateConfig.model_validate_json(cfg_json)
     fs, root = resolve(out_uri)
@@ -378,6 +427,4 @@ def _write_final_shard(out_uri: str, path: str, files: list[str], wanted: dict[s
     table = table.take(pa.array(order, pa.int64()))
     table = table.append_column("cluster_ids", pa.array([wanted[s] for s in table.column("source").to_pylist()], pa.list_(pa.int32())))
     table = table.select(target.names).cast(target)
-    sha = write_parquet_atomic(fs, join(root, path), table, row_group_size=cfg.output.row_group_size, compression=cfg.output.compression)
-    size = fs.get_file_info(join(root, path)).size
-    return {"file": path.rsplit("/", 1)[-1], "rows": table.num_rows, "bytes": size, "sha256": sha}
+    return _write_named_by_content(fs, root, SHARDS_DIR, stem, table, cfg)

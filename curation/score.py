@@ -12,17 +12,29 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import ray
 from ray.data import ActorPoolStrategy
 
 from common import schema
-from common.storage import delete_quietly, exists, join, list_files, read_json, resolve, write_json_atomic, write_parquet_atomic
+from common.lease import LEASE_FILE
+from common.storage import (
+    delete_quietly,
+    exists,
+    join,
+    list_files,
+    read_json,
+    redact,
+    resolve,
+    write_json_atomic,
+    write_parquet_atomic,
+)
 from curation.config import CurateConfig
-from curation.pool import InputShard, read_shard
+from curation.pool import InputShard, ShardReader
 from curation.stage import StageRunner
 
 SCORED_DIR, LEDGER_DIR, STATE_DIR = "scored", "ledger", "_state"
@@ -53,10 +65,15 @@ def _named_actor(stage_name: str) -> type[StageRunner]:
     return type(stage_name, (StageRunner,), {"__module__": __name__})
 
 
-def _read_shards(batch: pa.Table, cfg_json: str) -> pa.Table:
-    cfg = CurateConfig.model_validate_json(cfg_json)
-    tables = [read_shard(row, cfg.input, cfg.embedding_dim) for row in batch.to_pylist()]
-    return pa.concat_tables(tables)
+def _shard_reader(cfg: CurateConfig, input_uri: str) -> ShardReader:
+    return ShardReader(input_uri, cfg.input, cfg.embedding_dim, cfg.filters.max_file_bytes)
+
+
+def _read_shards(batch: pa.Table, cfg_json: str, input_uri: str) -> Iterator[pa.Table]:
+    """Stream each input shard in chunks (a generator: Ray Data never holds a whole shard in one block)."""
+    reader = _shard_reader(CurateConfig.model_validate_json(cfg_json), input_uri)
+    for row in batch.to_pylist():
+        yield from reader.read(InputShard.from_row(row))
 
 
 def _finalise(table: pa.Table) -> pa.Table:
@@ -98,7 +115,7 @@ def _write_parts(batch: pa.Table, out_uri: str, cfg_json: str, results_hash: str
         receipts.append(
             {
                 "shard_id": shard_id,
-                "shard_size": rows.column("shard_size")[0].as_py(),
+                "shard_size": pc.max(rows.column("shard_size")).as_py(),  # null unless the shard's last chunk is here
                 "rows": rows.num_rows,
                 "kept": kept.num_rows,
                 "ledger_file": ledger_file,  # relative to the output root
@@ -108,13 +125,14 @@ def _write_parts(batch: pa.Table, out_uri: str, cfg_json: str, results_hash: str
     return pa.Table.from_pylist(receipts)
 
 
-def score_in_process(cfg: CurateConfig, shards: list[InputShard]) -> pa.Table:
+def score_in_process(cfg: CurateConfig, shards: list[InputShard], input_uri: str) -> pa.Table:
     """The same stages in this process, batch by batch, without Ray: the baseline benchmarks compare against."""
     cfg_json = cfg.model_dump_json()
     runners = [(StageRunner(name, cfg_json), cfg.stages[name].batch_size) for name in cfg.enabled_stages]
+    reader = _shard_reader(cfg, input_uri)
     tables = []
     for shard in shards:
-        table = read_shard(shard.to_row(), cfg.input, cfg.embedding_dim)
+        table = reader.read_table(shard)
         for runner, size in runners:
             table = pa.concat_tables([runner(table.slice(i, size)) for i in range(0, table.num_rows, size)])
         tables.append(_finalise(table))
@@ -126,10 +144,12 @@ class RunMismatch(RuntimeError):
 
 
 def claim_output(out_uri: str, results_hash: str, input_uri: str, new_run: bool) -> None:
-    """Record which run owns ``out_uri``; refuse to mix results of different settings in one output."""
+    """Record which run owns ``out_uri``; refuse to mix results of different settings in one output.
+
+    Deletes the results of an earlier run: call it holding the output's lease (``common.lease``)."""
     fs, root = resolve(out_uri)
     path = join(root, STATE_DIR, "run.json")
-    input_uri = input_uri if "://" in input_uri else resolve(input_uri)[1]
+    input_uri = redact(input_uri) if "://" in input_uri else resolve(input_uri)[1]  # no credentials in _state
     if exists(fs, path) and not new_run:
         run = read_json(fs, path)
         if run["results_hash"] != results_hash or run["input"] != input_uri:
@@ -139,16 +159,21 @@ def claim_output(out_uri: str, results_hash: str, input_uri: str, new_run: bool)
                 "choose another --output, or pass --new-run to discard the old results."
             )
         return
-    for top in (SCORED_DIR, LEDGER_DIR, STATE_DIR):
+    for top in (SCORED_DIR, LEDGER_DIR):
         delete_quietly(fs, join(root, top))
+    state = join(root, STATE_DIR)
+    if exists(fs, state):  # all of it but the lease this run holds
+        for info in fs.get_file_info(pafs.FileSelector(state)):
+            if info.path != join(root, LEASE_FILE):
+                delete_quietly(fs, info.path)
     write_json_atomic(fs, path, {"results_hash": results_hash, "input": input_uri})
 
 
 class ScorePhase:
     """Runs phase 1 for one output folder; resumable per input shard."""
 
-    def __init__(self, cfg: CurateConfig, out_uri: str, log: Callable[[str], None] = print):
-        self.cfg, self.out_uri, self.log = cfg, out_uri, log
+    def __init__(self, cfg: CurateConfig, out_uri: str, input_uri: str, log: Callable[[str], None] = print):
+        self.cfg, self.out_uri, self.input_uri, self.log = cfg, out_uri, input_uri, log
         self.fs, self.root = resolve(out_uri)
         self.results_hash = cfg.results_hash()
 
@@ -170,7 +195,8 @@ class ScorePhase:
         ds = ray.data.from_items([s.to_row() for s in shards], override_num_blocks=len(shards))
         io_retry = dict(max_retries=self.cfg.ray.io_retries, retry_exceptions=[OSError])
         ds = ds.map_batches(
-            _read_shards, batch_size=1, batch_format="pyarrow", fn_kwargs={"cfg_json": cfg_json}, num_cpus=0.25,
+            _read_shards, batch_size=1, batch_format="pyarrow", num_cpus=0.25,
+            fn_kwargs={"cfg_json": cfg_json, "input_uri": self.input_uri},
             **io_retry,
         )
         for name in self.cfg.enabled_stages:
@@ -210,14 +236,18 @@ class ScorePhase:
         done_rows = 0
         if todo:
             parts: dict[str, list[dict]] = defaultdict(list)
+            sizes: dict[str, int] = {}  # known once the receipt of a shard's last chunk arrives
             next_report = 0.0
             for receipt in self.build(todo).iter_rows():
-                parts[receipt["shard_id"]].append(receipt)
-                got = parts[receipt["shard_id"]]
-                if sum(r["rows"] for r in got) == receipt["shard_size"]:
-                    self._commit(receipt["shard_id"], got)
-                    committed[receipt["shard_id"]] = {"rows": receipt["shard_size"]}
-                    done_rows += receipt["shard_size"]
+                shard_id = receipt["shard_id"]
+                parts[shard_id].append(receipt)
+                if receipt["shard_size"] is not None:
+                    sizes[shard_id] = receipt["shard_size"]
+                got = parts[shard_id]
+                if shard_id in sizes and sum(r["rows"] for r in got) == sizes[shard_id]:
+                    self._commit(shard_id, parts.pop(shard_id))
+                    committed[shard_id] = {"rows": sizes[shard_id]}
+                    done_rows += sizes.pop(shard_id)
                     elapsed = time.monotonic() - start
                     if elapsed >= next_report or len(committed) == len(shards):
                         next_report = elapsed + 10.0

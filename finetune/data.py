@@ -125,14 +125,12 @@ class LabelInfo:
 def read_info(index: DataIndex, data_uri: str) -> LabelInfo:
     """The label vocabulary and image size from the first shard's metadata (every shard must agree)."""
     infos = []
-    for path in index.files[:1] + index.files[-1:]:
-        fs, p = storage.resolve(path)
-        with fs.open_input_file(p) as f:
-            meta = schema.read_metadata(pq.read_schema(f))
+    for name in index.files[:1] + index.files[-1:]:
+        meta = schema.read_metadata(index.open(name).schema_arrow)
         if meta.get("table") != schema.LABELLED_TABLE or "extra" not in meta:
             raise DataError(
-                f"{path} is not a labelled shard (table {meta.get('table')!r}); make one with "
-                "`python -m jobs.make_synthetic --out <dir> --n N` or write common.schema.labelled_schema()"
+                f"{name} under {storage.redact(data_uri)} is not a labelled shard (table {meta.get('table')!r}); make "
+                "one with `python -m jobs.make_synthetic --out <dir> --n N` or write common.schema.labelled_schema()"
             )
         e = meta["extra"]
         infos.append(
@@ -183,18 +181,17 @@ def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
 
 
 class SegmentReader:
-    """Reads plan segments (runs of rows of one row group) with the task's columns; keeps files open."""
+    """Reads plan segments (runs of rows of one row group of ``index``) with the task's columns; keeps files open."""
 
-    def __init__(self, task: str, image_size: tuple[int, int]) -> None:
-        self.task, self.image_size = task, image_size
+    def __init__(self, index: DataIndex, task: str, image_size: tuple[int, int]) -> None:
+        self.index, self.task, self.image_size = index, task, image_size
         self.columns = ["key", "image", *TASK_COLUMNS[task]]
         self.files: dict[str, pq.ParquetFile] = {}
 
     def read(self, seg: dict) -> list[dict[str, np.ndarray]]:
         pf = self.files.get(seg["file"])
         if pf is None:
-            fs, path = storage.resolve(seg["file"])
-            pf = self.files[seg["file"]] = pq.ParquetFile(fs.open_input_file(path))
+            pf = self.files[seg["file"]] = self.index.open(seg["file"])
         table = pf.read_row_group(seg["row_group"], columns=self.columns).take(seg["rows"])
         return [decode_sample(row, self.task, self.image_size) for row in table.to_pylist()]
 
@@ -243,7 +240,7 @@ def train_batches(
     """This worker's batches for steps ``start_step`` .. ``steps - 1`` of the run."""
 
     def batches() -> Iterator[dict[str, torch.Tensor]]:
-        reader = SegmentReader(task, image_size)
+        reader = SegmentReader(index, task, image_size)
         position = position_after(start_step, batch_size * world, index.num_samples)
         left, pending = steps - start_step, []
         while left > 0:
@@ -291,7 +288,7 @@ def eval_batches(
                 yield {"file": index.files[index.file[u]], "row_group": int(index.row_group[u]), "rows": rows}
 
     def batches() -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        reader = SegmentReader(task, image_size)
+        reader = SegmentReader(index, task, image_size)
         samples = [s for seg in segments() for s in reader.read(seg)]
         if not samples:  # this worker has no share (more workers than samples): run on a placeholder
             first = {"file": index.files[index.file[0]], "row_group": int(index.row_group[0]), "rows": [0]}

@@ -3,7 +3,8 @@
     python -m jobs.curate --config configs/curate/lite.yaml --input <pool> --output <out> [key=value ...]
     ray job submit --working-dir . -- python -m jobs.curate --config configs/curate/lite.yaml --input ... --output ...
 
-Rerunning the same command on the same --output resumes: committed input shards are skipped.
+Rerunning the same command on the same --output resumes: committed input shards are skipped. One run at a time
+writes an output: it holds a lease on it (``common.lease``); --break-lease takes it from a run that is gone.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import sys
 import time
 
 from common.config import ConfigError, load_config
+from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import StorageError
 from curation.config import CurateConfig
 from curation.ledger import read_ledger, summary_table
-from curation.pool import PoolError, list_shards
+from curation.pool import PoolError, list_shards, pin_listing, pinned_listing
 from curation.phases import GLOBAL_PHASES, GlobalPhases, PhaseOrderError
 from curation.score import RunMismatch, ScorePhase, claim_output
 
@@ -31,21 +33,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", required=True, help="output root (local or s3://)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
     p.add_argument("--new-run", action="store_true", help="discard results of a different earlier run in --output")
+    p.add_argument("--break-lease", action="store_true", help="take --output over from another run that holds its lease")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. filters.min_short_side=512")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    lease = Lease(args.output, holder="jobs.curate", on_lost=interrupt_main)
+    return exit_code_holding(lease, lambda: _curate(args, lease))
+
+
+def _curate(args: argparse.Namespace, lease: Lease) -> int:
     try:
         cfg = load_config(CurateConfig, args.config, args.overrides)
         phases = [p.strip() for p in args.phases.split(",") if p.strip()]
         unknown = [p for p in phases if p not in PHASES]
         if unknown:
             raise ConfigError(f"--phases: unknown phase(s) {unknown}; choose from {list(PHASES)}")
-        shards = list_shards(args.input, cfg.input) if "score" in phases else []
+        # A resumed run works on the listing pinned by its first run, so the pool changing cannot remap shards.
+        pinned = None if args.new_run or "score" not in phases else pinned_listing(args.output, cfg.input)
+        shards = pinned if pinned is not None else list_shards(args.input, cfg.input) if "score" in phases else []
+        lease.acquire(force=args.break_lease)  # before claim_output can delete another run's results
         claim_output(args.output, cfg.results_hash(), args.input, args.new_run)
-    except (ConfigError, PoolError, StorageError, RunMismatch) as exc:
+        if pinned is None and "score" in phases:
+            pin_listing(args.output, shards, cfg.input)
+    except (ConfigError, PoolError, StorageError, RunMismatch, LeaseHeld) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -53,12 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[curate] profile={cfg.profile} stages={','.join(cfg.enabled_stages)} config_hash={cfg.results_hash()}")
     start = time.monotonic()
     if "score" in phases:
-        summary = ScorePhase(cfg, args.output).run(shards)
+        if pinned is not None:
+            print(f"[score] resuming on the input listing pinned by the first run ({len(shards)} shards); "
+                  "files added to the pool since are not part of this run")
+        summary = ScorePhase(cfg, args.output, args.input).run(shards)
         rate = summary["inputs_this_run"] / max(summary["seconds"], 1e-9)
         print(f"[score] done: {summary['inputs_this_run']} inputs scored this run in {summary['seconds']} s ({rate:.2f} img/s)")
     try:
         for phase in (p for p in GLOBAL_PHASES if p in phases):
-            GlobalPhases(cfg, args.output).run(phase)
+            GlobalPhases(cfg, args.output, guard=lease.check).run(phase)
     except PhaseOrderError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

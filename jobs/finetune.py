@@ -19,6 +19,7 @@ import time
 
 from common import storage
 from common.config import ConfigError, load_config
+from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import StorageError
 from finetune import data, tasks
@@ -41,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--storage", required=True, help="runs root (local or s3://); the run lives in <storage>/<name>")
     p.add_argument("--name", required=True, help="run name; the same name resumes")
     p.add_argument("--backbone", default=None, help="exported pretrained backbone (safetensors); default: random")
+    p.add_argument("--break-lease", action="store_true", help="take the run over from another driver that holds it")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=3e-4")
     return p.parse_args(argv)
 
@@ -97,11 +99,20 @@ def main(argv: list[str] | None = None) -> int:
             check_backbone(backbone, cfg)
         spec = {"task": args.task, "train": train_uri, "val": val_uri, "backbone": backbone}
         run_uri = run_uri_for(args.storage, args.name)
-        resuming = claim_run(run_uri, {**spec, "size": cfg.model.size})
-    except (ConfigError, DataError, StorageError, ValueError) as exc:
+        lease = Lease(run_uri, holder="jobs.finetune", on_lost=interrupt_main).acquire(force=args.break_lease)
+    except (ConfigError, DataError, StorageError, ValueError, LeaseHeld) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    return exit_code_holding(lease, lambda: _finetune(args, cfg, spec, info, run_uri))
 
+
+def _finetune(args: argparse.Namespace, cfg: FinetuneConfig, spec: dict, info: data.LabelInfo, run_uri: str) -> int:
+    backbone = spec["backbone"]
+    try:  # run.json records names, never credentials a URI may carry
+        resuming = claim_run(run_uri, {**{k: v and storage.redact(v) for k, v in spec.items()}, "size": cfg.model.size})
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     print(
         f"[finetune] {'resuming' if resuming else 'starting'} {run_uri}: task={args.task} size={cfg.model.size} "

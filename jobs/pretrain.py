@@ -7,6 +7,7 @@
 
 Running the same command again (same --storage and --name) resumes from the run's latest checkpoint; raising
 ``steps=`` extends a finished run. At the end the student backbone is exported to <storage>/<name>/backbone.safetensors.
+One driver at a time trains a run: it holds a lease on <storage>/<name> (``common.lease``; --break-lease takes it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 from common import storage
 from common.config import ConfigError, load_config
+from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import StorageError
 from pretrain import checkpoint as ckpt
@@ -33,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", required=True, help="curated shards: the curate job's <out>/shards (local or s3://)")
     p.add_argument("--storage", required=True, help="runs root (local or s3://); the run lives in <storage>/<name>")
     p.add_argument("--name", required=True, help="run name; the same name resumes")
+    p.add_argument("--break-lease", action="store_true", help="take the run over from another driver that holds it")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ray.workers=8")
     return p.parse_args(argv)
 
@@ -43,8 +46,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(PretrainConfig, args.config, args.overrides)
         run_uri = run_uri_for(args.storage, args.name)
         data_uri = args.data if "://" in args.data else os.path.abspath(args.data)
-        resuming = claim_run(run_uri, {"data": data_uri, "model_hash": cfg.model_hash()}, {"size": cfg.model.size})
-        index = ensure_index(data_uri, run_uri)
+        lease = Lease(run_uri, holder="jobs.pretrain", on_lost=interrupt_main).acquire(force=args.break_lease)
+    except (ConfigError, StorageError, LeaseHeld) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return exit_code_holding(lease, lambda: _train(args, cfg, run_uri, data_uri, lease))
+
+
+def _train(args: argparse.Namespace, cfg: PretrainConfig, run_uri: str, data_uri: str, lease: Lease) -> int:
+    try:
+        resuming = claim_run(run_uri, {"data": storage.redact(data_uri), "model_hash": cfg.model_hash()}, {"size": cfg.model.size})
+        index = ensure_index(data_uri, run_uri, verify_sha256=cfg.data.verify_sha256)
     except (ConfigError, DataError, StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -59,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     start = time.monotonic()
-    fit(cfg, args.storage, args.name)
+    fit(cfg, args.storage, args.name, data_uri)
+    lease.check()  # the export below is this run's to write only while it holds the run
     latest = ckpt.latest_committed(run_uri)
     print(f"[pretrain] done in {time.monotonic() - start:.0f} s")
     print(f"[pretrain] checkpoints: {storage.join(run_uri, ckpt.CHECKPOINTS)} (latest: {latest})")

@@ -43,6 +43,8 @@ class DataSettings(Strict):
     read_cpus: float = Field(1.0, gt=0)  # CPUs per read-and-decode task
     prefetch_batches: int = Field(2, ge=0)
     plan_steps: int = Field(1000, ge=1)  # optimiser steps per Ray Data dataset; the next one starts when reached
+    # check every shard's sha256 against the manifest's at each start (reads all the data once)
+    verify_sha256: bool = False
 
 
 class OptimSettings(Strict):

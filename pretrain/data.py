@@ -8,8 +8,12 @@ epoch's order have been trained on. A resume continues at that prefix with any w
 gives the same remaining samples) and whatever block layout Ray Data picks, and nothing before it is fed again.
 The tail of an epoch shorter than one global batch is skipped (drop-last).
 
-The index of row groups is made once per run (Parquet footers read on the driver) and stored in the run
-directory, so the order of a run cannot change when shards are added to the data folder later.
+The index of row groups is made once per run (Parquet footers read on the driver) from the files the data
+folder's ``manifest.json`` lists, and nothing else there: the curate job switches that manifest atomically, so a run
+starting during a rewrite indexes the complete old set or the complete new one. The index is stored in the run
+directory, so the order of a run cannot change when the data folder changes later. It holds file names relative to
+the data folder; files are opened through the filesystem of the data URI as given (its query, e.g.
+``?endpoint_override=...``, kept), never through a URI rebuilt from a path.
 
 Each worker streams its plan through Ray Data: plan segments (runs of rows of one row group) -> read + decode +
 person-centred crop to the model's aspect + resize, in Ray Data tasks -> micro-batches of uint8 images
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import posixpath
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +46,10 @@ if TYPE_CHECKING:  # not imported at run time: Ray Data's decode tasks import th
     from pretrain.config import PretrainConfig
 
 INDEX_FILE = "data_index.parquet"
+MANIFEST_FILE = "manifest.json"
+# 1: "file" held absolute paths or URIs; 2: names relative to the data folder, their sha256, the folder's name.
+INDEX_VERSION = 2
+_META_VERSION, _META_ROOT = b"humans1b.index_version", b"humans1b.data_root"
 READ_COLUMNS = ("key", "image", "width", "height", "persons")
 
 
@@ -53,12 +62,18 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class DataIndex:
-    """Every row group of the run's shards: ``files[file[i]]``, row group ``row_group[i]`` holds ``rows[i]`` rows."""
+    """Every row group of the run's shards: ``files[file[i]]``, row group ``row_group[i]`` holds ``rows[i]`` rows.
+
+    ``files`` are names relative to ``root``, the data folder's URI as given; ``sha256`` is each file's digest from
+    the manifest (None where an index of version 1 did not record it).
+    """
 
     files: list[str]
     file: np.ndarray  # int32 [U]
     row_group: np.ndarray  # int32 [U]
     rows: np.ndarray  # int64 [U]
+    root: str = ""
+    sha256: list[str | None] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -68,79 +83,157 @@ class DataIndex:
     def num_units(self) -> int:
         return len(self.rows)
 
+    def open(self, name: str) -> pq.ParquetFile:
+        return open_shard(self.root, name)
+
+    def verify(self, threads: int = 16) -> None:
+        """Raise ``DataError`` naming the files whose sha256 is not the manifest's (``data.verify_sha256=true``)."""
+        shown = storage.redact(self.root)
+        if self.sha256 is None or None in self.sha256:
+            raise DataError(
+                f"the data index of {shown} has no sha256 for its files (an index or manifest from before they were "
+                "recorded): start a new run (--name) to verify them, or set data.verify_sha256=false"
+            )
+        fs, root = storage.resolve(self.root)
+
+        def actual(name: str) -> str:
+            try:
+                return storage.file_sha256(fs, storage.join(root, name))
+            except FileNotFoundError:
+                return "missing"
+
+        with ThreadPoolExecutor(threads) as pool:
+            found = list(pool.map(actual, self.files))
+        bad = [f"{name} (sha256 {a[:16]}, the manifest says {w[:16]})" for name, a, w in zip(self.files, found, self.sha256) if a != w]
+        if bad:
+            raise DataError(
+                f"{len(bad)} shard(s) under {shown} are not the bytes the manifest lists: {'; '.join(bad[:5])}. "
+                "Rewrite them (jobs.curate --phases write) or restore the originals"
+            )
+
     def to_table(self) -> pa.Table:
-        return pa.table(
+        digests = self.sha256 or [None] * len(self.files)
+        table = pa.table(
             {
                 "file": pa.array([self.files[i] for i in self.file], pa.string()).dictionary_encode(),
                 "row_group": pa.array(self.row_group, pa.int32()),
                 "rows": pa.array(self.rows, pa.int64()),
+                "sha256": pa.array([digests[i] for i in self.file], pa.string()).dictionary_encode(),
             }
         )
+        # the folder's name without its query: credentials stay out of the run directory
+        return table.replace_schema_metadata({_META_VERSION: str(INDEX_VERSION), _META_ROOT: storage.redact(self.root)})
 
     @classmethod
-    def from_table(cls, table: pa.Table) -> DataIndex:
+    def from_table(cls, table: pa.Table, data_uri: str | None = None) -> DataIndex:
+        """The index saved by ``to_table``; ``data_uri`` (the data folder as given) opens its files, by default the
+        folder's name it recorded."""
+        meta = table.schema.metadata or {}
+        version = int(meta.get(_META_VERSION, b"1"))
+        if version > INDEX_VERSION:
+            raise DataError(f"the run's {INDEX_FILE} has version {version}; this code reads up to {INDEX_VERSION}: update it")
         names = table.column("file").to_pylist()
-        files = sorted(set(names))
+        digests = table.column("sha256").to_pylist() if "sha256" in table.column_names else [None] * len(names)
+        if version == 1:
+            data_uri, names = _relative_to_folder(names, data_uri)
+        root = data_uri or meta[_META_ROOT].decode()
+        sha_of = dict(zip(names, digests))
+        files = sorted(sha_of)
         lookup = {f: i for i, f in enumerate(files)}
         return cls(
             files=files,
             file=np.array([lookup[f] for f in names], np.int32),
             row_group=table.column("row_group").to_numpy().astype(np.int32),
             rows=table.column("rows").to_numpy().astype(np.int64),
+            root=root,
+            sha256=[sha_of[f] for f in files],
         )
 
     @classmethod
-    def scan(cls, data_uri: str, threads: int = 16) -> DataIndex:
-        """Read the footers of the curated shards under ``data_uri`` (those its manifest lists, when it has one)."""
+    def scan(cls, data_uri: str, threads: int = 16, verify_sha256: bool = False) -> DataIndex:
+        """Read the footers of the shards that ``data_uri``'s manifest lists (and, when asked, check their sha256)."""
         fs, root = storage.resolve(data_uri)
-        manifest_path = storage.join(root, "manifest.json")
-        manifest = storage.read_json(fs, manifest_path) if storage.exists(fs, manifest_path) else None
-        if manifest is not None:
-            paths = [storage.join(root, s["file"]) for s in manifest["shards"]]
-        else:
-            paths = storage.list_files(fs, root, ".parquet")
-        if not paths:
-            raise DataError(f"no Parquet shards under {data_uri} (expected the curate job's <out>/shards)")
-        scheme = data_uri.split("://", 1)[0] + "://" if "://" in data_uri else ""
+        shown = storage.redact(data_uri)
+        manifest_path = storage.join(root, MANIFEST_FILE)
+        if not storage.exists(fs, manifest_path):
+            raise DataError(
+                f"{shown} has no {MANIFEST_FILE}: training reads only the files a manifest lists (other files there may "
+                "be half-written or left over). Pass the curate job's <out>/shards once its write phase has finished "
+                "(or a folder written by jobs.make_synthetic)"
+            )
+        shards = storage.read_json(fs, manifest_path)["shards"]
+        if not shards:
+            raise DataError(f"the manifest of {shown} lists no shards")
 
-        def row_groups(path: str) -> list[int]:
-            with fs.open_input_file(path) as f:
-                meta = pq.read_metadata(f)
+        def row_groups(name: str) -> list[int]:
+            meta = open_shard(data_uri, name).metadata
             missing = {"key", "image"} - set(meta.schema.to_arrow_schema().names)
             if missing:
-                raise DataError(f"{path} lacks column(s) {sorted(missing)}: not a curated shard")
+                raise DataError(f"{name} under {shown} lacks column(s) {sorted(missing)}: not a curated shard")
             return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
 
+        names = [s["file"] for s in shards]
         with ThreadPoolExecutor(threads) as pool:
-            counts = list(pool.map(row_groups, paths))
-        if manifest is not None:
-            for shard, c in zip(manifest["shards"], counts):
-                if sum(c) != shard["rows"]:
-                    raise DataError(f"{shard['file']}: {sum(c)} rows, the manifest says {shard['rows']}")
+            counts = list(pool.map(row_groups, names))
+        for shard, c in zip(shards, counts):
+            if sum(c) != shard["rows"]:
+                raise DataError(f"{shard['file']} under {shown}: {sum(c)} rows, the manifest says {shard['rows']}")
         file_idx = [(i, g, n) for i, c in enumerate(counts) for g, n in enumerate(c) if n > 0]
-        return cls(
-            files=[scheme + p for p in paths],
+        index = cls(
+            files=names,
             file=np.array([u[0] for u in file_idx], np.int32),
             row_group=np.array([u[1] for u in file_idx], np.int32),
             rows=np.array([u[2] for u in file_idx], np.int64),
+            root=data_uri,
+            sha256=[s.get("sha256") for s in shards],
         )
+        if verify_sha256:
+            index.verify(threads)
+        return index
 
 
-def ensure_index(data_uri: str, run_uri: str) -> DataIndex:
-    """The run's index: scanned from ``data_uri`` on the first start, read back from the run directory after."""
+def open_shard(data_uri: str, name: str) -> pq.ParquetFile:
+    """The shard ``name`` (relative to the data folder ``data_uri``); a clear error when it is gone."""
+    fs, root = storage.resolve(data_uri)
+    try:
+        return pq.ParquetFile(fs.open_input_file(storage.join(root, name)))
+    except FileNotFoundError:
+        raise DataError(
+            f"{name} under {storage.redact(data_uri)} is gone: the data was rewritten or removed after this run indexed "
+            "it. Restore it, or start a new run (--name) on the current data"
+        ) from None
+
+
+def _relative_to_folder(paths: list[str], data_uri: str | None) -> tuple[str, list[str]]:
+    """A version-1 index's absolute paths or URIs as names relative to the data folder (by default their parent)."""
+    scheme = paths[0].split("://", 1)[0] + "://" if "://" in paths[0] else ""
+    bare = [p.split("://", 1)[-1] for p in paths]
+    folder = storage.resolve(data_uri)[1] if data_uri else posixpath.commonpath([posixpath.dirname(p) for p in bare])
+    if any(not p.startswith(folder.rstrip("/") + "/") for p in bare):
+        raise DataError(f"the run's {INDEX_FILE} lists files outside {storage.redact(data_uri or folder)}: pass the run's --data")
+    return data_uri or scheme + folder, [p[len(folder.rstrip("/")) + 1 :] for p in bare]
+
+
+def ensure_index(data_uri: str, run_uri: str, verify_sha256: bool = False) -> DataIndex:
+    """The run's index: scanned from ``data_uri`` on the first start, read back from the run directory after (and
+    its files' sha256 checked when asked, on every start)."""
     fs, run = storage.resolve(run_uri)
     path = storage.join(run, INDEX_FILE)
     if storage.exists(fs, path):
-        return load_index(run_uri)
-    index = DataIndex.scan(data_uri)
+        index = load_index(run_uri, data_uri)
+        if verify_sha256:
+            index.verify()
+        return index
+    index = DataIndex.scan(data_uri, verify_sha256=verify_sha256)
     storage.write_parquet_atomic(fs, path, index.to_table(), row_group_size=1 << 20)
     return index
 
 
-def load_index(run_uri: str) -> DataIndex:
+def load_index(run_uri: str, data_uri: str | None = None) -> DataIndex:
+    """The run's saved index; ``data_uri`` is the data folder as given (needed where its URI carries a query)."""
     fs, run = storage.resolve(run_uri)
     with fs.open_input_file(storage.join(run, INDEX_FILE)) as f:
-        return DataIndex.from_table(pq.read_table(f))
+        return DataIndex.from_table(pq.read_table(f), data_uri)
 
 
 # --- the sample order and the data position ---------------------------------------------------------------------
@@ -269,15 +362,15 @@ def decode_crop(row: dict, out_hw: tuple[int, int], person_crop: bool = True) ->
     return np.asarray(img.resize((out_hw[1], out_hw[0]), Image.Resampling.BILINEAR, box=box))
 
 
-def read_segments(batch: pa.Table, out_hw: tuple[int, int], person_crop: bool) -> dict[str, np.ndarray]:
-    """A Ray Data map_batches function: plan segments -> decoded images and keys, in plan order."""
+def read_segments(batch: pa.Table, data_uri: str, out_hw: tuple[int, int], person_crop: bool) -> dict[str, np.ndarray]:
+    """A Ray Data map_batches function: plan segments (files relative to ``data_uri``) -> decoded images and keys,
+    in plan order."""
     files: dict[str, pq.ParquetFile] = {}
     images, keys = [], []
     for seg in batch.to_pylist():
         pf = files.get(seg["file"])
         if pf is None:
-            fs, path = storage.resolve(seg["file"])
-            pf = files[seg["file"]] = pq.ParquetFile(fs.open_input_file(path))
+            pf = files[seg["file"]] = open_shard(data_uri, seg["file"])
         columns = [c for c in READ_COLUMNS if c in pf.schema_arrow.names]
         table = pf.read_row_group(seg["row_group"], columns=columns).take(seg["rows"])
         for row in table.to_pylist():
@@ -328,7 +421,7 @@ def stream(
             batch_size=d.read_segments,
             batch_format="pyarrow",
             num_cpus=d.read_cpus,
-            fn_kwargs={"out_hw": tuple(cfg.image_size), "person_crop": d.person_crop},
+            fn_kwargs={"data_uri": index.root, "out_hw": tuple(cfg.image_size), "person_crop": d.person_crop},
         )
         batches = ds.iter_batches(batch_size=d.batch_size, batch_format="numpy", prefetch_batches=d.prefetch_batches)
         for batch in batches:

@@ -251,12 +251,14 @@ class Window:
 
 
 def train_loop(loop_config: dict) -> None:
-    """``TorchTrainer``'s ``train_loop_per_worker``: ``loop_config`` holds the config (as JSON data) and the run URI."""
-    Worker(PretrainConfig.model_validate(loop_config["config"]), loop_config["run_uri"]).run()
+    """``TorchTrainer``'s ``train_loop_per_worker``: ``loop_config`` holds the config (as JSON data), the run URI and
+    the data folder's URI as given."""
+    cfg = PretrainConfig.model_validate(loop_config["config"])
+    Worker(cfg, loop_config["run_uri"], loop_config.get("data_uri")).run()
 
 
 class Worker:
-    def __init__(self, cfg: PretrainConfig, run_uri: str) -> None:
+    def __init__(self, cfg: PretrainConfig, run_uri: str, data_uri: str | None = None) -> None:
         import ray.train
         import ray.train.torch
 
@@ -271,7 +273,7 @@ class Worker:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.generator = torch.Generator(device=self.device)
-        self.index = data.load_index(run_uri)
+        self.index = data.load_index(run_uri, data_uri)
         self.step, self.position, self.samples_seen = 0, data.DataPosition(), 0
         self.flops_per_image, self.tokens_per_image = train_flops_per_image(cfg)
         self.peak = peak_flops(cfg, self.device)
@@ -480,9 +482,10 @@ def run_uri_for(storage_path: str, name: str) -> str:
     return os.path.join(os.path.abspath(os.path.expanduser(storage_path)), name)
 
 
-def fit(cfg: PretrainConfig, storage_path: str, name: str):
-    """Run (or resume) the training run ``name`` under ``storage_path`` on the connected Ray cluster."""
-    config = {"config": cfg.model_dump(mode="json"), "run_uri": run_uri_for(storage_path, name)}
+def fit(cfg: PretrainConfig, storage_path: str, name: str, data_uri: str | None = None):
+    """Run (or resume) the training run ``name`` under ``storage_path`` on the connected Ray cluster; ``data_uri``
+    opens the data (default: the folder name the run's index recorded, enough unless its URI carries a query)."""
+    config = {"config": cfg.model_dump(mode="json"), "run_uri": run_uri_for(storage_path, name), "data_uri": data_uri}
     return launch(train_loop, config, cfg.ray, storage_path, name, keep=cfg.checkpoint.keep)
 
 

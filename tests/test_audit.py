@@ -73,6 +73,12 @@ def _manifest(out: Path) -> dict:
     return json.loads((out / MANIFEST).read_text())
 
 
+def _shard(out: Path, k: int) -> tuple[Path, str]:
+    """The k-th shard the manifest lists: its path, and its name relative to the output root."""
+    name = _manifest(out)["shards"][k]["file"]
+    return out / "shards" / name, f"shards/{name}"
+
+
 def _rewrite(path: Path, table: pa.Table) -> None:
     """Write a table back as a valid Parquet file (schema and file metadata kept)."""
     pq.write_table(table, path, row_group_size=100, compression="zstd")
@@ -120,43 +126,43 @@ def test_funnel_key_matches_the_manifest(curated_run):
 
 
 def test_deleted_shard(out, capsys):
-    gone = out / "shards" / "part-00001.parquet"
+    gone, rel = _shard(out, 1)
     sources = set(pq.read_table(gone, columns=["source"]).column("source").to_pylist())
     gone.unlink()
     result = audit(str(out))
-    assert _where(result.problems, "shards/part-00001.parquet", None, "listed in the manifest but missing")
+    assert _where(result.problems, rel, None, "listed in the manifest but missing")
     # its images are still kept in the ledger: each is named, in its own ledger file and row
     orphans = [p for p in result.problems if p.what.endswith(" is kept but no readable shard row holds it")]
     assert {p.what.split(" is kept")[0] for p in orphans} == sources
     assert all(p.file.startswith("final_ledger/") and p.row is not None for p in orphans)
     assert audit_job.main([str(out)]) == 1
     printed = capsys.readouterr().out
-    assert "shards/part-00001.parquet: listed in the manifest but missing" in printed
+    assert f"{rel}: listed in the manifest but missing" in printed
 
 
 def test_truncated_shard(out):
-    path = out / "shards" / "part-00000.parquet"
+    path, rel = _shard(out, 0)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     problems = audit(str(out)).problems
-    assert _where(problems, "shards/part-00000.parquet", None, f"{len(data) // 2} bytes, the manifest says {len(data)}")
-    assert _where(problems, "shards/part-00000.parquet", None, "sha256")
-    assert _where(problems, "shards/part-00000.parquet", None, "not a readable Parquet file")
+    assert _where(problems, rel, None, f"{len(data) // 2} bytes, the manifest says {len(data)}")
+    assert _where(problems, rel, None, "sha256")
+    assert _where(problems, rel, None, "not a readable Parquet file")
 
 
 def test_flipped_byte(out):
-    path = out / "shards" / "part-00000.parquet"
+    path, rel = _shard(out, 0)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     problems = audit(str(out)).problems
-    assert _where(problems, "shards/part-00000.parquet", None, "differs from the manifest's")
-    assert not _where(problems, "shards/part-00000.parquet", None, "bytes, the manifest says")  # same size
+    assert _where(problems, rel, None, "differs from the manifest's")
+    assert not _where(problems, rel, None, "bytes, the manifest says")  # same size
 
 
 def test_damaged_image_is_located_by_row(out):
     """An image cut short inside a well-formed shard (manifest updated to match): found at its row."""
-    path = out / "shards" / "part-00000.parquet"
+    path, rel = _shard(out, 0)
     table = pq.read_table(path)
     images = table.column("image").to_pylist()
     images[2] = {**images[2], "bytes": images[2]["bytes"][: len(images[2]["bytes"]) // 3]}
@@ -164,20 +170,21 @@ def test_damaged_image_is_located_by_row(out):
                                     pa.array(images, schema.IMAGE_TYPE)))
     _refresh_manifest(out)
     problems = audit(str(out)).problems
-    assert {p.row for p in problems} == {2} and {p.file for p in problems} == {"shards/part-00000.parquet"}
-    assert _where(problems, "shards/part-00000.parquet", 2, "sha256 of the image bytes")
-    assert _where(problems, "shards/part-00000.parquet", 2, "image does not decode")
+    assert {p.row for p in problems} == {2} and {p.file for p in problems} == {rel}
+    assert _where(problems, rel, 2, "sha256 of the image bytes")
+    assert _where(problems, rel, 2, "image does not decode")
 
 
 def test_extra_file(out):
-    shutil.copy(out / "shards" / "part-00000.parquet", out / "shards" / "part-00099.parquet")
+    shutil.copy(_shard(out, 0)[0], out / "shards" / "part-00099.parquet")
     problems = audit(str(out)).problems
     assert [(p.file, p.row) for p in problems] == [("shards/part-00099.parquet", None)]
     assert "not in the manifest" in problems[0].what
 
 
 def test_duplicated_key(out):
-    first = pq.read_table(out / "shards" / "part-00000.parquet")
+    first_path, first_rel = _shard(out, 0)
+    first = pq.read_table(first_path)
     last_path = out / "shards" / sorted(e["file"] for e in _manifest(out)["shards"])[-1]
     last = pq.read_table(last_path)
     _rewrite(last_path, pa.concat_tables([last, first.slice(0, 1)]))
@@ -185,7 +192,7 @@ def test_duplicated_key(out):
     problems = audit(str(out)).problems
     rel = f"shards/{last_path.name}"
     key = first.column("key")[0].as_py()
-    hit = _where(problems, rel, last.num_rows, "is not unique: also at shards/part-00000.parquet row 0")
+    hit = _where(problems, rel, last.num_rows, f"is not unique: also at {first_rel} row 0")
     assert any(p.what.startswith(f"key {key[:16]}") for p in hit)
     assert not _where(problems, rel, None, "sha256")  # the shard itself is intact
 
@@ -238,8 +245,9 @@ def test_audit_and_report_on_s3(curated_run, lite, monkeypatch):
         index = write_report(uri, lite, result, log=lambda _: None)
         assert index == "curated/out/report/index.html"
         assert s3.get_file_info(index).size > 0
-        s3.delete_file("curated/out/shards/part-00001.parquet")
-        assert _where(audit(uri).problems, "shards/part-00001.parquet", None, "missing")
+        rel = _shard(curated_run, 1)[1]
+        s3.delete_file(f"curated/out/{rel}")
+        assert _where(audit(uri).problems, rel, None, "missing")
     finally:
         server.stop()
 

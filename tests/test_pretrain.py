@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed as dist
@@ -64,7 +63,7 @@ def keys_by_step(run: Path) -> dict[int, list[list[str]]]:
 
 def shard_keys(index: data.DataIndex) -> dict[tuple[str, int], list[str]]:
     return {
-        (f, g): pq.ParquetFile(f).read_row_group(g, columns=["key"]).column("key").to_pylist()
+        (f, g): index.open(f).read_row_group(g, columns=["key"]).column("key").to_pylist()
         for f, g in ((index.files[i], int(r)) for i, r in zip(index.file, index.row_group))
     }
 

@@ -21,7 +21,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from curation import sample_pool as sp
 from curation.config import CurateConfig, InputSettings
 from curation.imageio import _to_mode, open_image
-from curation.pool import list_shards, read_shard
+from curation.pool import ShardReader, list_shards
 from curation.stage import REJECT
 from curation.stages.decode import DecodeStage
 from jobs import make_sample_pool as cli
@@ -267,7 +267,8 @@ def test_reader_and_decode_stage_agree_with_the_manifest(pools, rows, decode_sta
     manifest = {r["path"]: r for r in sp.read_manifest(root)}
     shards = list_shards(str(root), InputSettings())
     assert {s.kind for s in shards} == {"files" if fmt == "folder" else fmt}
-    read = [row for s in shards for row in read_shard(s.to_row(), InputSettings(), 8).to_pylist()]
+    reader = ShardReader(str(root), InputSettings(), 8, max_file_bytes=64 * 2**20)
+    read = [row for s in shards for row in reader.read_table(s).to_pylist()]
     # The reader names an input <pool root>/<manifest path>.
     assert all(row["source"].startswith(f"{root}/") for row in read)
     by_path = {row["source"][len(str(root)) + 1 :]: row for row in read}

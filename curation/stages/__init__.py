@@ -3,6 +3,7 @@
 from curation.stages.clip import ClipStage
 from curation.stages.decode import DecodeStage
 from curation.stages.embedding import EmbeddingStage
+from curation.stages.faults import FaultInjectionStage
 from curation.stages.people import HeadPoseStage, PersonStage
 from curation.stages.phash import PhashStage
 from curation.stages.quality import QualityStage
@@ -21,5 +22,6 @@ STAGES = {
         EmbeddingStage,
         YoloPersonStage,  # full profile
         ClipStage,  # full profile
+        FaultInjectionStage,  # tests only
     )
 }

@@ -11,7 +11,8 @@ import hashlib
 
 from PIL import Image, UnidentifiedImageError
 
-from curation.imageio import decode, open_image
+from curation.imageio import decode, open_image, picture_format, sequence_frames
+from curation.pool import split_read_reason
 from curation.stage import Row, Stage, Update, reject
 
 _EXIF_ORIENTATION = 0x0112
@@ -30,7 +31,7 @@ class DecodeStage(Stage):
         f = self.cfg.filters
         image = row["image"]
         if image is None or image.get("bytes") is None:
-            return reject("unreadable", row.get("reason") or "no bytes could be read")
+            return reject(*split_read_reason(row.get("reason")))
         data: bytes = image["bytes"]
         update: Update = {"key": hashlib.sha256(data).hexdigest(), "file_size": len(data)}
         if not data:
@@ -40,7 +41,8 @@ class DecodeStage(Stage):
         try:
             img = open_image(data)
         except UnidentifiedImageError:
-            return {**update, **reject("not_an_image", f"no image format recognised (starts with {data[:8]!r})")}
+            # named by its kind, never by its bytes: a non-image may be anything, secrets included
+            return {**update, **reject("not_an_image", f"no image format recognised ({sniff_kind(data)})")}
         except Exception as exc:  # noqa: BLE001 - malformed headers raise many types
             return {**update, **reject("corrupt", f"header unreadable: {type(exc).__name__}: {exc}")}
 
@@ -53,13 +55,13 @@ class DecodeStage(Stage):
             orientation = 1
         if orientation in _SWAPS_AXES:
             w, h = h, w
-        update.update(format=img.format, mode=img.mode, width=w, height=h, orientation=orientation)
+        update.update(format=picture_format(img), mode=img.mode, width=w, height=h, orientation=orientation)
 
         if w * h > f.max_pixels:
             return {**update, **reject("decompression_bomb", f"declared {w}x{h} = {w * h} px > {f.max_pixels}")}
         if w <= 0 or h <= 0:
             return {**update, **reject("corrupt", f"declared size {w}x{h}")}
-        frames = getattr(img, "n_frames", 1)
+        frames = sequence_frames(img)  # a JPEG carrying a second picture (MPO) is a still: its primary picture flows on
         if f.reject_animated and frames > 1:
             return {**update, **reject("animated", f"{img.format} with {frames} frames")}
         if min(w, h) < f.min_short_side:
@@ -72,3 +74,22 @@ class DecodeStage(Stage):
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
             return {**update, **reject("corrupt", f"{type(exc).__name__}: {exc}")}
         return update
+
+
+_SIGNATURES = (
+    (b"%PDF", "a PDF document"), (b"\x1f\x8b", "gzip data"), (b"PK\x03\x04", "a zip archive"),
+    (b"<?xml", "XML"), (b"<svg", "SVG vector graphics"), (b"{", "JSON or text"), (b"\x7fELF", "an executable"),
+)
+
+
+def sniff_kind(data: bytes) -> str:
+    """What a non-image looks like, from its signature only."""
+    head = data[:512].lstrip().lower()
+    if head.startswith((b"<!doctype html", b"<html")):
+        return "looks like HTML"
+    for signature, kind in _SIGNATURES:
+        if head.startswith(signature.lower()):
+            return f"looks like {kind}"
+    if b"<svg" in head:
+        return "looks like SVG vector graphics"
+    return "unknown content" if b"\x00" in head else "looks like text" if head.isascii() else "unknown content"
