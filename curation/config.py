@@ -264,13 +264,15 @@ class DedupSettings(Strict):
     phash_radius: int = Field(8, ge=0, le=32)  # Hamming distance over 64 bits
     embedding_threshold: float = Field(0.95, ge=-1, le=1)  # cosine similarity
     embedding_k: int = Field(16, ge=1)  # neighbours examined per image
-    flat_max: int = Field(50_000, ge=2)  # exact search up to this many images, inverted file above
     signals: list[Literal["phash", "embedding"]] = ["phash", "embedding"]
     # keep rule: highest of the first score column that is set (aesthetic on the full profile, quality on lite),
     # then larger resolution, then smaller key
     keep_score: list[str] = ["aesthetic", "quality"]
-    memory_budget_mb: int = Field(2048, ge=1)  # embeddings beyond this are memory-mapped from local scratch
-    distribute_above: int = Field(500_000, ge=0)  # more survivors than this: pair search runs as Ray tasks
+    # Survivors per partition of the global phases: a task's memory scales with it, never with the pool.
+    rows_per_partition: int = Field(100_000, ge=1)
+    # Survivors per k-means cluster of the embedding search (None: chosen from the pool size); clusters several
+    # times larger are split inside their task.
+    cluster_size: int | None = Field(None, ge=2)
 
 
 class SampleSettings(Strict):
@@ -289,6 +291,7 @@ class WriteSettings(Strict):
 
     rows_per_shard: int = Field(1000, ge=1)
     include_embedding: bool = False
+    ledger_rows_per_task: int = Field(100_000, ge=1)  # inputs whose final ledger one task writes
 
 
 class RaySettings(Strict):

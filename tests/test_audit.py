@@ -328,7 +328,7 @@ def test_report_is_self_contained_and_shows_every_section(reported, lite):
             assert t["placeholder"] == _NOT_REOPENED[code] and t["img"] is None
     assert any(t["img"] for t in rejected_tiles)  # readable rejected sources are shown from their bytes
     # duplicate groups: the kept image first and marked, each dropped one a duplicate of it
-    dups = {d["source"]: d for d in pq.read_table(reported / "dedup" / "decisions.parquet").to_pylist()}
+    dups = {d["source"]: d for d in pq.read_table(reported / "dedup" / "decisions").to_pylist()}
     group_tiles = [t for t in page.tiles if t["section"] == "duplicates"]
     keepers = [t for t in group_tiles if "kept" in t["class"].split()]
     assert len(keepers) == html_text.count('<div class="group">') == min(
@@ -341,7 +341,7 @@ def test_report_is_self_contained_and_shows_every_section(reported, lite):
         else:
             assert "dropped" in t["class"] and dups[t["source"]]["duplicate_of"] == keeper["key"]
     # a grid per cluster: every image left after dedup (the pool's clusters fit the grids), unsampled ones marked
-    sample = pq.read_table(reported / "sample" / "decisions.parquet").to_pylist()
+    sample = pq.read_table(reported / "sample" / "decisions").to_pylist()
     sizes = Counter(d["cluster_ids"][0] for d in sample)
     assert len(sizes) <= ReportOptions.clusters and max(sizes.values()) <= ReportOptions.per_cluster
     cluster_tiles = [t for t in page.tiles if t["section"] == "clusters"]

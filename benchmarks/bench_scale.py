@@ -1,0 +1,239 @@
+"""The global phases (dedup, sample, write) at pool scale: driver memory and time as the number of survivors grows.
+
+    python benchmarks/bench_scale.py --sizes 200000,1000000
+    python benchmarks/bench_scale.py --sizes 50000 --keep          # keep the synthetic outputs under --work
+
+For each size N, a scored output of N phase-1 survivors is synthesised in the real schema (commit records, scored
+and ledger parts per input shard of ``--rows-per-shard``; tiny placeholder image bytes, lite 384-d embeddings from a
+mixture of Gaussians with planted near-duplicates by pHash and by embedding), with no scoring needed. The global
+phases then run in a fresh process on a local Ray (``--cpus``), as ``jobs.curate --phases dedup,sample,write``
+would run them, while a sampler thread records that driver's RSS and the bytes Ray's object store holds in
+``/dev/shm``. Printed per size and phase: wall time, driver peak RSS, object-store peak; then the time slope between
+sizes and one closing line to compare run to run:
+
+    driver peak RSS 0.61 GiB at 200000, 0.63 GiB at 1000000; global phases 41 s, 170 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common import schema  # noqa: E402
+from common.config import load_config  # noqa: E402
+from common.storage import join, resolve, write_json_atomic, write_parquet_atomic  # noqa: E402
+from curation.config import CurateConfig  # noqa: E402
+
+LITE = REPO / "configs/curate/lite.yaml"
+PHASES = ("dedup", "sample", "write")
+GIB = 2**30
+
+
+def config(extra: list[str]) -> CurateConfig:
+    return load_config(CurateConfig, str(LITE), extra)
+
+
+# --- synthesis --------------------------------------------------------------------------------------------------------
+
+
+def _embeddings(n: int, dim: int, rng: np.random.Generator, centres: np.ndarray) -> np.ndarray:
+    """Points around ``centres`` (a long-tailed mixture: some concepts fill much of the pool), L2-normalised."""
+    weights = rng.zipf(1.3, centres.shape[0]).astype(np.float64)
+    which = rng.choice(centres.shape[0], n, p=weights / weights.sum())
+    x = centres[which] + rng.normal(0, 0.35, (n, dim)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def synthesise(out: Path, n: int, rows_per_shard: int, cfg: CurateConfig, seed: int = 0, dup_rate: float = 0.02) -> dict:
+    """A committed phase-1 output of ``n`` survivors; returns how many duplicates of each kind were planted."""
+    rng = np.random.default_rng(seed)
+    dim = cfg.embedding_dim
+    fs, root = resolve(str(out))
+    centres = rng.normal(0, 1, (256, dim)).astype(np.float32)
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    scored_schema = schema.with_metadata(
+        schema.scored_schema(dim), table="scored", config_hash=cfg.results_hash(),
+        extra={"embedding_model": cfg.models.embedding.name, "embedding_dim": dim},
+    )
+    ledger_schema = schema.with_metadata(schema.ledger_schema(), table="ledger", config_hash=cfg.results_hash())
+    planted = {"phash": 0, "embedding": 0}
+    n_shards = math.ceil(n / rows_per_shard)
+    for s in range(n_shards):
+        rows = min(rows_per_shard, n - s * rows_per_shard)
+        shard_id = f"files-{s:06d}"
+        emb = _embeddings(rows, dim, rng, centres)
+        phash = rng.integers(0, 2**63, rows, dtype=np.int64).astype(np.uint64) * np.uint64(2) + rng.integers(
+            0, 2, rows, dtype=np.int64).astype(np.uint64)
+        # planted copies inside the shard: a pHash within radius 0..8, or an embedding at cosine ~0.97-0.99
+        m = int(rows * dup_rate)
+        dst = rng.choice(rows, 2 * m, replace=False)
+        src = (dst + rng.integers(1, rows, dst.size)) % rows
+        for d, o in zip(dst[:m], src[:m]):
+            flips = rng.choice(64, rng.integers(0, 9), replace=False)
+            phash[d] = phash[o] ^ np.uint64(sum(1 << int(b) for b in flips))
+        noise = rng.normal(0, 0.012, (m, dim)).astype(np.float32)
+        copies = emb[src[m:]] + noise
+        emb[dst[m:]] = copies / np.linalg.norm(copies, axis=1, keepdims=True)
+        planted["phash"] += m
+        planted["embedding"] += m
+        keys = [os.urandom(32).hex() for _ in range(rows)]
+        sources = [f"synthetic://pool/{shard_id}/{i:07d}.jpg" for i in range(rows)]
+        columns = {
+            "key": pa.array(keys, pa.string()),
+            "source": pa.array(sources, pa.string()),
+            "shard_id": pa.array([shard_id] * rows, pa.string()),
+            "file_size": pa.array(np.full(rows, 16, np.int64)),
+            "format": pa.array(["JPEG"] * rows, pa.string()),
+            "mode": pa.array(["RGB"] * rows, pa.string()),
+            "width": pa.array(rng.integers(384, 2048, rows).astype(np.int32)),
+            "height": pa.array(rng.integers(384, 2048, rows).astype(np.int32)),
+            "orientation": pa.array(np.ones(rows, np.int8)),
+            "image": pa.array([{"bytes": k[:16].encode(), "path": f"{i:07d}.jpg"} for i, k in enumerate(keys)],
+                              schema.IMAGE_TYPE),
+            "quality": pa.array(rng.random(rows).astype(np.float32)),
+            "head_yaw_class": pa.array(rng.choice(list(schema.HEAD_YAW_CLASSES), rows).tolist(), pa.string()),
+            "phash": pa.array(phash, pa.uint64()),
+            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), dim),
+        }
+        scored = pa.table({f.name: columns.get(f.name, pa.nulls(rows, f.type)) for f in scored_schema}, scored_schema)
+        ledger_cols = {**columns, "status": pa.array([schema.KEPT] * rows, pa.string()),
+                       "stage": pa.array(["embedding"] * rows, pa.string())}
+        ledger = pa.table({f.name: ledger_cols.get(f.name, pa.nulls(rows, f.type)) for f in ledger_schema},
+                          ledger_schema)
+        part = f"{shard_id}/part-0000000000000000.parquet"
+        write_parquet_atomic(fs, join(root, "scored", part), scored, row_group_size=cfg.output.row_group_size)
+        write_parquet_atomic(fs, join(root, "ledger", part), ledger, row_group_size=cfg.output.row_group_size)
+        write_json_atomic(fs, join(root, "_state", "score", f"{shard_id}.json"), {
+            "shard_id": shard_id, "rows": rows, "kept": rows, "ledger_files": [f"ledger/{part}"],
+            "scored_files": [f"scored/{part}"], "results_hash": cfg.results_hash(),
+        })
+    write_json_atomic(fs, join(root, "_state", "run.json"), {"results_hash": cfg.results_hash(), "input": "synthetic"})
+    write_json_atomic(fs, join(root, "_state", "score.done.json"), {"shards": n_shards, "results_hash": cfg.results_hash()})
+    return planted
+
+
+# --- measuring one run of the global phases (in its own process) ------------------------------------------------------
+
+
+def _shm_used() -> int:
+    usage = shutil.disk_usage("/dev/shm")
+    return usage.used
+
+
+class Sampler(threading.Thread):
+    """Peak RSS of this process and peak bytes in /dev/shm (Ray's object store) since the last ``take``."""
+
+    def __init__(self, every_s: float = 0.05):
+        super().__init__(daemon=True)
+        import psutil
+
+        self.proc, self.every_s = psutil.Process(), every_s
+        self.rss = self.shm = 0
+        self.shm_base = _shm_used()
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        while True:
+            rss, shm = self.proc.memory_info().rss, _shm_used() - self.shm_base
+            with self.lock:
+                self.rss, self.shm = max(self.rss, rss), max(self.shm, shm)
+            time.sleep(self.every_s)
+
+    def take(self) -> tuple[int, int]:
+        with self.lock:
+            peaks = (self.rss, self.shm)
+            self.rss = self.shm = 0
+        return peaks
+
+
+def run_phases(out: str, cpus: int, overrides: list[str]) -> dict:
+    import ray
+
+    from curation.phases import GlobalPhases
+
+    cfg = config(overrides)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="ERROR")
+    sampler = Sampler()
+    sampler.start()
+    report = {}
+    for phase in PHASES:
+        sampler.take()
+        start = time.monotonic()
+        record = GlobalPhases(cfg, out, log=lambda line: print(line, file=sys.stderr)).run(phase)
+        seconds = time.monotonic() - start
+        rss, shm = sampler.take()
+        report[phase] = {"seconds": seconds, "rss": rss, "shm": shm, "record": record}
+    ray.shutdown()
+    return report
+
+
+# --- the benchmark ----------------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="200000,1000000", help="comma-separated numbers of survivors")
+    p.add_argument("--rows-per-shard", type=int, default=10_000, help="survivors per input shard")
+    p.add_argument("--cpus", type=int, default=2)
+    p.add_argument("--work", default=None, help="folder for the synthetic outputs (default: a temporary one)")
+    p.add_argument("--keep", action="store_true", help="keep the synthetic outputs")
+    p.add_argument("--run-phases", default=None, help=argparse.SUPPRESS)  # internal: measure one output
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. dedup.signals=[phash]")
+    args = p.parse_args()
+    if args.run_phases:
+        print(json.dumps(run_phases(args.run_phases, args.cpus, args.overrides), default=str))
+        return 0
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-scale-"))
+    cfg = config(args.overrides)
+    print(f"global phases on synthetic scored outputs; lite profile, {cfg.embedding_dim}-d embeddings, "
+          f"{args.cpus} CPUs for Ray, {os.cpu_count()} on the machine; overrides {args.overrides or 'none'}")
+    results = {}
+    for n in sizes:
+        out = work / f"n{n}"
+        shutil.rmtree(out, ignore_errors=True)
+        start = time.monotonic()
+        planted = synthesise(out, n, args.rows_per_shard, cfg)
+        print(f"\nN = {n:,}: synthesised in {time.monotonic() - start:.0f} s "
+              f"({planted['phash']:,} pHash and {planted['embedding']:,} embedding copies planted)")
+        cmd = [sys.executable, __file__, "--run-phases", str(out), "--cpus", str(args.cpus), *args.overrides]
+        done = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            print(f"  the global phases failed at N = {n} (exit {done.returncode})")
+            return 1
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        results[n] = report
+        for phase in PHASES:
+            r = report[phase]
+            print(f"  {phase:<7} {r['seconds']:8.1f} s   driver peak RSS {r['rss'] / GIB:6.2f} GiB   "
+                  f"object store peak {r['shm'] / GIB:6.2f} GiB")
+        if not args.keep:
+            shutil.rmtree(out, ignore_errors=True)
+    totals = {n: sum(results[n][p]["seconds"] for p in PHASES) for n in sizes}
+    peaks = {n: max(results[n][p]["rss"] for p in PHASES) for n in sizes}
+    for a, b in zip(sizes, sizes[1:]):
+        slope = math.log(totals[b] / totals[a]) / math.log(b / a)
+        print(f"time slope {a:,} -> {b:,}: N^{slope:.2f} (N log N would be ~N^1.0x)")
+    print("driver peak RSS " + ", ".join(f"{peaks[n] / GIB:.2f} GiB at {n}" for n in sizes)
+          + "; global phases " + ", ".join(f"{totals[n]:.0f} s" for n in sizes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

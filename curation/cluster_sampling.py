@@ -1,0 +1,625 @@
+"""Phase 3 "sample" as Ray tasks over the survivors' partitions: the hierarchical balanced sampling of
+``curation.sampling`` (Vo et al. 2024) with a driver that never holds per-item data.
+
+Inputs: the survivors files (``curation.survivors``) and, per survivors file, the dedup decisions file listing the
+uids it dropped (absent: none dropped). The survivors that are not dropped are the "alive" ones. Steps:
+
+1. train: the training set is the ``sample_size`` alive items of lowest hash of (uid, seed): uniform, and
+   independent of how items are partitioned. Ray tasks return their files' items below a hash threshold; the
+   driver keeps the lowest, trains the leaf centroids on them with faiss k-means and the upper levels on the leaf
+   centroids (``sampling.hierarchical_kmeans`` does both). With 256 points per leaf this is what single-process
+   faiss trains on anyway (it subsamples to 256 per centroid). Written to ``sample/hierarchy.parquet`` (level,
+   cluster, parent, centroid), which later steps and reruns read.
+2. assign: a task per survivors file gives each alive item its leaf and squared distance to the leaf centroid,
+   writes ``sample/work/assigned/part-<i>.parquet`` (uid, leaf) and the rows (uid, leaf, distance, balance)
+   hash-partitioned by leaf into ``sample/work/buckets/bucket-<b>/part-<i>.parquet``; it returns its per-leaf
+   counts.
+3. budget: the driver splits the target over the leaves top-down (``sampling.leaf_budgets`` on the per-leaf counts:
+   a cluster smaller than its share is taken whole, the rest goes to its siblings).
+4. select: a task per bucket picks exactly each of its leaves' budget, closest to the centroid or at random (a
+   fixed per-uid hash), spread over the balance key's values as ``sampling.balanced_select`` does, and routes the
+   selected uids back by survivors file (files hold disjoint, increasing uid ranges, read from Parquet statistics)
+   into ``sample/work/selected/part-<i>/bucket-<b>.parquet``.
+5. assemble: a task per survivors file writes ``sample/decisions/part-<i>.parquet``: every alive survivor of file
+   ``i`` in uid order with uid, source, shard_id, key, cluster_ids (leaf first, then each upper level), selected.
+
+Guarantees: exactly ``min(target, alive)`` items selected; the selection depends on the alive items, the settings
+and ``sample_size`` only, not on the number of files or buckets; same inputs give the same bytes. A task whose
+output exists is skipped (files are written atomically; a task writing several files writes its commit file last).
+``sample/run.json`` fingerprints the settings and inputs (paths, sizes, modification times): a run that finds a
+different fingerprint clears this step's outputs first, so a resumed run never mixes two configurations.
+
+Memory, and what it becomes at 1B survivors on a cluster (1M-row survivors files, 384-d, sqrt(N) = 31.6k leaves):
+- driver: the training sample (``sample_size`` x D float32; default 256 per leaf, at most ``MAX_TRAINING_POINTS``
+  = 1M points = 1.5 GB, i.e. 32 per leaf at 1B: set ``sample.clusters`` for such runs), the leaf centroids (K1 x D:
+  49 MB), per-leaf counts and budgets (K1 int64), per-file row counts and uid ranges (M = 1000 files);
+- train and assign tasks: one row group of a survivors file (its embeddings, ~4x in decoding buffers) plus, for
+  assign, ~28 bytes per row of the file (uid, leaf, distance, balance: 28 MB); the survey should keep row groups
+  at tens of thousands of rows;
+- select task: ~28 bytes per row of its bucket (``BUCKET_ROWS`` = 4M: ~110 MB, plus sorting; 250 buckets);
+- assemble task: the uid, source, shard_id and key columns of one survivors file (~100 MB).
+Files: M x buckets small files each under buckets/ and selected/ (250k each at 1B); ``sample/work/`` can be deleted
+once every decisions file is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import ray
+
+from common.storage import delete_quietly, exists, join, read_json, resolve, write_json_atomic, write_parquet_atomic
+from curation import sampling
+from curation.config import SampleSettings
+
+RUN_FILE = "sample/run.json"
+HIERARCHY_FILE = "sample/hierarchy.parquet"
+DECISIONS_DIR = "sample/decisions"
+WORK_DIR = "sample/work"
+
+TRAINING_POINTS_PER_LEAF = 256  # faiss trains on at most this many points per centroid
+MIN_TRAINING_POINTS_PER_LEAF = 39  # below this faiss warns that k-means is poorly conditioned
+MAX_TRAINING_POINTS = 1_000_000  # default cap of the driver's training sample
+BUCKET_ROWS = 4_000_000  # default rows per select task
+_TRAIN_STREAM, _PRIORITY_STREAM = 1, 2  # independent hash streams under one seed
+
+DECISIONS_SCHEMA = pa.schema(
+    [
+        pa.field("uid", pa.int64(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("shard_id", pa.string(), nullable=False),
+        pa.field("key", pa.string()),
+        pa.field("cluster_ids", pa.list_(pa.int32())),  # per level, leaf first
+        pa.field("selected", pa.bool_(), nullable=False),
+    ]
+)
+_ASSIGNED_SCHEMA = pa.schema([("uid", pa.int64()), ("leaf", pa.int32())])
+_BUCKET_SCHEMA = pa.schema([("uid", pa.int64()), ("leaf", pa.int32()), ("distance", pa.float32()), ("balance", pa.string())])
+_SELECTED_SCHEMA = pa.schema([("uid", pa.int64())])
+
+
+def decisions_path(index: int) -> str:
+    return f"{DECISIONS_DIR}/part-{index:06d}.parquet"
+
+
+def _assigned_path(index: int) -> str:
+    return f"{WORK_DIR}/assigned/part-{index:06d}.parquet"
+
+
+def _bucket_path(bucket: int, index: int) -> str:
+    return f"{WORK_DIR}/buckets/bucket-{bucket:05d}/part-{index:06d}.parquet"
+
+
+def _selected_path(index: int, bucket: int) -> str:
+    return f"{WORK_DIR}/selected/part-{index:06d}/bucket-{bucket:05d}.parquet"
+
+
+# --- settings -----------------------------------------------------------------------------------------------------
+
+
+def cluster_counts(n: int, clusters: Sequence[int] | None) -> list[int]:
+    """Clusters per level for ``n`` items, as the single-process phase chooses them (``sampling.balanced_sample``'s
+    default of about sqrt(n) leaves and a tenth of that above)."""
+    if clusters is not None:
+        return [max(1, min(k, n)) for k in clusters]
+    if n < 8:
+        return [1]
+    k1 = max(2, int(round(np.sqrt(n))))
+    return [k1, max(2, k1 // 10)]
+
+
+def target_count(n: int, settings: SampleSettings) -> int:
+    size = settings.target_count
+    return sampling.target_size(n, size, None if size is not None else (settings.target_fraction or 1.0))
+
+
+# --- per-item pseudo-randomness, independent of where an item is stored ------------------------------------------
+
+_MASK = (1 << 64) - 1
+
+
+def _splitmix(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def uid_uniform(uid: np.ndarray, seed: int, stream: int) -> np.ndarray:
+    """A fixed value in [0, 1) per uid, seed and stream (splitmix64 of the uid keyed by both)."""
+    z = uid.astype(np.int64).view(np.uint64) ^ np.uint64(_splitmix(_splitmix(seed & _MASK) ^ stream))
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def _member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """``np.isin`` for a sorted, duplicate-free ``sorted_set``."""
+    pos = np.minimum(np.searchsorted(sorted_set, values), max(sorted_set.size - 1, 0))
+    return sorted_set[pos] == values if sorted_set.size else np.zeros(values.shape, bool)
+
+
+# --- the hierarchy, known by per-leaf counts ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LeafCountHierarchy(sampling.ClusterHierarchy):
+    """A ``ClusterHierarchy`` whose rows are the leaves, each weighing its number of items: what
+    ``sampling.leaf_budgets`` needs, without per-item assignments. ``assignments[c]`` is leaf c's cluster per level."""
+
+    leaf_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def sizes(self, level: int) -> np.ndarray:
+        k = self.centroids[level].shape[0]
+        return np.bincount(self.assignments[:, level], weights=self.leaf_counts, minlength=k).astype(np.int64)
+
+
+def _hierarchy_table(h: sampling.ClusterHierarchy) -> pa.Table:
+    dim = h.centroids[0].shape[1]
+    columns: dict[str, list] = {"level": [], "cluster": [], "parent": [], "centroid": []}
+    for level, c in enumerate(h.centroids):
+        k = c.shape[0]
+        columns["level"].append(np.full(k, level, np.int32))
+        columns["cluster"].append(np.arange(k, dtype=np.int32))
+        columns["parent"].append(h.parents[level].astype(np.int32) if level < len(h.parents) else np.full(k, -1, np.int32))
+        columns["centroid"].append(c.astype(np.float32).ravel())
+    return pa.table(
+        {
+            "level": pa.array(np.concatenate(columns["level"])),
+            "cluster": pa.array(np.concatenate(columns["cluster"])),
+            "parent": pa.array(np.concatenate(columns["parent"])),
+            "centroid": pa.FixedSizeListArray.from_arrays(pa.array(np.concatenate(columns["centroid"])), dim),
+        }
+    )
+
+
+def _hierarchy_from_table(t: pa.Table) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Centroids per level and parents per level (level l cluster -> level l+1 cluster) from hierarchy.parquet."""
+    level = t.column("level").to_numpy()
+    flat = t.column("centroid").combine_chunks().flatten().to_numpy().reshape(t.num_rows, -1)
+    parent = t.column("parent").to_numpy()
+    order = np.lexsort((t.column("cluster").to_numpy(), level))
+    centroids, parents = [], []
+    for lv in range(int(level.max()) + 1):
+        rows = order[level[order] == lv]
+        centroids.append(np.ascontiguousarray(flat[rows]))
+        parents.append(parent[rows])
+    return centroids, parents[:-1]
+
+
+def leaf_cluster_ids(parents: Sequence[np.ndarray], n_leaves: int) -> np.ndarray:
+    """(K1, levels) int32: each leaf's cluster at every level, leaf first."""
+    columns = [np.arange(n_leaves, dtype=np.int32)]
+    for parent in parents:
+        columns.append(parent[columns[-1]].astype(np.int32))
+    return np.stack(columns, axis=1)
+
+
+# --- selection inside leaves (pure numpy; the select tasks run it on a bucket) ------------------------------------
+
+
+def select_in_leaves(
+    leaf: np.ndarray, priority: np.ndarray, budget: np.ndarray, balance: np.ndarray | None, seed: int
+) -> np.ndarray:
+    """Mask of exactly ``budget[l]`` items of each leaf ``l`` (capped at its size), lowest ``priority`` first.
+
+    With ``balance`` values, each leaf's budget is first water-filled over the values present in it (in sorted
+    order, random tie-breaks seeded by (seed, leaf)), as ``sampling.balanced_select`` does. Equal priorities go to
+    the earlier item, so items should come in uid order. Each leaf's result depends on its own items only.
+    """
+    leaf = leaf.astype(np.int64)
+    if balance is None:
+        group, group_budget = leaf, budget.astype(np.int64)
+    else:
+        values, code = np.unique(balance, return_inverse=True)
+        group_ids, group, group_size = np.unique(leaf * values.size + code.ravel(), return_inverse=True, return_counts=True)
+        group = group.ravel()
+        group_leaf = group_ids // values.size
+        group_budget = np.zeros(group_ids.size, np.int64)
+        starts = np.flatnonzero(np.concatenate([[True], group_leaf[1:] != group_leaf[:-1]]))
+        for s, e in zip(starts, np.append(starts[1:], group_ids.size)):
+            c = int(group_leaf[s])
+            want, sizes = int(budget[c]), group_size[s:e]
+            if want >= sizes.sum() or e - s == 1:
+                group_budget[s:e] = np.minimum(sizes, want)
+            elif want > 0:
+                group_budget[s:e] = sampling.water_fill(sizes, want, np.random.default_rng([seed, c]))
+    order, rank = sampling._ranked_groups(group, priority)
+    mask = np.zeros(leaf.size, bool)
+    mask[order[rank < group_budget[group[order]]]] = True
+    return mask
+
+
+# --- files -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _FileFacts:
+    rows: int
+    uid_min: int
+    uid_max: int
+    size: int
+    mtime_ns: int
+
+
+def _file_facts(fs: pafs.FileSystem, path: str, stats_column: str | None) -> _FileFacts | None:
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.NotFound:
+        return None
+    with fs.open_input_file(path) as f:
+        meta = pq.ParquetFile(f).metadata
+    lo, hi = 0, -1
+    if stats_column and meta.num_rows:
+        col = meta.schema.to_arrow_schema().get_field_index(stats_column)
+        stats = [meta.row_group(g).column(col).statistics for g in range(meta.num_row_groups)]
+        if all(s is not None and s.has_min_max for s in stats):
+            lo, hi = min(s.min for s in stats), max(s.max for s in stats)
+        else:
+            uid = pq.read_table(path, columns=[stats_column], filesystem=fs).column(0)
+            lo, hi = pc.min(uid).as_py(), pc.max(uid).as_py()
+    return _FileFacts(meta.num_rows, int(lo), int(hi), int(info.size), int(info.mtime_ns or 0))
+
+
+def _read_dropped(fs: pafs.FileSystem, path: str) -> np.ndarray:
+    if not exists(fs, path):
+        return np.zeros(0, np.int64)
+    return np.unique(pq.read_table(path, columns=["uid"], filesystem=fs).column("uid").to_numpy())
+
+
+def _alive_row_groups(fs: pafs.FileSystem, root: str, survivor_file: str, decision_file: str, columns: list[str]):
+    """The file's alive rows, one row group at a time, in the given columns (with uid); checks the decisions file.
+
+    Row group by row group: pyarrow's ``iter_batches`` holds memory that grows with the file, this does not.
+    """
+    dropped = _read_dropped(fs, join(root, decision_file))
+    found = 0
+    with fs.open_input_file(join(root, survivor_file)) as f:
+        reader = pq.ParquetFile(f)
+        for group in range(reader.num_row_groups):
+            rows = reader.read_row_group(group, columns=columns, use_threads=False)
+            gone = _member(rows.column("uid").to_numpy(), dropped)
+            found += int(gone.sum())
+            yield rows.filter(pa.array(~gone))
+    if found != dropped.size:
+        raise ValueError(f"{decision_file} lists {dropped.size - found} uids that are not survivors of {survivor_file}")
+
+
+def _embeddings(rows: pa.Table) -> np.ndarray:
+    col = rows.column("embedding").combine_chunks()
+    if col.null_count:
+        raise ValueError("survivors without an embedding: the sample phase needs the embedding stage")
+    return np.ascontiguousarray(col.flatten().to_numpy(zero_copy_only=False).reshape(len(rows), col.type.list_size))
+
+
+def _write(fs: pafs.FileSystem, root: str, rel: str, table: pa.Table, row_group_size: int = 65_536) -> None:
+    write_parquet_atomic(fs, join(root, rel), table, row_group_size=row_group_size)
+
+
+# --- Ray tasks ------------------------------------------------------------------------------------------------
+
+
+@ray.remote(num_cpus=1)
+def _training_sample_task(
+    out_uri: str, survivor_file: str, decision_file: str, fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The alive items whose hash falls below ``fraction``: (hash values, embeddings)."""
+    fs, root = resolve(out_uri)
+    keys, pieces = [np.zeros(0)], []
+    for rows in _alive_row_groups(fs, root, survivor_file, decision_file, ["uid", "embedding"]):
+        key = uid_uniform(rows.column("uid").to_numpy(), seed, _TRAIN_STREAM)
+        take = key < fraction
+        if take.any():
+            keys.append(key[take])
+            pieces.append(_embeddings(rows.filter(pa.array(take))))
+    return np.concatenate(keys), (np.concatenate(pieces) if pieces else np.zeros((0, 0), np.float32))
+
+
+@ray.remote(num_cpus=1)
+def _assign_task(
+    out_uri: str, index: int, survivor_file: str, decision_file: str, centroids: np.ndarray, buckets: int, balance: bool
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Per-leaf counts (leaves, counts) of the file's alive survivors, and whether the work was already done."""
+    fs, root = resolve(out_uri)
+    if exists(fs, join(root, _assigned_path(index))):
+        leaf = pq.read_table(join(root, _assigned_path(index)), columns=["leaf"], filesystem=fs).column("leaf")
+        return *np.unique(leaf.to_numpy(), return_counts=True), True
+    columns = ["uid", "embedding"] + (["balance"] if balance else [])
+    uids, leaves, dists, values = [], [], [], []
+    for rows in _alive_row_groups(fs, root, survivor_file, decision_file, columns):
+        leaf, dist = sampling._assign(_embeddings(rows), centroids)
+        uids.append(rows.column("uid").to_numpy())
+        leaves.append(leaf)
+        dists.append(dist)
+        values.extend(rows.column("balance").chunks if balance else [pa.nulls(len(rows), pa.string())])
+    uid = np.concatenate(uids) if uids else np.zeros(0, np.int64)
+    leaf = np.concatenate(leaves) if leaves else np.zeros(0, np.int32)
+    rows = pa.table(
+        {
+            "uid": uid,
+            "leaf": leaf,
+            "distance": np.concatenate(dists) if dists else np.zeros(0, np.float32),
+            "balance": pa.chunked_array(values, pa.string()),
+        },
+        schema=_BUCKET_SCHEMA,
+    )
+    bucket = leaf % buckets
+    order = np.argsort(bucket, kind="stable")  # keeps uid order inside each bucket
+    bounds = np.searchsorted(bucket[order], np.arange(buckets + 1))
+    for b in range(buckets):
+        _write(fs, root, _bucket_path(b, index), rows.take(order[bounds[b] : bounds[b + 1]]))
+    _write(fs, root, _assigned_path(index), rows.select(["uid", "leaf"]).cast(_ASSIGNED_SCHEMA))  # commit
+    return *np.unique(leaf, return_counts=True), False
+
+
+def _value_ranks(values: pa.ChunkedArray) -> np.ndarray:
+    """Each value's rank among the distinct values (null counts as "None", as the single-process phase has it)."""
+    encoded = pc.fill_null(values, "None").combine_chunks().dictionary_encode()
+    names = np.asarray(encoded.dictionary.to_pylist(), object)
+    rank = np.empty(names.size, np.int64)
+    rank[np.argsort(names)] = np.arange(names.size)
+    return rank[encoded.indices.to_numpy(zero_copy_only=False)]
+
+
+@ray.remote(num_cpus=1)
+def _select_task(
+    out_uri: str, bucket: int, n_files: int, budget: np.ndarray, route_min: np.ndarray, route_index: np.ndarray,
+    mode: str, balance: bool, seed: int,
+) -> bool:
+    """Selects inside the bucket's leaves and routes the selected uids to their survivors files; True if done before."""
+    fs, root = resolve(out_uri)
+    if exists(fs, join(root, _selected_path(n_files - 1, bucket))):
+        return True
+    t = pa.concat_tables([pq.read_table(join(root, _bucket_path(bucket, i)), filesystem=fs) for i in range(n_files)])
+    uid = t.column("uid").to_numpy()
+    order = np.argsort(uid, kind="stable")
+    uid, leaf = uid[order], t.column("leaf").to_numpy()[order]
+    priority = t.column("distance").to_numpy()[order] if mode == "closest" else uid_uniform(uid, seed, _PRIORITY_STREAM)
+    mask = select_in_leaves(leaf, priority, budget, _value_ranks(t.column("balance"))[order] if balance else None, seed)
+    want = np.bincount(leaf[mask], minlength=budget.size)[np.unique(leaf)] if leaf.size else np.zeros(0, np.int64)
+    if not np.array_equal(want, budget[np.unique(leaf)]):
+        raise AssertionError(f"bucket {bucket}: selection differs from the leaf budgets")
+    chosen = uid[mask]
+    owner = route_index[np.searchsorted(route_min, chosen, side="right") - 1] if chosen.size else chosen
+    bounds = np.searchsorted(owner, np.arange(n_files + 1))
+    for i in range(n_files):  # the last file is the commit
+        _write(fs, root, _selected_path(i, bucket), pa.table({"uid": chosen[bounds[i] : bounds[i + 1]]}, schema=_SELECTED_SCHEMA))
+    return False
+
+
+@ray.remote(num_cpus=1)
+def _assemble_task(out_uri: str, index: int, survivor_file: str, buckets: int, cluster_ids: np.ndarray) -> tuple[int, int, bool]:
+    """Writes the file's decisions; returns (rows, selected, done before)."""
+    fs, root = resolve(out_uri)
+    path = join(root, decisions_path(index))
+    if exists(fs, path):
+        selected = pq.read_table(path, columns=["selected"], filesystem=fs).column("selected")
+        return len(selected), int(pc.sum(selected).as_py() or 0), True
+    assigned = pq.read_table(join(root, _assigned_path(index)), filesystem=fs)
+    uid, leaf = assigned.column("uid").to_numpy(), assigned.column("leaf").to_numpy()
+    survivors = pq.read_table(join(root, survivor_file), columns=["uid", "source", "shard_id", "key"], filesystem=fs)
+    s_uid = survivors.column("uid").to_numpy()
+    s_order = np.argsort(s_uid, kind="stable")
+    rows = s_order[np.searchsorted(s_uid, uid, sorter=s_order)]
+    chosen = np.concatenate(
+        [pq.read_table(join(root, _selected_path(index, b)), filesystem=fs).column("uid").to_numpy() for b in range(buckets)]
+        or [np.zeros(0, np.int64)]
+    )
+    levels = cluster_ids.shape[1]
+    ids = pa.ListArray.from_arrays(
+        pa.array(np.arange(0, (uid.size + 1) * levels, levels, dtype=np.int32)), pa.array(cluster_ids[leaf].ravel())
+    )
+    meta = survivors.take(pa.array(rows, pa.int64()))
+    table = pa.table(
+        {
+            "uid": uid,
+            "source": meta.column("source"),
+            "shard_id": meta.column("shard_id"),
+            "key": meta.column("key"),
+            "cluster_ids": ids,
+            "selected": _member(uid, np.sort(chosen)),
+        },
+        schema=DECISIONS_SCHEMA,
+    )
+    _write(fs, root, decisions_path(index), table, row_group_size=10_000)
+    return uid.size, int(table.column("selected").to_numpy().sum()), False
+
+
+class _Laps:
+    """Seconds since the previous lap, for the step log lines."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def __call__(self) -> str:
+        now = time.monotonic()
+        seconds, self.last = now - self.last, now
+        return f"{seconds:.1f} s"
+
+
+def _in_order(submit: Callable[[int], ray.ObjectRef], count: int, window: int) -> Iterator:
+    """Results of ``submit(0..count-1)`` in order, with at most ``window`` tasks in flight."""
+    pending: deque = deque()
+    for i in range(count):
+        if len(pending) >= window:
+            yield ray.get(pending.popleft())
+        pending.append(submit(i))
+    while pending:
+        yield ray.get(pending.popleft())
+
+
+# --- the driver -------------------------------------------------------------------------------------------------
+
+
+def _fingerprint(settings: SampleSettings, buckets: int, sample_size: int, facts: list[_FileFacts | None], paths: list[str]) -> str:
+    inputs = [[p, f.size, f.mtime_ns] if f else [p, None, None] for p, f in zip(paths, facts)]
+    text = json.dumps({"settings": settings.model_dump(mode="json"), "buckets": buckets, "sample_size": sample_size,
+                       "inputs": inputs}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _reset_if_changed(fs: pafs.FileSystem, root: str, fingerprint: str, log: Callable[[str], None]) -> None:
+    run_file = join(root, RUN_FILE)
+    if exists(fs, run_file) and read_json(fs, run_file).get("fingerprint") == fingerprint:
+        return
+    if exists(fs, run_file):
+        log("[sample] settings or inputs changed since the last run: its outputs are cleared")
+    for rel in (DECISIONS_DIR, WORK_DIR, HIERARCHY_FILE):
+        delete_quietly(fs, join(root, rel))
+    write_json_atomic(fs, run_file, {"fingerprint": fingerprint})
+
+
+def _train(
+    out_uri: str, survivor_files: list[str], decision_files: list[str], alive: int, clusters: list[int],
+    sample_size: int, dim: int, seed: int, window: int,
+) -> int:
+    """Trains the hierarchy on the ``sample_size`` alive survivors of lowest hash (all when fewer), writes it;
+    returns the training set's size.
+
+    Tasks return the items below a hash threshold set a little above ``sample_size`` (4 sigma); the driver keeps the
+    lowest ``sample_size`` of them in place (a second copy of the sample would double its memory).
+    """
+    fraction = min(1.0, (sample_size + 4 * math.sqrt(sample_size) + 16) / alive)
+    expected = fraction * alive
+    capacity = int(expected + 8 * math.sqrt(expected) + 64)
+    x, keys, at = np.empty((capacity, dim), np.float32), np.empty(capacity), 0
+    for key, piece in _in_order(
+        lambda i: _training_sample_task.remote(out_uri, survivor_files[i], decision_files[i], fraction, seed),
+        len(survivor_files), window,
+    ):
+        if at + len(piece) > x.shape[0]:  # beyond 8 sigma: grow rather than fail
+            x = np.concatenate([x[:at], np.empty((max(x.shape[0], len(piece)), dim), np.float32)])
+            keys = np.concatenate([keys[:at], np.empty(max(keys.size, key.size))])
+        x[at : at + len(piece)], keys[at : at + len(piece)] = piece, key
+        at += len(piece)
+    if at > sample_size:
+        keep = np.sort(np.argpartition(keys[:at], sample_size - 1)[:sample_size])
+        for start in range(0, sample_size, 4096):  # keep[j] >= j: each chunk reads only rows no chunk wrote yet
+            chunk = keep[start : start + 4096]
+            x[start : start + chunk.size] = x[chunk]
+        at = sample_size
+    if at == 0:
+        raise ValueError(f"the training sample of {alive} survivors came out empty; raise sample_size")
+    h = sampling.hierarchical_kmeans(x[:at], clusters, seed=seed)
+    del x
+    fs, root = resolve(out_uri)
+    _write(fs, root, HIERARCHY_FILE, _hierarchy_table(h), row_group_size=10_000)
+    return at
+
+
+def run_sample(
+    out_uri: str,
+    survivor_files: list[str],
+    decision_files: list[str],
+    settings: SampleSettings,
+    buckets: int | None = None,
+    sample_size: int | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Balanced sampling of the alive survivors; writes ``sample/decisions/part-<i>.parquet`` per survivors file
+    (``DECISIONS_SCHEMA``) and returns {inputs, selected, unsampled, levels, clusters_per_level}.
+
+    ``buckets``: select tasks (default: one per ``BUCKET_ROWS`` alive survivors). ``sample_size``: the training
+    sample of the leaf k-means (default: ``TRAINING_POINTS_PER_LEAF`` per leaf, at most ``MAX_TRAINING_POINTS``;
+    at least ``MIN_TRAINING_POINTS_PER_LEAF`` per leaf).
+    """
+    if len(survivor_files) != len(decision_files):
+        raise ValueError("one decisions file per survivors file is needed")
+    laps = _Laps()
+    fs, root = resolve(out_uri)
+    n_files = len(survivor_files)
+    with ThreadPoolExecutor(16) as pool:  # footers only; object stores answer faster in parallel
+        facts = list(pool.map(lambda p: _file_facts(fs, join(root, p), "uid"), survivor_files))
+        dropped_facts = list(pool.map(lambda p: _file_facts(fs, join(root, p), None), decision_files))
+    if any(f is None for f in facts):
+        raise FileNotFoundError(f"missing survivors files: {[p for p, f in zip(survivor_files, facts) if f is None]}")
+    alive = sum(f.rows for f in facts) - sum(f.rows for f in dropped_facts if f)
+    clusters = cluster_counts(alive, settings.clusters) if alive else []
+    k1 = clusters[0] if clusters else 1
+    if sample_size is None:
+        sample_size = min(TRAINING_POINTS_PER_LEAF * k1, MAX_TRAINING_POINTS)
+    sample_size = max(sample_size, MIN_TRAINING_POINTS_PER_LEAF * k1)
+    buckets = buckets or max(1, math.ceil(alive / BUCKET_ROWS))
+    _reset_if_changed(
+        fs, root, _fingerprint(settings, buckets, sample_size, [*facts, *dropped_facts], [*survivor_files, *decision_files]), log
+    )
+    window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    balance = settings.balance_key is not None
+
+    if alive == 0:
+        for i in range(n_files):
+            if not exists(fs, join(root, decisions_path(i))):
+                _write(fs, root, decisions_path(i), DECISIONS_SCHEMA.empty_table(), row_group_size=10_000)
+        log("[sample] 0 after dedup, 0 selected")
+        return {"inputs": 0, "selected": 0, "unsampled": 0, "levels": 0, "clusters_per_level": []}
+
+    # 1. train
+    if not exists(fs, join(root, HIERARCHY_FILE)):
+        dim = pq.read_schema(join(root, survivor_files[0]), filesystem=fs).field("embedding").type.list_size
+        trained_on = _train(out_uri, survivor_files, decision_files, alive, clusters, sample_size, dim, settings.seed, window)
+        log(f"[sample] trained {clusters} clusters on {trained_on} of {alive} survivors in {laps()}")
+    centroids, parents = _hierarchy_from_table(pq.read_table(join(root, HIERARCHY_FILE), filesystem=fs))
+    n_leaves = centroids[0].shape[0]
+    cluster_ids = leaf_cluster_ids(parents, n_leaves)
+    per_level = [int(c.shape[0]) for c in centroids]
+    cluster_ids_ref = ray.put(cluster_ids)
+
+    if not all(exists(fs, join(root, decisions_path(i))) for i in range(n_files)):
+        # 2. assign
+        centroids_ref = ray.put(centroids[0])
+        counts, reused = np.zeros(n_leaves, np.int64), 0
+        for leaves, n, done in _in_order(
+            lambda i: _assign_task.remote(out_uri, i, survivor_files[i], decision_files[i], centroids_ref, buckets, balance),
+            n_files, window,
+        ):
+            counts[leaves] += n
+            reused += done
+        if counts.sum() != alive:
+            raise AssertionError(f"assigned {counts.sum()} survivors, expected {alive}")
+        log(f"[sample] assigned {alive} survivors to {n_leaves} leaves ({reused} of {n_files} files done before) in {laps()}")
+
+        # 3. budget
+        hierarchy = LeafCountHierarchy(
+            assignments=cluster_ids, centroids=tuple(centroids), parents=tuple(parents),
+            leaf_distance=np.zeros(0, np.float32), leaf_counts=counts,
+        )
+        budget = sampling.leaf_budgets(hierarchy, target_count(alive, settings), np.random.default_rng(settings.seed))
+
+        # 4. select
+        nonempty = [i for i, f in enumerate(facts) if f.rows]
+        route_min = np.asarray([facts[i].uid_min for i in nonempty], np.int64)
+        route_max = np.asarray([facts[i].uid_max for i in nonempty], np.int64)
+        if np.any(route_min[1:] <= route_max[:-1]):
+            raise ValueError("survivors files must hold disjoint, increasing uid ranges")
+        args = [ray.put(a) for a in (budget, route_min, np.asarray(nonempty, np.int64))]
+        reused = sum(
+            _in_order(
+                lambda b: _select_task.remote(out_uri, b, n_files, *args, settings.mode, balance, settings.seed),
+                buckets, window,
+            )
+        )
+        log(f"[sample] selected {int(budget.sum())} in {buckets} buckets ({reused} done before) in {laps()}")
+
+    # 5. assemble
+    rows = selected = reused = 0
+    for r, s, done in _in_order(
+        lambda i: _assemble_task.remote(out_uri, i, survivor_files[i], buckets, cluster_ids_ref), n_files, window
+    ):
+        rows, selected, reused = rows + r, selected + s, reused + done
+    log(f"[sample] {rows} after dedup, {selected} selected, {rows - selected} unsampled "
+        f"({len(per_level)} cluster levels {per_level}; {reused} of {n_files} decision files done before) in {laps()}")
+    return {"inputs": rows, "selected": selected, "unsampled": rows - selected, "levels": len(per_level),
+            "clusters_per_level": per_level}

@@ -1,0 +1,549 @@
+"""Embedding near-duplicate pairs over the partitioned survivors, cluster by cluster (as SemDeDup and Vo et al. 2024
+do at scale): k-means cuts the embedding space into clusters of about ``cluster_size`` survivors, and each cluster is
+searched exactly (faiss inner product) inside one Ray task.
+
+Steps (``run_embedding_pairs``):
+
+1. Plan (driver). N from the survivor files' Parquet metadata; K = ceil(N / cluster_size) centroids trained by faiss
+   k-means on a deterministic uniform sample (one Ray task per file draws its share with a seeded RNG; the driver
+   holds at most ``sample_size`` x D floats and K x D centroids). A centroid whose share of held-out sample rows
+   predicts more than ``max_cluster`` members is replaced by a k-means of its own sample rows, so clusters are
+   bounded before any data moves. Clusters are packed into buckets by their predicted rows (largest first into
+   the lightest bucket). Written: ``dedup/embedding_centroids.npy``, then ``dedup/embedding_plan.json`` (bucket of
+   each cluster, a fingerprint of inputs and settings; a plan with another fingerprint is cleared together with
+   everything made from it).
+2. Assign (one task per survivor file). Each survivor's nearest centroid is its *home*; the clusters just across
+   a nearby boundary are its *probes* (``ProbeRule``). It is written once per cluster (home and probes) to that
+   cluster's bucket: ``dedup/embedding_buckets/b<bucket>/part-<file>.arrow`` (Arrow IPC, deleted once searched)
+   with columns ``cluster``, ``uid``, ``home``, ``ranked`` (its home, then its probes) and ``embedding``.
+3. Search (one task per bucket). In each cluster every row, home or probe, takes its ``k`` nearest *home* rows;
+   pairs at >= ``threshold`` are kept (``dedup._threshold_neighbours``). Two survivors are compared when they
+   share a home or one probes the other's home. Written: ``dedup/pairs/embedding/part-<bucket>.parquet`` (``a`` <
+   ``b`` uids, int64; ``similarity`` float32, their inner product; sorted by (a, b)).
+4. Cap. A cluster with more than ``max_cluster`` home rows (a prediction that was off, or a region denser than
+   the sample showed) is split inside its task by a local k-means into sub-clusters of about ``cluster_size``,
+   with the same home/probe rule, recursively; rows k-means cannot split (identical embeddings) are searched whole.
+
+Each pair is listed once over all files, with no second shuffle: a pair (a, b) with different homes A and B sits
+in cluster A only if b probes A, and in cluster B only if a probes B. When both hold, the cluster holding the
+home of the smaller uid owns the pair; the other cluster's task sees this in the rows' ``ranked`` column and drops
+it. Repeats within a cluster (found from both ends, or through two sub-clusters) are merged there.
+
+Approximate like any inverted file: a pair is missed when neither survivor probes the other's home; and, as with
+``dedup.ivf_block_pairs``, each survivor's k nearest are taken per cluster, so a pair beyond a survivor's global k
+nearest can be listed. Every listed pair is at >= ``threshold``. Against the exact search (``dedup.flat_pairs``)
+on a 384-d Gaussian mixture with planted copies at cosine 0.96-0.99: recall 0.998 at 100k survivors, 0.994 of the
+planted pairs at 1M.
+
+Sizes (defaults: cluster_size sqrt(N / 2), balancing the assignment's N K D against the search's ~3 N cluster_size
+D; up to 7 probes, ~2.5-3.5 rows per survivor on that mixture). At 10^6 survivors: 1,415 clusters of ~710, a
+113k x D sample, 10 buckets (one per survivor file) of ~330k rows. At 10^9 survivors: ~44,700 clusters of ~22,400
+(split above ~89,000), centroids 44,700 x D (69 MB at D = 384); the sample capped at ``sample_size`` (500k x D,
+0.8 GB in the driver); ~3.5 x 10^9 rows in ~7,000 buckets of ``bucket_rows`` = 500k rows (a search task holds one
+bucket: ~0.8 GB at D = 384, plus one cluster's rows); F x 7,000 intermediate files for F survivor files (raise
+``bucket_rows`` where workers have the memory, to write fewer). The driver holds the sample, the centroids, the
+bucket of each cluster and one small receipt per task.
+"""
+
+from __future__ import annotations
+
+import heapq
+import io
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from hashlib import sha256
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+from common.storage import (
+    delete_quietly,
+    exists,
+    join,
+    list_files,
+    read_json,
+    resolve,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_parquet_atomic,
+)
+from curation import dedup as dd
+
+PAIRS_DIR = "dedup/pairs/embedding"
+BUCKETS_DIR = "dedup/embedding_buckets"
+CENTROIDS_FILE = "dedup/embedding_centroids.npy"
+PLAN_FILE = "dedup/embedding_plan.json"
+PAIRS_SCHEMA = pa.schema(
+    [pa.field("a", pa.int64(), nullable=False), pa.field("b", pa.int64(), nullable=False), pa.field("similarity", pa.float32())]
+)
+POINTS_PER_CENTROID = 64  # k-means training points per centroid (faiss subsamples above this)
+SATURATED_WARNING = 0.2  # see ProbeRule
+HOLDOUT_EVERY = 5  # every 5th sample row predicts cluster sizes: training rows sit closer to their centroids
+KMEANS_ITERATIONS = 10
+TASK_WINDOW = 64  # Ray tasks in flight at once
+
+
+def pairs_path(bucket: int) -> str:
+    return f"{PAIRS_DIR}/part-{bucket:05d}.parquet"
+
+
+def bucket_path(bucket: int, file_index: int) -> str:
+    return f"{BUCKETS_DIR}/b{bucket:05d}/part-{file_index:06d}.arrow"
+
+
+def default_cluster_size(n: int) -> int:
+    """sqrt(N / 2): about equal work in the assignment (N K D) and the search (~3 N cluster_size D)."""
+    return max(16, round(math.sqrt(n / 2)))
+
+
+@dataclass(frozen=True)
+class Centroids:
+    """Cluster centres and the local spacing of each: its mean distance to its nearest other centres."""
+
+    points: np.ndarray  # (K, D) float32
+    spacing: np.ndarray  # (K,) float32
+
+    @classmethod
+    def of(cls, points: np.ndarray, neighbours: int) -> Centroids:
+        import faiss
+
+        points = np.ascontiguousarray(points, dtype=np.float32)
+        d2, _ = faiss.knn(points, points, min(neighbours + 1, len(points)), metric=faiss.METRIC_L2)
+        spacing = np.sqrt(np.maximum(d2[:, 1:], 0)).mean(axis=1) if d2.shape[1] > 1 else np.zeros(len(points))
+        return cls(points, spacing.astype(np.float32))
+
+
+@dataclass(frozen=True)
+class ProbeRule:
+    """The clusters besides its home in which a survivor is searched (its probes).
+
+    For a pair (a, b) with homes A and B (centroids c_A, c_B):
+    d²(b, A) - d²(b, B) = d²(a, A) - d²(a, B) + 2 (b - a)·(c_B - c_A) <= 2 δ |c_A - c_B|, δ = |b - a| <= √(2 - 2 t)
+    at threshold t. Probing every cluster within that margin of the home finds every pair, but in high dimension
+    the bound is loose by about √D and takes in nearly every cluster. An offset in a random direction projects on
+    c_A - c_B by about δ |c_A - c_B| / √D: a cluster is probed when its squared distance exceeds the home's by at most
+    ``z`` times that (|c_A - c_B| taken as the home's spacing), and at most ``max_probes`` of the nearest are.
+    Survivors deep inside their cluster probe none, those near a boundary several. On a 384-d Gaussian mixture
+    (100k survivors in 447 clusters), z = 1 and up to 7 probes found 99.8% of the exact pairs with 2.5 rows per
+    survivor, where a fixed 1, 2 or 3 probes found 96%, 98.6% and 99.5% with 2, 3 and 4 rows per survivor.
+
+    The rule fails where clusters are small against the near-duplicate radius (a tight region, such as thousands of
+    near-identical images, cut into many clusters): pairs then straddle boundaries more often than the margin
+    allows, and many survivors would probe more than ``max_probes`` clusters. The plan measures that share
+    (``saturated``) on held-out sample rows and warns above 20%. Seen: 6-10% on the mixture above (recall 0.994-0.998);
+    44-65% on a tight blob holding most survivors (recall 0.98-0.82), 0% and recall 1.0 there once ``cluster_size``
+    was raised.
+    """
+
+    max_probes: int
+    z: float
+    threshold: float
+
+    def centroids(self, points: np.ndarray) -> Centroids:
+        return Centroids.of(points, self.max_probes)
+
+    def ranked(self, x: np.ndarray, centroids: Centroids) -> np.ndarray:
+        """(rows, 1 + max_probes) int32: each row's home, then its probed clusters (nearest first), -1 padded."""
+        import faiss
+
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        nearest = min(1 + self.max_probes, len(centroids.points))
+        d2, near = faiss.knn(x, centroids.points, nearest, metric=faiss.METRIC_L2)  # as k-means assigns
+        reach = 2 * self.z * math.sqrt(max(0.0, 2 - 2 * self.threshold)) / math.sqrt(x.shape[1])
+        probed = d2 - d2[:, :1] <= (reach * centroids.spacing[near[:, 0]])[:, None]
+        out = np.full((len(x), 1 + self.max_probes), -1, np.int32)
+        out[:, :nearest] = np.where(probed, near, -1)
+        return out
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """What a search task needs besides its rows."""
+
+    k: int
+    threshold: float
+    cluster_size: int  # target home members of a sub-cluster when a cluster is split
+    max_cluster: int  # home members above which a cluster is split
+    probes: ProbeRule
+    seed: int
+
+
+# --- small helpers ------------------------------------------------------------------------------------------------
+
+
+def _kmeans(x: np.ndarray, k: int, seed: int) -> np.ndarray:
+    import faiss
+
+    km = faiss.Kmeans(
+        x.shape[1], k, niter=KMEANS_ITERATIONS, seed=seed, max_points_per_centroid=POINTS_PER_CENTROID,
+        min_points_per_centroid=1,  # clusters of few sample points are fine; silences faiss's warning
+    )
+    km.train(np.ascontiguousarray(x, dtype=np.float32))
+    return km.centroids
+
+
+def _nearest(x: np.ndarray, centroids: np.ndarray, n: int) -> np.ndarray:
+    """The ``n`` nearest centroids of each row (L2, as k-means assigns), nearest first, int32."""
+    import faiss
+
+    _, ranked = faiss.knn(np.ascontiguousarray(x, dtype=np.float32), centroids, n, metric=faiss.METRIC_L2)
+    return ranked.astype(np.int32)
+
+
+def _matrix(column: pa.ChunkedArray) -> np.ndarray:
+    """A fixed-size list column as an (rows, size) array."""
+    column = column.combine_chunks()
+    return column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), column.type.list_size)
+
+
+def _write_arrow(fs, path: str, table: pa.Table) -> None:
+    """An intermediate as an Arrow IPC file: written and read at memory speed (Parquet's encoding of float
+    embeddings cost more than the search here, for files deleted minutes later)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    write_bytes_atomic(fs, path, sink.getvalue())
+
+
+def _read_arrow(fs, path: str) -> pa.Table:
+    with fs.open_input_file(path) as f:
+        return pa.ipc.open_file(f).read_all()
+
+
+def _empty_pairs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float32)
+
+
+def _concat(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+    return tuple(np.concatenate(p) for p in zip(*parts)) if parts else _empty_pairs()
+
+
+def _run_windowed(calls: Iterable[Callable[[], ray.ObjectRef]], window: int = TASK_WINDOW) -> Iterator:
+    """Launch tasks with at most ``window`` in flight; yields their results as they finish."""
+    pending: list[ray.ObjectRef] = []
+    for call in calls:
+        if len(pending) >= window:
+            ready, pending = ray.wait(pending, num_returns=1)
+            yield ray.get(ready[0])
+        pending.append(call())
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        yield ray.get(ready[0])
+
+
+# --- plan -----------------------------------------------------------------------------------------------------------
+
+
+def sample_quotas(counts: np.ndarray, sample_size: int) -> np.ndarray:
+    """Rows to sample from each file: proportional to its rows, summing to ``min(sample_size, N)``."""
+    counts = np.asarray(counts, np.int64)
+    total = int(counts.sum())
+    want = min(sample_size, total)
+    if total == 0:
+        return np.zeros_like(counts)
+    edges = np.concatenate([[0], np.cumsum(counts)]) * want // total  # floor of the cumulative share
+    return np.minimum(np.diff(edges), counts)
+
+
+@ray.remote(num_cpus=1)
+def _sample_file(out_uri: str, path: str, file_index: int, quota: int, seed: int) -> tuple[int, np.ndarray]:
+    fs, root = resolve(out_uri)
+    table = pq.read_table(join(root, path), columns=["embedding"], filesystem=fs)
+    rows = np.sort(np.random.default_rng([seed, file_index]).choice(table.num_rows, quota, replace=False))
+    return file_index, _matrix(table.column("embedding").take(pa.array(rows, pa.int64())))
+
+
+def _split_oversized(sample: np.ndarray, held_out: np.ndarray, centroids: np.ndarray, n: int, cluster_size: int,
+                     max_cluster: int, seed: int) -> tuple[np.ndarray, int]:
+    """Centroids whose held-out sample share predicts more than ``max_cluster`` members, replaced by a k-means of
+    their sample points into clusters of about ``cluster_size``; returns the centroids and how many were split."""
+    home = _nearest(sample, centroids, 1)[:, 0]
+    predicted = np.bincount(home[held_out], minlength=len(centroids)) * (n / held_out.sum())
+    big = np.flatnonzero(predicted > max_cluster)
+    if big.size == 0:
+        return centroids, 0
+    parts = [centroids[np.setdiff1d(np.arange(len(centroids)), big)]]
+    for c in big.tolist():
+        members = sample[home == c]
+        parts.append(_kmeans(members, min(len(members), math.ceil(predicted[c] / cluster_size)), seed + 1 + c))
+    return np.concatenate(parts), int(big.size)
+
+
+def balance_buckets(rows: np.ndarray, buckets: int) -> np.ndarray:
+    """Bucket of each cluster: largest first into the lightest bucket (ties by index), so buckets hold similar rows."""
+    bucket_of = np.empty(len(rows), np.int32)
+    heap = [(0.0, b) for b in range(buckets)]
+    for c in np.lexsort((np.arange(len(rows)), -np.asarray(rows, np.float64))).tolist():
+        load, b = heapq.heappop(heap)
+        bucket_of[c] = b
+        heapq.heappush(heap, (load + float(rows[c]), b))
+    return bucket_of
+
+
+def _fingerprint(**settings) -> str:
+    return sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def _clear(fs, root: str) -> None:
+    for path in (PAIRS_DIR, BUCKETS_DIR, CENTROIDS_FILE, PLAN_FILE):
+        delete_quietly(fs, join(root, path))
+
+
+def _make_plan(out_uri: str, files: list[str], counts: np.ndarray, sample_size: int, cluster_size: int,
+               max_cluster: int, probes: ProbeRule, buckets: int | None, bucket_rows: int, seed: int, log) -> dict:
+    """Sample, train the centroids (written to ``CENTROIDS_FILE``), and pack the clusters into buckets."""
+    fs, root = resolve(out_uri)
+    n = int(counts.sum())
+    training_rows = POINTS_PER_CENTROID * math.ceil(n / cluster_size)
+    quotas = sample_quotas(counts, min(sample_size, training_rows * HOLDOUT_EVERY // (HOLDOUT_EVERY - 1)))
+    dim = pq.read_schema(fs.open_input_file(join(root, files[0]))).field("embedding").type.list_size
+    sample = np.empty((int(quotas.sum()), dim), np.float32)
+    offsets = np.concatenate([[0], np.cumsum(quotas)])
+    calls = [
+        (lambda i=i, f=f, q=q: _sample_file.remote(out_uri, f, i, int(q), seed))
+        for i, (f, q) in enumerate(zip(files, quotas))
+        if q
+    ]
+    for i, rows in _run_windowed(calls):
+        sample[offsets[i] : offsets[i + 1]] = rows
+    held_out = np.arange(len(sample)) % HOLDOUT_EVERY == HOLDOUT_EVERY - 1
+    training = sample[~held_out] if held_out.any() else sample
+    held_out |= not held_out.any()  # a sample too small to hold any out: predict on the training rows
+    centroids = _kmeans(training, max(1, min(len(training), math.ceil(n / cluster_size))), seed)
+    centroids, split = _split_oversized(sample, held_out, centroids, n, cluster_size, max_cluster, seed)
+    ranked = probes.ranked(sample[held_out], probes.centroids(centroids))
+    rows_per_survivor = float((ranked >= 0).mean() * ranked.shape[1])
+    saturated = float((ranked[:, -1] >= 0).mean()) if probes.max_probes else 0.0  # see ProbeRule
+    predicted_rows = np.bincount(ranked[ranked >= 0], minlength=len(centroids)) * (n / len(ranked))
+    n_buckets = buckets or max(len(files), math.ceil(n * rows_per_survivor / bucket_rows))
+    bucket_of = balance_buckets(predicted_rows, max(1, min(n_buckets, len(centroids))))
+    log(f"[embedding pairs] {n} survivors: {len(centroids)} clusters ({split} split by the plan) from a sample of "
+        f"{len(sample)}, {rows_per_survivor:.2f} rows per survivor predicted, {int(bucket_of.max()) + 1} buckets")
+    if saturated > SATURATED_WARNING:
+        log(f"[embedding pairs] warning: {saturated:.0%} of the survivors probe {probes.max_probes} clusters and would "
+            "probe more: the clusters are small against the near-duplicate radius and recall suffers; raise "
+            "cluster_size (or max_probes)")
+    buf = io.BytesIO()
+    np.save(buf, centroids)
+    write_bytes_atomic(fs, join(root, CENTROIDS_FILE), buf.getvalue())
+    return {"clusters": len(centroids), "bucket_of": bucket_of.tolist(), "sample": len(sample), "split_by_plan": split,
+            "rows_per_survivor": round(rows_per_survivor, 3), "saturated": round(saturated, 4)}
+
+
+def _load_centroids(fs, root: str) -> np.ndarray:
+    with fs.open_input_stream(join(root, CENTROIDS_FILE)) as f:
+        return np.load(io.BytesIO(f.read()))
+
+
+# --- assign ---------------------------------------------------------------------------------------------------------
+
+
+@ray.remote(num_cpus=1)
+def _assign_file(out_uri: str, path: str, file_index: int, shared: tuple[Centroids, np.ndarray], probes: ProbeRule,
+                 needed: list[int]) -> dict:
+    """Write this file's rows to the buckets in ``needed`` (ascending), in that order; returns rows written.
+
+    Skipped when the last one exists: an earlier attempt wrote it after the others, and buckets only ever leave
+    ``needed`` (once searched), so every needed file is there."""
+    centroids, bucket_of = shared
+    fs, root = resolve(out_uri)
+    if exists(fs, join(root, bucket_path(needed[-1], file_index))):
+        return {"rows": 0, "cpu_s": 0.0}
+    start = time.process_time()
+    table = pq.read_table(join(root, path), columns=["uid", "embedding"], filesystem=fs)
+    uid = table.column("uid").to_numpy()
+    ranked = probes.ranked(_matrix(table.column("embedding")), centroids)
+    item, rank = np.nonzero(ranked >= 0)  # one row per (survivor, cluster it is searched in)
+    cluster = ranked[item, rank]
+    order = np.lexsort((uid[item], cluster, bucket_of[cluster]))
+    item, rank, cluster = item[order], rank[order], cluster[order]
+    bounds = np.searchsorted(bucket_of[cluster], np.arange(int(bucket_of.max()) + 2))  # bucket b: [bounds[b], bounds[b+1])
+    rows = pa.table({
+        "cluster": pa.array(cluster, pa.int32()),
+        "uid": pa.array(uid[item], pa.int64()),
+        "home": pa.array(rank == 0),
+        "ranked": pa.FixedSizeListArray.from_arrays(pa.array(ranked[item].ravel()), ranked.shape[1]),
+        "embedding": table.column("embedding").take(pa.array(item, pa.int64())),
+    })
+    for b in needed:
+        _write_arrow(fs, join(root, bucket_path(b, file_index)), rows.slice(bounds[b], bounds[b + 1] - bounds[b]))
+    return {"rows": int(sum(bounds[b + 1] - bounds[b] for b in needed)), "cpu_s": time.process_time() - start}
+
+
+# --- search ---------------------------------------------------------------------------------------------------------
+
+
+def _search(x: np.ndarray, rows: np.ndarray, is_home: np.ndarray, s: SearchSettings, depth: int = 0) -> tuple[np.ndarray, ...]:
+    """Pairs (positions lo < hi into ``x``, similarity) among each of ``rows``' k nearest home rows at >= threshold.
+
+    Above ``max_cluster`` home rows, a local k-means splits the home rows into sub-clusters of about
+    ``cluster_size``; each row then searches its sub-home and sub-probes (the same ``ProbeRule``), recursively.
+    """
+    import faiss
+
+    home = rows[is_home]
+    if home.size == 0:
+        return _empty_pairs()
+    if home.size > s.max_cluster:
+        sub_centroids = _kmeans(x[home], math.ceil(home.size / s.cluster_size), s.seed + depth)
+        ranked = s.probes.ranked(x[rows], s.probes.centroids(sub_centroids))
+        sub_home = ranked[:, 0]
+        if np.bincount(sub_home[is_home]).max() < home.size:  # k-means could split them
+            member, rank = np.nonzero(ranked >= 0)
+            sub = ranked[member, rank]
+            order = np.argsort(sub, kind="stable")
+            member, sub = member[order], sub[order]
+            edges = np.flatnonzero(np.diff(sub)) + 1
+            return _concat([
+                _search(x, rows[g], is_home[g] & (sub_home[g] == sub[lo]), s, depth + 1)
+                for lo, g in zip([0, *edges.tolist()], np.split(member, edges))
+            ])
+    sims, pos = faiss.knn(x[rows], x[home], min(s.k + 1, home.size), metric=faiss.METRIC_INNER_PRODUCT)
+    ids = np.where(pos >= 0, home[np.maximum(pos, 0)], -1)
+    return dd._threshold_neighbours(rows, sims, ids, s.k, s.threshold)
+
+
+def cluster_pairs(x: np.ndarray, uid: np.ndarray, home: np.ndarray, ranked: np.ndarray, s: SearchSettings) -> tuple[np.ndarray, ...]:
+    """The pairs one cluster owns: (a < b uids, similarity), each once.
+
+    ``home`` tells the cluster's home rows from its probe rows; ``ranked`` is each row's home cluster, then its
+    probes (-1 padded). A pair of a home row h and a probe row q is dropped when h also probes q's home and q's uid is the
+    smaller: q's home cluster owns that pair (and finds it there, with h as the probe).
+    """
+    lo, hi, sim = _search(x, np.arange(len(x)), home, s)
+    crossing = home[lo] != home[hi]  # one home row and one probe row (probe rows are never paired together)
+    probe_row, home_row = np.where(home[hi], lo, hi), np.where(home[hi], hi, lo)
+    reciprocal = (ranked[probe_row, :1] == ranked[home_row, 1:]).any(axis=1)
+    keep = ~(crossing & reciprocal & (uid[probe_row] < uid[home_row]))
+    a, b = uid[lo[keep]], uid[hi[keep]]
+    return _unique_pairs(np.minimum(a, b), np.maximum(a, b), sim[keep])
+
+
+def _unique_pairs(a: np.ndarray, b: np.ndarray, sim: np.ndarray) -> tuple[np.ndarray, ...]:
+    order = np.lexsort((b, a))
+    a, b, sim = a[order], b[order], sim[order]
+    first = np.ones(a.size, bool)
+    first[1:] = (a[1:] != a[:-1]) | (b[1:] != b[:-1])
+    return a[first], b[first], sim[first].astype(np.float32)
+
+
+def _read_bucket(fs, root: str, bucket: int, n_files: int) -> tuple[np.ndarray, pa.Table]:
+    """A bucket's embeddings as one array and its other columns, holding the embeddings about once in memory."""
+    files = [_read_arrow(fs, join(root, bucket_path(bucket, f))) for f in range(n_files)]
+    rows = pa.concat_tables([t.drop_columns(["embedding"]) for t in files])
+    x = np.empty((rows.num_rows, files[0].schema.field("embedding").type.list_size), np.float32)
+    at = 0
+    while files:  # each file's buffers are freed once copied
+        embedding = files.pop(0).column("embedding")
+        x[at : at + len(embedding)] = _matrix(embedding)
+        at += len(embedding)
+    return x, rows
+
+
+@ray.remote(num_cpus=1)
+def _search_bucket(out_uri: str, bucket: int, n_files: int, s: SearchSettings) -> dict:
+    fs, root = resolve(out_uri)
+    out = join(root, pairs_path(bucket))
+    if exists(fs, out):
+        return {"bucket": bucket, "pairs": pq.read_metadata(out, filesystem=fs).num_rows, "skipped": True}
+    start = time.process_time()
+    x, rows = _read_bucket(fs, root, bucket, n_files)
+    cluster, uid, ranked = rows.column("cluster").to_numpy(), rows.column("uid").to_numpy(), _matrix(rows.column("ranked"))
+    home = rows.column("home").to_numpy(zero_copy_only=False)
+    order = np.lexsort((uid, ~home, cluster))  # per cluster: home rows, then probe rows, by uid (a fixed order)
+    edges = np.flatnonzero(np.diff(cluster[order])) + 1
+    found, largest = [], 0
+    for part in np.split(order, edges) if order.size else []:  # a cluster's rows are gathered only while searched
+        found.append(cluster_pairs(x[part], uid[part], home[part], ranked[part], s))
+        largest = max(largest, int(home[part].sum()))
+    a, b, sim = _concat(found)
+    order = np.lexsort((b, a))  # clusters own disjoint pairs: sorting is all that is left
+    pairs = pa.table({"a": a[order], "b": b[order], "similarity": sim[order]}, schema=PAIRS_SCHEMA)
+    write_parquet_atomic(fs, out, pairs, row_group_size=1 << 20)
+    delete_quietly(fs, join(root, BUCKETS_DIR, f"b{bucket:05d}"))
+    return {"bucket": bucket, "pairs": pairs.num_rows, "rows": len(x), "clusters": len(found),
+            "largest_cluster": largest, "skipped": False, "cpu_s": time.process_time() - start}
+
+
+# --- driver ---------------------------------------------------------------------------------------------------------
+
+
+def run_embedding_pairs(
+    out_uri: str,
+    survivor_files: list[str],
+    threshold: float,
+    k: int,
+    cluster_size: int | None = None,
+    sample_size: int = 500_000,
+    buckets: int | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+    *,
+    max_cluster: int | None = None,
+    max_probes: int = 7,
+    probe_z: float = 1.0,
+    bucket_rows: int = 500_000,
+) -> dict:
+    """Write ``dedup/pairs/embedding/part-<bucket>.parquet``: the embedding near-duplicate pairs of the survivors.
+
+    ``survivor_files``: paths relative to ``out_uri`` in the survivors schema (``uid``, ``embedding`` are read).
+    ``cluster_size``: mean survivors per cluster (None: ``default_cluster_size``); ``max_cluster``: home members above
+    which a cluster is split (None: 4 x cluster_size); ``sample_size``: most k-means training rows held by the
+    driver; ``buckets``: search tasks (None: the predicted (survivor, cluster) rows / ``bucket_rows``, at least one
+    per survivor file); ``max_probes``, ``probe_z``: see ``ProbeRule``. Files already written by a run with the same
+    inputs and settings are kept (a rerun only does what is missing). Returns a summary for the phase's record.
+    """
+    fs, root = resolve(out_uri)
+    with ThreadPoolExecutor(16) as pool:  # footers only; threads hide the object store's latency
+        counts = np.asarray(list(pool.map(lambda f: pq.read_metadata(join(root, f), filesystem=fs).num_rows, survivor_files)), np.int64)
+    n = int(counts.sum())
+    cluster_size = cluster_size or default_cluster_size(n)
+    max_cluster = max(max_cluster or 4 * cluster_size, cluster_size)
+    fingerprint = _fingerprint(files=list(survivor_files), counts=counts.tolist(), threshold=threshold, k=k,
+                               cluster_size=cluster_size, max_cluster=max_cluster, sample_size=sample_size,
+                               buckets=buckets, bucket_rows=bucket_rows, max_probes=max_probes, probe_z=probe_z, seed=seed)
+    probes = ProbeRule(max_probes, probe_z, threshold)
+    plan_path = join(root, PLAN_FILE)
+    plan = read_json(fs, plan_path) if exists(fs, plan_path) else None
+    if plan is None or plan["fingerprint"] != fingerprint:
+        _clear(fs, root)  # outputs of other inputs or settings must not be mixed with this run's
+        if n < 2:
+            write_parquet_atomic(fs, join(root, pairs_path(0)), PAIRS_SCHEMA.empty_table(), row_group_size=1)
+            return {"survivors": n, "clusters": 0, "buckets": 1, "pairs": 0}
+        plan = {"fingerprint": fingerprint, **_make_plan(out_uri, survivor_files, counts, sample_size, cluster_size,
+                                                          max_cluster, probes, buckets, bucket_rows, seed, log)}
+        write_json_atomic(fs, plan_path, plan)  # the commit point of the plan: centroids are written before it
+    bucket_of = np.asarray(plan["bucket_of"], np.int32)
+    n_buckets = int(bucket_of.max()) + 1
+    done = set(list_files(fs, join(root, PAIRS_DIR), ".parquet"))  # one listing, not a request per bucket
+    missing = [b for b in range(n_buckets) if join(root, pairs_path(b)) not in done]
+    assigned: list[dict] = []
+    if missing:
+        shared = ray.put((probes.centroids(_load_centroids(fs, root)), bucket_of))
+        calls = [(lambda i=i, f=f: _assign_file.remote(out_uri, f, i, shared, probes, missing))
+                 for i, f in enumerate(survivor_files)]
+        assigned = list(_run_windowed(calls))
+        log(f"[embedding pairs] {sum(r['rows'] for r in assigned)} (survivor, cluster) rows written to "
+            f"{len(missing)} buckets")
+    settings = SearchSettings(k, threshold, cluster_size, max_cluster, probes, seed)
+    receipts = list(_run_windowed(
+        (lambda b=b: _search_bucket.remote(out_uri, b, len(survivor_files), settings)) for b in range(n_buckets)
+    ))
+    delete_quietly(fs, join(root, BUCKETS_DIR))
+    pairs = sum(r["pairs"] for r in receipts)
+    searched = [r for r in receipts if not r["skipped"]]
+    log(f"[embedding pairs] {pairs} pairs at >= {threshold} in {n_buckets} buckets ({len(searched)} searched now)")
+    return {
+        "survivors": n, "clusters": plan["clusters"], "buckets": n_buckets, "sample": plan["sample"],
+        "split_by_plan": plan["split_by_plan"], "rows_per_survivor": plan["rows_per_survivor"],
+        "saturated": plan["saturated"], "pairs": pairs, "buckets_searched": len(searched),
+        "rows_assigned": sum(r["rows"] for r in assigned),
+        "largest_cluster": max((r["largest_cluster"] for r in searched), default=None),
+        "cpu_s": {"assign": round(sum(r["cpu_s"] for r in assigned), 1), "search": round(sum(r["cpu_s"] for r in searched), 1)},
+    }

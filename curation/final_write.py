@@ -1,0 +1,299 @@
+"""Phase 4, "write", as Ray tasks: the final curated shards and the final ledger from partitioned decisions.
+
+Inputs, all on the output store: the committed phase-1 files (scored and ledger parts per input shard), the dedup
+decisions (``dedup/decisions/part-<i>.parquet``: the dropped survivors of survivor partition ``i``) and the sample
+decisions (``sample/decisions/part-<i>.parquet``: every dedup survivor of partition ``i`` with its cluster ids and
+whether it was selected). Partition ``i`` covers a contiguous run of input shards (``curation.survivors``).
+
+- Final shards: the selected images in global (shard_id, source) order, ``write.rows_per_shard`` per shard. The
+  driver reads one count per partition, cuts the global order into output shards and gives each output shard's
+  task the slices of the partitions it spans; the task reads those slices and its input shards' scored files.
+- Final ledger: one task per run of input shards (about ``write.ledger_rows_per_task`` inputs) applies the
+  decisions of its shards to their phase-1 ledger rows, by position within each shard (rows sorted by source), and
+  writes one file per input shard; it returns its part of the funnel.
+- Each unit's receipt is recorded in ``_state/write/<unit>.json`` with the settings hash, so a killed write phase
+  redoes only the units it had not finished. Files are named by their content (``<stem>-<sha256 prefix>``), so a
+  rerun writes the same names and bytes, and the manifest, written last, is the one switch.
+
+Sizes at 1B survivors: the driver holds one count per partition (10^4 at 10^5 rows per partition) and one entry
+per output shard (10^6 at 1000 rows per shard: the manifest lists them anyway); a shard task holds 1000 images; a
+ledger task ``write.ledger_rows_per_task`` ledger rows.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from hashlib import sha256
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import ray
+
+from common import schema
+from common.storage import encode_parquet, exists, join, read_json, resolve, write_bytes_atomic, write_json_atomic
+from curation.config import CurateConfig
+
+SHARDS_DIR, FINAL_LEDGER_DIR = "shards", "final_ledger"
+GLOBAL_STAGES = ("dedup", "sample", "write")
+
+
+def dedup_decisions_path(index: int) -> str:
+    return f"dedup/decisions/part-{index:06d}.parquet"
+
+
+def sample_decisions_path(index: int) -> str:
+    return f"sample/decisions/part-{index:06d}.parquet"
+
+
+def write_named_by_content(fs, root: str, folder: str, stem: str, table: pa.Table, cfg: CurateConfig) -> dict:
+    """Write ``table`` as ``<folder>/<stem>-<sha256 prefix>.parquet``; returns its manifest entry."""
+    data = encode_parquet(table, row_group_size=cfg.output.row_group_size, compression=cfg.output.compression)
+    digest = sha256(data).hexdigest()
+    name = f"{stem}-{digest[:16]}.parquet"
+    write_bytes_atomic(fs, join(root, folder, name), data)
+    return {"file": name, "rows": table.num_rows, "bytes": len(data), "sha256": digest}
+
+
+def _read_if_exists(fs, root: str, path: str, columns: list[str] | None = None) -> pa.Table | None:
+    full = join(root, path)
+    return pq.read_table(full, columns=columns, filesystem=fs) if exists(fs, full) else None
+
+
+# --- final shards -------------------------------------------------------------------------------------------------------
+
+
+def plan_output_shards(selected: list[int], rows_per_shard: int) -> list[list[tuple[int, int, int]]]:
+    """Cut the global order of selected rows into output shards: per shard, (partition, start, stop) slices of the
+    partitions' selected rows."""
+    offsets = np.concatenate([[0], np.cumsum(selected)]).astype(np.int64)
+    total = int(offsets[-1])
+    plan = []
+    for lo in range(0, total, rows_per_shard):
+        hi = min(lo + rows_per_shard, total)
+        first = int(np.searchsorted(offsets, lo, side="right")) - 1
+        pieces = []
+        for p in range(first, len(selected)):
+            if offsets[p] >= hi:
+                break
+            start, stop = max(lo, offsets[p]) - offsets[p], min(hi, offsets[p + 1]) - offsets[p]
+            if stop > start:
+                pieces.append((p, int(start), int(stop)))
+        plan.append(pieces)
+    return plan
+
+
+@ray.remote(num_cpus=0.25)
+def _count_selected(out_uri: str, path: str) -> int:
+    fs, root = resolve(out_uri)
+    table = _read_if_exists(fs, root, path, ["selected"])
+    return 0 if table is None else int(pc.sum(table.column("selected")).as_py() or 0)
+
+
+@ray.remote(num_cpus=0.5)
+def _write_output_shard(out_uri: str, k: int, pieces: list[tuple[int, int, int]], scored_files: dict[str, list[str]],
+                        cfg_json: str) -> dict:
+    """Output shard ``k``: the selected rows of its slices, in uid (= shard_id, source) order, with cluster ids."""
+    cfg = CurateConfig.model_validate_json(cfg_json)
+    fs, root = resolve(out_uri)
+    wanted = []
+    for partition, start, stop in pieces:
+        t = pq.read_table(join(root, sample_decisions_path(partition)),
+                          columns=["uid", "source", "shard_id", "cluster_ids", "selected"], filesystem=fs)
+        wanted.append(t.filter(t.column("selected")).slice(start, stop - start))
+    wanted_table = pa.concat_tables(wanted)
+    rows = []
+    for shard_id in sorted(set(wanted_table.column("shard_id").to_pylist())):
+        mine = wanted_table.filter(pc.equal(wanted_table.column("shard_id"), shard_id))
+        for f in scored_files[shard_id]:
+            t = pq.read_table(join(root, f), filesystem=fs)
+            rows.append(t.filter(pc.is_in(t.column("source"), mine.column("source"))))
+    table = pa.concat_tables(rows)
+    # the slices are in uid order; place each scored row at its slice position
+    position = pc.index_in(pc.binary_join_element_wise(table.column("shard_id"), table.column("source"), "\x00"),
+                           value_set=pc.binary_join_element_wise(wanted_table.column("shard_id"),
+                                                                 wanted_table.column("source"), "\x00"))
+    order = pc.sort_indices(position)
+    table = table.take(order)
+    table = table.append_column("cluster_ids", wanted_table.column("cluster_ids").take(pc.take(position, order)))
+    dim = cfg.embedding_dim if cfg.write.include_embedding else None
+    target = schema.with_metadata(
+        schema.curated_schema(dim), table="curated", config_hash=cfg.results_hash(),
+        extra={"embedding_model": cfg.models.embedding.name, "embedding_dim": cfg.embedding_dim},
+    )
+    return write_named_by_content(fs, root, SHARDS_DIR, f"part-{k:05d}", table.select(target.names).cast(target), cfg)
+
+
+# --- final ledger -------------------------------------------------------------------------------------------------------
+
+
+def _reason_of_list(values: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A list<int32> column as Python prints lists ("[3, 1]")."""
+    text = pc.binary_join(pc.cast(values, pa.list_(pa.string())), ", ")
+    return pc.binary_join_element_wise("[", text, "]", "")
+
+
+def apply_decisions(ledger: pa.Table, dups: pa.Table | None, sample: pa.Table | None) -> pa.Table:
+    """One input shard's phase-1 ledger with the dedup and sample fates applied (rows sorted by source)."""
+    ledger = ledger.take(pc.sort_indices(ledger, [("source", "ascending")]))
+    kept = pc.equal(ledger.column("status"), schema.KEPT)
+    status, stage, reason = ledger.column("status"), ledger.column("stage"), ledger.column("reason")
+    dup_of, dup_signal, clusters = ledger.column("duplicate_of"), ledger.column("duplicate_signal"), ledger.column("cluster_ids")
+    if sample is not None and sample.num_rows:
+        at = pc.index_in(ledger.column("source"), value_set=sample.column("source"))
+        clusters = pc.if_else(pc.and_(kept, pc.is_valid(at)), sample.column("cluster_ids").take(at), clusters)
+        unsampled = pc.and_(kept, pc.invert(pc.fill_null(sample.column("selected").take(at), True)))
+        written = pc.and_(kept, pc.invert(unsampled))
+        status = pc.if_else(unsampled, schema.UNSAMPLED, status)
+        stage = pc.if_else(unsampled, "sample", pc.if_else(written, "write", stage))
+        unsampled_reason = pc.binary_join_element_wise(
+            "unsampled: cluster ", _reason_of_list(clusters), " was over its share of the target", "")
+        reason = pc.if_else(unsampled, unsampled_reason, reason)
+    else:
+        stage = pc.if_else(kept, "write", stage)
+    if dups is not None and dups.num_rows:
+        at = pc.index_in(ledger.column("source"), value_set=dups.column("source"))
+        dropped = pc.and_(kept, pc.is_valid(at))
+        of, signal = dups.column("duplicate_of").take(at), dups.column("duplicate_signal").take(at)
+        status = pc.if_else(dropped, schema.DUPLICATE, status)
+        stage = pc.if_else(dropped, "dedup", stage)
+        dup_of = pc.if_else(dropped, of, dup_of)
+        dup_signal = pc.if_else(dropped, signal, dup_signal)
+        clusters = pc.if_else(dropped, pa.nulls(ledger.num_rows, clusters.type), clusters)
+        dup_reason = pc.binary_join_element_wise("duplicate: near-duplicate of ", of, " by ", signal, "")
+        reason = pc.if_else(dropped, dup_reason, reason)
+    for name, values in (("status", status), ("stage", stage), ("reason", reason), ("duplicate_of", dup_of),
+                         ("duplicate_signal", dup_signal), ("cluster_ids", clusters)):
+        ledger = ledger.set_column(ledger.schema.get_field_index(name), ledger.schema.field(name), values)
+    return ledger
+
+
+def funnel_of(ledger: pa.Table) -> Counter:
+    """``<phase>/<stage>/<status>/<reason code>`` counts, as the manifest's funnel."""
+    code = pc.fill_null(pc.utf8_slice_codeunits(ledger.column("reason"), 0, 10_000), "")
+    codes = [c.split(":", 1)[0] for c in code.to_pylist()]
+    stages = ledger.column("stage").to_pylist()
+    statuses = ledger.column("status").to_pylist()
+    return Counter(f"{s if s in GLOBAL_STAGES else 'score'}/{s}/{st}/{c}" for s, st, c in zip(stages, statuses, codes))
+
+
+@ray.remote(num_cpus=0.5)
+def _write_ledger_group(out_uri: str, shards: list[tuple[str, list[str], int | None]], cfg_json: str) -> dict:
+    """Final-ledger files for a run of input shards: (shard_id, ledger files, survivor partition or None)."""
+    cfg = CurateConfig.model_validate_json(cfg_json)
+    fs, root = resolve(out_uri)
+    target = schema.with_metadata(schema.ledger_schema(), table="final_ledger", config_hash=cfg.results_hash())
+    decisions: dict[int, tuple[pa.Table | None, pa.Table | None]] = {}
+    files, funnel = [], Counter()
+    for shard_id, ledger_files, partition in shards:
+        if partition is not None and partition not in decisions:
+            decisions[partition] = (
+                _read_if_exists(fs, root, dedup_decisions_path(partition), ["source", "shard_id", "duplicate_of", "duplicate_signal"]),
+                _read_if_exists(fs, root, sample_decisions_path(partition), ["source", "shard_id", "cluster_ids", "selected"]),
+            )
+        dups, sample = decisions.get(partition, (None, None))
+        of_shard = lambda t: None if t is None else t.filter(pc.equal(t.column("shard_id"), shard_id))  # noqa: E731
+        ledger = pa.concat_tables([pq.read_table(join(root, f), filesystem=fs) for f in ledger_files])
+        table = apply_decisions(ledger.cast(schema.ledger_schema()), of_shard(dups), of_shard(sample)).cast(target)
+        funnel.update(funnel_of(table))
+        files.append({**write_named_by_content(fs, root, FINAL_LEDGER_DIR, shard_id, table, cfg), "shard_id": shard_id})
+    return {"files": files, "funnel": dict(funnel)}
+
+
+# --- the phase ----------------------------------------------------------------------------------------------------------
+
+
+class UnitRecords:
+    """Receipts of finished units of a phase in ``_state/<phase>/<unit>.json``, valid for one settings hash."""
+
+    def __init__(self, fs, root: str, phase: str, settings_hash: str):
+        self.fs, self.root, self.phase, self.settings_hash = fs, root, phase, settings_hash
+
+    def path(self, unit: str) -> str:
+        return join(self.root, "_state", self.phase, f"{unit}.json")
+
+    def get(self, unit: str) -> dict | None:
+        path = self.path(unit)
+        if not exists(self.fs, path):
+            return None
+        record = read_json(self.fs, path)
+        return record["receipt"] if record.get("settings_hash") == self.settings_hash else None
+
+    def put(self, unit: str, receipt: dict) -> None:
+        write_json_atomic(self.fs, self.path(unit), {"settings_hash": self.settings_hash, "receipt": receipt})
+
+
+def run_units(records: UnitRecords, units: dict[str, Callable[[], ray.ObjectRef]], window: int) -> Iterator[tuple[str, dict]]:
+    """Run the units not yet recorded, at most ``window`` at a time; yields (unit, receipt) for every unit, recorded
+    ones included, in completion order."""
+    pending: dict[ray.ObjectRef, str] = {}
+    todo = []
+    for unit, launch in units.items():
+        done = records.get(unit)
+        if done is not None:
+            yield unit, done
+        else:
+            todo.append((unit, launch))
+    for unit, launch in todo:
+        if len(pending) >= window:
+            yield from _collect(records, pending)
+        pending[launch()] = unit
+    while pending:
+        yield from _collect(records, pending)
+
+
+def _collect(records: UnitRecords, pending: dict) -> Iterator[tuple[str, dict]]:
+    ready, _ = ray.wait(list(pending), num_returns=1)
+    unit = pending.pop(ready[0])
+    receipt = ray.get(ready[0])
+    records.put(unit, receipt)
+    yield unit, receipt
+
+
+def write_phase(cfg: CurateConfig, out_uri: str, records: dict[str, dict], partition_of: dict[str, int],
+                partitions: int, settings_hash: str, log: Callable[[str], None] = print) -> dict:
+    """Write the final shards and final ledger; returns the manifest (not yet switched to: the caller writes it)."""
+    fs, root = resolve(out_uri)
+    cfg_json = cfg.model_dump_json()
+    window = max(2, 4 * int(ray.cluster_resources().get("CPU", 2)))
+    selected = ray.get([_count_selected.remote(out_uri, sample_decisions_path(i)) for i in range(partitions)])
+    plan = plan_output_shards(selected, cfg.write.rows_per_shard)
+    units = {}
+    shards_in: dict[int, list[str]] = {}
+    for shard_id, partition in partition_of.items():
+        shards_in.setdefault(partition, []).append(shard_id)
+    for k, pieces in enumerate(plan):
+        scored = {s: records[s]["scored_files"] for p, _, _ in pieces for s in shards_in[p]}
+        units[f"shard-{k:07d}"] = lambda k=k, pieces=pieces, scored=scored: _write_output_shard.remote(
+            out_uri, k, pieces, scored, cfg_json)
+    unit_records = UnitRecords(fs, root, "write", settings_hash)
+    shards = dict(run_units(unit_records, units, window))
+    groups, group, rows = [], [], 0
+    for shard_id in sorted(records):
+        group.append((shard_id, records[shard_id]["ledger_files"], partition_of.get(shard_id)))
+        rows += records[shard_id]["rows"]
+        if rows >= cfg.write.ledger_rows_per_task:
+            groups.append(group)
+            group, rows = [], 0
+    if group:
+        groups.append(group)
+    ledger_units = {f"ledger-{g:07d}": lambda g=g: _write_ledger_group.remote(out_uri, groups[g], cfg_json)
+                    for g in range(len(groups))}
+    ledgers = dict(run_units(unit_records, ledger_units, window))
+    funnel: Counter = Counter()
+    for receipt in ledgers.values():
+        funnel.update(receipt["funnel"])
+    shard_list = [shards[u] for u in sorted(shards)]
+    return {
+        "schema_version": schema.SCHEMA_VERSION,
+        "config_hash": cfg.results_hash(),
+        "settings_hash": settings_hash,
+        "embedding_model": cfg.models.embedding.name,
+        "shards": shard_list,
+        "final_ledger": [f for u in sorted(ledgers) for f in ledgers[u]["files"]],
+        "totals": {"shards": len(shard_list), "rows": sum(s["rows"] for s in shard_list),
+                   "bytes": sum(s["bytes"] for s in shard_list)},
+        "funnel": dict(sorted(funnel.items())),
+    }

@@ -1,0 +1,450 @@
+"""Exact pHash near-duplicate pairs over the survivors table: a Ray map / shuffle / reduce over Parquet partitions.
+
+``run_phash_pairs`` writes ``<out_dir>/part-<p:05d>.parquet`` (columns ``a`` int64 < ``b`` int64 survivor uids,
+``distance`` uint8), rows sorted by (a, b) in each file; over all files every pair is listed exactly once. The
+pair set is the one ``dedup.phash_pairs`` (``spanning=True``) gives on the same rows in uid order: each distinct
+hash is represented by its smallest uid; every other survivor with that hash is paired with it (distance 0, a
+star, never a clique), and two distinct hashes within ``radius`` bits pair their representatives. A null pHash
+is no signal: that survivor is in no pair.
+
+Why it is exact without gathering the hashes. ``dedup.plan_bands`` cuts the 64 bits into ``n`` bands, and two
+hashes within ``radius`` differ in at most ``f = radius // n`` bits of some band. Cutting each band into ``f + 1``
+sub-bands, a band that differs in at most ``f`` bits agrees exactly on one of its sub-bands. A *family* is one
+(band, sub-band); a *group* is the hashes with one value of that sub-band. So every pair within ``radius`` shares a
+group, and groups can be placed anywhere: the map step sends each hash to the shuffle partition of each of its
+``n (f + 1)`` groups; the reduce step runs ``dedup.band_pairs`` on each family's hashes of its partition, with the
+flip masks kept off the family's sub-band (``SubBandPlan``), so only hashes of one group are ever compared. A pair
+is reported only by the first family, in (band, sub-band) order, in which the two hashes agree on the sub-band and
+are within ``f`` bits over the band (``band_pairs`` already skips earlier bands; earlier sub-bands are checked
+here), a condition of the two hashes alone: no second shuffle is needed to list each pair once.
+
+Exact duplicates. The first family carries every survivor's (hash, uid); the others only each map file's
+distinct hashes with their smallest uid, so a hash repeated a million times costs one row per file there. The
+reducer of the first family's group of a hash sees all its uids: it lists the star, and every family takes the
+minimum uid of a hash over all files, which is the global representative.
+
+Steps and files (``S`` = survivors with a pHash, ``M`` = survivor files, ``P`` = partitions, ``K = n (f + 1)``):
+
+- map, one task per survivor file: reads ``uid`` and ``phash`` only, writes ``<out_dir>/_shuffle/<p>/<m>.parquet``
+  (family int8, hash uint64, uid int64; sorted) for every partition still to be reduced. About
+  ``rows(file) * K * 40`` bytes of memory.
+- reduce, one task per partition: reads its ``M`` shuffle files (about ``K S / P`` rows, some 60 bytes of memory
+  each while sorted), writes ``part-<p>.parquet``, deletes its shuffle folder. A family's hashes above
+  ``max_kernel_hashes`` are searched in blocks, block against block, so the kernel's memory (about 100 bytes per
+  hash, a 16 MiB band table and ``dedup.MAX_CANDIDATES_PER_STEP`` candidates) never grows with ``S``.
+- the driver holds the file lists, the plan and one small receipt per task; a rerun skips every partition whose
+  ``part`` file exists and every shuffle file that exists; ``_spec.json`` records the settings, and a different
+  spec clears the folder first.
+
+At 10^9 survivors and radius 8: 3 bands (22, 21, 21 bits), ``f = 2``, ``K = 9`` families of 7-8 bit sub-bands,
+1280 groups in all. With uniform hashes a group holds about ``S / 128 = 7.8M`` hashes, so
+``P = ceil(K S / rows_per_partition)`` is capped at the 1280 groups: about 7M shuffle rows (~0.4 GB) per reduce,
+each family's hashes searched in blocks of ``max_kernel_hashes`` (~0.4 GB each). The shuffle holds about
+``K S = 9e9`` rows (~150 GB before compression) in ``M x P`` files (1000 x 1280 for 1M-row survivor files). Real
+pHashes are not uniform: a frequent sub-band value makes a larger group (more blocks in one task), and a hash
+repeated ``c`` times puts its ``c`` uids and ``c - 1`` star pairs in one reduce task. The search grows like
+``S^2``: each family checks about ``S^2 masks / 2^(band width + 1)`` candidates, ~2e14 in all at 10^9 uniform
+hashes, spread over the reduce tasks. Per hash it probes ~1.4x the flip masks of the single-process search (each
+family flips only the ~14 bits outside its sub-band, but there are ``f + 1`` families per band), so its CPU time is
+about 1.7x ``dedup.phash_pairs``'s, in exchange for never holding more than a partition.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from hashlib import sha256
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import ray
+
+from common.storage import (
+    delete_quietly,
+    exists,
+    join,
+    list_files,
+    read_json,
+    resolve,
+    write_json_atomic,
+    write_parquet_atomic,
+)
+from curation import dedup as dd
+
+PAIRS_DIR = "dedup/pairs/phash"
+SHUFFLE_DIR = "_shuffle"  # "_" names are skipped by readers listing the pair files
+SPEC_FILE = "_spec.json"
+ROWS_PER_PARTITION = 1_000_000  # shuffle rows per reduce task (17 bytes each before decoding)
+MAX_KERNEL_HASHES = 2_000_000  # distinct hashes given to one band_pairs call
+ROW_GROUP_SIZE = 1 << 20
+
+PAIR_SCHEMA = pa.schema(
+    [
+        pa.field("a", pa.int64(), nullable=False),
+        pa.field("b", pa.int64(), nullable=False),
+        pa.field("distance", pa.uint8(), nullable=False),
+    ]
+)
+SHUFFLE_SCHEMA = pa.schema(
+    [
+        pa.field("family", pa.int8(), nullable=False),
+        pa.field("hash", pa.uint64(), nullable=False),
+        pa.field("uid", pa.int64(), nullable=False),
+    ]
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Family:
+    """A sub-band of band ``band_index``; the hashes sharing one value of it form a group."""
+
+    band_index: int
+    sub: dd.Band  # absolute bit positions
+
+
+@dataclass(frozen=True)
+class SubBandPlan(dd.BandPlan):
+    """A band plan whose flip masks leave ``fixed`` (a sub-band of the scanned band) alone.
+
+    ``band_pairs`` then only pairs bucket keys that agree on ``fixed``: hashes of one group, however many groups
+    share the table.
+    """
+
+    fixed: dd.Band
+
+    def masks(self, band_index: int) -> np.ndarray:
+        band = self.bands[band_index]
+        fixed_bits = range(self.fixed.shift - band.shift, self.fixed.shift - band.shift + self.fixed.width)
+        free = [bit for bit in range(band.width) if bit not in fixed_bits]
+        masks = [0]
+        for flips in range(1, self.max_flips + 1):
+            masks.extend(sum(1 << b for b in bits) for bits in itertools.combinations(free, flips))
+        return np.asarray(masks, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """Everything a task needs: the band plan, the families in reporting order, the number of partitions."""
+
+    bands: dd.BandPlan
+    families: tuple[Family, ...]
+    partitions: int
+
+    @property
+    def radius(self) -> int:
+        return self.bands.radius
+
+    def partition_of(self, family_index: int, hashes: np.ndarray) -> np.ndarray:
+        """Shuffle partition of each hash's group in a family (a fixed integer mix of family and sub-band value)."""
+        value = self.families[family_index].sub.values(hashes).astype(np.uint64)
+        x = (value << np.uint64(8)) | np.uint64(family_index)
+        x ^= x >> np.uint64(30)  # splitmix64's finaliser
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+        return (x % np.uint64(self.partitions)).astype(np.int64)
+
+    def describe(self) -> dict:
+        return {
+            "radius": self.radius,
+            "bands": [[b.shift, b.width] for b in self.bands.bands],
+            "families": len(self.families),
+            "partitions": self.partitions,
+        }
+
+
+def _sub_bands(band: dd.Band, parts: int) -> list[dd.Band]:
+    """``band`` cut into ``parts`` contiguous sub-bands, as even as possible (zero-width when parts > width: such
+    a sub-band always agrees, which keeps the pigeonhole true)."""
+    widths = [band.width // parts + (1 if k < band.width % parts else 0) for k in range(parts)]
+    shifts = band.shift + np.concatenate([[0], np.cumsum(widths)[:-1]])
+    return [dd.Band(int(s), int(w)) for s, w in zip(shifts, widths)]
+
+
+def plan_pairs(
+    n_hashes: int,
+    radius: int,
+    partitions: int | None = None,
+    *,
+    n_bands: int | None = None,
+    rows_per_partition: int = ROWS_PER_PARTITION,
+) -> PairPlan:
+    """The plan for about ``n_hashes`` hashes: ``dedup.plan_bands``'s bands, each cut into ``max_flips + 1``
+    families; by default as many partitions as give ``rows_per_partition`` shuffle rows each, at most one per
+    group (a group is never split). Radius 0 needs one family only (the one that lists exact duplicates)."""
+    bands = dd.plan_bands(max(n_hashes, 1), radius, n_bands)
+    families = tuple(
+        Family(b, sub) for b, band in enumerate(bands.bands) for sub in _sub_bands(band, bands.max_flips + 1)
+    )
+    if radius == 0:
+        families = families[:1]
+    if partitions is None:
+        groups = sum(1 << f.sub.width for f in families)
+        partitions = min(groups, max(1, math.ceil(len(families) * n_hashes / rows_per_partition)))
+    if partitions < 1:
+        raise ValueError(f"partitions must be >= 1, got {partitions}")
+    return PairPlan(bands, families, int(partitions))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The kernel: one family's hashes of one partition
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def family_pairs(
+    unique: np.ndarray, plan: PairPlan, family_index: int, max_hashes: int = MAX_KERNEL_HASHES
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pairs (u < v, distance) of the sorted distinct hashes ``unique`` that this family reports.
+
+    Above ``max_hashes`` hashes the search runs on blocks of ``max_hashes // 2``: each block alone, then each two
+    blocks together keeping only the pairs across them, so every pair is found once in bounded memory.
+    """
+    family = plan.families[family_index]
+    sub_plan = SubBandPlan(plan.bands.bands, plan.radius, family.sub)
+    block = max(1, max_hashes // 2) if unique.size > max_hashes else max(1, unique.size)
+    starts = range(0, unique.size, block)
+    out_u, out_v, out_d = [], [], []
+    for first, second in itertools.combinations_with_replacement(starts, 2):
+        idx = np.arange(first, min(first + block, unique.size))
+        if second != first:
+            idx = np.concatenate([idx, np.arange(second, min(second + block, unique.size))])
+        u, v, d = dd.band_pairs(unique[idx], sub_plan, family.band_index)
+        if second != first:  # pairs inside one block are its own call's
+            across = (u < block) & (v >= block)
+            u, v, d = u[across], v[across], d[across]
+        out_u.append(idx[u])
+        out_v.append(idx[v])
+        out_d.append(d)
+    if not out_u:
+        return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.uint8)
+    u, v, d = np.concatenate(out_u), np.concatenate(out_v), np.concatenate(out_d)
+    # a pair that agrees on an earlier sub-band of this band is that sub-band's family's to report
+    diff = unique[u] ^ unique[v]
+    keep = np.ones(u.size, bool)
+    for earlier in plan.families[:family_index]:
+        if earlier.band_index == family.band_index:
+            keep &= (diff & earlier.sub.bit_mask) != 0
+    return u[keep], v[keep], d[keep]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tasks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _shuffle_path(root: str, out_dir: str, partition: int, map_index: int) -> str:
+    return join(root, out_dir, SHUFFLE_DIR, f"{partition:05d}", f"{map_index:06d}.parquet")
+
+
+def _part_name(partition: int) -> str:
+    return f"part-{partition:05d}.parquet"
+
+
+def _runs(sorted_keys: np.ndarray) -> np.ndarray:
+    """True where a run of equal values starts."""
+    return np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]]) if sorted_keys.size else np.empty(0, bool)
+
+
+@ray.remote(num_cpus=1)
+def _map_task(
+    out_uri: str, out_dir: str, survivor_file: str, map_index: int, plan: PairPlan, needed: list[int]
+) -> dict:
+    """Send one survivor file's hashes to their groups' partitions (only the partitions still to be reduced)."""
+    cpu = time.process_time()
+    fs, root = resolve(out_uri)
+    paths = {p: _shuffle_path(root, out_dir, p, map_index) for p in needed}
+    infos = fs.get_file_info(list(paths.values()))
+    todo = [p for p, info in zip(paths, infos) if info.type == pafs.FileType.NotFound]
+    if not todo:
+        return {"rows": 0, "files": 0, "cpu_s": 0.0}
+    t = pq.read_table(join(root, survivor_file), columns=["uid", "phash"], filesystem=fs)
+    t = t.filter(pc.is_valid(t.column("phash")))
+    uid = t.column("uid").to_numpy().astype(np.int64)
+    hashes = dd.as_hashes(t.column("phash").to_numpy())
+    order = np.lexsort((uid, hashes))
+    hashes, uid = hashes[order], uid[order]
+    first = _runs(hashes)  # each distinct hash once, with its smallest uid in this file
+    family, h, u, part = [], [], [], []
+    for index in range(len(plan.families)):
+        fh, fu = (hashes, uid) if index == 0 else (hashes[first], uid[first])
+        family.append(np.full(fh.size, index, np.int8))
+        h.append(fh)
+        u.append(fu)
+        part.append(plan.partition_of(index, fh))
+    family, h, u, part = (np.concatenate(x) for x in (family, h, u, part))
+    order = np.argsort(part, kind="stable")  # within a partition: by family, hash, uid as built
+    family, h, u, part = family[order], h[order], u[order], part[order]
+    bounds = np.searchsorted(part, np.arange(plan.partitions + 1))
+    for p in todo:
+        lo, hi = bounds[p], bounds[p + 1]
+        table = pa.table([family[lo:hi], h[lo:hi], u[lo:hi]], schema=SHUFFLE_SCHEMA)
+        write_parquet_atomic(fs, paths[p], table, row_group_size=ROW_GROUP_SIZE)
+    return {"rows": int(bounds[-1]), "files": len(todo), "cpu_s": time.process_time() - cpu}
+
+
+@ray.remote(num_cpus=1)
+def _reduce_task(
+    out_uri: str, out_dir: str, partition: int, n_maps: int, plan: PairPlan, max_kernel_hashes: int
+) -> dict:
+    """All pairs whose reporting group lives in this partition, sorted, as one file; then drop the shuffle input."""
+    cpu = time.process_time()
+    fs, root = resolve(out_uri)
+    out_path = join(root, out_dir, _part_name(partition))
+    if exists(fs, out_path):
+        return {"partition": partition, "skipped": True}
+    parts = [pq.read_table(_shuffle_path(root, out_dir, partition, m), filesystem=fs) for m in range(n_maps)]
+    t = pa.concat_tables(parts).combine_chunks() if parts else SHUFFLE_SCHEMA.empty_table()
+    rows = t.num_rows
+    family = t.column("family").to_numpy()
+    hashes = t.column("hash").to_numpy()
+    uid = t.column("uid").to_numpy()
+    del t
+    order = np.lexsort((uid, hashes, family))
+    family, hashes, uid = family[order], hashes[order], uid[order]
+    bounds = np.searchsorted(family, np.arange(len(plan.families) + 1))
+    out_a, out_b, out_d = [], [], []
+    n_exact = largest = 0
+    for index in range(len(plan.families)):
+        fh, fu = hashes[bounds[index] : bounds[index + 1]], uid[bounds[index] : bounds[index + 1]]
+        first = _runs(fh)
+        unique, rep = fh[first], fu[first]  # uids are sorted within a hash: the first is the smallest
+        largest = max(largest, unique.size)
+        if index == 0:  # every uid of each hash is here: the star of exact duplicates
+            others = ~first
+            out_a.append(rep[np.cumsum(first)[others] - 1])
+            out_b.append(fu[others])
+            out_d.append(np.zeros(int(others.sum()), np.uint8))
+            n_exact = int(others.sum())
+        if plan.radius > 0 and unique.size > 1:
+            u, v, d = family_pairs(unique, plan, index, max_kernel_hashes)
+            out_a.append(np.minimum(rep[u], rep[v]))
+            out_b.append(np.maximum(rep[u], rep[v]))
+            out_d.append(d.astype(np.uint8))
+    a = np.concatenate(out_a) if out_a else np.empty(0, np.int64)
+    b = np.concatenate(out_b) if out_b else np.empty(0, np.int64)
+    d = np.concatenate(out_d) if out_d else np.empty(0, np.uint8)
+    order = np.lexsort((b, a))
+    table = pa.table([a[order].astype(np.int64), b[order].astype(np.int64), d[order]], schema=PAIR_SCHEMA)
+    write_parquet_atomic(fs, out_path, table, row_group_size=ROW_GROUP_SIZE)
+    delete_quietly(fs, join(root, out_dir, SHUFFLE_DIR, f"{partition:05d}"))
+    return {
+        "partition": partition,
+        "skipped": False,
+        "rows": rows,
+        "pairs": int(a.size),
+        "exact_pairs": n_exact,
+        "largest_family": largest,
+        "cpu_s": time.process_time() - cpu,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _gather(refs: Iterable[ray.ObjectRef], window: int) -> list:
+    """Results of tasks launched lazily from ``refs``, with at most ``window`` in flight."""
+    results, pending = [], []
+    for ref in refs:
+        pending.append(ref)
+        if len(pending) >= window:
+            done, pending = ray.wait(pending, num_returns=1)
+            results.extend(ray.get(done))
+    return results + ray.get(pending)
+
+
+def _count_rows(fs: pafs.FileSystem, paths: Sequence[str]) -> int:
+    """Rows of Parquet files from their footers (threads: on an object store each is a round trip)."""
+
+    def rows(path: str) -> int:
+        with fs.open_input_file(path) as f:
+            return pq.ParquetFile(f).metadata.num_rows
+
+    with ThreadPoolExecutor(16) as pool:
+        return sum(pool.map(rows, paths))
+
+
+def _claim(fs: pafs.FileSystem, folder: str, spec: dict, log: Callable[[str], None]) -> None:
+    """Resume only what was started with the same settings and inputs; anything else is cleared first."""
+    path = join(folder, SPEC_FILE)
+    if exists(fs, path) and read_json(fs, path) == spec:
+        return
+    if exists(fs, folder):
+        log(f"[phash pairs] {folder} holds results of other settings or inputs: cleared")
+        delete_quietly(fs, folder)
+    write_json_atomic(fs, path, spec)
+
+
+def run_phash_pairs(
+    out_uri: str,
+    survivor_files: Sequence[str],
+    radius: int,
+    out_dir: str = PAIRS_DIR,
+    partitions: int | None = None,
+    log: Callable[[str], None] = print,
+    *,
+    n_bands: int | None = None,
+    rows_per_partition: int = ROWS_PER_PARTITION,
+    max_kernel_hashes: int = MAX_KERNEL_HASHES,
+    max_in_flight: int | None = None,
+) -> dict:
+    """Write every pair of survivors within Hamming distance ``radius`` (exact) under ``out_dir`` (see module doc).
+
+    ``survivor_files`` are paths relative to ``out_uri`` in the survivors schema (only ``uid`` and ``phash`` are
+    read). ``partitions`` defaults to ``plan_pairs``'s choice from the survivors' row count. Returns a summary.
+    """
+    start = time.monotonic()
+    fs, root = resolve(out_uri)
+    folder = join(root, out_dir)
+    n_rows = _count_rows(fs, [join(root, f) for f in survivor_files])
+    plan = plan_pairs(n_rows, radius, partitions, n_bands=n_bands, rows_per_partition=rows_per_partition)
+    inputs = sha256("\n".join(survivor_files).encode()).hexdigest()
+    _claim(fs, folder, {**plan.describe(), "inputs": inputs}, log)
+
+    present = {path.rpartition("/")[2] for path in list_files(fs, folder, ".parquet")}
+    missing = [p for p in range(plan.partitions) if _part_name(p) not in present]
+    log(
+        f"[phash pairs] {n_rows} survivors, radius {radius}: {len(plan.bands.bands)} bands, "
+        f"{len(plan.families)} families, {plan.partitions} partitions ({len(missing)} to do)"
+    )
+    window = max_in_flight or max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    maps, reduces = [], []
+    if missing:
+        maps = _gather(
+            (_map_task.remote(out_uri, out_dir, f, m, plan, missing) for m, f in enumerate(survivor_files)), window
+        )
+        reduces = _gather(
+            (_reduce_task.remote(out_uri, out_dir, p, len(survivor_files), plan, max_kernel_hashes) for p in missing),
+            window,
+        )
+    delete_quietly(fs, join(folder, SHUFFLE_DIR))
+    done = [r for r in reduces if not r["skipped"]]
+    n_pairs = _count_rows(fs, [join(folder, _part_name(p)) for p in range(plan.partitions)])
+    summary = {
+        **plan.describe(),
+        "survivors": n_rows,
+        "pairs": n_pairs,
+        "partitions_computed": len(done),
+        "shuffle_rows": sum(r["rows"] for r in maps),
+        "exact_pairs_computed": sum(r["exact_pairs"] for r in done),
+        "largest_partition_rows": max((r["rows"] for r in done), default=0),
+        "largest_family_hashes": max((r["largest_family"] for r in done), default=0),
+        "task_cpu_s": round(sum(r["cpu_s"] for r in [*maps, *done]), 1),
+        "seconds": round(time.monotonic() - start, 2),
+    }
+    log(f"[phash pairs] {n_pairs} pairs in {plan.partitions} files, {summary['seconds']} s")
+    return summary

@@ -1,0 +1,223 @@
+"""The partitioned sample phase (curation/cluster_sampling.py) against the single-process kernel
+(curation/sampling.py): the same selection when trained on everything, exact sizes, balance no worse, whole small
+clusters, independence from partitioning, deterministic bytes, resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from curation import cluster_sampling as cs
+from curation import sampling
+from curation.config import SampleSettings
+from curation.survivors import make_uid, survivors_schema
+
+faiss.omp_set_num_threads(2)
+
+DIM = 32
+VALUES = np.array(["frontal", "left", "right", "back"], object)
+VALUE_WEIGHTS = [0.75, 0.15, 0.07, 0.03]  # skewed: most heads face the camera
+
+
+def mixture(n_per_component: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """L2-normalised Gaussian mixture (embeddings, component labels) in a shuffled order, and a skewed balance key
+    whose values partly follow the component (so leaves differ in their value mix)."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((n_per_component.size, DIM))
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    labels = rng.permutation(np.repeat(np.arange(n_per_component.size), n_per_component))
+    x = (centres[labels] + 0.12 * rng.standard_normal((labels.size, DIM))).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    tilt = rng.dirichlet(np.ones(VALUES.size), n_per_component.size)
+    p = 0.7 * np.asarray(VALUE_WEIGHTS) + 0.3 * tilt[labels]
+    balance = VALUES[(rng.random((labels.size, 1)) > np.cumsum(p, axis=1)).sum(axis=1)]
+    return x, labels, balance
+
+
+def write_survivors(root: Path, x: np.ndarray, balance: np.ndarray, dropped: np.ndarray, n_files: int) -> tuple[list, list]:
+    """Survivors files (in uid order, 400 items per input shard) and dedup decision files listing ``dropped``
+    (item indices); a file with nothing dropped has no decisions file."""
+    n = x.shape[0]
+    uid = make_uid(np.arange(n) // 400, np.arange(n) % 400).astype(np.int64)
+    schema = survivors_schema(DIM)
+    survivor_files, decision_files = [], []
+    for i, rows in enumerate(np.array_split(np.arange(n), n_files)):
+        table = pa.table(
+            {
+                "uid": uid[rows],
+                "shard_id": [f"files-{u >> 32:06d}" for u in uid[rows]],
+                "source": [f"pool/{j:07d}.jpg" for j in rows],
+                "key": [f"k{j}" for j in rows],
+                "phash": pa.nulls(rows.size, pa.uint64()),
+                "score": np.full(rows.size, np.nan),
+                "width": np.full(rows.size, 512, np.int32),
+                "height": np.full(rows.size, 512, np.int32),
+                "balance": balance[rows].tolist(),
+                "embedding": pa.FixedSizeListArray.from_arrays(pa.array(x[rows].ravel()), DIM),
+            },
+            schema=schema,
+        )
+        survivor_files.append(f"dedup/survivors/part-{i:06d}.parquet")
+        decision_files.append(f"dedup/decisions/part-{i:06d}.parquet")
+        (root / "dedup/survivors").mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, root / survivor_files[-1], row_group_size=300)
+        gone = rows[np.isin(rows, dropped)]
+        if gone.size:
+            (root / "dedup/decisions").mkdir(parents=True, exist_ok=True)
+            pq.write_table(pa.table({"uid": uid[gone], "duplicate_of": [f"k{j}" for j in gone]}), root / decision_files[-1])
+    return survivor_files, decision_files
+
+
+def read_decisions(root: Path, n_files: int) -> pa.Table:
+    return pa.concat_tables([pq.read_table(root / cs.decisions_path(i)) for i in range(n_files)])
+
+
+def entropy(counts: np.ndarray) -> float:
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+@pytest.fixture(scope="module")
+def data():
+    x, labels, balance = mixture(np.geomspace(8, 2500, 16).astype(int))
+    dropped = np.random.default_rng(3).choice(x.shape[0], x.shape[0] // 20, replace=False)
+    return x, labels, balance, dropped
+
+
+def test_trained_on_everything_it_selects_what_the_single_process_kernel_selects(ray_local, tmp_path, data):
+    x, _, balance, dropped = data
+    files = write_survivors(tmp_path, x, balance, dropped, n_files=3)
+    settings = SampleSettings(target_count=1500, clusters=[60, 8], mode="closest", balance_key=None, seed=4)
+    summary = cs.run_sample(str(tmp_path), *files, settings, buckets=4, sample_size=10**6, log=lambda _: None)
+
+    alive = np.setdiff1d(np.arange(x.shape[0]), dropped)
+    single = sampling.balanced_sample(x[alive], size=1500, n_clusters=[60, 8], mode="closest", seed=4)
+    got = read_decisions(tmp_path, 3)
+    assert summary == {"inputs": alive.size, "selected": 1500, "unsampled": alive.size - 1500, "levels": 2,
+                       "clusters_per_level": [60, 8]}
+    assert got.column("source").to_pylist() == [f"pool/{j:07d}.jpg" for j in alive]
+    assert np.array_equal(np.flatnonzero(got.column("selected").to_numpy()), single.indices)
+    assert np.array_equal(np.asarray(got.column("cluster_ids").to_pylist()), single.cluster_ids)
+
+
+def test_exact_size_and_balance_no_worse_than_single_process(ray_local, tmp_path, data):
+    """Trained on a third of the items (the distributed path proper). k-means outcomes vary from seed to seed for
+    both (the single-process one subsamples too), so the spreads are compared as means over seeds."""
+    x, labels, balance, dropped = data
+    files = write_survivors(tmp_path, x, balance, dropped, n_files=4)
+    alive = np.setdiff1d(np.arange(x.shape[0]), dropped)
+    codes = np.unique(balance[alive], return_inverse=True)[1]
+
+    def spread(indices):
+        concepts = np.bincount(labels[alive][indices], minlength=labels.max() + 1)
+        return entropy(concepts), concepts.max(), entropy(np.bincount(codes[indices]))
+
+    ours, theirs = [], []
+    for seed in range(4):
+        settings = SampleSettings(target_fraction=0.1, clusters=[100, 16], balance_key="head_yaw_class", seed=seed)
+        summary = cs.run_sample(str(tmp_path), *files, settings, buckets=3, sample_size=4000, log=lambda _: None)
+        chosen = np.flatnonzero(read_decisions(tmp_path, 4).column("selected").to_numpy())
+        single = sampling.balanced_sample(x[alive], fraction=0.1, n_clusters=[100, 16], mode="closest", balance_key=codes, seed=seed)
+        assert chosen.size == single.indices.size == summary["selected"] == round(0.1 * alive.size)
+        ours.append(spread(chosen))
+        theirs.append(spread(single.indices))
+    (c_ent, c_max, v_ent), (s_c_ent, s_c_max, s_v_ent) = np.mean(ours, axis=0), np.mean(theirs, axis=0)
+    assert c_ent >= s_c_ent - 0.05 and c_max <= 1.15 * s_c_max and v_ent >= s_v_ent - 0.03
+    uniform = spread(np.random.default_rng(0).choice(alive.size, chosen.size, replace=False))
+    assert c_ent > uniform[0] + 0.4 and c_max < 0.6 * uniform[1] and v_ent > uniform[2] + 0.15
+
+
+def test_clusters_below_their_share_are_taken_whole_and_closest_first(ray_local, tmp_path, data):
+    x, _, balance, dropped = data
+    files = write_survivors(tmp_path, x, balance, dropped, n_files=2)
+    settings = SampleSettings(target_count=3000, clusters=[40], mode="closest", balance_key="head_yaw_class")
+    cs.run_sample(str(tmp_path), *files, settings, buckets=2, sample_size=3000, log=lambda _: None)
+    got = read_decisions(tmp_path, 2)
+    leaf = np.asarray(got.column("cluster_ids").to_pylist())[:, 0]
+    selected = got.column("selected").to_numpy()
+    size, taken = np.bincount(leaf, minlength=40), np.bincount(leaf[selected], minlength=40)
+    partial = taken < size
+    level = taken[partial].min()
+    assert taken.sum() == 3000 and np.all(taken[partial] <= level + 1)
+    assert (~partial).sum() >= 3 and np.all(size[~partial] <= level + 1)  # small leaves whole
+
+    # inside a (leaf, value) group, every pick is closer to the leaf centroid than every item left out
+    centroids = pq.read_table(tmp_path / cs.HIERARCHY_FILE).filter(pa.compute.equal(pa.compute.field("level"), 0))
+    c = np.stack(centroids.column("centroid").to_numpy(zero_copy_only=False))
+    alive = np.setdiff1d(np.arange(x.shape[0]), dropped)
+    dist = ((x[alive] - c[leaf]) ** 2).sum(axis=1)
+    value = balance[alive]
+    for g in {(a, b) for a, b in zip(leaf[partial[leaf]], value[partial[leaf]])}:
+        members = (leaf == g[0]) & (value == g[1])
+        if selected[members].any() and (~selected[members]).any():
+            assert dist[members & selected].max() <= dist[members & ~selected].min() + 1e-5
+
+
+def test_independent_of_partitioning_and_deterministic(ray_local, tmp_path, data):
+    x, _, balance, dropped = data
+    settings = SampleSettings(target_fraction=0.2, clusters=[50, 6], mode="random", seed=7)
+    runs = []
+    for name, n_files, buckets in (("a", 2, 1), ("b", 5, 4), ("c", 5, 4)):
+        root = tmp_path / name
+        files = write_survivors(root, x, balance, dropped, n_files=n_files)
+        cs.run_sample(str(root), *files, settings, buckets=buckets, sample_size=5000, log=lambda _: None)
+        runs.append(read_decisions(root, n_files))
+    assert runs[0].equals(runs[1])
+
+    # the training set is the 5000 alive items of lowest hash, in uid order
+    alive = np.setdiff1d(np.arange(x.shape[0]), dropped)
+    uid = make_uid(alive // 400, alive % 400).astype(np.int64)
+    lowest = np.sort(np.argsort(cs.uid_uniform(uid, 7, cs._TRAIN_STREAM))[:5000])
+    want = sampling.hierarchical_kmeans(x[alive][lowest], [50, 6], seed=7)
+    got = pq.read_table(tmp_path / "a" / cs.HIERARCHY_FILE).to_pydict()
+    for level in (0, 1):
+        rows = [i for i, lv in enumerate(got["level"]) if lv == level]
+        assert np.array_equal(np.asarray([got["centroid"][i] for i in rows], np.float32), want.centroids[level])
+    assert all((tmp_path / "b" / cs.decisions_path(i)).read_bytes() == (tmp_path / "c" / cs.decisions_path(i)).read_bytes()
+               for i in range(5))
+
+
+def test_reruns_skip_done_work_and_restart_on_changed_settings(ray_local, tmp_path, data):
+    x, _, balance, dropped = data
+    files = write_survivors(tmp_path, x[:3000], balance[:3000], dropped[dropped < 3000], n_files=3)
+    settings = SampleSettings(target_count=500, clusters=[30, 5])
+    logs: list[str] = []
+    first = cs.run_sample(str(tmp_path), *files, settings, buckets=2, log=logs.append)
+    outputs = {i: tmp_path / cs.decisions_path(i) for i in range(3)}
+    before = {i: (p.read_bytes(), p.stat().st_mtime_ns) for i, p in outputs.items()}
+
+    # everything done: nothing rewritten
+    assert cs.run_sample(str(tmp_path), *files, settings, buckets=2, log=logs.append) == first
+    assert "3 of 3 decision files done before" in logs[-1]
+    assert all(p.stat().st_mtime_ns == before[i][1] for i, p in outputs.items())
+
+    # a lost decisions file and a lost assignment: only those are redone, byte-identical
+    outputs[1].unlink()
+    (tmp_path / "sample/work/assigned/part-000002.parquet").unlink()
+    logs.clear()
+    assert cs.run_sample(str(tmp_path), *files, settings, buckets=2, log=logs.append) == first
+    assert any("(2 of 3 files done before)" in line for line in logs) and "2 of 3 decision files" in logs[-1]
+    assert all(p.read_bytes() == before[i][0] for i, p in outputs.items())
+    assert outputs[0].stat().st_mtime_ns == before[0][1]
+
+    # other settings: the old outputs are cleared, not mixed in
+    logs.clear()
+    other = cs.run_sample(str(tmp_path), *files, settings.model_copy(update={"seed": 9}), buckets=2, log=logs.append)
+    assert "changed" in logs[0] and "0 of 3 decision files" in logs[-1] and other["selected"] == 500
+
+
+def test_tiny_and_empty_inputs(ray_local, tmp_path, data):
+    x, _, balance, _ = data
+    files = write_survivors(tmp_path / "tiny", x[:6], balance[:6], np.array([2]), n_files=2)
+    summary = cs.run_sample(str(tmp_path / "tiny"), *files, SampleSettings(target_count=3), log=lambda _: None)
+    assert summary == {"inputs": 5, "selected": 3, "unsampled": 2, "levels": 1, "clusters_per_level": [1]}
+
+    files = write_survivors(tmp_path / "gone", x[:6], balance[:6], np.arange(6), n_files=2)
+    summary = cs.run_sample(str(tmp_path / "gone"), *files, SampleSettings(target_count=3), log=lambda _: None)
+    assert summary["inputs"] == 0 and read_decisions(tmp_path / "gone", 2).num_rows == 0
+    assert read_decisions(tmp_path / "gone", 2).schema.equals(cs.DECISIONS_SCHEMA)
