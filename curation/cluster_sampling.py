@@ -10,22 +10,22 @@ uids it dropped (absent: none dropped). The survivors that are not dropped are t
    centroids (``sampling.hierarchical_kmeans`` does both). With 256 points per leaf this is what single-process
    faiss trains on anyway (it subsamples to 256 per centroid). Written to ``sample/hierarchy.parquet`` (level,
    cluster, parent, centroid), which later steps and reruns read.
-2. assign: a task per survivors file gives each alive item its leaf and squared distance to the leaf centroid,
-   writes ``sample/work/assigned/part-<i>.parquet`` (uid, leaf) and the rows (uid, leaf, distance, balance)
-   hash-partitioned by leaf into ``sample/work/buckets/bucket-<b>/part-<i>.parquet``; it returns its per-leaf
+2. assign: a task per survivors file gives each alive item its leaf and squared distance to the leaf centroid and
+   writes the rows (uid, leaf, distance, balance) routed to buckets by leaf (``leaf % buckets``) into
+   ``sample/work/buckets/part-<i>.parquet`` (``curation.routed``: one file per task); it returns its per-leaf
    counts.
 3. budget: the driver splits the target over the leaves top-down (``sampling.leaf_budgets`` on the per-leaf counts:
    a cluster smaller than its share is taken whole, the rest goes to its siblings).
 4. select: a task per bucket picks exactly each of its leaves' budget, closest to the centroid or at random (a
-   fixed per-uid hash), spread over the balance key's values as ``sampling.balanced_select`` does, and routes the
-   selected uids back by survivors file (files hold disjoint, increasing uid ranges, read from Parquet statistics)
-   into ``sample/work/selected/part-<i>/bucket-<b>.parquet``.
+   fixed per-uid hash), spread over the balance key's values as ``sampling.balanced_select`` does, and writes
+   (uid, leaf, selected) routed back to the survivors files (they hold disjoint, increasing uid ranges, read from
+   Parquet statistics by the driver) into ``sample/work/selected/bucket-<b>.parquet``.
 5. assemble: a task per survivors file writes ``sample/decisions/part-<i>.parquet``: every alive survivor of file
    ``i`` in uid order with uid, source, shard_id, key, cluster_ids (leaf first, then each upper level), selected.
 
 Guarantees: exactly ``min(target, alive)`` items selected; the selection depends on the alive items, the settings
 and ``sample_size`` only, not on the number of files or buckets; same inputs give the same bytes. A task whose
-output exists is skipped (files are written atomically; a task writing several files writes its commit file last).
+output exists is skipped (every task writes one file, atomically).
 ``sample/run.json`` fingerprints the settings and inputs (paths, sizes, modification times): a run that finds a
 different fingerprint clears this step's outputs first, so a resumed run never mixes two configurations.
 
@@ -36,10 +36,11 @@ Memory, and what it becomes at 1B survivors on a cluster (1M-row survivors files
 - train and assign tasks: one row group of a survivors file (its embeddings, ~4x in decoding buffers) plus, for
   assign, ~28 bytes per row of the file (uid, leaf, distance, balance: 28 MB); the survey should keep row groups
   at tens of thousands of rows;
-- select task: ~28 bytes per row of its bucket (``BUCKET_ROWS`` = 4M: ~110 MB, plus sorting; 250 buckets);
-- assemble task: the uid, source, shard_id and key columns of one survivors file (~100 MB).
-Files: M x buckets small files each under buckets/ and selected/ (250k each at 1B); ``sample/work/`` can be deleted
-once every decisions file is written.
+- select task: ~30 bytes per row of its bucket (``BUCKET_ROWS`` = 4M: ~120 MB, plus sorting; 250 buckets);
+- assemble task: the uid, source, shard_id and key columns of one survivors file (~100 MB at 1M rows).
+Files: M under buckets/, one per bucket under selected/, M decisions; every select task reads the M bucket-file
+footers and every assemble task the bucket-count selected-file footers. ``sample/work/`` can be deleted once every
+decisions file is written.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ import pyarrow.parquet as pq
 import ray
 
 from common.storage import delete_quietly, exists, join, read_json, resolve, write_json_atomic, write_parquet_atomic
-from curation import sampling
+from curation import routed, sampling
 from curation.config import SampleSettings
 
 RUN_FILE = "sample/run.json"
@@ -85,25 +86,22 @@ DECISIONS_SCHEMA = pa.schema(
         pa.field("selected", pa.bool_(), nullable=False),
     ]
 )
-_ASSIGNED_SCHEMA = pa.schema([("uid", pa.int64()), ("leaf", pa.int32())])
-_BUCKET_SCHEMA = pa.schema([("uid", pa.int64()), ("leaf", pa.int32()), ("distance", pa.float32()), ("balance", pa.string())])
-_SELECTED_SCHEMA = pa.schema([("uid", pa.int64())])
+_BUCKET_SCHEMA = pa.schema(
+    [("uid", pa.int64()), ("leaf", pa.int32()), ("distance", pa.float32()), ("balance", pa.string())]
+)
+_SELECTED_SCHEMA = pa.schema([("uid", pa.int64()), ("leaf", pa.int32()), ("selected", pa.bool_())])
 
 
 def decisions_path(index: int) -> str:
     return f"{DECISIONS_DIR}/part-{index:06d}.parquet"
 
 
-def _assigned_path(index: int) -> str:
-    return f"{WORK_DIR}/assigned/part-{index:06d}.parquet"
+def _buckets_path(index: int) -> str:
+    return f"{WORK_DIR}/buckets/part-{index:06d}.parquet"
 
 
-def _bucket_path(bucket: int, index: int) -> str:
-    return f"{WORK_DIR}/buckets/bucket-{bucket:05d}/part-{index:06d}.parquet"
-
-
-def _selected_path(index: int, bucket: int) -> str:
-    return f"{WORK_DIR}/selected/part-{index:06d}/bucket-{bucket:05d}.parquet"
+def _selected_path(bucket: int) -> str:
+    return f"{WORK_DIR}/selected/bucket-{bucket:05d}.parquet"
 
 
 # --- settings -----------------------------------------------------------------------------------------------------
@@ -175,7 +173,8 @@ def _hierarchy_table(h: sampling.ClusterHierarchy) -> pa.Table:
         k = c.shape[0]
         columns["level"].append(np.full(k, level, np.int32))
         columns["cluster"].append(np.arange(k, dtype=np.int32))
-        columns["parent"].append(h.parents[level].astype(np.int32) if level < len(h.parents) else np.full(k, -1, np.int32))
+        top = level == len(h.parents)
+        columns["parent"].append(np.full(k, -1, np.int32) if top else h.parents[level].astype(np.int32))
         columns["centroid"].append(c.astype(np.float32).ravel())
     return pa.table(
         {
@@ -226,7 +225,8 @@ def select_in_leaves(
         group, group_budget = leaf, budget.astype(np.int64)
     else:
         values, code = np.unique(balance, return_inverse=True)
-        group_ids, group, group_size = np.unique(leaf * values.size + code.ravel(), return_inverse=True, return_counts=True)
+        pair = leaf * values.size + code.ravel()  # (leaf, value)
+        group_ids, group, group_size = np.unique(pair, return_inverse=True, return_counts=True)
         group = group.ravel()
         group_leaf = group_ids // values.size
         group_budget = np.zeros(group_ids.size, np.int64)
@@ -334,9 +334,10 @@ def _assign_task(
 ) -> tuple[np.ndarray, np.ndarray, bool]:
     """Per-leaf counts (leaves, counts) of the file's alive survivors, and whether the work was already done."""
     fs, root = resolve(out_uri)
-    if exists(fs, join(root, _assigned_path(index))):
-        leaf = pq.read_table(join(root, _assigned_path(index)), columns=["leaf"], filesystem=fs).column("leaf")
-        return *np.unique(leaf.to_numpy(), return_counts=True), True
+    path = join(root, _buckets_path(index))
+    if exists(fs, path):  # counts from the file: as a footer receipt they would cost every reader K1 entries
+        leaf = pq.read_table(path, columns=["leaf"], filesystem=fs).column("leaf").to_numpy()
+        return *np.unique(leaf, return_counts=True), True
     columns = ["uid", "embedding"] + (["balance"] if balance else [])
     uids, leaves, dists, values = [], [], [], []
     for rows in _alive_row_groups(fs, root, survivor_file, decision_file, columns):
@@ -356,12 +357,7 @@ def _assign_task(
         },
         schema=_BUCKET_SCHEMA,
     )
-    bucket = leaf % buckets
-    order = np.argsort(bucket, kind="stable")  # keeps uid order inside each bucket
-    bounds = np.searchsorted(bucket[order], np.arange(buckets + 1))
-    for b in range(buckets):
-        _write(fs, root, _bucket_path(b, index), rows.take(order[bounds[b] : bounds[b + 1]]))
-    _write(fs, root, _assigned_path(index), rows.select(["uid", "leaf"]).cast(_ASSIGNED_SCHEMA))  # commit
+    routed.write_routed(fs, path, rows, leaf % buckets, buckets)
     return *np.unique(leaf, return_counts=True), False
 
 
@@ -379,45 +375,44 @@ def _select_task(
     out_uri: str, bucket: int, n_files: int, budget: np.ndarray, route_min: np.ndarray, route_index: np.ndarray,
     mode: str, balance: bool, seed: int,
 ) -> bool:
-    """Selects inside the bucket's leaves and routes the selected uids to their survivors files; True if done before."""
+    """Selects inside the bucket's leaves and routes (uid, leaf, selected) back to the survivors files; returns
+    whether it was done before."""
     fs, root = resolve(out_uri)
-    if exists(fs, join(root, _selected_path(n_files - 1, bucket))):
+    path = join(root, _selected_path(bucket))
+    if exists(fs, path):
         return True
-    t = pa.concat_tables([pq.read_table(join(root, _bucket_path(bucket, i)), filesystem=fs) for i in range(n_files)])
+    t = routed.read_routed(fs, [join(root, _buckets_path(i)) for i in range(n_files)], bucket, _BUCKET_SCHEMA)
     uid = t.column("uid").to_numpy()
     order = np.argsort(uid, kind="stable")
     uid, leaf = uid[order], t.column("leaf").to_numpy()[order]
     priority = t.column("distance").to_numpy()[order] if mode == "closest" else uid_uniform(uid, seed, _PRIORITY_STREAM)
     mask = select_in_leaves(leaf, priority, budget, _value_ranks(t.column("balance"))[order] if balance else None, seed)
-    want = np.bincount(leaf[mask], minlength=budget.size)[np.unique(leaf)] if leaf.size else np.zeros(0, np.int64)
-    if not np.array_equal(want, budget[np.unique(leaf)]):
-        raise AssertionError(f"bucket {bucket}: selection differs from the leaf budgets")
-    chosen = uid[mask]
-    owner = route_index[np.searchsorted(route_min, chosen, side="right") - 1] if chosen.size else chosen
-    bounds = np.searchsorted(owner, np.arange(n_files + 1))
-    for i in range(n_files):  # the last file is the commit
-        _write(fs, root, _selected_path(i, bucket), pa.table({"uid": chosen[bounds[i] : bounds[i + 1]]}, schema=_SELECTED_SCHEMA))
+    present = np.unique(leaf)
+    if not np.array_equal(np.bincount(leaf[mask], minlength=budget.size)[present], budget[present]):
+        raise AssertionError(f"bucket {bucket}: the selection differs from the leaf budgets")
+    owner = route_index[np.searchsorted(route_min, uid, side="right") - 1]
+    routed.write_routed(fs, path, pa.table({"uid": uid, "leaf": leaf, "selected": mask}, schema=_SELECTED_SCHEMA),
+                        owner, n_files)
     return False
 
 
 @ray.remote(num_cpus=1)
-def _assemble_task(out_uri: str, index: int, survivor_file: str, buckets: int, cluster_ids: np.ndarray) -> tuple[int, int, bool]:
+def _assemble_task(
+    out_uri: str, index: int, survivor_file: str, buckets: int, cluster_ids: np.ndarray
+) -> tuple[int, int, bool]:
     """Writes the file's decisions; returns (rows, selected, done before)."""
     fs, root = resolve(out_uri)
     path = join(root, decisions_path(index))
     if exists(fs, path):
         selected = pq.read_table(path, columns=["selected"], filesystem=fs).column("selected")
         return len(selected), int(pc.sum(selected).as_py() or 0), True
-    assigned = pq.read_table(join(root, _assigned_path(index)), filesystem=fs)
-    uid, leaf = assigned.column("uid").to_numpy(), assigned.column("leaf").to_numpy()
+    mine = routed.read_routed(fs, [join(root, _selected_path(b)) for b in range(buckets)], index, _SELECTED_SCHEMA)
+    order = np.argsort(mine.column("uid").to_numpy(), kind="stable")
+    uid, leaf = mine.column("uid").to_numpy()[order], mine.column("leaf").to_numpy()[order]
     survivors = pq.read_table(join(root, survivor_file), columns=["uid", "source", "shard_id", "key"], filesystem=fs)
     s_uid = survivors.column("uid").to_numpy()
     s_order = np.argsort(s_uid, kind="stable")
     rows = s_order[np.searchsorted(s_uid, uid, sorter=s_order)]
-    chosen = np.concatenate(
-        [pq.read_table(join(root, _selected_path(index, b)), filesystem=fs).column("uid").to_numpy() for b in range(buckets)]
-        or [np.zeros(0, np.int64)]
-    )
     levels = cluster_ids.shape[1]
     ids = pa.ListArray.from_arrays(
         pa.array(np.arange(0, (uid.size + 1) * levels, levels, dtype=np.int32)), pa.array(cluster_ids[leaf].ravel())
@@ -430,7 +425,7 @@ def _assemble_task(out_uri: str, index: int, survivor_file: str, buckets: int, c
             "shard_id": meta.column("shard_id"),
             "key": meta.column("key"),
             "cluster_ids": ids,
-            "selected": _member(uid, np.sort(chosen)),
+            "selected": mine.column("selected").to_numpy(zero_copy_only=False)[order],
         },
         schema=DECISIONS_SCHEMA,
     )
@@ -464,7 +459,9 @@ def _in_order(submit: Callable[[int], ray.ObjectRef], count: int, window: int) -
 # --- the driver -------------------------------------------------------------------------------------------------
 
 
-def _fingerprint(settings: SampleSettings, buckets: int, sample_size: int, facts: list[_FileFacts | None], paths: list[str]) -> str:
+def _fingerprint(
+    settings: SampleSettings, buckets: int, sample_size: int, facts: list[_FileFacts | None], paths: list[str]
+) -> str:
     inputs = [[p, f.size, f.mtime_ns] if f else [p, None, None] for p, f in zip(paths, facts)]
     text = json.dumps({"settings": settings.model_dump(mode="json"), "buckets": buckets, "sample_size": sample_size,
                        "inputs": inputs}, sort_keys=True)
@@ -484,10 +481,9 @@ def _reset_if_changed(fs: pafs.FileSystem, root: str, fingerprint: str, log: Cal
 
 def _train(
     out_uri: str, survivor_files: list[str], decision_files: list[str], alive: int, clusters: list[int],
-    sample_size: int, dim: int, seed: int, window: int,
-) -> int:
-    """Trains the hierarchy on the ``sample_size`` alive survivors of lowest hash (all when fewer), writes it;
-    returns the training set's size.
+    sample_size: int, dim: int, seed: int, window: int, log: Callable[[str], None], laps: Callable[[], str],
+) -> None:
+    """Trains the hierarchy on the ``sample_size`` alive survivors of lowest hash (all when fewer) and writes it.
 
     Tasks return the items below a hash threshold set a little above ``sample_size`` (4 sigma); the driver keeps the
     lowest ``sample_size`` of them in place (a second copy of the sample would double its memory).
@@ -513,11 +509,12 @@ def _train(
         at = sample_size
     if at == 0:
         raise ValueError(f"the training sample of {alive} survivors came out empty; raise sample_size")
+    log(f"[sample] training set: {at} of {alive} survivors, read in {laps()}")
     h = sampling.hierarchical_kmeans(x[:at], clusters, seed=seed)
     del x
     fs, root = resolve(out_uri)
     _write(fs, root, HIERARCHY_FILE, _hierarchy_table(h), row_group_size=10_000)
-    return at
+    log(f"[sample] trained {clusters} clusters in {laps()}")
 
 
 def run_sample(
@@ -546,6 +543,10 @@ def run_sample(
         dropped_facts = list(pool.map(lambda p: _file_facts(fs, join(root, p), None), decision_files))
     if any(f is None for f in facts):
         raise FileNotFoundError(f"missing survivors files: {[p for p, f in zip(survivor_files, facts) if f is None]}")
+    nonempty = [i for i, f in enumerate(facts) if f.rows]
+    route_min = np.asarray([facts[i].uid_min for i in nonempty], np.int64)  # selected uids go back by these ranges
+    if np.any(route_min[1:] <= np.asarray([facts[i].uid_max for i in nonempty[:-1]], np.int64)):
+        raise ValueError("survivors files must hold disjoint, increasing uid ranges")
     alive = sum(f.rows for f in facts) - sum(f.rows for f in dropped_facts if f)
     clusters = cluster_counts(alive, settings.clusters) if alive else []
     k1 = clusters[0] if clusters else 1
@@ -553,9 +554,8 @@ def run_sample(
         sample_size = min(TRAINING_POINTS_PER_LEAF * k1, MAX_TRAINING_POINTS)
     sample_size = max(sample_size, MIN_TRAINING_POINTS_PER_LEAF * k1)
     buckets = buckets or max(1, math.ceil(alive / BUCKET_ROWS))
-    _reset_if_changed(
-        fs, root, _fingerprint(settings, buckets, sample_size, [*facts, *dropped_facts], [*survivor_files, *decision_files]), log
-    )
+    inputs = [*survivor_files, *decision_files]
+    _reset_if_changed(fs, root, _fingerprint(settings, buckets, sample_size, [*facts, *dropped_facts], inputs), log)
     window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
     balance = settings.balance_key is not None
 
@@ -569,8 +569,8 @@ def run_sample(
     # 1. train
     if not exists(fs, join(root, HIERARCHY_FILE)):
         dim = pq.read_schema(join(root, survivor_files[0]), filesystem=fs).field("embedding").type.list_size
-        trained_on = _train(out_uri, survivor_files, decision_files, alive, clusters, sample_size, dim, settings.seed, window)
-        log(f"[sample] trained {clusters} clusters on {trained_on} of {alive} survivors in {laps()}")
+        _train(out_uri, survivor_files, decision_files, alive, clusters, sample_size, dim, settings.seed, window,
+               log, laps)
     centroids, parents = _hierarchy_from_table(pq.read_table(join(root, HIERARCHY_FILE), filesystem=fs))
     n_leaves = centroids[0].shape[0]
     cluster_ids = leaf_cluster_ids(parents, n_leaves)
@@ -582,14 +582,18 @@ def run_sample(
         centroids_ref = ray.put(centroids[0])
         counts, reused = np.zeros(n_leaves, np.int64), 0
         for leaves, n, done in _in_order(
-            lambda i: _assign_task.remote(out_uri, i, survivor_files[i], decision_files[i], centroids_ref, buckets, balance),
+            lambda i: _assign_task.remote(
+                out_uri, i, survivor_files[i], decision_files[i], centroids_ref, buckets, balance
+            ),
             n_files, window,
         ):
             counts[leaves] += n
             reused += done
         if counts.sum() != alive:
-            raise AssertionError(f"assigned {counts.sum()} survivors, expected {alive}")
-        log(f"[sample] assigned {alive} survivors to {n_leaves} leaves ({reused} of {n_files} files done before) in {laps()}")
+            raise ValueError(f"{counts.sum()} alive survivors, but the files' row counts say {alive}: "
+                             "a decisions file lists a uid more than once")
+        log(f"[sample] assigned {alive} survivors to {n_leaves} leaves "
+            f"({reused} of {n_files} files done before) in {laps()}")
 
         # 3. budget
         hierarchy = LeafCountHierarchy(
@@ -599,11 +603,6 @@ def run_sample(
         budget = sampling.leaf_budgets(hierarchy, target_count(alive, settings), np.random.default_rng(settings.seed))
 
         # 4. select
-        nonempty = [i for i, f in enumerate(facts) if f.rows]
-        route_min = np.asarray([facts[i].uid_min for i in nonempty], np.int64)
-        route_max = np.asarray([facts[i].uid_max for i in nonempty], np.int64)
-        if np.any(route_min[1:] <= route_max[:-1]):
-            raise ValueError("survivors files must hold disjoint, increasing uid ranges")
         args = [ray.put(a) for a in (budget, route_min, np.asarray(nonempty, np.int64))]
         reused = sum(
             _in_order(

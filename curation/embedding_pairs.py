@@ -40,9 +40,10 @@ D; up to 7 probes, ~2.5-3.5 rows per survivor on that mixture). At 10^6 survivor
 113k x D sample, 10 buckets (one per survivor file) of ~330k rows. At 10^9 survivors: ~44,700 clusters of ~22,400
 (split above ~89,000), centroids 44,700 x D (69 MB at D = 384); the sample capped at ``sample_size`` (500k x D,
 0.8 GB in the driver); ~3.5 x 10^9 rows in ~7,000 buckets of ``bucket_rows`` = 500k rows (a search task holds one
-bucket: ~0.8 GB at D = 384, plus one cluster's rows); F x 7,000 intermediate files for F survivor files (raise
-``bucket_rows`` where workers have the memory, to write fewer). The driver holds the sample, the centroids, the
-bucket of each cluster and one small receipt per task.
+bucket: ~0.8 GB at D = 384, plus one cluster's rows; an assign task one survivor file and its rows, at most
+1 + max_probes per survivor); F x 7,000 intermediate files for F survivor files (raise ``bucket_rows`` where
+workers have the memory, to write fewer). The driver holds the sample, the centroids, the bucket of each cluster
+and one small receipt per task.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from hashlib import sha256
 
 import numpy as np
@@ -80,12 +81,16 @@ BUCKETS_DIR = "dedup/embedding_buckets"
 CENTROIDS_FILE = "dedup/embedding_centroids.npy"
 PLAN_FILE = "dedup/embedding_plan.json"
 PAIRS_SCHEMA = pa.schema(
-    [pa.field("a", pa.int64(), nullable=False), pa.field("b", pa.int64(), nullable=False), pa.field("similarity", pa.float32())]
+    [
+        pa.field("a", pa.int64(), nullable=False),
+        pa.field("b", pa.int64(), nullable=False),
+        pa.field("similarity", pa.float32(), nullable=False),
+    ]
 )
-POINTS_PER_CENTROID = 64  # k-means training points per centroid (faiss subsamples above this)
-SATURATED_WARNING = 0.2  # see ProbeRule
-HOLDOUT_EVERY = 5  # every 5th sample row predicts cluster sizes: training rows sit closer to their centroids
+POINTS_PER_CENTROID = 64  # k-means training rows per centroid
 KMEANS_ITERATIONS = 10
+HOLDOUT_EVERY = 5  # every 5th sample row predicts cluster sizes: training rows sit closer to their centroids
+SATURATED_WARNING = 0.2  # see ProbeRule
 TASK_WINDOW = 64  # Ray tasks in flight at once
 
 
@@ -123,12 +128,12 @@ class Centroids:
 class ProbeRule:
     """The clusters besides its home in which a survivor is searched (its probes).
 
-    For a pair (a, b) with homes A and B (centroids c_A, c_B):
-    d²(b, A) - d²(b, B) = d²(a, A) - d²(a, B) + 2 (b - a)·(c_B - c_A) <= 2 δ |c_A - c_B|, δ = |b - a| <= √(2 - 2 t)
-    at threshold t. Probing every cluster within that margin of the home finds every pair, but in high dimension
-    the bound is loose by about √D and takes in nearly every cluster. An offset in a random direction projects on
-    c_A - c_B by about δ |c_A - c_B| / √D: a cluster is probed when its squared distance exceeds the home's by at most
-    ``z`` times that (|c_A - c_B| taken as the home's spacing), and at most ``max_probes`` of the nearest are.
+    For a pair (a, b) with homes A and B (centroids c_A, c_B) and δ = |b - a| <= √(2 - 2 t) at threshold t:
+    d²(b, A) - d²(b, B) = d²(a, A) - d²(a, B) + 2 (b - a)·(c_B - c_A) <= 2 δ |c_A - c_B|. Probing every cluster
+    within that margin of the home finds every pair, but in high dimension the bound is loose by about √D and takes
+    in nearly every cluster. An offset in a random direction projects on c_A - c_B by about δ |c_A - c_B| / √D: a
+    cluster is probed when its squared distance exceeds the home's by at most ``z`` times that (|c_A - c_B| taken
+    as the home's spacing), and at most ``max_probes`` of the nearest are.
     Survivors deep inside their cluster probe none, those near a boundary several. On a 384-d Gaussian mixture
     (100k survivors in 447 clusters), z = 1 and up to 7 probes found 99.8% of the exact pairs with 2.5 rows per
     survivor, where a fixed 1, 2 or 3 probes found 96%, 98.6% and 99.5% with 2, 3 and 4 rows per survivor.
@@ -136,9 +141,9 @@ class ProbeRule:
     The rule fails where clusters are small against the near-duplicate radius (a tight region, such as thousands of
     near-identical images, cut into many clusters): pairs then straddle boundaries more often than the margin
     allows, and many survivors would probe more than ``max_probes`` clusters. The plan measures that share
-    (``saturated``) on held-out sample rows and warns above 20%. Seen: 6-10% on the mixture above (recall 0.994-0.998);
-    44-65% on a tight blob holding most survivors (recall 0.98-0.82), 0% and recall 1.0 there once ``cluster_size``
-    was raised.
+    (``saturated``) on held-out sample rows and warns above 20%. Seen: 6-10% on the mixture above (recall
+    0.994-0.998); 44-65% on a tight blob holding most survivors (recall 0.98-0.82), 0% and recall 1.0 there once
+    ``cluster_size`` was raised.
     """
 
     max_probes: int
@@ -163,15 +168,25 @@ class ProbeRule:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """How the survivors are cut into clusters, and the clusters packed into buckets (search tasks)."""
+
+    cluster_size: int  # mean home rows of a cluster, and of a sub-cluster when one is split
+    max_cluster: int  # home rows above which a cluster is split
+    sample_size: int  # most sample rows the driver holds to train the centroids
+    buckets: int | None  # None: predicted rows / bucket_rows, at least one per survivor file
+    bucket_rows: int
+    seed: int
+
+
+@dataclass(frozen=True)
 class SearchSettings:
     """What a search task needs besides its rows."""
 
     k: int
     threshold: float
-    cluster_size: int  # target home members of a sub-cluster when a cluster is split
-    max_cluster: int  # home members above which a cluster is split
     probes: ProbeRule
-    seed: int
+    layout: Layout
 
 
 # --- small helpers ------------------------------------------------------------------------------------------------
@@ -182,18 +197,18 @@ def _kmeans(x: np.ndarray, k: int, seed: int) -> np.ndarray:
 
     km = faiss.Kmeans(
         x.shape[1], k, niter=KMEANS_ITERATIONS, seed=seed, max_points_per_centroid=POINTS_PER_CENTROID,
-        min_points_per_centroid=1,  # clusters of few sample points are fine; silences faiss's warning
+        min_points_per_centroid=1,  # clusters of few sample rows are fine; silences faiss's warning
     )
     km.train(np.ascontiguousarray(x, dtype=np.float32))
     return km.centroids
 
 
-def _nearest(x: np.ndarray, centroids: np.ndarray, n: int) -> np.ndarray:
-    """The ``n`` nearest centroids of each row (L2, as k-means assigns), nearest first, int32."""
+def _nearest(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+    """The nearest centroid of each row (L2, as k-means assigns)."""
     import faiss
 
-    _, ranked = faiss.knn(np.ascontiguousarray(x, dtype=np.float32), centroids, n, metric=faiss.METRIC_L2)
-    return ranked.astype(np.int32)
+    _, nearest = faiss.knn(np.ascontiguousarray(x, dtype=np.float32), centroids, 1, metric=faiss.METRIC_L2)
+    return nearest[:, 0]
 
 
 def _matrix(column: pa.ChunkedArray) -> np.ndarray:
@@ -203,8 +218,8 @@ def _matrix(column: pa.ChunkedArray) -> np.ndarray:
 
 
 def _write_arrow(fs, path: str, table: pa.Table) -> None:
-    """An intermediate as an Arrow IPC file: written and read at memory speed (Parquet's encoding of float
-    embeddings cost more than the search here, for files deleted minutes later)."""
+    """An intermediate as an Arrow IPC file: written and read at memory speed (Parquet's encoding of the float
+    embeddings cost more than the search, for files deleted minutes later)."""
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
@@ -241,14 +256,14 @@ def _run_windowed(calls: Iterable[Callable[[], ray.ObjectRef]], window: int = TA
 
 
 def sample_quotas(counts: np.ndarray, sample_size: int) -> np.ndarray:
-    """Rows to sample from each file: proportional to its rows, summing to ``min(sample_size, N)``."""
+    """Rows to sample from each file: proportional to its rows (floors of the cumulative shares), summing to
+    ``min(sample_size, N)``."""
     counts = np.asarray(counts, np.int64)
     total = int(counts.sum())
-    want = min(sample_size, total)
     if total == 0:
         return np.zeros_like(counts)
-    edges = np.concatenate([[0], np.cumsum(counts)]) * want // total  # floor of the cumulative share
-    return np.minimum(np.diff(edges), counts)
+    edges = np.concatenate([[0], np.cumsum(counts)]) * min(sample_size, total) // total
+    return np.diff(edges)
 
 
 @ray.remote(num_cpus=1)
@@ -259,19 +274,37 @@ def _sample_file(out_uri: str, path: str, file_index: int, quota: int, seed: int
     return file_index, _matrix(table.column("embedding").take(pa.array(rows, pa.int64())))
 
 
-def _split_oversized(sample: np.ndarray, held_out: np.ndarray, centroids: np.ndarray, n: int, cluster_size: int,
-                     max_cluster: int, seed: int) -> tuple[np.ndarray, int]:
-    """Centroids whose held-out sample share predicts more than ``max_cluster`` members, replaced by a k-means of
-    their sample points into clusters of about ``cluster_size``; returns the centroids and how many were split."""
-    home = _nearest(sample, centroids, 1)[:, 0]
+def _draw_sample(out_uri: str, files: list[str], counts: np.ndarray, size: int, seed: int) -> np.ndarray:
+    fs, root = resolve(out_uri)
+    quotas = sample_quotas(counts, size)
+    dim = pq.read_schema(join(root, files[0]), filesystem=fs).field("embedding").type.list_size
+    sample = np.empty((int(quotas.sum()), dim), np.float32)
+    offsets = np.concatenate([[0], np.cumsum(quotas)])
+    calls = [
+        (lambda i=i, f=f, q=q: _sample_file.remote(out_uri, f, i, int(q), seed))
+        for i, (f, q) in enumerate(zip(files, quotas))
+        if q
+    ]
+    for i, rows in _run_windowed(calls):
+        sample[offsets[i] : offsets[i + 1]] = rows
+    return sample
+
+
+def _split_oversized(sample: np.ndarray, held_out: np.ndarray, centroids: np.ndarray, n: int, layout: Layout
+                     ) -> tuple[np.ndarray, int]:
+    """Centroids whose share of the held-out rows predicts more than ``max_cluster`` members, replaced by a
+    k-means of their sample rows into clusters of about ``cluster_size``; returns the centroids and how many were
+    split."""
+    home = _nearest(sample, centroids)
     predicted = np.bincount(home[held_out], minlength=len(centroids)) * (n / held_out.sum())
-    big = np.flatnonzero(predicted > max_cluster)
+    big = np.flatnonzero(predicted > layout.max_cluster)
     if big.size == 0:
         return centroids, 0
-    parts = [centroids[np.setdiff1d(np.arange(len(centroids)), big)]]
+    parts = [np.delete(centroids, big, axis=0)]
     for c in big.tolist():
         members = sample[home == c]
-        parts.append(_kmeans(members, min(len(members), math.ceil(predicted[c] / cluster_size)), seed + 1 + c))
+        k = min(len(members), math.ceil(predicted[c] / layout.cluster_size))
+        parts.append(_kmeans(members, k, layout.seed + 1 + c))
     return np.concatenate(parts), int(big.size)
 
 
@@ -286,54 +319,35 @@ def balance_buckets(rows: np.ndarray, buckets: int) -> np.ndarray:
     return bucket_of
 
 
-def _fingerprint(**settings) -> str:
-    return sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-
-
-def _clear(fs, root: str) -> None:
-    for path in (PAIRS_DIR, BUCKETS_DIR, CENTROIDS_FILE, PLAN_FILE):
-        delete_quietly(fs, join(root, path))
-
-
-def _make_plan(out_uri: str, files: list[str], counts: np.ndarray, sample_size: int, cluster_size: int,
-               max_cluster: int, probes: ProbeRule, buckets: int | None, bucket_rows: int, seed: int, log) -> dict:
-    """Sample, train the centroids (written to ``CENTROIDS_FILE``), and pack the clusters into buckets."""
-    fs, root = resolve(out_uri)
+def _make_plan(out_uri: str, files: list[str], counts: np.ndarray, layout: Layout, probes: ProbeRule, log) -> dict:
+    """Sample, train the centroids (written to ``CENTROIDS_FILE``), pack the clusters into buckets."""
     n = int(counts.sum())
-    training_rows = POINTS_PER_CENTROID * math.ceil(n / cluster_size)
-    quotas = sample_quotas(counts, min(sample_size, training_rows * HOLDOUT_EVERY // (HOLDOUT_EVERY - 1)))
-    dim = pq.read_schema(fs.open_input_file(join(root, files[0]))).field("embedding").type.list_size
-    sample = np.empty((int(quotas.sum()), dim), np.float32)
-    offsets = np.concatenate([[0], np.cumsum(quotas)])
-    calls = [
-        (lambda i=i, f=f, q=q: _sample_file.remote(out_uri, f, i, int(q), seed))
-        for i, (f, q) in enumerate(zip(files, quotas))
-        if q
-    ]
-    for i, rows in _run_windowed(calls):
-        sample[offsets[i] : offsets[i + 1]] = rows
+    k = math.ceil(n / layout.cluster_size)
+    size = min(layout.sample_size, POINTS_PER_CENTROID * k * HOLDOUT_EVERY // (HOLDOUT_EVERY - 1))  # + held out
+    sample = _draw_sample(out_uri, files, counts, size, layout.seed)
     held_out = np.arange(len(sample)) % HOLDOUT_EVERY == HOLDOUT_EVERY - 1
     training = sample[~held_out] if held_out.any() else sample
     held_out |= not held_out.any()  # a sample too small to hold any out: predict on the training rows
-    centroids = _kmeans(training, max(1, min(len(training), math.ceil(n / cluster_size))), seed)
-    centroids, split = _split_oversized(sample, held_out, centroids, n, cluster_size, max_cluster, seed)
+    centroids = _kmeans(training, max(1, min(len(training), k)), layout.seed)
+    centroids, split = _split_oversized(sample, held_out, centroids, n, layout)
     ranked = probes.ranked(sample[held_out], probes.centroids(centroids))
-    rows_per_survivor = float((ranked >= 0).mean() * ranked.shape[1])
+    rows_per_survivor = float((ranked >= 0).sum() / len(ranked))
     saturated = float((ranked[:, -1] >= 0).mean()) if probes.max_probes else 0.0  # see ProbeRule
     predicted_rows = np.bincount(ranked[ranked >= 0], minlength=len(centroids)) * (n / len(ranked))
-    n_buckets = buckets or max(len(files), math.ceil(n * rows_per_survivor / bucket_rows))
+    n_buckets = layout.buckets or max(len(files), math.ceil(n * rows_per_survivor / layout.bucket_rows))
     bucket_of = balance_buckets(predicted_rows, max(1, min(n_buckets, len(centroids))))
     log(f"[embedding pairs] {n} survivors: {len(centroids)} clusters ({split} split by the plan) from a sample of "
         f"{len(sample)}, {rows_per_survivor:.2f} rows per survivor predicted, {int(bucket_of.max()) + 1} buckets")
     if saturated > SATURATED_WARNING:
-        log(f"[embedding pairs] warning: {saturated:.0%} of the survivors probe {probes.max_probes} clusters and would "
-            "probe more: the clusters are small against the near-duplicate radius and recall suffers; raise "
+        log(f"[embedding pairs] warning: {saturated:.0%} of the survivors probe {probes.max_probes} clusters and "
+            "would probe more: the clusters are small against the near-duplicate radius and recall suffers; raise "
             "cluster_size (or max_probes)")
+    fs, root = resolve(out_uri)
     buf = io.BytesIO()
     np.save(buf, centroids)
     write_bytes_atomic(fs, join(root, CENTROIDS_FILE), buf.getvalue())
-    return {"clusters": len(centroids), "bucket_of": bucket_of.tolist(), "sample": len(sample), "split_by_plan": split,
-            "rows_per_survivor": round(rows_per_survivor, 3), "saturated": round(saturated, 4)}
+    return {"clusters": len(centroids), "bucket_of": bucket_of.tolist(), "sample": len(sample),
+            "split_by_plan": split, "rows_per_survivor": round(rows_per_survivor, 3), "saturated": round(saturated, 4)}
 
 
 def _load_centroids(fs, root: str) -> np.ndarray:
@@ -363,7 +377,7 @@ def _assign_file(out_uri: str, path: str, file_index: int, shared: tuple[Centroi
     cluster = ranked[item, rank]
     order = np.lexsort((uid[item], cluster, bucket_of[cluster]))
     item, rank, cluster = item[order], rank[order], cluster[order]
-    bounds = np.searchsorted(bucket_of[cluster], np.arange(int(bucket_of.max()) + 2))  # bucket b: [bounds[b], bounds[b+1])
+    bounds = np.searchsorted(bucket_of[cluster], np.arange(int(bucket_of.max()) + 2))
     rows = pa.table({
         "cluster": pa.array(cluster, pa.int32()),
         "uid": pa.array(uid[item], pa.int64()),
@@ -371,7 +385,7 @@ def _assign_file(out_uri: str, path: str, file_index: int, shared: tuple[Centroi
         "ranked": pa.FixedSizeListArray.from_arrays(pa.array(ranked[item].ravel()), ranked.shape[1]),
         "embedding": table.column("embedding").take(pa.array(item, pa.int64())),
     })
-    for b in needed:
+    for b in needed:  # bucket b holds rows [bounds[b], bounds[b + 1])
         _write_arrow(fs, join(root, bucket_path(b, file_index)), rows.slice(bounds[b], bounds[b + 1] - bounds[b]))
     return {"rows": int(sum(bounds[b + 1] - bounds[b] for b in needed)), "cpu_s": time.process_time() - start}
 
@@ -379,7 +393,8 @@ def _assign_file(out_uri: str, path: str, file_index: int, shared: tuple[Centroi
 # --- search ---------------------------------------------------------------------------------------------------------
 
 
-def _search(x: np.ndarray, rows: np.ndarray, is_home: np.ndarray, s: SearchSettings, depth: int = 0) -> tuple[np.ndarray, ...]:
+def _search(x: np.ndarray, rows: np.ndarray, is_home: np.ndarray, s: SearchSettings, depth: int = 0
+            ) -> tuple[np.ndarray, ...]:
     """Pairs (positions lo < hi into ``x``, similarity) among each of ``rows``' k nearest home rows at >= threshold.
 
     Above ``max_cluster`` home rows, a local k-means splits the home rows into sub-clusters of about
@@ -390,8 +405,8 @@ def _search(x: np.ndarray, rows: np.ndarray, is_home: np.ndarray, s: SearchSetti
     home = rows[is_home]
     if home.size == 0:
         return _empty_pairs()
-    if home.size > s.max_cluster:
-        sub_centroids = _kmeans(x[home], math.ceil(home.size / s.cluster_size), s.seed + depth)
+    if home.size > s.layout.max_cluster:
+        sub_centroids = _kmeans(x[home], math.ceil(home.size / s.layout.cluster_size), s.layout.seed + depth)
         ranked = s.probes.ranked(x[rows], s.probes.centroids(sub_centroids))
         sub_home = ranked[:, 0]
         if np.bincount(sub_home[is_home]).max() < home.size:  # k-means could split them
@@ -409,15 +424,16 @@ def _search(x: np.ndarray, rows: np.ndarray, is_home: np.ndarray, s: SearchSetti
     return dd._threshold_neighbours(rows, sims, ids, s.k, s.threshold)
 
 
-def cluster_pairs(x: np.ndarray, uid: np.ndarray, home: np.ndarray, ranked: np.ndarray, s: SearchSettings) -> tuple[np.ndarray, ...]:
+def cluster_pairs(x: np.ndarray, uid: np.ndarray, home: np.ndarray, ranked: np.ndarray, s: SearchSettings
+                  ) -> tuple[np.ndarray, ...]:
     """The pairs one cluster owns: (a < b uids, similarity), each once.
 
     ``home`` tells the cluster's home rows from its probe rows; ``ranked`` is each row's home cluster, then its
-    probes (-1 padded). A pair of a home row h and a probe row q is dropped when h also probes q's home and q's uid is the
-    smaller: q's home cluster owns that pair (and finds it there, with h as the probe).
+    probes (-1 padded). A pair of a home row h and a probe row q is dropped when h also probes q's home and q's
+    uid is the smaller: q's home cluster owns that pair (and finds it there, with h as the probe).
     """
     lo, hi, sim = _search(x, np.arange(len(x)), home, s)
-    crossing = home[lo] != home[hi]  # one home row and one probe row (probe rows are never paired together)
+    crossing = home[lo] != home[hi]  # a home row and a probe row (two probe rows are never compared)
     probe_row, home_row = np.where(home[hi], lo, hi), np.where(home[hi], hi, lo)
     reciprocal = (ranked[probe_row, :1] == ranked[home_row, 1:]).any(axis=1)
     keep = ~(crossing & reciprocal & (uid[probe_row] < uid[home_row]))
@@ -426,6 +442,7 @@ def cluster_pairs(x: np.ndarray, uid: np.ndarray, home: np.ndarray, ranked: np.n
 
 
 def _unique_pairs(a: np.ndarray, b: np.ndarray, sim: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Sorted by (a, b), each pair once."""
     order = np.lexsort((b, a))
     a, b, sim = a[order], b[order], sim[order]
     first = np.ones(a.size, bool)
@@ -451,24 +468,23 @@ def _search_bucket(out_uri: str, bucket: int, n_files: int, s: SearchSettings) -
     fs, root = resolve(out_uri)
     out = join(root, pairs_path(bucket))
     if exists(fs, out):
-        return {"bucket": bucket, "pairs": pq.read_metadata(out, filesystem=fs).num_rows, "skipped": True}
+        return {"pairs": pq.read_metadata(out, filesystem=fs).num_rows, "skipped": True}
     start = time.process_time()
     x, rows = _read_bucket(fs, root, bucket, n_files)
-    cluster, uid, ranked = rows.column("cluster").to_numpy(), rows.column("uid").to_numpy(), _matrix(rows.column("ranked"))
-    home = rows.column("home").to_numpy(zero_copy_only=False)
+    cluster, uid = rows.column("cluster").to_numpy(), rows.column("uid").to_numpy()
+    home, ranked = rows.column("home").to_numpy(zero_copy_only=False), _matrix(rows.column("ranked"))
     order = np.lexsort((uid, ~home, cluster))  # per cluster: home rows, then probe rows, by uid (a fixed order)
-    edges = np.flatnonzero(np.diff(cluster[order])) + 1
     found, largest = [], 0
-    for part in np.split(order, edges) if order.size else []:  # a cluster's rows are gathered only while searched
-        found.append(cluster_pairs(x[part], uid[part], home[part], ranked[part], s))
+    for part in np.split(order, np.flatnonzero(np.diff(cluster[order])) + 1) if order.size else []:
+        found.append(cluster_pairs(x[part], uid[part], home[part], ranked[part], s))  # gathered while searched
         largest = max(largest, int(home[part].sum()))
     a, b, sim = _concat(found)
     order = np.lexsort((b, a))  # clusters own disjoint pairs: sorting is all that is left
     pairs = pa.table({"a": a[order], "b": b[order], "similarity": sim[order]}, schema=PAIRS_SCHEMA)
     write_parquet_atomic(fs, out, pairs, row_group_size=1 << 20)
     delete_quietly(fs, join(root, BUCKETS_DIR, f"b{bucket:05d}"))
-    return {"bucket": bucket, "pairs": pairs.num_rows, "rows": len(x), "clusters": len(found),
-            "largest_cluster": largest, "skipped": False, "cpu_s": time.process_time() - start}
+    return {"pairs": pairs.num_rows, "skipped": False, "rows": len(x), "largest_cluster": largest,
+            "cpu_s": time.process_time() - start}
 
 
 # --- driver ---------------------------------------------------------------------------------------------------------
@@ -493,32 +509,33 @@ def run_embedding_pairs(
     """Write ``dedup/pairs/embedding/part-<bucket>.parquet``: the embedding near-duplicate pairs of the survivors.
 
     ``survivor_files``: paths relative to ``out_uri`` in the survivors schema (``uid``, ``embedding`` are read).
-    ``cluster_size``: mean survivors per cluster (None: ``default_cluster_size``); ``max_cluster``: home members above
-    which a cluster is split (None: 4 x cluster_size); ``sample_size``: most k-means training rows held by the
-    driver; ``buckets``: search tasks (None: the predicted (survivor, cluster) rows / ``bucket_rows``, at least one
-    per survivor file); ``max_probes``, ``probe_z``: see ``ProbeRule``. Files already written by a run with the same
-    inputs and settings are kept (a rerun only does what is missing). Returns a summary for the phase's record.
+    ``cluster_size``: mean survivors per cluster (None: ``default_cluster_size``); ``max_cluster``: home rows above
+    which a cluster is split (None: 4 x cluster_size); ``sample_size``: most k-means sample rows held by the driver;
+    ``buckets``: search tasks (None: the predicted (survivor, cluster) rows / ``bucket_rows``, at least one per
+    survivor file); ``max_probes``, ``probe_z``: see ``ProbeRule``. Files written by an earlier run with the same
+    inputs and settings are kept: a rerun does only what is missing. Returns a summary for the phase's record.
     """
     fs, root = resolve(out_uri)
-    with ThreadPoolExecutor(16) as pool:  # footers only; threads hide the object store's latency
-        counts = np.asarray(list(pool.map(lambda f: pq.read_metadata(join(root, f), filesystem=fs).num_rows, survivor_files)), np.int64)
+    with ThreadPoolExecutor(16) as pool:  # footers only; threads hide an object store's latency
+        counts = np.asarray(
+            list(pool.map(lambda f: pq.read_metadata(join(root, f), filesystem=fs).num_rows, survivor_files)), np.int64
+        )
     n = int(counts.sum())
     cluster_size = cluster_size or default_cluster_size(n)
-    max_cluster = max(max_cluster or 4 * cluster_size, cluster_size)
-    fingerprint = _fingerprint(files=list(survivor_files), counts=counts.tolist(), threshold=threshold, k=k,
-                               cluster_size=cluster_size, max_cluster=max_cluster, sample_size=sample_size,
-                               buckets=buckets, bucket_rows=bucket_rows, max_probes=max_probes, probe_z=probe_z, seed=seed)
+    layout = Layout(cluster_size, max(max_cluster or 4 * cluster_size, cluster_size), sample_size, buckets,
+                    bucket_rows, seed)
     probes = ProbeRule(max_probes, probe_z, threshold)
-    plan_path = join(root, PLAN_FILE)
-    plan = read_json(fs, plan_path) if exists(fs, plan_path) else None
+    fingerprint = sha256(json.dumps({"files": list(survivor_files), "counts": counts.tolist(), "k": k,
+                                     **asdict(layout), **asdict(probes)}, sort_keys=True).encode()).hexdigest()
+    plan = read_json(fs, join(root, PLAN_FILE)) if exists(fs, join(root, PLAN_FILE)) else None
     if plan is None or plan["fingerprint"] != fingerprint:
-        _clear(fs, root)  # outputs of other inputs or settings must not be mixed with this run's
+        for path in (PAIRS_DIR, BUCKETS_DIR, CENTROIDS_FILE, PLAN_FILE):  # never mix with other inputs' outputs
+            delete_quietly(fs, join(root, path))
         if n < 2:
             write_parquet_atomic(fs, join(root, pairs_path(0)), PAIRS_SCHEMA.empty_table(), row_group_size=1)
             return {"survivors": n, "clusters": 0, "buckets": 1, "pairs": 0}
-        plan = {"fingerprint": fingerprint, **_make_plan(out_uri, survivor_files, counts, sample_size, cluster_size,
-                                                          max_cluster, probes, buckets, bucket_rows, seed, log)}
-        write_json_atomic(fs, plan_path, plan)  # the commit point of the plan: centroids are written before it
+        plan = {"fingerprint": fingerprint, **_make_plan(out_uri, survivor_files, counts, layout, probes, log)}
+        write_json_atomic(fs, join(root, PLAN_FILE), plan)  # the plan's commit point: the centroids come first
     bucket_of = np.asarray(plan["bucket_of"], np.int32)
     n_buckets = int(bucket_of.max()) + 1
     done = set(list_files(fs, join(root, PAIRS_DIR), ".parquet"))  # one listing, not a request per bucket
@@ -526,18 +543,19 @@ def run_embedding_pairs(
     assigned: list[dict] = []
     if missing:
         shared = ray.put((probes.centroids(_load_centroids(fs, root)), bucket_of))
-        calls = [(lambda i=i, f=f: _assign_file.remote(out_uri, f, i, shared, probes, missing))
-                 for i, f in enumerate(survivor_files)]
-        assigned = list(_run_windowed(calls))
+        assigned = list(_run_windowed(
+            (lambda i=i, f=f: _assign_file.remote(out_uri, f, i, shared, probes, missing))
+            for i, f in enumerate(survivor_files)
+        ))
         log(f"[embedding pairs] {sum(r['rows'] for r in assigned)} (survivor, cluster) rows written to "
             f"{len(missing)} buckets")
-    settings = SearchSettings(k, threshold, cluster_size, max_cluster, probes, seed)
+    settings = SearchSettings(k, threshold, probes, layout)
     receipts = list(_run_windowed(
         (lambda b=b: _search_bucket.remote(out_uri, b, len(survivor_files), settings)) for b in range(n_buckets)
     ))
     delete_quietly(fs, join(root, BUCKETS_DIR))
-    pairs = sum(r["pairs"] for r in receipts)
     searched = [r for r in receipts if not r["skipped"]]
+    pairs = sum(r["pairs"] for r in receipts)
     log(f"[embedding pairs] {pairs} pairs at >= {threshold} in {n_buckets} buckets ({len(searched)} searched now)")
     return {
         "survivors": n, "clusters": plan["clusters"], "buckets": n_buckets, "sample": plan["sample"],
@@ -545,5 +563,6 @@ def run_embedding_pairs(
         "saturated": plan["saturated"], "pairs": pairs, "buckets_searched": len(searched),
         "rows_assigned": sum(r["rows"] for r in assigned),
         "largest_cluster": max((r["largest_cluster"] for r in searched), default=None),
-        "cpu_s": {"assign": round(sum(r["cpu_s"] for r in assigned), 1), "search": round(sum(r["cpu_s"] for r in searched), 1)},
+        "cpu_s": {"assign": round(sum(r["cpu_s"] for r in assigned), 1),
+                  "search": round(sum(r["cpu_s"] for r in searched), 1)},
     }

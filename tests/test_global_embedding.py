@@ -120,7 +120,10 @@ def test_one_cluster_is_the_exact_search(ray_local, tmp_path):
 def test_rerun_skips_what_exists_and_rewrites_the_same_bytes(ray_local, tmp_path):
     x = _embeddings(3000, 32, seed=2)
     files, _ = _write_survivors(tmp_path, x, 1000)
-    run = lambda **kw: ep.run_embedding_pairs(str(tmp_path), files, THRESHOLD, K, buckets=3, log=lambda _: None, **kw)  # noqa: E731
+
+    def run() -> dict:
+        return ep.run_embedding_pairs(str(tmp_path), files, THRESHOLD, K, buckets=3, log=lambda _: None)
+
     first = run()
     paths = sorted((tmp_path / ep.PAIRS_DIR).glob("part-*.parquet"))
     before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in paths}
@@ -139,9 +142,9 @@ def test_rerun_skips_what_exists_and_rewrites_the_same_bytes(ray_local, tmp_path
     assert len(list((tmp_path / ep.PAIRS_DIR).glob("part-*.parquet"))) == 2
 
 
-def _settings(max_probes: int = 7, **kw) -> ep.SearchSettings:
-    return ep.SearchSettings(**{"k": K, "threshold": THRESHOLD, "cluster_size": 40, "max_cluster": 100, "seed": 0,
-                                "probes": ep.ProbeRule(max_probes, 1.0, THRESHOLD), **kw})
+def _settings(max_probes: int = 7, max_cluster: int = 100) -> ep.SearchSettings:
+    layout = ep.Layout(cluster_size=40, max_cluster=max_cluster, sample_size=0, buckets=None, bucket_rows=0, seed=0)
+    return ep.SearchSettings(K, THRESHOLD, ep.ProbeRule(max_probes, 1.0, THRESHOLD), layout)
 
 
 def test_an_oversized_cluster_is_split_in_its_task_with_little_loss():

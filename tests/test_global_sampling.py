@@ -39,7 +39,9 @@ def mixture(n_per_component: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.
     return x, labels, balance
 
 
-def write_survivors(root: Path, x: np.ndarray, balance: np.ndarray, dropped: np.ndarray, n_files: int) -> tuple[list, list]:
+def write_survivors(
+    root: Path, x: np.ndarray, balance: np.ndarray, dropped: np.ndarray, n_files: int
+) -> tuple[list[str], list[str]]:
     """Survivors files (in uid order, 400 items per input shard) and dedup decision files listing ``dropped``
     (item indices); a file with nothing dropped has no decisions file."""
     n = x.shape[0]
@@ -69,7 +71,8 @@ def write_survivors(root: Path, x: np.ndarray, balance: np.ndarray, dropped: np.
         gone = rows[np.isin(rows, dropped)]
         if gone.size:
             (root / "dedup/decisions").mkdir(parents=True, exist_ok=True)
-            pq.write_table(pa.table({"uid": uid[gone], "duplicate_of": [f"k{j}" for j in gone]}), root / decision_files[-1])
+            decisions = pa.table({"uid": uid[gone], "duplicate_of": [f"k{j}" for j in gone]})
+            pq.write_table(decisions, root / decision_files[-1])
     return survivor_files, decision_files
 
 
@@ -122,7 +125,9 @@ def test_exact_size_and_balance_no_worse_than_single_process(ray_local, tmp_path
         settings = SampleSettings(target_fraction=0.1, clusters=[100, 16], balance_key="head_yaw_class", seed=seed)
         summary = cs.run_sample(str(tmp_path), *files, settings, buckets=3, sample_size=4000, log=lambda _: None)
         chosen = np.flatnonzero(read_decisions(tmp_path, 4).column("selected").to_numpy())
-        single = sampling.balanced_sample(x[alive], fraction=0.1, n_clusters=[100, 16], mode="closest", balance_key=codes, seed=seed)
+        single = sampling.balanced_sample(
+            x[alive], fraction=0.1, n_clusters=[100, 16], mode="closest", balance_key=codes, seed=seed
+        )
         assert chosen.size == single.indices.size == summary["selected"] == round(0.1 * alive.size)
         ours.append(spread(chosen))
         theirs.append(spread(single.indices))
@@ -178,8 +183,9 @@ def test_independent_of_partitioning_and_deterministic(ray_local, tmp_path, data
     for level in (0, 1):
         rows = [i for i, lv in enumerate(got["level"]) if lv == level]
         assert np.array_equal(np.asarray([got["centroid"][i] for i in rows], np.float32), want.centroids[level])
-    assert all((tmp_path / "b" / cs.decisions_path(i)).read_bytes() == (tmp_path / "c" / cs.decisions_path(i)).read_bytes()
-               for i in range(5))
+    for i in range(5):
+        b, c = (tmp_path / name / cs.decisions_path(i) for name in "bc")
+        assert b.read_bytes() == c.read_bytes()
 
 
 def test_reruns_skip_done_work_and_restart_on_changed_settings(ray_local, tmp_path, data):
@@ -198,7 +204,7 @@ def test_reruns_skip_done_work_and_restart_on_changed_settings(ray_local, tmp_pa
 
     # a lost decisions file and a lost assignment: only those are redone, byte-identical
     outputs[1].unlink()
-    (tmp_path / "sample/work/assigned/part-000002.parquet").unlink()
+    (tmp_path / "sample/work/buckets/part-000002.parquet").unlink()
     logs.clear()
     assert cs.run_sample(str(tmp_path), *files, settings, buckets=2, log=logs.append) == first
     assert any("(2 of 3 files done before)" in line for line in logs) and "2 of 3 decision files" in logs[-1]
