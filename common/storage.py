@@ -149,6 +149,14 @@ def _hidden(rel: str) -> bool:
     return any(part.startswith(("_", ".")) for part in rel.split("/"))
 
 
+def remove_temporaries(fs: pafs.FileSystem, folder: str) -> None:
+    """Delete the ``_tmp-`` files that writes cut short by a kill left directly in ``folder``."""
+    if exists(fs, folder):
+        for info in fs.get_file_info(pafs.FileSelector(folder)):
+            if info.base_name.startswith("_tmp-"):
+                delete_quietly(fs, info.path)
+
+
 def delete_quietly(fs: pafs.FileSystem, path: str) -> None:
     try:
         info = fs.get_file_info(path)

@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable
 
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import ray
 
 from common.storage import delete_quietly, exists, join, list_files, read_json, resolve, write_json_atomic
@@ -221,14 +220,3 @@ class GlobalPhases:
                     delete_quietly(self.fs, info.path)
                     removed += 1
         return removed
-
-
-def read_decisions(out_uri: str, folder: str, columns: list[str] | None = None):
-    """A partitioned decisions folder (``DEDUP_FILE`` or ``SAMPLE_FILE``) as one table (for reports and tests)."""
-    fs, root = resolve(out_uri)
-    files = list_files(fs, join(root, folder), ".parquet")
-    import pyarrow as pa
-
-    tables = [pq.read_table(f, columns=columns, filesystem=fs) for f in files]
-    return pa.concat_tables(tables) if tables else None
-

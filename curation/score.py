@@ -29,6 +29,7 @@ from common.storage import (
     list_files,
     read_json,
     redact,
+    remove_temporaries,
     resolve,
     write_json_atomic,
     write_parquet_atomic,
@@ -185,6 +186,8 @@ class ScorePhase:
         return {r["shard_id"]: r for r in records}
 
     def _clear_uncommitted(self, shards: list[InputShard], committed: dict[str, dict]) -> None:
+        # a commit record cut short by a kill leaves its temporary file; this run holds the lease, so none is live
+        remove_temporaries(self.fs, join(self.root, STATE_DIR, "score"))
         for shard in shards:
             if shard.shard_id not in committed:
                 for top in (LEDGER_DIR, SCORED_DIR):
