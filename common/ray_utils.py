@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterable, Iterator
 
 import ray
 
@@ -24,3 +25,17 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     else:
         # "local": always a fresh Ray for this process, even where a `ray start` cluster runs on the machine
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
+
+
+def as_completed(launches: Iterable[Callable[[], ray.ObjectRef]], window: int) -> Iterator:
+    """Call each launch (it starts one Ray task) with at most ``window`` tasks in flight, so the driver's object
+    refs stay bounded however many tasks a step has; yields their results as they finish."""
+    pending: list[ray.ObjectRef] = []
+    for launch in launches:
+        if len(pending) >= window:
+            ready, pending = ray.wait(pending, num_returns=1)
+            yield ray.get(ready[0])
+        pending.append(launch())
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        yield ray.get(ready[0])

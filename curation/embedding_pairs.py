@@ -53,7 +53,7 @@ import io
 import json
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from hashlib import sha256
@@ -74,6 +74,7 @@ from common.storage import (
     write_json_atomic,
     write_parquet_atomic,
 )
+from common.ray_utils import as_completed
 from curation import dedup as dd
 
 PAIRS_DIR = "dedup/pairs/embedding"
@@ -239,19 +240,6 @@ def _concat(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
     return tuple(np.concatenate(p) for p in zip(*parts)) if parts else _empty_pairs()
 
 
-def _run_windowed(calls: Iterable[Callable[[], ray.ObjectRef]], window: int = TASK_WINDOW) -> Iterator:
-    """Launch tasks with at most ``window`` in flight; yields their results as they finish."""
-    pending: list[ray.ObjectRef] = []
-    for call in calls:
-        if len(pending) >= window:
-            ready, pending = ray.wait(pending, num_returns=1)
-            yield ray.get(ready[0])
-        pending.append(call())
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
-        yield ray.get(ready[0])
-
-
 # --- plan -----------------------------------------------------------------------------------------------------------
 
 
@@ -285,7 +273,7 @@ def _draw_sample(out_uri: str, files: list[str], counts: np.ndarray, size: int, 
         for i, (f, q) in enumerate(zip(files, quotas))
         if q
     ]
-    for i, rows in _run_windowed(calls):
+    for i, rows in as_completed(calls, TASK_WINDOW):
         sample[offsets[i] : offsets[i + 1]] = rows
     return sample
 
@@ -543,15 +531,16 @@ def run_embedding_pairs(
     assigned: list[dict] = []
     if missing:
         shared = ray.put((probes.centroids(_load_centroids(fs, root)), bucket_of))
-        assigned = list(_run_windowed(
-            (lambda i=i, f=f: _assign_file.remote(out_uri, f, i, shared, probes, missing))
-            for i, f in enumerate(survivor_files)
+        assigned = list(as_completed(
+            ((lambda i=i, f=f: _assign_file.remote(out_uri, f, i, shared, probes, missing))
+             for i, f in enumerate(survivor_files)), TASK_WINDOW,
         ))
         log(f"[embedding pairs] {sum(r['rows'] for r in assigned)} (survivor, cluster) rows written to "
             f"{len(missing)} buckets")
     settings = SearchSettings(k, threshold, probes, layout)
-    receipts = list(_run_windowed(
-        (lambda b=b: _search_bucket.remote(out_uri, b, len(survivor_files), settings)) for b in range(n_buckets)
+    receipts = list(as_completed(
+        ((lambda b=b: _search_bucket.remote(out_uri, b, len(survivor_files), settings)) for b in range(n_buckets)),
+        TASK_WINDOW,
     ))
     delete_quietly(fs, join(root, BUCKETS_DIR))
     searched = [r for r in receipts if not r["skipped"]]

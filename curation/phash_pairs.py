@@ -54,7 +54,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from hashlib import sha256
@@ -76,6 +76,7 @@ from common.storage import (
     write_json_atomic,
     write_parquet_atomic,
 )
+from common.ray_utils import as_completed
 from curation import dedup as dd
 
 PAIRS_DIR = "dedup/pairs/phash"
@@ -356,17 +357,6 @@ def _reduce_task(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _gather(refs: Iterable[ray.ObjectRef], window: int) -> list:
-    """Results of tasks launched lazily from ``refs``, with at most ``window`` in flight."""
-    results, pending = [], []
-    for ref in refs:
-        pending.append(ref)
-        if len(pending) >= window:
-            done, pending = ray.wait(pending, num_returns=1)
-            results.extend(ray.get(done))
-    return results + ray.get(pending)
-
-
 def _count_rows(fs: pafs.FileSystem, paths: Sequence[str]) -> int:
     """Rows of Parquet files from their footers (threads: on an object store each is a round trip)."""
 
@@ -424,13 +414,14 @@ def run_phash_pairs(
     window = max_in_flight or max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
     maps, reduces = [], []
     if missing:
-        maps = _gather(
-            (_map_task.remote(out_uri, out_dir, f, m, plan, missing) for m, f in enumerate(survivor_files)), window
-        )
-        reduces = _gather(
-            (_reduce_task.remote(out_uri, out_dir, p, len(survivor_files), plan, max_kernel_hashes) for p in missing),
-            window,
-        )
+        maps = list(as_completed(
+            ((lambda m=m, f=f: _map_task.remote(out_uri, out_dir, f, m, plan, missing))
+             for m, f in enumerate(survivor_files)), window,
+        ))
+        reduces = list(as_completed(
+            ((lambda p=p: _reduce_task.remote(out_uri, out_dir, p, len(survivor_files), plan, max_kernel_hashes))
+             for p in missing), window,
+        ))
     delete_quietly(fs, join(folder, SHUFFLE_DIR))
     done = [r for r in reduces if not r["skipped"]]
     n_pairs = _count_rows(fs, [join(folder, _part_name(p)) for p in range(plan.partitions)])
