@@ -149,11 +149,12 @@ def _hidden(rel: str) -> bool:
     return any(part.startswith(("_", ".")) for part in rel.split("/"))
 
 
-def remove_temporaries(fs: pafs.FileSystem, folder: str) -> None:
-    """Delete the ``_tmp-`` files that writes cut short by a kill left directly in ``folder``."""
+def remove_temporaries(fs: pafs.FileSystem, folder: str, *, recursive: bool = False) -> None:
+    """Delete the ``_tmp-`` files that writes cut short by a kill left in ``folder`` (and below, if ``recursive``).
+    Only the run holding the output's lease may call this: another live run's temporaries look the same."""
     if exists(fs, folder):
-        for info in fs.get_file_info(pafs.FileSelector(folder)):
-            if info.base_name.startswith("_tmp-"):
+        for info in fs.get_file_info(pafs.FileSelector(folder, recursive=recursive)):
+            if info.type == pafs.FileType.File and info.base_name.startswith("_tmp-"):
                 delete_quietly(fs, info.path)
 
 

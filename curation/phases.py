@@ -32,7 +32,16 @@ from collections.abc import Callable
 import pyarrow.fs as pafs
 import ray
 
-from common.storage import delete_quietly, exists, join, list_files, read_json, resolve, write_json_atomic
+from common.storage import (
+    delete_quietly,
+    exists,
+    join,
+    list_files,
+    read_json,
+    remove_temporaries,
+    resolve,
+    write_json_atomic,
+)
 from curation import survivors as sv
 from curation.cluster_sampling import run_sample
 from curation.components import run_components
@@ -109,12 +118,16 @@ class GlobalPhases:
             raise PhaseOrderError(f"phase {phase} needs phase {needed} to be complete with these settings; run --phases {needed},{phase}")
 
     def _start(self, phase: str) -> None:
+        # writes a kill cut short leave _tmp- files; this run holds the lease, so none of them is live
+        remove_temporaries(self.fs, join(self.root, STATE_DIR))
         for later in GLOBAL_PHASES[GLOBAL_PHASES.index(phase) :]:
             delete_quietly(self.fs, _done_path(self.root, later))
         started = join(self.root, STATE_DIR, f"{phase}.started.json")
         settings_hash = self.cfg.phase_hash(phase)
         if exists(self.fs, started) and read_json(self.fs, started).get("settings_hash") == settings_hash:
             self.log(f"[{phase}] resuming: partitions written by the interrupted run are kept")
+            for folder in _PHASE_DIRS[phase]:
+                remove_temporaries(self.fs, join(self.root, folder), recursive=True)
             return
         for folder in _PHASE_DIRS[phase]:
             delete_quietly(self.fs, join(self.root, folder))

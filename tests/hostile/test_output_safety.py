@@ -181,6 +181,24 @@ def test_a_rewrite_switches_readers_from_the_whole_old_set_to_the_whole_new_one(
     assert {p.name for p in (out / "final_ledger").iterdir()} == listed_ledger
 
 
+def test_a_resumed_phase_removes_the_temporaries_of_writes_a_kill_cut_short(out, ray_local):
+    """A kill inside an atomic write leaves its ``_tmp-`` file: in _state/ (a done record) and in a phase's partition
+    folders. The rerun of that phase, holding the lease, removes them and ends with the same files."""
+    cfg = load_config(CurateConfig, LITE, CURATED_WITH)
+    (out / "_state" / "sample.done.json").unlink()  # killed while writing sample's done record
+    (out / "_state" / "write.done.json").unlink()
+    leftovers = [out / "_state" / "_tmp-0badc0de-sample.done.json", out / "sample" / "decisions" / "_tmp-0badc0de-part-0.parquet"]
+    for path in leftovers:
+        path.write_bytes(b"cut short")
+    decisions = {p.name: p.read_bytes() for p in (out / "sample" / "decisions").glob("part-*.parquet")}
+    lease = Lease(str(out), settle_s=0, **QUIET).acquire()
+    GlobalPhases(cfg, str(out), guard=lease.check, **QUIET).run("sample")
+    lease.release()
+    assert not [p for p in leftovers if p.exists()]
+    assert not list(out.rglob("_tmp-*"))
+    assert {p.name: p.read_bytes() for p in (out / "sample" / "decisions").glob("part-*.parquet")} == decisions
+
+
 def test_training_reads_only_what_the_manifest_lists(out):
     shards = out / "shards"
     shutil.copy(shards / _listed(out)[0], shards / "part-99999-stray.parquet")
