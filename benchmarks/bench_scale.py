@@ -36,11 +36,12 @@ sys.path.insert(0, str(REPO))
 
 from common import schema  # noqa: E402
 from common.config import load_config  # noqa: E402
+from common.layout import GLOBAL_PHASES as PHASES  # noqa: E402
+from common.layout import LAYOUT  # noqa: E402
 from common.storage import join, resolve, write_json_atomic, write_parquet_atomic  # noqa: E402
 from curation.config import CurateConfig  # noqa: E402
 
 LITE = REPO / "configs/curate/lite.yaml"
-PHASES = ("dedup", "sample", "write")
 GIB = 2**30
 
 
@@ -116,14 +117,15 @@ def synthesise(out: Path, n: int, rows_per_shard: int, cfg: CurateConfig, seed: 
         ledger = pa.table({f.name: ledger_cols.get(f.name, pa.nulls(rows, f.type)) for f in ledger_schema},
                           ledger_schema)
         part = f"{shard_id}/part-0000000000000000.parquet"
-        write_parquet_atomic(fs, join(root, "scored", part), scored, row_group_size=cfg.output.row_group_size)
-        write_parquet_atomic(fs, join(root, "ledger", part), ledger, row_group_size=cfg.output.row_group_size)
-        write_json_atomic(fs, join(root, "_state", "score", f"{shard_id}.json"), {
-            "shard_id": shard_id, "rows": rows, "kept": rows, "ledger_files": [f"ledger/{part}"],
-            "scored_files": [f"scored/{part}"], "results_hash": cfg.results_hash(),
+        scored_file, ledger_file = f"{LAYOUT.scored}/{part}", f"{LAYOUT.ledger}/{part}"
+        write_parquet_atomic(fs, join(root, scored_file), scored, row_group_size=cfg.output.row_group_size)
+        write_parquet_atomic(fs, join(root, ledger_file), ledger, row_group_size=cfg.output.ledger_row_group_size)
+        write_json_atomic(fs, join(root, LAYOUT.score_commit(shard_id)), {
+            "shard_id": shard_id, "rows": rows, "kept": rows, "ledger_files": [ledger_file],
+            "scored_files": [scored_file], "results_hash": cfg.results_hash(),
         })
-    write_json_atomic(fs, join(root, "_state", "run.json"), {"results_hash": cfg.results_hash(), "input": "synthetic"})
-    write_json_atomic(fs, join(root, "_state", "score.done.json"), {"shards": n_shards, "results_hash": cfg.results_hash()})
+    write_json_atomic(fs, join(root, LAYOUT.run_record), {"results_hash": cfg.results_hash(), "input": "synthetic"})
+    write_json_atomic(fs, join(root, LAYOUT.done("score")), {"shards": n_shards, "results_hash": cfg.results_hash()})
     return planted
 
 

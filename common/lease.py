@@ -32,9 +32,10 @@ import time
 import uuid
 from collections.abc import Callable
 
+from common.layout import LAYOUT
 from common.storage import delete_quietly, is_local, join, read_json, redact, resolve, write_json_atomic
 
-LEASE_FILE = "_state/lease.json"
+
 HEARTBEAT_S = 30.0
 STALE_S = 300.0
 # The wait between writing a claim and reading it back; it must exceed a contender's read-to-write time.
@@ -154,7 +155,7 @@ class Lease:
         except FileNotFoundError:
             return None
         except ValueError:  # written atomically, so only a foreign or hand-edited file gets here
-            return {"command": f"an unreadable {LEASE_FILE}", "heartbeat": time.time()}
+            return {"command": f"an unreadable {LAYOUT.lease}", "heartbeat": time.time()}
 
     def _refusal(self, record: dict, why: str) -> LeaseHeld:
         now = time.time()
@@ -163,7 +164,7 @@ class Lease:
             f"{self.uri} is leased by another run{why}: {_describe(record)}, started {started} ago, last heartbeat "
             f"{beat} ago. Two runs on one output delete each other's files, so this one stops. Wait for that run to end "
             f"or stop it; its lease is taken over automatically once its heartbeat is older than {_ago(self.stale_s)}. "
-            f"If that run is surely gone, rerun this command with --break-lease (record: {self.uri}/{LEASE_FILE})."
+            f"If that run is surely gone, rerun this command with --break-lease (record: {self.uri}/{LAYOUT.lease})."
         )
 
     def _free_to_take(self, record: dict) -> str | None:
@@ -178,7 +179,7 @@ class Lease:
     def acquire(self, force: bool = False) -> Lease:
         """Take the lease (``force``: also from a live holder); raises ``LeaseHeld`` when another run holds it."""
         self.fs, root = resolve(self.root_uri)
-        self.path = join(root, LEASE_FILE)
+        self.path = join(root, LAYOUT.lease)
         current = self._read()
         if current is not None and current.get("token") != self.token:
             reason = "--break-lease was given" if force else self._free_to_take(current)

@@ -28,11 +28,10 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from common import schema
+from common.layout import GLOBAL_PHASES, LAYOUT
 from common.storage import exists, file_sha256, join, list_files, read_json, resolve
 from curation.imageio import open_reduced
 from curation.ledger import reason_code
-from curation.phases import FINAL_LEDGER_DIR, GLOBAL_PHASES, MANIFEST, SHARDS_DIR
-from curation.score import STATE_DIR
 
 STATUSES = (schema.KEPT, schema.REJECTED, schema.ERROR, schema.DUPLICATE, schema.UNSAMPLED)
 
@@ -140,30 +139,30 @@ class _Auditor:
     # --- manifest and shards ---------------------------------------------------------------------------------
 
     def manifest(self) -> dict | None:
-        if not exists(self.fs, self.path(MANIFEST)):
-            self.problem(MANIFEST, None, "missing: the write phase has not completed (run jobs.curate to the end)")
+        if not exists(self.fs, self.path(LAYOUT.manifest)):
+            self.problem(LAYOUT.manifest, None, "missing: the write phase has not completed (run jobs.curate to the end)")
             return None
         try:
-            manifest = read_json(self.fs, self.path(MANIFEST))
+            manifest = read_json(self.fs, self.path(LAYOUT.manifest))
         except ValueError as exc:
-            self.problem(MANIFEST, None, f"not valid JSON: {exc}")
+            self.problem(LAYOUT.manifest, None, f"not valid JSON: {exc}")
             return None
         missing = [k for k in ("shards", "totals", "funnel", "schema_version", "config_hash") if k not in manifest]
         if missing:
-            self.problem(MANIFEST, None, f"not a manifest: no {', '.join(missing)}")
+            self.problem(LAYOUT.manifest, None, f"not a manifest: no {', '.join(missing)}")
             return None
         if manifest["schema_version"] != schema.SCHEMA_VERSION:
-            self.problem(MANIFEST, None, f"schema version {manifest['schema_version']}; this audit checks version "
+            self.problem(LAYOUT.manifest, None, f"schema version {manifest['schema_version']}; this audit checks version "
                                          f"{schema.SCHEMA_VERSION}")
         shards = manifest["shards"]
         totals = {"shards": len(shards), "rows": sum(s["rows"] for s in shards), "bytes": sum(s["bytes"] for s in shards)}
         for key, value in totals.items():
             if manifest["totals"].get(key) != value:
-                self.problem(MANIFEST, None, f"totals.{key} is {manifest['totals'].get(key)}, its shards add up to {value}")
+                self.problem(LAYOUT.manifest, None, f"totals.{key} is {manifest['totals'].get(key)}, its shards add up to {value}")
         return manifest
 
     def check_shard(self, entry: dict, manifest: dict) -> tuple[list[Problem], _ShardRows]:
-        rel = f"{SHARDS_DIR}/{entry['file']}"
+        rel = f"{LAYOUT.shards}/{entry['file']}"
         problems: list[Problem] = []
         rows = _ShardRows(rel)
         add = lambda row, what: problems.append(Problem(rel, row, what))  # noqa: E731
@@ -230,14 +229,14 @@ class _Auditor:
         entries = manifest["shards"]
         with ThreadPoolExecutor(max_workers=max(1, self.workers)) as pool:
             results = list(pool.map(lambda e: self.check_shard(e, manifest), entries))
-        listed = {f"{SHARDS_DIR}/{e['file']}" for e in entries}
-        for rel in self._files_under(SHARDS_DIR):
-            if rel not in listed and rel != MANIFEST:
+        listed = {f"{LAYOUT.shards}/{e['file']}" for e in entries}
+        for rel in self._files_under(LAYOUT.shards):
+            if rel not in listed and rel != LAYOUT.manifest:
                 self.problem(rel, None, "not in the manifest (a stray file: readers globbing *.parquet would read it)")
         counts = Counter(e["file"] for e in entries)
         for name, n in counts.items():
             if n > 1:
-                self.problem(MANIFEST, None, f"lists {name} {n} times")
+                self.problem(LAYOUT.manifest, None, f"lists {name} {n} times")
         shard_rows = []
         for problems, rows in results:
             self.problems.extend(problems)
@@ -274,12 +273,12 @@ class _Auditor:
         """The final-ledger files the manifest lists, checked against the commit records: {path: shard_id}."""
         entries = manifest.get("final_ledger")
         if entries is None:
-            self.problem(MANIFEST, None, "lists no final_ledger files (written by an older version): rerun jobs.curate "
+            self.problem(LAYOUT.manifest, None, "lists no final_ledger files (written by an older version): rerun jobs.curate "
                                          "with --phases write")
             return {}
         listed = {}
         for entry in entries:
-            rel = f"{FINAL_LEDGER_DIR}/{entry['file']}"
+            rel = f"{LAYOUT.final_ledger}/{entry['file']}"
             if entry["shard_id"] not in records:
                 self.problem(rel, None, f"listed in the manifest for input shard {entry['shard_id']}, which has no "
                                         "commit record")
@@ -289,29 +288,29 @@ class _Auditor:
                 self.problem(rel, None, f"sha256 {_short(digest)} differs from the manifest's {_short(entry['sha256'])} "
                                         "(contents changed)")
         for shard_id in sorted(set(records) - set(listed.values())):
-            self.problem(MANIFEST, None, f"lists no final-ledger file for committed input shard {shard_id}")
+            self.problem(LAYOUT.manifest, None, f"lists no final-ledger file for committed input shard {shard_id}")
         return listed
 
     def ledger(self, manifest: dict | None) -> list[dict]:
         """Check the final ledger against the commit records; return its rows with their file and row."""
         records = {}
-        for path in list_files(self.fs, self.path(f"{STATE_DIR}/score"), ".json"):
+        for path in list_files(self.fs, self.path(LAYOUT.score_commits), ".json"):
             record = read_json(self.fs, path)
             records[record["shard_id"]] = record
-        done_rel = f"{STATE_DIR}/score.done.json"
+        done_rel = LAYOUT.done("score")
         if not exists(self.fs, self.path(done_rel)):
             self.problem(done_rel, None, "missing: the score phase has not completed")
         elif (want := read_json(self.fs, self.path(done_rel)).get("shards")) != len(records):
-            self.problem(f"{STATE_DIR}/score", None, f"{len(records)} input shards committed, the score phase had {want}")
+            self.problem(LAYOUT.score_commits, None, f"{len(records)} input shards committed, the score phase had {want}")
         for phase in GLOBAL_PHASES:
-            rel = f"{STATE_DIR}/{phase}.done.json"
+            rel = LAYOUT.done(phase)
             if not exists(self.fs, self.path(rel)):
                 self.problem(rel, None, f"missing: phase {phase} has not completed")
         self.counts["inputs"] = sum(r["rows"] for r in records.values())
         if manifest is None:  # the manifest names the final-ledger files; its absence is reported already
             return []
         expected = self._listed_ledger(manifest, records)
-        for rel in self._files_under(FINAL_LEDGER_DIR):
+        for rel in self._files_under(LAYOUT.final_ledger):
             if rel not in expected:
                 self.problem(rel, None, "not a final-ledger file the manifest lists (a stray file)")
         columns = ["source", "shard_id", "key", "status", "stage", "reason"]
@@ -324,7 +323,7 @@ class _Auditor:
                 for i, s in enumerate(t.column("source").to_pylist() if t is not None else []):
                     inputs.setdefault(s, (part, i))
             if len(inputs) != record["rows"]:
-                self.problem(f"{STATE_DIR}/score/{shard_id}.json", None,
+                self.problem(LAYOUT.score_commit(shard_id), None,
                              f"records {record['rows']} inputs, its phase-1 ledger files hold {len(inputs)} distinct ones")
             table = self._read(rel, columns)
             if table is None:
@@ -364,7 +363,7 @@ class _Auditor:
         funnel = Counter(funnel_key(r["stage"], r["status"], r["reason"]) for r in ledger)
         for key in sorted(set(funnel) | set(manifest["funnel"])):
             if funnel.get(key, 0) != manifest["funnel"].get(key, 0):
-                self.problem(MANIFEST, None, f"funnel {key}: the manifest says {manifest['funnel'].get(key, 0)}, the "
+                self.problem(LAYOUT.manifest, None, f"funnel {key}: the manifest says {manifest['funnel'].get(key, 0)}, the "
                                              f"final ledger has {funnel.get(key, 0)}")
         by_source = {r["source"]: r for r in ledger}
         in_shards = set()

@@ -5,10 +5,10 @@ Inputs: the survivors files (``curation.survivors``) and, per survivors file, th
 uids it dropped (absent: none dropped). The survivors that are not dropped are the "alive" ones. Steps:
 
 1. train: the training set is the ``sample_size`` alive items of lowest hash of (uid, seed): uniform, and
-   independent of how items are partitioned. Ray tasks return their files' items below a hash threshold; the
-   driver keeps the lowest, trains the leaf centroids on them with faiss k-means and the upper levels on the leaf
-   centroids (``sampling.hierarchical_kmeans`` does both). With 256 points per leaf this is what single-process
-   faiss trains on anyway (it subsamples to 256 per centroid). Written to ``sample/hierarchy.parquet`` (level,
+   independent of how items are partitioned. Ray tasks return their files' items below a hash threshold; one
+   training task keeps the lowest, trains the leaf centroids on them with faiss k-means and the upper levels on the leaf
+   centroids (``sampling.hierarchical_kmeans`` does both), ``sample.training_points_per_cluster`` points per leaf
+   (faiss subsamples a larger set to at most 256 per centroid anyway). Written to ``sample/hierarchy.parquet`` (level,
    cluster, parent, centroid), which later steps and reruns read.
 2. assign: a task per survivors file gives each alive item its leaf and squared distance to the leaf centroid and
    writes the rows (uid, leaf, distance, balance) routed to buckets by leaf (``leaf % buckets``) into
@@ -30,9 +30,9 @@ output exists is skipped (every task writes one file, atomically).
 different fingerprint clears this step's outputs first, so a resumed run never mixes two configurations.
 
 Memory, and what it becomes at 1B survivors on a cluster (1M-row survivors files, 384-d, sqrt(N) = 31.6k leaves):
-- driver: the training sample (``sample_size`` x D float32; default 256 per leaf, at most ``MAX_TRAINING_POINTS``
-  = 1M points = 1.5 GB, i.e. 32 per leaf at 1B: set ``sample.clusters`` for such runs), the leaf centroids (K1 x D:
-  49 MB), per-leaf counts and budgets (K1 int64), per-file row counts and uid ranges (M = 1000 files);
+- training task: the training sample (``sample_size`` x D float32; default 64 per leaf, at most
+  ``MAX_TRAINING_POINTS`` = 1M points = 1.5 GB, i.e. 32 per leaf at 1B: set ``sample.clusters`` for such runs);
+- driver: the leaf centroids (K1 x D: 49 MB), per-leaf counts and budgets (K1 int64), per-file row counts and uid ranges (M = 1000 files);
 - train and assign tasks: one row group of a survivors file (its embeddings, ~4x in decoding buffers) plus, for
   assign, ~28 bytes per row of the file (uid, leaf, distance, balance: 28 MB); the survey should keep row groups
   at tens of thousands of rows;
@@ -61,18 +61,16 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 
+from common.layout import LAYOUT
 from common.storage import delete_quietly, exists, join, read_json, resolve, write_json_atomic, write_parquet_atomic
 from curation import routed, sampling
 from curation.config import SampleSettings
 
-RUN_FILE = "sample/run.json"
-HIERARCHY_FILE = "sample/hierarchy.parquet"
-DECISIONS_DIR = "sample/decisions"
-WORK_DIR = "sample/work"
+RUN_FILE, HIERARCHY_FILE = LAYOUT.sample_run, LAYOUT.sample_hierarchy
+DECISIONS_DIR, WORK_DIR = LAYOUT.sample_decisions, LAYOUT.sample_work
 
-TRAINING_POINTS_PER_LEAF = 256  # faiss trains on at most this many points per centroid
 MIN_TRAINING_POINTS_PER_LEAF = 39  # below this faiss warns that k-means is poorly conditioned
-MAX_TRAINING_POINTS = 1_000_000  # default cap of the driver's training sample
+MAX_TRAINING_POINTS = 1_000_000  # default cap of the training task's sample
 BUCKET_ROWS = 4_000_000  # default rows per select task
 _TRAIN_STREAM, _PRIORITY_STREAM = 1, 2  # independent hash streams under one seed
 
@@ -93,7 +91,7 @@ _SELECTED_SCHEMA = pa.schema([("uid", pa.int64()), ("leaf", pa.int32()), ("selec
 
 
 def decisions_path(index: int) -> str:
-    return f"{DECISIONS_DIR}/part-{index:06d}.parquet"
+    return LAYOUT.part(DECISIONS_DIR, index)
 
 
 def _buckets_path(index: int) -> str:
@@ -479,15 +477,18 @@ def _reset_if_changed(fs: pafs.FileSystem, root: str, fingerprint: str, log: Cal
     write_json_atomic(fs, run_file, {"fingerprint": fingerprint})
 
 
+@ray.remote(num_cpus=1)
 def _train(
     out_uri: str, survivor_files: list[str], decision_files: list[str], alive: int, clusters: list[int],
-    sample_size: int, dim: int, seed: int, window: int, log: Callable[[str], None], laps: Callable[[], str],
-) -> None:
-    """Trains the hierarchy on the ``sample_size`` alive survivors of lowest hash (all when fewer) and writes it.
+    sample_size: int, dim: int, seed: int, window: int,
+) -> list[str]:
+    """Trains the hierarchy on the ``sample_size`` alive survivors of lowest hash (all when fewer) and writes it;
+    returns its log lines. A Ray task, so that the driver never holds the training sample.
 
-    Tasks return the items below a hash threshold set a little above ``sample_size`` (4 sigma); the driver keeps the
+    Tasks return the items below a hash threshold set a little above ``sample_size`` (4 sigma); this task keeps the
     lowest ``sample_size`` of them in place (a second copy of the sample would double its memory).
     """
+    laps, lines = _Laps(), []
     fraction = min(1.0, (sample_size + 4 * math.sqrt(sample_size) + 16) / alive)
     expected = fraction * alive
     capacity = int(expected + 8 * math.sqrt(expected) + 64)
@@ -509,12 +510,13 @@ def _train(
         at = sample_size
     if at == 0:
         raise ValueError(f"the training sample of {alive} survivors came out empty; raise sample_size")
-    log(f"[sample] training set: {at} of {alive} survivors, read in {laps()}")
+    lines.append(f"[sample] training set: {at} of {alive} survivors, read in {laps()}")
     h = sampling.hierarchical_kmeans(x[:at], clusters, seed=seed)
     del x
     fs, root = resolve(out_uri)
     _write(fs, root, HIERARCHY_FILE, _hierarchy_table(h), row_group_size=10_000)
-    log(f"[sample] trained {clusters} clusters in {laps()}")
+    lines.append(f"[sample] trained {clusters} clusters in {laps()}")
+    return lines
 
 
 def run_sample(
@@ -530,7 +532,7 @@ def run_sample(
     (``DECISIONS_SCHEMA``) and returns {inputs, selected, unsampled, levels, clusters_per_level}.
 
     ``buckets``: select tasks (default: one per ``BUCKET_ROWS`` alive survivors). ``sample_size``: the training
-    sample of the leaf k-means (default: ``TRAINING_POINTS_PER_LEAF`` per leaf, at most ``MAX_TRAINING_POINTS``;
+    sample of the leaf k-means (default: ``settings.training_points_per_cluster`` per leaf, at most ``MAX_TRAINING_POINTS``;
     at least ``MIN_TRAINING_POINTS_PER_LEAF`` per leaf).
     """
     if len(survivor_files) != len(decision_files):
@@ -551,7 +553,7 @@ def run_sample(
     clusters = cluster_counts(alive, settings.clusters) if alive else []
     k1 = clusters[0] if clusters else 1
     if sample_size is None:
-        sample_size = min(TRAINING_POINTS_PER_LEAF * k1, MAX_TRAINING_POINTS)
+        sample_size = min(settings.training_points_per_cluster * k1, MAX_TRAINING_POINTS)
     sample_size = max(sample_size, MIN_TRAINING_POINTS_PER_LEAF * k1)
     buckets = buckets or max(1, math.ceil(alive / BUCKET_ROWS))
     inputs = [*survivor_files, *decision_files]
@@ -569,8 +571,10 @@ def run_sample(
     # 1. train
     if not exists(fs, join(root, HIERARCHY_FILE)):
         dim = pq.read_schema(join(root, survivor_files[0]), filesystem=fs).field("embedding").type.list_size
-        _train(out_uri, survivor_files, decision_files, alive, clusters, sample_size, dim, settings.seed, window,
-               log, laps)
+        for line in ray.get(_train.remote(out_uri, survivor_files, decision_files, alive, clusters, sample_size, dim,
+                                          settings.seed, window)):
+            log(line)
+        laps()
     centroids, parents = _hierarchy_from_table(pq.read_table(join(root, HIERARCHY_FILE), filesystem=fs))
     n_leaves = centroids[0].shape[0]
     cluster_ids = leaf_cluster_ids(parents, n_leaves)

@@ -63,11 +63,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
+from common.layout import LAYOUT
 from common.storage import delete_quietly, exists, join, read_json, resolve, write_json_atomic, write_parquet_atomic
 from curation import dedup as dd
 from curation.routed import read_plain, read_receipt, read_routed, run_windowed, write_plain, write_routed
 
-WORK_DIR, DECISIONS_DIR = "dedup/components", "dedup/decisions"
+WORK_DIR, DECISIONS_DIR = LAYOUT.components, LAYOUT.dedup_decisions
 SUMMARY = f"{DECISIONS_DIR}/_summary.json"
 SURVIVOR_COLUMNS = ["uid", "shard_id", "source", "key", "score", "width", "height"]
 
@@ -105,7 +106,7 @@ class ComponentsError(RuntimeError):
 
 
 def decisions_path(index: int) -> str:
-    return f"{DECISIONS_DIR}/part-{index:06d}.parquet"
+    return LAYOUT.part(DECISIONS_DIR, index)
 
 
 # ---------------------------------------------------------------------------------------------------------------

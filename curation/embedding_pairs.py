@@ -4,9 +4,9 @@ searched exactly (faiss inner product) inside one Ray task.
 
 Steps (``run_embedding_pairs``):
 
-1. Plan (driver). N from the survivor files' Parquet metadata; K = ceil(N / cluster_size) centroids trained by faiss
-   k-means on a deterministic uniform sample (one Ray task per file draws its share with a seeded RNG; the driver
-   holds at most ``sample_size`` x D floats and K x D centroids). A centroid whose share of held-out sample rows
+1. Plan (one Ray task). N from the survivor files' Parquet metadata; K = ceil(N / cluster_size) centroids trained by
+   faiss k-means on a deterministic uniform sample (one Ray task per file draws its share with a seeded RNG; the plan
+   task holds at most ``sample_size`` x D floats and K x D centroids). A centroid whose share of held-out sample rows
    predicts more than ``max_cluster`` members is replaced by a k-means of its own sample rows, so clusters are
    bounded before any data moves. Clusters are packed into buckets by their predicted rows (largest first into
    the lightest bucket). Written: ``dedup/embedding_centroids.npy``, then ``dedup/embedding_plan.json`` (bucket of
@@ -39,11 +39,11 @@ Sizes (defaults: cluster_size sqrt(N / 2), balancing the assignment's N K D agai
 D; up to 7 probes, ~2.5-3.5 rows per survivor on that mixture). At 10^6 survivors: 1,415 clusters of ~710, a
 113k x D sample, 10 buckets (one per survivor file) of ~330k rows. At 10^9 survivors: ~44,700 clusters of ~22,400
 (split above ~89,000), centroids 44,700 x D (69 MB at D = 384); the sample capped at ``sample_size`` (500k x D,
-0.8 GB in the driver); ~3.5 x 10^9 rows in ~7,000 buckets of ``bucket_rows`` = 500k rows (a search task holds one
+0.8 GB in the plan task); ~3.5 x 10^9 rows in ~7,000 buckets of ``bucket_rows`` = 500k rows (a search task holds one
 bucket: ~0.8 GB at D = 384, plus one cluster's rows; an assign task one survivor file and its rows, at most
 1 + max_probes per survivor); F x 7,000 intermediate files for F survivor files (raise ``bucket_rows`` where
-workers have the memory, to write fewer). The driver holds the sample, the centroids, the bucket of each cluster
-and one small receipt per task.
+workers have the memory, to write fewer). The driver holds the centroids, the bucket of each cluster and one small
+receipt per task.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
+from common.layout import LAYOUT
 from common.storage import (
     delete_quietly,
     exists,
@@ -77,10 +78,8 @@ from common.storage import (
 from common.ray_utils import as_completed
 from curation import dedup as dd
 
-PAIRS_DIR = "dedup/pairs/embedding"
-BUCKETS_DIR = "dedup/embedding_buckets"
-CENTROIDS_FILE = "dedup/embedding_centroids.npy"
-PLAN_FILE = "dedup/embedding_plan.json"
+PAIRS_DIR, BUCKETS_DIR = LAYOUT.embedding_pairs, LAYOUT.embedding_buckets
+CENTROIDS_FILE, PLAN_FILE = LAYOUT.embedding_centroids, LAYOUT.embedding_plan
 PAIRS_SCHEMA = pa.schema(
     [
         pa.field("a", pa.int64(), nullable=False),
@@ -174,7 +173,7 @@ class Layout:
 
     cluster_size: int  # mean home rows of a cluster, and of a sub-cluster when one is split
     max_cluster: int  # home rows above which a cluster is split
-    sample_size: int  # most sample rows the driver holds to train the centroids
+    sample_size: int  # most sample rows the plan task holds to train the centroids
     buckets: int | None  # None: predicted rows / bucket_rows, at least one per survivor file
     bucket_rows: int
     seed: int
@@ -307,8 +306,12 @@ def balance_buckets(rows: np.ndarray, buckets: int) -> np.ndarray:
     return bucket_of
 
 
-def _make_plan(out_uri: str, files: list[str], counts: np.ndarray, layout: Layout, probes: ProbeRule, log) -> dict:
-    """Sample, train the centroids (written to ``CENTROIDS_FILE``), pack the clusters into buckets."""
+@ray.remote(num_cpus=1)
+def _make_plan(out_uri: str, files: list[str], counts: np.ndarray, layout: Layout, probes: ProbeRule) -> dict:
+    """Sample, train the centroids (written to ``CENTROIDS_FILE``), pack the clusters into buckets; returns the plan
+    and its log lines. A Ray task, so that the driver never holds the training sample."""
+    lines = []
+    log = lines.append
     n = int(counts.sum())
     k = math.ceil(n / layout.cluster_size)
     size = min(layout.sample_size, POINTS_PER_CENTROID * k * HOLDOUT_EVERY // (HOLDOUT_EVERY - 1))  # + held out
@@ -335,7 +338,8 @@ def _make_plan(out_uri: str, files: list[str], counts: np.ndarray, layout: Layou
     np.save(buf, centroids)
     write_bytes_atomic(fs, join(root, CENTROIDS_FILE), buf.getvalue())
     return {"clusters": len(centroids), "bucket_of": bucket_of.tolist(), "sample": len(sample),
-            "split_by_plan": split, "rows_per_survivor": round(rows_per_survivor, 3), "saturated": round(saturated, 4)}
+            "split_by_plan": split, "rows_per_survivor": round(rows_per_survivor, 3), "saturated": round(saturated, 4),
+            "log": lines}
 
 
 def _load_centroids(fs, root: str) -> np.ndarray:
@@ -498,7 +502,7 @@ def run_embedding_pairs(
 
     ``survivor_files``: paths relative to ``out_uri`` in the survivors schema (``uid``, ``embedding`` are read).
     ``cluster_size``: mean survivors per cluster (None: ``default_cluster_size``); ``max_cluster``: home rows above
-    which a cluster is split (None: 4 x cluster_size); ``sample_size``: most k-means sample rows held by the driver;
+    which a cluster is split (None: 4 x cluster_size); ``sample_size``: most k-means sample rows held by the plan task;
     ``buckets``: search tasks (None: the predicted (survivor, cluster) rows / ``bucket_rows``, at least one per
     survivor file); ``max_probes``, ``probe_z``: see ``ProbeRule``. Files written by an earlier run with the same
     inputs and settings are kept: a rerun does only what is missing. Returns a summary for the phase's record.
@@ -522,7 +526,9 @@ def run_embedding_pairs(
         if n < 2:
             write_parquet_atomic(fs, join(root, pairs_path(0)), PAIRS_SCHEMA.empty_table(), row_group_size=1)
             return {"survivors": n, "clusters": 0, "buckets": 1, "pairs": 0}
-        plan = {"fingerprint": fingerprint, **_make_plan(out_uri, survivor_files, counts, layout, probes, log)}
+        plan = {"fingerprint": fingerprint, **ray.get(_make_plan.remote(out_uri, survivor_files, counts, layout, probes))}
+        for line in plan.pop("log"):
+            log(line)
         write_json_atomic(fs, join(root, PLAN_FILE), plan)  # the plan's commit point: the centroids come first
     bucket_of = np.asarray(plan["bucket_of"], np.int32)
     n_buckets = int(bucket_of.max()) + 1

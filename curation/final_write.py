@@ -22,6 +22,7 @@ ledger task ``write.ledger_rows_per_task`` ledger rows.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from hashlib import sha256
@@ -33,24 +34,23 @@ import pyarrow.parquet as pq
 import ray
 
 from common import schema
+from common.layout import GLOBAL_PHASES, LAYOUT
 from common.storage import encode_parquet, exists, join, read_json, resolve, write_bytes_atomic, write_json_atomic
 from curation.config import CurateConfig
 
-SHARDS_DIR, FINAL_LEDGER_DIR = "shards", "final_ledger"
-GLOBAL_STAGES = ("dedup", "sample", "write")
-
 
 def dedup_decisions_path(index: int) -> str:
-    return f"dedup/decisions/part-{index:06d}.parquet"
+    return LAYOUT.part(LAYOUT.dedup_decisions, index)
 
 
 def sample_decisions_path(index: int) -> str:
-    return f"sample/decisions/part-{index:06d}.parquet"
+    return LAYOUT.part(LAYOUT.sample_decisions, index)
 
 
-def write_named_by_content(fs, root: str, folder: str, stem: str, table: pa.Table, cfg: CurateConfig) -> dict:
+def write_named_by_content(fs, root: str, folder: str, stem: str, table: pa.Table, cfg: CurateConfig,
+                           row_group_size: int) -> dict:
     """Write ``table`` as ``<folder>/<stem>-<sha256 prefix>.parquet``; returns its manifest entry."""
-    data = encode_parquet(table, row_group_size=cfg.output.row_group_size, compression=cfg.output.compression)
+    data = encode_parquet(table, row_group_size=row_group_size, compression=cfg.output.compression)
     digest = sha256(data).hexdigest()
     name = f"{stem}-{digest[:16]}.parquet"
     write_bytes_atomic(fs, join(root, folder, name), data)
@@ -92,38 +92,58 @@ def _count_selected(out_uri: str, path: str) -> int:
     return 0 if table is None else int(pc.sum(table.column("selected")).as_py() or 0)
 
 
+class _InOrder:
+    """Tables loaded on first use and dropped once a later key is asked for: the output shards of a unit walk the
+    partitions and input shards in increasing order, so each file is read once and at most one of each is held."""
+
+    def __init__(self, load: Callable[[object], pa.Table]):
+        self.load, self.key, self.table = load, None, None
+
+    def __call__(self, key) -> pa.Table:
+        if key != self.key:
+            self.key, self.table = key, self.load(key)
+        return self.table
+
+
 @ray.remote(num_cpus=0.5)
-def _write_output_shard(out_uri: str, k: int, pieces: list[tuple[int, int, int]], scored_files: dict[str, list[str]],
-                        cfg_json: str) -> dict:
-    """Output shard ``k``: the selected rows of its slices, in uid (= shard_id, source) order, with cluster ids."""
+def _write_output_shards(out_uri: str, first: int, plan: list[list[tuple[int, int, int]]],
+                         scored_files: dict[str, list[str]], cfg_json: str) -> dict:
+    """Output shards ``first, first + 1, ...`` (``plan`` gives each one's slices of the partitions' selected rows):
+    the selected rows in uid (= shard_id, source) order, with their cluster ids."""
     cfg = CurateConfig.model_validate_json(cfg_json)
     fs, root = resolve(out_uri)
-    wanted = []
-    for partition, start, stop in pieces:
-        t = pq.read_table(join(root, sample_decisions_path(partition)),
-                          columns=["uid", "source", "shard_id", "cluster_ids", "selected"], filesystem=fs)
-        wanted.append(t.filter(t.column("selected")).slice(start, stop - start))
-    wanted_table = pa.concat_tables(wanted)
-    rows = []
-    for shard_id in sorted(set(wanted_table.column("shard_id").to_pylist())):
-        mine = wanted_table.filter(pc.equal(wanted_table.column("shard_id"), shard_id))
-        for f in scored_files[shard_id]:
-            t = pq.read_table(join(root, f), filesystem=fs)
-            rows.append(t.filter(pc.is_in(t.column("source"), mine.column("source"))))
-    table = pa.concat_tables(rows)
-    # the slices are in uid order; place each scored row at its slice position
-    position = pc.index_in(pc.binary_join_element_wise(table.column("shard_id"), table.column("source"), "\x00"),
-                           value_set=pc.binary_join_element_wise(wanted_table.column("shard_id"),
-                                                                 wanted_table.column("source"), "\x00"))
-    order = pc.sort_indices(position)
-    table = table.take(order)
-    table = table.append_column("cluster_ids", wanted_table.column("cluster_ids").take(pc.take(position, order)))
     dim = cfg.embedding_dim if cfg.write.include_embedding else None
     target = schema.with_metadata(
         schema.curated_schema(dim), table="curated", config_hash=cfg.results_hash(),
         extra={"embedding_model": cfg.models.embedding.name, "embedding_dim": cfg.embedding_dim},
     )
-    return write_named_by_content(fs, root, SHARDS_DIR, f"part-{k:05d}", table.select(target.names).cast(target), cfg)
+
+    def selected_of(partition: int) -> pa.Table:
+        t = pq.read_table(join(root, sample_decisions_path(partition)),
+                          columns=["uid", "source", "shard_id", "cluster_ids", "selected"], filesystem=fs)
+        return t.filter(t.column("selected"))
+
+    def scored_of(shard_id: str) -> pa.Table:
+        columns = [n for n in target.names if n != "cluster_ids"]
+        return pa.concat_tables([pq.read_table(join(root, f), columns=columns, filesystem=fs) for f in scored_files[shard_id]])
+
+    selected, scored = _InOrder(selected_of), _InOrder(scored_of)
+    shards = []
+    for k, pieces in enumerate(plan, start=first):
+        wanted = pa.concat_tables([selected(p).slice(start, stop - start) for p, start, stop in pieces])
+        rows = []
+        for shard_id in sorted(set(wanted.column("shard_id").to_pylist())):
+            table = scored(shard_id)
+            mine = wanted.filter(pc.equal(wanted.column("shard_id"), shard_id))
+            at = pc.index_in(mine.column("source"), value_set=table.column("source"))  # mine is in source order
+            if at.null_count:
+                raise RuntimeError(f"input shard {shard_id}: {at.null_count} selected images are not in its scored "
+                                   "files (the output was changed by hand?); rerun with --phases score,dedup,sample,write")
+            rows.append(table.take(at).append_column("cluster_ids", mine.column("cluster_ids")))
+        table = pa.concat_tables(rows).select(target.names).cast(target)
+        shards.append(write_named_by_content(fs, root, LAYOUT.shards, f"part-{k:05d}", table, cfg,
+                                             cfg.output.row_group_size))
+    return {"shards": shards}
 
 
 # --- final ledger -------------------------------------------------------------------------------------------------------
@@ -176,7 +196,7 @@ def funnel_of(ledger: pa.Table) -> Counter:
     codes = [c.split(":", 1)[0] for c in code.to_pylist()]
     stages = ledger.column("stage").to_pylist()
     statuses = ledger.column("status").to_pylist()
-    return Counter(f"{s if s in GLOBAL_STAGES else 'score'}/{s}/{st}/{c}" for s, st, c in zip(stages, statuses, codes))
+    return Counter(f"{s if s in GLOBAL_PHASES else 'score'}/{s}/{st}/{c}" for s, st, c in zip(stages, statuses, codes))
 
 
 @ray.remote(num_cpus=0.5)
@@ -198,7 +218,8 @@ def _write_ledger_group(out_uri: str, shards: list[tuple[str, list[str], int | N
         ledger = pa.concat_tables([pq.read_table(join(root, f), filesystem=fs) for f in ledger_files])
         table = apply_decisions(ledger.cast(schema.ledger_schema()), of_shard(dups), of_shard(sample)).cast(target)
         funnel.update(funnel_of(table))
-        files.append({**write_named_by_content(fs, root, FINAL_LEDGER_DIR, shard_id, table, cfg), "shard_id": shard_id})
+        files.append({**write_named_by_content(fs, root, LAYOUT.final_ledger, shard_id, table, cfg,
+                                                 cfg.output.ledger_row_group_size), "shard_id": shard_id})
     return {"files": files, "funnel": dict(funnel)}
 
 
@@ -206,13 +227,13 @@ def _write_ledger_group(out_uri: str, shards: list[tuple[str, list[str], int | N
 
 
 class UnitRecords:
-    """Receipts of finished units of a phase in ``_state/<phase>/<unit>.json``, valid for one settings hash."""
+    """Receipts of finished units of a global step in ``_state/<step>/<unit>.json``, valid for one settings hash."""
 
-    def __init__(self, fs, root: str, phase: str, settings_hash: str):
-        self.fs, self.root, self.phase, self.settings_hash = fs, root, phase, settings_hash
+    def __init__(self, fs, root: str, step: str, settings_hash: str):
+        self.fs, self.root, self.step, self.settings_hash = fs, root, step, settings_hash
 
     def path(self, unit: str) -> str:
-        return join(self.root, "_state", self.phase, f"{unit}.json")
+        return join(self.root, LAYOUT.units(self.step), f"{unit}.json")
 
     def get(self, unit: str) -> dict | None:
         path = self.path(unit)
@@ -260,16 +281,23 @@ def write_phase(cfg: CurateConfig, out_uri: str, records: dict[str, dict], parti
     window = max(2, 4 * int(ray.cluster_resources().get("CPU", 2)))
     selected = ray.get([_count_selected.remote(out_uri, sample_decisions_path(i)) for i in range(partitions)])
     plan = plan_output_shards(selected, cfg.write.rows_per_shard)
-    units = {}
     shards_in: dict[int, list[str]] = {}
     for shard_id, partition in partition_of.items():
         shards_in.setdefault(partition, []).append(shard_id)
+    # one unit per partition: the output shards that start in it (they read its decisions and a little of the next's)
+    starts: dict[int, list[int]] = {}
     for k, pieces in enumerate(plan):
-        scored = {s: records[s]["scored_files"] for p, _, _ in pieces for s in shards_in[p]}
-        units[f"shard-{k:07d}"] = lambda k=k, pieces=pieces, scored=scored: _write_output_shard.remote(
-            out_uri, k, pieces, scored, cfg_json)
+        starts.setdefault(pieces[0][0], []).append(k)
+    units = {}
+    for partition, ks in starts.items():
+        scored = {s: records[s]["scored_files"] for k in ks for p, _, _ in plan[k] for s in shards_in[p]}
+        units[f"shards-{partition:06d}"] = lambda ks=ks, scored=scored: _write_output_shards.remote(
+            out_uri, ks[0], plan[ks[0] : ks[-1] + 1], scored, cfg_json)
     unit_records = UnitRecords(fs, root, "write", settings_hash)
-    shards = dict(run_units(unit_records, units, window))
+    started = time.monotonic()
+    shards = [shard for _, receipt in sorted(run_units(unit_records, units, window)) for shard in receipt["shards"]]
+    log(f"[write] {len(shards)} final shards from {len(units)} partitions in {time.monotonic() - started:.1f} s")
+    started = time.monotonic()
     groups, group, rows = [], [], 0
     for shard_id in sorted(records):
         group.append((shard_id, records[shard_id]["ledger_files"], partition_of.get(shard_id)))
@@ -282,10 +310,11 @@ def write_phase(cfg: CurateConfig, out_uri: str, records: dict[str, dict], parti
     ledger_units = {f"ledger-{g:07d}": lambda g=g: _write_ledger_group.remote(out_uri, groups[g], cfg_json)
                     for g in range(len(groups))}
     ledgers = dict(run_units(unit_records, ledger_units, window))
+    log(f"[write] final ledger of {len(records)} input shards in {len(groups)} tasks in {time.monotonic() - started:.1f} s")
     funnel: Counter = Counter()
     for receipt in ledgers.values():
         funnel.update(receipt["funnel"])
-    shard_list = [shards[u] for u in sorted(shards)]
+    shard_list = shards
     return {
         "schema_version": schema.SCHEMA_VERSION,
         "config_hash": cfg.results_hash(),

@@ -8,16 +8,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from common import schema
+from common.layout import LAYOUT
 from common.storage import exists, join, list_files, read_json, resolve
-from curation.phases import FINAL_LEDGER_DIR, MANIFEST
-from curation.score import LEDGER_DIR, STATE_DIR
 
 
 def committed_files(out_uri: str, kind: str) -> list[str]:
     """Paths (relative to the output root) of committed phase-1 files: kind is "ledger" or "scored"."""
     fs, root = resolve(out_uri)
     files: list[str] = []
-    for path in list_files(fs, join(root, STATE_DIR, "score"), ".json"):
+    for path in list_files(fs, join(root, LAYOUT.score_commits), ".json"):
         files.extend(read_json(fs, path)[f"{kind}_files"])
     return sorted(files)
 
@@ -26,11 +25,11 @@ def read_ledger(out_uri: str, columns: list[str] | None = None) -> pa.Table:
     """One row per input: the final ledger once the write phase is done (the files its manifest lists), else phase
     1's committed ledger."""
     fs, root = resolve(out_uri)
-    if exists(fs, join(root, STATE_DIR, "write.done.json")):
-        entries = read_json(fs, join(root, MANIFEST))["final_ledger"]
-        files = [join(root, FINAL_LEDGER_DIR, e["file"]) for e in entries]
+    if exists(fs, join(root, LAYOUT.done("write"))):
+        entries = read_json(fs, join(root, LAYOUT.manifest))["final_ledger"]
+        files = [join(root, LAYOUT.final_ledger, e["file"]) for e in entries]
         return pa.concat_tables([pq.read_table(f, columns=columns, filesystem=fs) for f in files])
-    tables = [pq.read_table(join(root, f), columns=columns, filesystem=fs) for f in committed_files(out_uri, LEDGER_DIR)]
+    tables = [pq.read_table(join(root, f), columns=columns, filesystem=fs) for f in committed_files(out_uri, LAYOUT.ledger)]
     if not tables:
         return schema.ledger_schema().empty_table().select(columns or schema.ledger_schema().names)
     return pa.concat_tables(tables)

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import pyarrow.fs as pafs
 import ray
 
+from common.layout import GLOBAL_PHASES, LAYOUT
 from common.storage import (
     delete_quietly,
     exists,
@@ -48,20 +49,12 @@ from curation.components import run_components
 from curation.config import CurateConfig
 from curation.embedding_pairs import run_embedding_pairs
 from curation.final_write import (
-    FINAL_LEDGER_DIR,
-    SHARDS_DIR,
     UnitRecords,
     dedup_decisions_path,
     run_units,
     write_phase,
 )
 from curation.phash_pairs import run_phash_pairs
-from curation.score import STATE_DIR
-
-GLOBAL_PHASES = ("dedup", "sample", "write")
-DEDUP_FILE, SAMPLE_FILE = "dedup/decisions", "sample/decisions"  # partitioned: read as Parquet datasets
-MANIFEST = f"{SHARDS_DIR}/manifest.json"
-_PHASE_DIRS = {"dedup": ("dedup", f"{STATE_DIR}/dedup"), "sample": ("sample",), "write": (f"{STATE_DIR}/write",)}
 
 
 class PhaseOrderError(RuntimeError):
@@ -69,7 +62,7 @@ class PhaseOrderError(RuntimeError):
 
 
 def _done_path(root: str, phase: str) -> str:
-    return join(root, STATE_DIR, f"{phase}.done.json")
+    return join(root, LAYOUT.done(phase))
 
 
 def phase_done(out_uri: str, phase: str, settings_hash: str | None = None) -> bool:
@@ -82,7 +75,7 @@ def phase_done(out_uri: str, phase: str, settings_hash: str | None = None) -> bo
 
 def committed_records(out_uri: str) -> list[dict]:
     fs, root = resolve(out_uri)
-    return [read_json(fs, p) for p in list_files(fs, join(root, STATE_DIR, "score"), ".json")]
+    return [read_json(fs, p) for p in list_files(fs, join(root, LAYOUT.score_commits), ".json")]
 
 
 @ray.remote(num_cpus=0.5)
@@ -110,8 +103,8 @@ class GlobalPhases:
     # --- bookkeeping ---------------------------------------------------------------------------------------------
 
     def _require(self, phase: str) -> None:
-        needed = {"dedup": "score", "sample": "dedup", "write": "sample"}[phase]
-        ok = exists(self.fs, _done_path(self.root, needed)) if needed == "score" else phase_done(
+        needed = LAYOUT.needs(phase)
+        ok = exists(self.fs, _done_path(self.root, needed)) if needed not in GLOBAL_PHASES else phase_done(
             self.out_uri, needed, self.cfg.phase_hash(needed)
         )
         if not ok:
@@ -119,17 +112,17 @@ class GlobalPhases:
 
     def _start(self, phase: str) -> None:
         # writes a kill cut short leave _tmp- files; this run holds the lease, so none of them is live
-        remove_temporaries(self.fs, join(self.root, STATE_DIR))
-        for later in GLOBAL_PHASES[GLOBAL_PHASES.index(phase) :]:
+        remove_temporaries(self.fs, join(self.root, LAYOUT.state))
+        for later in LAYOUT.from_phase_on(phase):
             delete_quietly(self.fs, _done_path(self.root, later))
-        started = join(self.root, STATE_DIR, f"{phase}.started.json")
+        started = join(self.root, LAYOUT.started(phase))
         settings_hash = self.cfg.phase_hash(phase)
         if exists(self.fs, started) and read_json(self.fs, started).get("settings_hash") == settings_hash:
             self.log(f"[{phase}] resuming: partitions written by the interrupted run are kept")
-            for folder in _PHASE_DIRS[phase]:
+            for folder in LAYOUT.phase_folders(phase):
                 remove_temporaries(self.fs, join(self.root, folder), recursive=True)
             return
-        for folder in _PHASE_DIRS[phase]:
+        for folder in LAYOUT.phase_folders(phase):
             delete_quietly(self.fs, join(self.root, folder))
         write_json_atomic(self.fs, started, {"settings_hash": settings_hash})
 
@@ -162,7 +155,7 @@ class GlobalPhases:
                 self.out_uri, shards, path, cfg.dedup.keep_score, balance_key, cfg.embedding_dim)
             for i, (shards, path) in enumerate(zip(self.partitions, self.survivor_files))
         }
-        records = UnitRecords(self.fs, self.root, "dedup/survey", self.cfg.phase_hash("dedup"))
+        records = UnitRecords(self.fs, self.root, LAYOUT.survey_units, self.cfg.phase_hash("dedup"))
         total = 0
         for path, receipt in run_units(records, units, self.window):
             if receipt["missing_embedding"]:
@@ -180,13 +173,13 @@ class GlobalPhases:
         summaries = {}
         if "phash" in cfg.signals and n:
             summaries["phash"] = run_phash_pairs(self.out_uri, self.survivor_files, cfg.phash_radius, log=self.log)
-            pair_files["phash"] = self._listed("dedup/pairs/phash")
+            pair_files["phash"] = self._listed(LAYOUT.phash_pairs)
         if "embedding" in cfg.signals and n:
             summaries["embedding"] = run_embedding_pairs(
                 self.out_uri, self.survivor_files, cfg.embedding_threshold, cfg.embedding_k,
                 cluster_size=cfg.cluster_size, seed=self.cfg.sample.seed, log=self.log,
             )
-            pair_files["embedding"] = self._listed("dedup/pairs/embedding")
+            pair_files["embedding"] = self._listed(LAYOUT.embedding_pairs)
         result = run_components(self.out_uri, pair_files, self.survivor_files, log=self.log) if n else {}
         self.log(f"[dedup] {n} survivors in {len(self.survivor_files)} partitions; {result}")
         return {"inputs": n, "partitions": len(self.survivor_files), "pairs": summaries, "components": result}
@@ -210,7 +203,7 @@ class GlobalPhases:
         manifest = write_phase(self.cfg, self.out_uri, self.records, partition_of, len(self.partitions),
                                self.cfg.phase_hash("write"), log=self.log)
         self.guard()
-        write_json_atomic(self.fs, join(self.root, MANIFEST), manifest)  # the switch to the new files
+        write_json_atomic(self.fs, join(self.root, LAYOUT.manifest), manifest)  # the switch to the new files
         removed = self._remove_unlisted(manifest)
         self.log(
             f"[write] {manifest['totals']['rows']} images in {len(manifest['shards'])} shards "
@@ -221,11 +214,11 @@ class GlobalPhases:
     def _remove_unlisted(self, manifest: dict) -> int:
         """Delete every file under shards/ and final_ledger/ the manifest does not list (an earlier write's, the
         leftovers of an interrupted one); returns how many."""
-        listed = {join(self.root, MANIFEST)}
-        listed |= {join(self.root, SHARDS_DIR, s["file"]) for s in manifest["shards"]}
-        listed |= {join(self.root, FINAL_LEDGER_DIR, f["file"]) for f in manifest["final_ledger"]}
+        listed = {join(self.root, LAYOUT.manifest)}
+        listed |= {join(self.root, LAYOUT.shards, s["file"]) for s in manifest["shards"]}
+        listed |= {join(self.root, LAYOUT.final_ledger, f["file"]) for f in manifest["final_ledger"]}
         removed = 0
-        for folder in (SHARDS_DIR, FINAL_LEDGER_DIR):
+        for folder in (LAYOUT.shards, LAYOUT.final_ledger):
             if not exists(self.fs, join(self.root, folder)):
                 continue
             for info in self.fs.get_file_info(pafs.FileSelector(join(self.root, folder), recursive=True)):

@@ -66,6 +66,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 
+from common.layout import LAYOUT
 from common.storage import (
     delete_quietly,
     exists,
@@ -79,7 +80,6 @@ from common.storage import (
 from common.ray_utils import as_completed
 from curation import dedup as dd
 
-PAIRS_DIR = "dedup/pairs/phash"
 SHUFFLE_DIR = "_shuffle"  # "_" names are skipped by readers listing the pair files
 SPEC_FILE = "_spec.json"
 ROWS_PER_PARTITION = 1_000_000  # shuffle rows per reduce task (17 bytes each before decoding)
@@ -383,7 +383,7 @@ def run_phash_pairs(
     out_uri: str,
     survivor_files: Sequence[str],
     radius: int,
-    out_dir: str = PAIRS_DIR,
+    out_dir: str = LAYOUT.phash_pairs,
     partitions: int | None = None,
     log: Callable[[str], None] = print,
     *,

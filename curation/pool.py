@@ -39,11 +39,11 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from common import schema
+from common.layout import LAYOUT
 from common.storage import StorageError, display_uri, exists, is_local, join, redact, resolve, safe_name
 from curation.config import InputSettings
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".jfif", ".mpo")
-LISTING_FILE = "_state/inputs.parquet"  # relative to the output root
 
 # Reason codes of inputs that were never read; the decode stage records them as given.
 READ_CODES = ("unreadable", "file_too_large", "empty_shard", "link_outside_pool", "linked_folder")
@@ -193,14 +193,14 @@ def pin_listing(out_uri: str, shards: list[InputShard], settings: InputSettings)
         {"shard_id": pa.array(shard_id, pa.string()), "kind": pa.array(kind, pa.string()),
          "path": pa.array(path, pa.binary()), "size": pa.array(size, pa.int64())}
     ).replace_schema_metadata({f"input.{k}": v for k, v in _layout(settings).items()})
-    write_parquet_atomic(fs, join(root, LISTING_FILE), table, row_group_size=100_000)
+    write_parquet_atomic(fs, join(root, LAYOUT.listing), table, row_group_size=100_000)
 
 
 def pinned_listing(out_uri: str, settings: InputSettings) -> list[InputShard] | None:
     """The shards pinned by the run in ``out_uri``; None when it has none. Refuses input settings that would lay
     the pool out differently from the pin."""
     fs, root = resolve(out_uri)
-    path = join(root, LISTING_FILE)
+    path = join(root, LAYOUT.listing)
     if not exists(fs, path):
         return None
     table = pq.read_table(path, filesystem=fs)
@@ -210,7 +210,7 @@ def pinned_listing(out_uri: str, settings: InputSettings) -> list[InputShard] | 
     if changed:
         was = ", ".join(f"input.{k}={old} (this command: {new})" for k, (old, new) in changed.items())
         raise PoolError(
-            f"{redact(out_uri)} was started with {was}; its input shards are pinned in {LISTING_FILE}. Resume with "
+            f"{redact(out_uri)} was started with {was}; its input shards are pinned in {LAYOUT.listing}. Resume with "
             "the same input settings, choose another --output, or pass --new-run to start over."
         )
     shards: dict[str, InputShard] = {}

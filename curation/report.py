@@ -31,15 +31,14 @@ import yaml
 from PIL import Image, UnidentifiedImageError
 
 from common import schema
+from common.layout import GLOBAL_PHASES, LAYOUT, PHASES
 from common.storage import exists, join, read_json, resolve, write_bytes_atomic
-from curation.audit import MANIFEST, AuditResult
+from curation.audit import AuditResult
 from curation.config import CurateConfig
 from curation.imageio import open_image, open_reduced
 from curation.ledger import read_ledger, reason_code
-from curation.phases import DEDUP_FILE, GLOBAL_PHASES, SAMPLE_FILE, committed_records
-from curation.score import STATE_DIR
+from curation.phases import committed_records
 
-REPORT_DIR = "report"
 LEDGER_COLUMNS = [
     "source", "shard_id", "key", "status", "stage", "reason", "width", "height", "file_size", "person_count",
     "prominent_count", "main_person_score", "main_person_height_frac", "main_person_area_frac", "head_yaw_class",
@@ -184,7 +183,7 @@ class Thumbnails:
         self.out_uri, self.cfg, self.options = out_uri, cfg, options
         self.fs, self.root = resolve(out_uri)
         self.reader = reader or SourceReader(cfg.input.image_column, cfg.filters.max_file_bytes)
-        self.dir = join(self.root, REPORT_DIR, "thumbs")
+        self.dir = join(self.root, LAYOUT.report, "thumbs")
         self.made = 0  # thumbnails written by this instance
         self._existing: set[str] | None = None
 
@@ -220,7 +219,7 @@ class Thumbnails:
             if isinstance(jpeg, str):
                 results[key] = (None, jpeg)
             else:
-                write_bytes_atomic(self.fs, join(self.root, REPORT_DIR, self.name(key)), jpeg)
+                write_bytes_atomic(self.fs, join(self.root, LAYOUT.report, self.name(key)), jpeg)
                 self.made += 1
                 results[key] = (self.name(key), None)
         for t in tiles:
@@ -401,12 +400,12 @@ class _Report:
             r["short_side"] = min(w, h) if w and h else None
             r["aspect_ratio"] = max(w, h) / min(w, h) if w and h else None
         self.state = {}
-        for name in ("run", "score", *GLOBAL_PHASES):
-            rel = f"{STATE_DIR}/{name}.json" if name == "run" else f"{STATE_DIR}/{name}.done.json"
+        for name in ("run", *PHASES):
+            rel = LAYOUT.run_record if name == "run" else LAYOUT.done(name)
             self.state[name] = read_json(self.fs, join(self.root, rel)) if exists(self.fs, join(self.root, rel)) else None
-        self.manifest = read_json(self.fs, join(self.root, MANIFEST)) if exists(self.fs, join(self.root, MANIFEST)) else None
-        self.dups = self._table(DEDUP_FILE)
-        self.sample = self._table(SAMPLE_FILE)
+        self.manifest = read_json(self.fs, join(self.root, LAYOUT.manifest)) if exists(self.fs, join(self.root, LAYOUT.manifest)) else None
+        self.dups = self._table(LAYOUT.dedup_decisions)
+        self.sample = self._table(LAYOUT.sample_decisions)
 
     def _table(self, rel: str) -> list[dict]:
         path = join(self.root, rel)
@@ -638,7 +637,7 @@ class _Report:
         ]
         tiles = [t for _, _, parts in sections for p in parts if isinstance(p, Sheet) for t in p.tiles]
         self.thumbs.fill(tiles)  # all at once: one pass over the scored files, one thread pool
-        report = join(self.root, REPORT_DIR)
+        report = join(self.root, LAYOUT.report)
         for rel, data in self.charts.items():
             write_bytes_atomic(self.fs, join(report, rel), data)
         nav = " · ".join(f'<a href="#{sid}">{_esc(title)}</a>' for sid, title, _ in sections)

@@ -21,7 +21,7 @@ import ray
 from ray.data import ActorPoolStrategy
 
 from common import schema
-from common.lease import LEASE_FILE
+from common.layout import LAYOUT
 from common.storage import (
     delete_quietly,
     exists,
@@ -38,7 +38,6 @@ from curation.config import CurateConfig
 from curation.pool import InputShard, ShardReader
 from curation.stage import StageRunner
 
-SCORED_DIR, LEDGER_DIR, STATE_DIR = "scored", "ledger", "_state"
 
 # Task stages are created once per worker process, like an actor's setup().
 _TASK_RUNNERS: dict[tuple[str, str], StageRunner] = {}
@@ -100,15 +99,15 @@ def _write_parts(batch: pa.Table, out_uri: str, cfg_json: str, results_hash: str
         rows = batch.filter(pc.equal(batch.column("shard_id"), shard_id))
         sources = sorted(rows.column("source").to_pylist())
         part = "part-" + hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16] + ".parquet"
-        ledger_file = f"{LEDGER_DIR}/{shard_id}/{part}"
+        ledger_file = f"{LAYOUT.ledger}/{shard_id}/{part}"
         write_parquet_atomic(
-            fs, join(root, ledger_file), rows.select(ledger_schema.names).cast(ledger_schema), row_group_size=cfg.output.row_group_size,
+            fs, join(root, ledger_file), rows.select(ledger_schema.names).cast(ledger_schema), row_group_size=cfg.output.ledger_row_group_size,
             compression=cfg.output.compression,
         )
         kept = rows.filter(pc.equal(rows.column("status"), schema.KEPT))
         scored_file = None
         if kept.num_rows:
-            scored_file = f"{SCORED_DIR}/{shard_id}/{part}"
+            scored_file = f"{LAYOUT.scored}/{shard_id}/{part}"
             write_parquet_atomic(
                 fs, join(root, scored_file), kept.select(scored_schema.names).cast(scored_schema),
                 row_group_size=cfg.output.row_group_size, compression=cfg.output.compression,
@@ -149,7 +148,7 @@ def claim_output(out_uri: str, results_hash: str, input_uri: str, new_run: bool)
 
     Deletes the results of an earlier run: call it holding the output's lease (``common.lease``)."""
     fs, root = resolve(out_uri)
-    path = join(root, STATE_DIR, "run.json")
+    path = join(root, LAYOUT.run_record)
     input_uri = redact(input_uri) if "://" in input_uri else resolve(input_uri)[1]  # no credentials in _state
     if exists(fs, path) and not new_run:
         run = read_json(fs, path)
@@ -160,12 +159,12 @@ def claim_output(out_uri: str, results_hash: str, input_uri: str, new_run: bool)
                 "choose another --output, or pass --new-run to discard the old results."
             )
         return
-    for top in (SCORED_DIR, LEDGER_DIR):
+    for top in (LAYOUT.scored, LAYOUT.ledger):
         delete_quietly(fs, join(root, top))
-    state = join(root, STATE_DIR)
+    state = join(root, LAYOUT.state)
     if exists(fs, state):  # all of it but the lease this run holds
         for info in fs.get_file_info(pafs.FileSelector(state)):
-            if info.path != join(root, LEASE_FILE):
+            if info.path != join(root, LAYOUT.lease):
                 delete_quietly(fs, info.path)
     write_json_atomic(fs, path, {"results_hash": results_hash, "input": input_uri})
 
@@ -179,18 +178,18 @@ class ScorePhase:
         self.results_hash = cfg.results_hash()
 
     def commit_path(self, shard_id: str) -> str:
-        return join(self.root, STATE_DIR, "score", f"{shard_id}.json")
+        return join(self.root, LAYOUT.score_commit(shard_id))
 
     def committed(self) -> dict[str, dict]:
-        records = [read_json(self.fs, p) for p in list_files(self.fs, join(self.root, STATE_DIR, "score"), ".json")]
+        records = [read_json(self.fs, p) for p in list_files(self.fs, join(self.root, LAYOUT.score_commits), ".json")]
         return {r["shard_id"]: r for r in records}
 
     def _clear_uncommitted(self, shards: list[InputShard], committed: dict[str, dict]) -> None:
         # a commit record cut short by a kill leaves its temporary file; this run holds the lease, so none is live
-        remove_temporaries(self.fs, join(self.root, STATE_DIR, "score"))
+        remove_temporaries(self.fs, join(self.root, LAYOUT.score_commits))
         for shard in shards:
             if shard.shard_id not in committed:
-                for top in (LEDGER_DIR, SCORED_DIR):
+                for top in (LAYOUT.ledger, LAYOUT.scored):
                     delete_quietly(self.fs, join(self.root, top, shard.shard_id))
 
     def build(self, shards: list[InputShard]) -> ray.data.Dataset:
@@ -263,7 +262,7 @@ class ScorePhase:
                 raise RuntimeError(f"[score] shards not complete after the pipeline finished: {missing[:5]}")
         elapsed = time.monotonic() - start
         summary = {"shards": len(shards), "inputs_this_run": done_rows, "seconds": round(elapsed, 2)}
-        write_json_atomic(self.fs, join(self.root, STATE_DIR, "score.done.json"), {**summary, "results_hash": self.results_hash})
+        write_json_atomic(self.fs, join(self.root, LAYOUT.done("score")), {**summary, "results_hash": self.results_hash})
         return summary
 
     def _commit(self, shard_id: str, receipts: list[dict]) -> None:

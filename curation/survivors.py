@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SURVIVORS_DIR = "dedup/survivors"
+from common.layout import LAYOUT
+
 UID_SHIFT = 32
 
 
@@ -65,7 +66,7 @@ def plan_partitions(records: list[dict], rows_per_partition: int) -> list[list[t
 
 
 def partition_path(index: int) -> str:
-    return f"{SURVIVORS_DIR}/part-{index:06d}.parquet"
+    return LAYOUT.part(LAYOUT.survivors, index)
 
 
 def _keep_score(table: pa.Table, columns: list[str]):
@@ -115,5 +116,6 @@ def survey_partition(
     target = survivors_schema(dim)
     table = pa.concat_tables([p.cast(target) for p in pieces]) if pieces else target.empty_table()
     if not missing_embedding:
-        write_parquet_atomic(fs, join(root, path), table, row_group_size=10_000)
+        # lz4: the embeddings barely compress, and every later step reads them back
+        write_parquet_atomic(fs, join(root, path), table, row_group_size=10_000, compression="lz4")
     return {"path": path, "rows": table.num_rows, "missing_embedding": missing_embedding}

@@ -13,6 +13,7 @@ import argparse
 import sys
 import time
 
+from common.layout import GLOBAL_PHASES, PHASES
 from common.config import ConfigError, load_config
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
@@ -20,10 +21,8 @@ from common.storage import StorageError
 from curation.config import CurateConfig
 from curation.ledger import read_ledger, summary_table
 from curation.pool import PoolError, list_shards, pin_listing, pinned_listing
-from curation.phases import GLOBAL_PHASES, GlobalPhases, PhaseOrderError
+from curation.phases import GlobalPhases, PhaseOrderError
 from curation.score import RunMismatch, ScorePhase, claim_output
-
-PHASES = ("score", *GLOBAL_PHASES)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

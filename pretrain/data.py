@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from common import storage
+from common.layout import LAYOUT
 from curation.imageio import open_reduced
 
 if TYPE_CHECKING:  # not imported at run time: Ray Data's decode tasks import this module and need neither
@@ -46,7 +47,6 @@ if TYPE_CHECKING:  # not imported at run time: Ray Data's decode tasks import th
     from pretrain.config import PretrainConfig
 
 INDEX_FILE = "data_index.parquet"
-MANIFEST_FILE = "manifest.json"
 # 1: "file" held absolute paths or URIs; 2: names relative to the data folder, their sha256, the folder's name.
 INDEX_VERSION = 2
 _META_VERSION, _META_ROOT = b"humans1b.index_version", b"humans1b.data_root"
@@ -154,10 +154,10 @@ class DataIndex:
         """Read the footers of the shards that ``data_uri``'s manifest lists (and, when asked, check their sha256)."""
         fs, root = storage.resolve(data_uri)
         shown = storage.redact(data_uri)
-        manifest_path = storage.join(root, MANIFEST_FILE)
+        manifest_path = storage.join(root, LAYOUT.manifest_name)
         if not storage.exists(fs, manifest_path):
             raise DataError(
-                f"{shown} has no {MANIFEST_FILE}: training reads only the files a manifest lists (other files there may "
+                f"{shown} has no {LAYOUT.manifest_name}: training reads only the files a manifest lists (other files there may "
                 "be half-written or left over). Pass the curate job's <out>/shards once its write phase has finished "
                 "(or a folder written by jobs.make_synthetic)"
             )

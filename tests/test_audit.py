@@ -25,8 +25,9 @@ import pytest
 from PIL import Image
 
 from common import schema
+from common.layout import LAYOUT
 from common.config import load_config
-from curation.audit import MANIFEST, Problem, audit, funnel_key
+from curation.audit import Problem, audit, funnel_key
 from curation.config import CurateConfig
 from curation.ledger import read_ledger, reason_code
 from curation.report import (
@@ -70,7 +71,7 @@ def lite() -> CurateConfig:
 
 
 def _manifest(out: Path) -> dict:
-    return json.loads((out / MANIFEST).read_text())
+    return json.loads((out / LAYOUT.manifest).read_text())
 
 
 def _shard(out: Path, k: int) -> tuple[Path, str]:
@@ -92,7 +93,7 @@ def _refresh_manifest(out: Path) -> None:
         entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
                      rows=pq.ParquetFile(out / "shards" / entry["file"]).metadata.num_rows)
     manifest["totals"].update(rows=sum(e["rows"] for e in manifest["shards"]), bytes=sum(e["bytes"] for e in manifest["shards"]))
-    (out / MANIFEST).write_text(json.dumps(manifest))
+    (out / LAYOUT.manifest).write_text(json.dumps(manifest))
 
 
 def _where(problems: list[Problem], file: str, row: int | None = None, text: str = "") -> list[Problem]:
@@ -207,13 +208,13 @@ def test_ledger_row_removed(out):
     assert _where(problems, rel, None, f"no row for input {removed['source']} (ledger/")
     assert _where(problems, rel, None, f"{table.num_rows - 1} rows for {table.num_rows} inputs")
     key = funnel_key(removed["stage"], removed["status"], removed["reason"])
-    assert _where(problems, MANIFEST, None, f"funnel {key}:")
+    assert _where(problems, LAYOUT.manifest, None, f"funnel {key}:")
 
 
 def test_missing_output_is_a_problem_not_a_crash(tmp_path):
     result = audit(str(tmp_path / "nothing"))
     assert not result.ok
-    assert _where(result.problems, MANIFEST, None, "missing")
+    assert _where(result.problems, LAYOUT.manifest, None, "missing")
 
 
 def _free_port() -> int:

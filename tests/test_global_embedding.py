@@ -9,7 +9,7 @@ import pytest
 from common.storage import join, resolve, write_parquet_atomic
 from curation import dedup as dd
 from curation import embedding_pairs as ep
-from curation.survivors import SURVIVORS_DIR, make_uid, survivors_schema
+from curation.survivors import make_uid, partition_path, survivors_schema
 
 THRESHOLD, K = 0.95, 8
 
@@ -57,7 +57,7 @@ def _write_survivors(out, x: np.ndarray, rows_per_file: int) -> tuple[list[str],
             },
             schema=survivors_schema(dim),
         )
-        files.append(f"{SURVIVORS_DIR}/part-{i:06d}.parquet")
+        files.append(partition_path(i))
         write_parquet_atomic(fs, join(root, files[-1]), table, row_group_size=1000)
         uids.append(uid)
     return files, np.concatenate(uids)

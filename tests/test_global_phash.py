@@ -12,7 +12,7 @@ import pytest
 from common.storage import write_parquet_atomic, resolve
 from curation import dedup as dd
 from curation.phash_pairs import PAIR_SCHEMA, SHUFFLE_DIR, plan_pairs, run_phash_pairs
-from curation.survivors import SURVIVORS_DIR, make_uid, survivors_schema
+from curation.survivors import make_uid, partition_path, survivors_schema
 
 DIM = 4
 
@@ -42,7 +42,7 @@ def write_survivors(out: Path, uid: np.ndarray, phash: np.ndarray, valid: np.nda
             },
             schema=survivors_schema(DIM),
         )
-        rel = f"{SURVIVORS_DIR}/part-{i:06d}.parquet"
+        rel = partition_path(i)
         write_parquet_atomic(fs, f"{root}/{rel}", table, row_group_size=4096)
         files.append(rel)
     return files

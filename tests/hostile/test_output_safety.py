@@ -18,10 +18,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from common.layout import LAYOUT
 from common.config import load_config
-from common.lease import LEASE_FILE, Lease, LeaseHeld, LeaseLost
+from common.lease import Lease, LeaseHeld, LeaseLost
 from curation.config import CurateConfig
-from curation.phases import MANIFEST, GlobalPhases
+from curation.phases import GlobalPhases
 from jobs import curate
 from jobs import pretrain as pretrain_job
 from pretrain import data
@@ -37,14 +38,14 @@ def _foreign_lease(root: Path, heartbeat_age: float) -> dict:
     now = time.time()
     record = {"token": "0" * 32, "command": "jobs.curate", "host": "other-node", "pid": 4242, "process": "4242:1",
               "machine": "elsewhere", "ray_job": "raysubmit_other", "started": now - 3600, "heartbeat": now - heartbeat_age}
-    path = root / LEASE_FILE
+    path = root / LAYOUT.lease
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record))
     return record
 
 
 def _listed(out: Path) -> list[str]:
-    return [s["file"] for s in json.loads((out / MANIFEST).read_text())["shards"]]
+    return [s["file"] for s in json.loads((out / LAYOUT.manifest).read_text())["shards"]]
 
 
 @pytest.fixture
@@ -80,7 +81,7 @@ def test_of_racing_claimants_exactly_one_wins_and_the_others_are_told_who(tmp_pa
         assert "last heartbeat" in refusal and "--break-lease" in refusal
     winners[0].check()
     winners[0].release()
-    assert not (tmp_path / "out" / LEASE_FILE).exists()
+    assert not (tmp_path / "out" / LAYOUT.lease).exists()
 
 
 def test_a_killed_holder_on_this_machine_is_taken_over_at_once(tmp_path):
@@ -138,7 +139,7 @@ def test_curate_refuses_a_held_output_and_break_lease_takes_it(out, sample_pool,
     assert "is leased by another run" in err and "host other-node" in err and "--break-lease" in err
     assert curate.main([*args, "--break-lease"]) == 0
     assert "taking over the lease" in capsys.readouterr().out
-    assert not (out / LEASE_FILE).exists()  # given back at the end
+    assert not (out / LAYOUT.lease).exists()  # given back at the end
 
 
 # --- the manifest is the commit point -------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ def test_curate_refuses_a_held_output_and_break_lease_takes_it(out, sample_pool,
 def test_a_rewrite_switches_readers_from_the_whole_old_set_to_the_whole_new_one(out, ray_local):
     """The write phase is rewritten with other settings; its holder loses the lease after the new shards are
     written: the manifest is not switched and readers keep the old set. A rerun switches, then cleans."""
-    old_manifest = (out / MANIFEST).read_bytes()
+    old_manifest = (out / LAYOUT.manifest).read_bytes()
     old = data.DataIndex.scan(str(out / "shards"))
     cfg = load_config(CurateConfig, LITE, ["write.rows_per_shard=3"])
     holder = Lease(str(out), settle_s=0, **QUIET).acquire()
@@ -162,7 +163,7 @@ def test_a_rewrite_switches_readers_from_the_whole_old_set_to_the_whole_new_one(
 
     with pytest.raises(LeaseLost):
         GlobalPhases(cfg, str(out), guard=guard, **QUIET).run("write")
-    assert (out / MANIFEST).read_bytes() == old_manifest
+    assert (out / LAYOUT.manifest).read_bytes() == old_manifest
     during = seen_during[0]
     assert during.files == old.files and during.num_samples == old.num_samples
     assert set(old.files) < {p.name for p in (out / "shards").glob("*.parquet")}  # the new files lie beside
@@ -177,7 +178,7 @@ def test_a_rewrite_switches_readers_from_the_whole_old_set_to_the_whole_new_one(
     new = data.DataIndex.scan(str(out / "shards"), verify_sha256=True)
     assert new.num_samples == old.num_samples and set(new.files).isdisjoint(old.files)
     assert sorted(p.name for p in (out / "shards").iterdir()) == sorted([*new.files, "manifest.json"])
-    listed_ledger = {e["file"] for e in json.loads((out / MANIFEST).read_text())["final_ledger"]}
+    listed_ledger = {e["file"] for e in json.loads((out / LAYOUT.manifest).read_text())["final_ledger"]}
     assert {p.name for p in (out / "final_ledger").iterdir()} == listed_ledger
 
 
@@ -270,7 +271,7 @@ def test_an_s3_data_root_with_endpoint_override_is_indexed_and_read(s3, curated_
     with pytest.raises(LeaseHeld):
         Lease(f"s3://curated/out{query}", settle_s=0.2, **QUIET).acquire()
     lease.release()
-    assert fs.get_file_info(f"curated/out/{LEASE_FILE}").type == pafs.FileType.NotFound
+    assert fs.get_file_info(f"curated/out/{LAYOUT.lease}").type == pafs.FileType.NotFound
 
 
 def test_an_index_saved_before_relative_names_still_loads(curated_run):

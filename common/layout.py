@@ -1,0 +1,104 @@
+"""The layout of a curation output: every folder, commit and done record, the phase order and the manifest.
+
+Curation writes it, the audit, the report and the ledger reader check it, and training reads its manifest; all of them
+ask ``LAYOUT`` for a path or a phase name, so renaming a folder is a change here and nowhere else. Paths are relative
+to the output root (join them with ``common.storage.join``); names starting with ``_`` are bookkeeping that readers
+listing data files skip.
+
+    _state/lease.json                       the output's lease (common.lease)
+    _state/inputs.parquet                   the input shards the first run listed, pinned for every resume
+    _state/run.json                         the run's input and results hash
+    _state/score/<shard_id>.json            phase 1's commit record per input shard
+    _state/<phase>.started.json             a global phase's settings hash, written when it starts
+    _state/<phase>.done.json                a phase's record, written last
+    _state/<step>/<unit>.json               receipts of a global step's finished units
+    scored/<shard_id>/part-*.parquet        phase 1's kept rows, with scores, hashes and embeddings
+    ledger/<shard_id>/part-*.parquet        phase 1's ledger rows: one per input
+    dedup/...                               phase 2's partitions (survivors, pairs, components, decisions)
+    sample/...                              phase 3's partitions (work, hierarchy, decisions)
+    shards/part-NNNNN-<sha256>.parquet      the final curated shards
+    shards/manifest.json                    the current shards and final-ledger files: the commit point of "write"
+    final_ledger/<shard_id>-<sha256>.parquet   the ledger with every phase applied
+    report/                                 the HTML report (jobs.report)
+"""
+
+from __future__ import annotations
+
+PHASES = ("score", "dedup", "sample", "write")
+GLOBAL_PHASES = PHASES[1:]
+
+
+class OutputLayout:
+    state = "_state"
+    lease = "_state/lease.json"
+    listing = "_state/inputs.parquet"
+    run_record = "_state/run.json"
+    score_commits = "_state/score"
+
+    scored = "scored"
+    ledger = "ledger"
+
+    survivors = "dedup/survivors"
+    survey_units = "dedup/survey"
+    phash_pairs = "dedup/pairs/phash"
+    phash_work = "dedup/phash_bands"
+    embedding_pairs = "dedup/pairs/embedding"
+    embedding_buckets = "dedup/embedding_buckets"
+    embedding_centroids = "dedup/embedding_centroids.npy"
+    embedding_plan = "dedup/embedding_plan.json"
+    components = "dedup/components"
+    dedup_decisions = "dedup/decisions"
+
+    sample_run = "sample/run.json"
+    sample_hierarchy = "sample/hierarchy.parquet"
+    sample_work = "sample/work"
+    sample_decisions = "sample/decisions"
+
+    shards = "shards"
+    manifest_name = "manifest.json"  # inside the shards folder, which is what training is pointed at
+    manifest = f"{shards}/{manifest_name}"
+    final_ledger = "final_ledger"
+    report = "report"
+
+    # --- phases ---------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def needs(phase: str) -> str:
+        """The phase that must be complete before ``phase`` runs."""
+        return PHASES[PHASES.index(phase) - 1]
+
+    @staticmethod
+    def from_phase_on(phase: str) -> tuple[str, ...]:
+        """``phase`` and the global phases after it: what rerunning ``phase`` invalidates."""
+        return GLOBAL_PHASES[GLOBAL_PHASES.index(phase) :]
+
+    def done(self, phase: str) -> str:
+        return f"{self.state}/{phase}.done.json"
+
+    def started(self, phase: str) -> str:
+        return f"{self.state}/{phase}.started.json"
+
+    def units(self, step: str) -> str:
+        """The folder of a global step's unit receipts."""
+        return f"{self.state}/{step}"
+
+    def phase_folders(self, phase: str) -> tuple[str, ...]:
+        """What a global phase writes before its done record (cleared when it starts over with other settings)."""
+        return {
+            "dedup": ("dedup", self.units("dedup")),
+            "sample": ("sample",),
+            "write": (self.units("write"),),
+        }[phase]
+
+    # --- files ----------------------------------------------------------------------------------------------------
+
+    def score_commit(self, shard_id: str) -> str:
+        return f"{self.score_commits}/{shard_id}.json"
+
+    @staticmethod
+    def part(folder: str, index: int) -> str:
+        """Partition ``index`` of a partitioned folder (survivors, decisions, pairs, work)."""
+        return f"{folder}/part-{index:06d}.parquet"
+
+
+LAYOUT = OutputLayout()
