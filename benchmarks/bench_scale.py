@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -60,73 +61,81 @@ def _embeddings(n: int, dim: int, rng: np.random.Generator, centres: np.ndarray)
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
-def synthesise(out: Path, n: int, rows_per_shard: int, cfg: CurateConfig, seed: int = 0, dup_rate: float = 0.02) -> dict:
-    """A committed phase-1 output of ``n`` survivors; returns how many duplicates of each kind were planted."""
+def synthesise(out: Path, n: int, rows_per_shard: int, cfg: CurateConfig, seed: int = 0, dup_rate: float = 0.02,
+               processes: int | None = None) -> dict:
+    """A committed phase-1 output of ``n`` survivors; returns how many duplicates of each kind were planted. Input
+    shards are made in parallel processes, each from its own seed, so the output does not depend on how many."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(0, 1, (256, cfg.embedding_dim)).astype(np.float32)
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    n_shards = math.ceil(n / rows_per_shard)
+    jobs = [(str(out), f"files-{s:06d}", min(rows_per_shard, n - s * rows_per_shard), cfg.model_dump_json(), centres,
+             (seed, s), dup_rate) for s in range(n_shards)]
+    with ProcessPoolExecutor(processes or os.cpu_count()) as pool:
+        counts = list(pool.map(_synthesise_shard, jobs))
+    fs, root = resolve(str(out))
+    write_json_atomic(fs, join(root, LAYOUT.run_record), {"results_hash": cfg.results_hash(), "input": "synthetic"})
+    write_json_atomic(fs, join(root, LAYOUT.done("score")), {"shards": n_shards, "results_hash": cfg.results_hash()})
+    return {"phash": sum(counts), "embedding": sum(counts)}
+
+
+def _synthesise_shard(job: tuple) -> int:
+    """One committed input shard of survivors; returns the copies planted of each kind."""
+    out, shard_id, rows, cfg_json, centres, seed, dup_rate = job
+    cfg = CurateConfig.model_validate_json(cfg_json)
     rng = np.random.default_rng(seed)
     dim = cfg.embedding_dim
-    fs, root = resolve(str(out))
-    centres = rng.normal(0, 1, (256, dim)).astype(np.float32)
-    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    fs, root = resolve(out)
     scored_schema = schema.with_metadata(
         schema.scored_schema(dim), table="scored", config_hash=cfg.results_hash(),
         extra={"embedding_model": cfg.models.embedding.name, "embedding_dim": dim},
     )
     ledger_schema = schema.with_metadata(schema.ledger_schema(), table="ledger", config_hash=cfg.results_hash())
-    planted = {"phash": 0, "embedding": 0}
-    n_shards = math.ceil(n / rows_per_shard)
-    for s in range(n_shards):
-        rows = min(rows_per_shard, n - s * rows_per_shard)
-        shard_id = f"files-{s:06d}"
-        emb = _embeddings(rows, dim, rng, centres)
-        phash = rng.integers(0, 2**63, rows, dtype=np.int64).astype(np.uint64) * np.uint64(2) + rng.integers(
-            0, 2, rows, dtype=np.int64).astype(np.uint64)
-        # planted copies inside the shard: a pHash within radius 0..8, or an embedding at cosine ~0.97-0.99
-        m = int(rows * dup_rate)
-        dst = rng.choice(rows, 2 * m, replace=False)
-        src = (dst + rng.integers(1, rows, dst.size)) % rows
-        for d, o in zip(dst[:m], src[:m]):
-            flips = rng.choice(64, rng.integers(0, 9), replace=False)
-            phash[d] = phash[o] ^ np.uint64(sum(1 << int(b) for b in flips))
-        noise = rng.normal(0, 0.012, (m, dim)).astype(np.float32)
-        copies = emb[src[m:]] + noise
-        emb[dst[m:]] = copies / np.linalg.norm(copies, axis=1, keepdims=True)
-        planted["phash"] += m
-        planted["embedding"] += m
-        keys = [os.urandom(32).hex() for _ in range(rows)]
-        sources = [f"synthetic://pool/{shard_id}/{i:07d}.jpg" for i in range(rows)]
-        columns = {
-            "key": pa.array(keys, pa.string()),
-            "source": pa.array(sources, pa.string()),
-            "shard_id": pa.array([shard_id] * rows, pa.string()),
-            "file_size": pa.array(np.full(rows, 16, np.int64)),
-            "format": pa.array(["JPEG"] * rows, pa.string()),
-            "mode": pa.array(["RGB"] * rows, pa.string()),
-            "width": pa.array(rng.integers(384, 2048, rows).astype(np.int32)),
-            "height": pa.array(rng.integers(384, 2048, rows).astype(np.int32)),
-            "orientation": pa.array(np.ones(rows, np.int8)),
-            "image": pa.array([{"bytes": k[:16].encode(), "path": f"{i:07d}.jpg"} for i, k in enumerate(keys)],
-                              schema.IMAGE_TYPE),
-            "quality": pa.array(rng.random(rows).astype(np.float32)),
-            "head_yaw_class": pa.array(rng.choice(list(schema.HEAD_YAW_CLASSES), rows).tolist(), pa.string()),
-            "phash": pa.array(phash, pa.uint64()),
-            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), dim),
-        }
-        scored = pa.table({f.name: columns.get(f.name, pa.nulls(rows, f.type)) for f in scored_schema}, scored_schema)
-        ledger_cols = {**columns, "status": pa.array([schema.KEPT] * rows, pa.string()),
-                       "stage": pa.array(["embedding"] * rows, pa.string())}
-        ledger = pa.table({f.name: ledger_cols.get(f.name, pa.nulls(rows, f.type)) for f in ledger_schema},
-                          ledger_schema)
-        part = f"{shard_id}/part-0000000000000000.parquet"
-        scored_file, ledger_file = f"{LAYOUT.scored}/{part}", f"{LAYOUT.ledger}/{part}"
-        write_parquet_atomic(fs, join(root, scored_file), scored, row_group_size=cfg.output.row_group_size)
-        write_parquet_atomic(fs, join(root, ledger_file), ledger, row_group_size=cfg.output.ledger_row_group_size)
-        write_json_atomic(fs, join(root, LAYOUT.score_commit(shard_id)), {
-            "shard_id": shard_id, "rows": rows, "kept": rows, "ledger_files": [ledger_file],
-            "scored_files": [scored_file], "results_hash": cfg.results_hash(),
-        })
-    write_json_atomic(fs, join(root, LAYOUT.run_record), {"results_hash": cfg.results_hash(), "input": "synthetic"})
-    write_json_atomic(fs, join(root, LAYOUT.done("score")), {"shards": n_shards, "results_hash": cfg.results_hash()})
-    return planted
+    emb = _embeddings(rows, dim, rng, centres)
+    phash = rng.integers(0, 2**63, rows, dtype=np.int64).astype(np.uint64) * np.uint64(2) + rng.integers(
+        0, 2, rows, dtype=np.int64).astype(np.uint64)
+    # planted copies inside the shard: a pHash within radius 0..8, or an embedding at cosine ~0.97-0.99
+    m = int(rows * dup_rate)
+    dst = rng.choice(rows, 2 * m, replace=False)
+    src = (dst + rng.integers(1, rows, dst.size)) % rows
+    for d, o in zip(dst[:m], src[:m]):
+        flips = rng.choice(64, rng.integers(0, 9), replace=False)
+        phash[d] = phash[o] ^ np.uint64(sum(1 << int(b) for b in flips))
+    noise = rng.normal(0, 0.012, (m, dim)).astype(np.float32)
+    copies = emb[src[m:]] + noise
+    emb[dst[m:]] = copies / np.linalg.norm(copies, axis=1, keepdims=True)
+    keys = [os.urandom(32).hex() for _ in range(rows)]
+    sources = [f"synthetic://pool/{shard_id}/{i:07d}.jpg" for i in range(rows)]
+    columns = {
+        "key": pa.array(keys, pa.string()),
+        "source": pa.array(sources, pa.string()),
+        "shard_id": pa.array([shard_id] * rows, pa.string()),
+        "file_size": pa.array(np.full(rows, 16, np.int64)),
+        "format": pa.array(["JPEG"] * rows, pa.string()),
+        "mode": pa.array(["RGB"] * rows, pa.string()),
+        "width": pa.array(rng.integers(384, 2048, rows).astype(np.int32)),
+        "height": pa.array(rng.integers(384, 2048, rows).astype(np.int32)),
+        "orientation": pa.array(np.ones(rows, np.int8)),
+        "image": pa.array([{"bytes": k[:16].encode(), "path": f"{i:07d}.jpg"} for i, k in enumerate(keys)],
+                          schema.IMAGE_TYPE),
+        "quality": pa.array(rng.random(rows).astype(np.float32)),
+        "head_yaw_class": pa.array(rng.choice(list(schema.HEAD_YAW_CLASSES), rows).tolist(), pa.string()),
+        "phash": pa.array(phash, pa.uint64()),
+        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), dim),
+    }
+    scored = pa.table({f.name: columns.get(f.name, pa.nulls(rows, f.type)) for f in scored_schema}, scored_schema)
+    ledger_cols = {**columns, "status": pa.array([schema.KEPT] * rows, pa.string()),
+                   "stage": pa.array(["embedding"] * rows, pa.string())}
+    ledger = pa.table({f.name: ledger_cols.get(f.name, pa.nulls(rows, f.type)) for f in ledger_schema}, ledger_schema)
+    part = f"{shard_id}/part-0000000000000000.parquet"
+    scored_file, ledger_file = f"{LAYOUT.scored}/{part}", f"{LAYOUT.ledger}/{part}"
+    write_parquet_atomic(fs, join(root, scored_file), scored, row_group_size=cfg.output.row_group_size)
+    write_parquet_atomic(fs, join(root, ledger_file), ledger, row_group_size=cfg.output.ledger_row_group_size)
+    write_json_atomic(fs, join(root, LAYOUT.score_commit(shard_id)), {
+        "shard_id": shard_id, "rows": rows, "kept": rows, "ledger_files": [ledger_file],
+        "scored_files": [scored_file], "results_hash": cfg.results_hash(),
+    })
+    return m
 
 
 # --- measuring one run of the global phases (in its own process) ------------------------------------------------------
