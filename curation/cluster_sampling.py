@@ -236,7 +236,7 @@ def select_in_leaves(
                 group_budget[s:e] = np.minimum(sizes, want)
             elif want > 0:
                 group_budget[s:e] = sampling.water_fill(sizes, want, np.random.default_rng([seed, c]))
-    order, rank = sampling._ranked_groups(group, priority)
+    order, rank = sampling.ranked_groups(group, priority)
     mask = np.zeros(leaf.size, bool)
     mask[order[rank < group_budget[group[order]]]] = True
     return mask
@@ -339,7 +339,7 @@ def _assign_task(
     columns = ["uid", "embedding"] + (["balance"] if balance else [])
     uids, leaves, dists, values = [], [], [], []
     for rows in _alive_row_groups(fs, root, survivor_file, decision_file, columns):
-        leaf, dist = sampling._assign(_embeddings(rows), centroids)
+        leaf, dist = sampling.assign_nearest(_embeddings(rows), centroids)
         uids.append(rows.column("uid").to_numpy())
         leaves.append(leaf)
         dists.append(dist)

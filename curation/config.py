@@ -275,6 +275,11 @@ class DedupSettings(Strict):
     # Survivors per k-means cluster of the embedding search (None: chosen from the pool size); clusters several
     # times larger are split inside their task.
     cluster_size: int | None = Field(None, ge=2)
+    # A survivor near a cluster boundary is also searched in up to max_probes neighbouring clusters, those within
+    # probe_z of the expected offset of a near-duplicate (curation.embedding_pairs.ProbeRule): more finds more
+    # pairs across boundaries and writes more rows.
+    max_probes: int = Field(7, ge=0)
+    probe_z: float = Field(1.0, gt=0)
 
 
 class SampleSettings(Strict):

@@ -403,7 +403,7 @@ class EmbeddingPairs:
         return int(self.i.size)
 
 
-def _threshold_neighbours(
+def threshold_neighbours(
     query_ids: np.ndarray, sims: np.ndarray, ids: np.ndarray, k: int, threshold: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """From k+1 search results per query: drop the query itself and padding, keep the first k at >= threshold."""
@@ -433,7 +433,7 @@ def flat_pairs(x: np.ndarray, k: int, threshold: float, query_block: int = 16384
     for start in range(0, x.shape[0], query_block):
         q = np.arange(start, min(start + query_block, x.shape[0]))
         sims, ids = faiss.knn(x[q], x, kk, metric=faiss.METRIC_INNER_PRODUCT)
-        out.append(_threshold_neighbours(q, sims, ids, k, threshold))
+        out.append(threshold_neighbours(q, sims, ids, k, threshold))
     return tuple(np.concatenate(parts) for parts in zip(*out))
 
 
@@ -541,7 +541,7 @@ def ivf_block_pairs(
             continue
         sims, pos = _top_k_within(x, members, min(k + 1, members.size), max_candidates)
         ids = np.where(pos >= 0, members[np.maximum(pos, 0)], -1)
-        i, j, s = _threshold_neighbours(members, sims, ids, k, threshold)
+        i, j, s = threshold_neighbours(members, sims, ids, k, threshold)
         out_i.append(i)
         out_j.append(j)
         out_s.append(s)

@@ -17,7 +17,7 @@ Steps (``run_embedding_pairs``):
    cluster's bucket: ``dedup/embedding_buckets/b<bucket>/part-<file>.arrow`` (Arrow IPC, deleted once searched)
    with columns ``cluster``, ``uid``, ``home``, ``ranked`` (its home, then its probes) and ``embedding``.
 3. Search (one task per bucket). In each cluster every row, home or probe, takes its ``k`` nearest *home* rows;
-   pairs at >= ``threshold`` are kept (``dedup._threshold_neighbours``). Two survivors are compared when they
+   pairs at >= ``threshold`` are kept (``dedup.threshold_neighbours``). Two survivors are compared when they
    share a home or one probes the other's home. Written: ``dedup/pairs/embedding/part-<bucket>.parquet`` (``a`` <
    ``b`` uids, int64; ``similarity`` float32, their inner product; sorted by (a, b)).
 4. Cap. A cluster with more than ``max_cluster`` home rows (a prediction that was off, or a region denser than
@@ -413,7 +413,7 @@ def _search(x: np.ndarray, rows: np.ndarray, is_home: np.ndarray, s: SearchSetti
             ])
     sims, pos = faiss.knn(x[rows], x[home], min(s.k + 1, home.size), metric=faiss.METRIC_INNER_PRODUCT)
     ids = np.where(pos >= 0, home[np.maximum(pos, 0)], -1)
-    return dd._threshold_neighbours(rows, sims, ids, s.k, s.threshold)
+    return dd.threshold_neighbours(rows, sims, ids, s.k, s.threshold)
 
 
 def cluster_pairs(x: np.ndarray, uid: np.ndarray, home: np.ndarray, ranked: np.ndarray, s: SearchSettings

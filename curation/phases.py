@@ -177,7 +177,8 @@ class GlobalPhases:
         if "embedding" in cfg.signals and n:
             summaries["embedding"] = run_embedding_pairs(
                 self.out_uri, self.survivor_files, cfg.embedding_threshold, cfg.embedding_k,
-                cluster_size=cfg.cluster_size, seed=self.cfg.sample.seed, log=self.log,
+                cluster_size=cfg.cluster_size, seed=self.cfg.sample.seed, log=self.log, max_probes=cfg.max_probes,
+                probe_z=cfg.probe_z,
             )
             pair_files["embedding"] = self._listed(LAYOUT.embedding_pairs)
         result = run_components(self.out_uri, pair_files, self.survivor_files, log=self.log) if n else {}

@@ -64,7 +64,7 @@ def _kmeans(
     return km.centroids
 
 
-def _assign(x: np.ndarray, centroids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def assign_nearest(x: np.ndarray, centroids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     import faiss
 
     index = faiss.IndexFlatL2(centroids.shape[1])
@@ -91,13 +91,13 @@ def _fit_level(
     centroids it stays in the same local optimum and the resampling changes little.
     """
     centroids = _kmeans(x, k, seed, n_iter, mpc)
-    assign, dist = _assign(x, centroids)
+    assign, dist = assign_nearest(x, centroids)
     for step in range(resample_steps):
         subset = _closest_per_cluster(assign, dist, resample_size)
         if subset.size < k:  # too few points to refit k centroids
             break
         centroids = _kmeans(x[subset], k, seed + 1 + step, n_iter, mpc)
-        assign, dist = _assign(x, centroids)
+        assign, dist = assign_nearest(x, centroids)
     return centroids, assign, dist
 
 
@@ -202,7 +202,7 @@ def leaf_budgets(hierarchy: ClusterHierarchy, size: int, rng: np.random.Generato
     return budget
 
 
-def _ranked_groups(group: np.ndarray, priority: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def ranked_groups(group: np.ndarray, priority: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Items sorted by group then priority, and each one's rank inside its group."""
     order = np.lexsort((priority, group))
     g = group[order]
@@ -238,7 +238,7 @@ def balanced_select(
         raise ValueError(f"mode must be 'random' or 'closest', got {mode!r}")
 
     if balance_key is None:
-        order, rank = _ranked_groups(leaf, priority)
+        order, rank = ranked_groups(leaf, priority)
         chosen = order[rank < budget[leaf[order]]]
     else:
         _, code = np.unique(np.asarray(balance_key), return_inverse=True)
@@ -246,7 +246,7 @@ def balanced_select(
         group = leaf * n_values + code.ravel()  # (leaf, key value) pairs
         group_ids, group_of, group_size = np.unique(group, return_inverse=True, return_counts=True)
         group_budget = _split_among_children(budget, group_ids // n_values, group_size, rng)
-        order, rank = _ranked_groups(group_of.ravel(), priority)
+        order, rank = ranked_groups(group_of.ravel(), priority)
         chosen = order[rank < group_budget[group_of.ravel()[order]]]
     return np.sort(chosen)
 

@@ -70,6 +70,8 @@ class LogSettings(Strict):
     every: int = Field(10, ge=1)  # steps per metrics line
     record_keys: bool = False  # write the sample keys of every step (all ranks) to the metrics log
     peak_tflops: float | None = Field(None, gt=0)  # per-GPU peak for MFU; None: looked up from the GPU name
+    # steps a self-distillation collapse (objective.collapse_state), or its end, must last before it is logged
+    collapse_patience: int = Field(20, ge=1)
 
 
 class FaultSettings(Strict):

@@ -235,6 +235,91 @@ def distillation_loss(teacher_probs: Tensor, student_logits: Tensor, student_tem
     return ce[pairs].mean()
 
 
+# --- diagnostics and collapse detection ---------------------------------------------------------------------------
+
+# Every scalar ``JointObjective.losses`` returns, in a fixed order so the training loop can stack them.
+DIAGNOSTICS = ("teacher_entropy", "student_entropy", "cls_std", "cls_rms", "proto_used")
+TERMS = ("loss", "mae", "cl", *DIAGNOSTICS)
+
+# Collapse rules (``collapse_state``). Thresholds are scale-free so they hold for any K and width.
+UNIFORM_PERPLEXITY = 0.9  # teacher entropy >= ln(0.9 K), i.e. within 0.105 nats of ln K
+CONSTANT_CLS = 0.01  # CLS std across the batch below 1% of the CLS's RMS value
+ONE_PROTOTYPE_ENTROPY = 0.1  # nats: teacher rows (nearly) one-hot ...
+ONE_PROTOTYPE_USED = 1.5  # ... and (the mean over workers of) the distinct argmax prototypes rounds to 1
+
+
+@torch.no_grad()
+def contrastive_diagnostics(
+    teacher_probs: Tensor, student_logits: Tensor, cls: Tensor, student_temp: float
+) -> dict[str, Tensor]:
+    """Detached 0-d diagnostics of the self-distillation term, from tensors the loss already has; no host sync.
+
+    teacher_probs [G, B, K]; student_logits [G, B, K] (the global views); cls [G * B, D] (the student's global-view
+    [CLS]). All are over this worker's micro-batch (the training loop averages them over steps and workers):
+
+    - teacher_entropy: mean over rows of H(teacher probs); ln K means the targets are uniform, 0 one-hot.
+    - student_entropy: the same for the student's softmax at the student temperature.
+    - cls_std: mean over feature dims of the std of [CLS] across the rows (every global crop of every image);
+      cls_rms: the RMS of the [CLS] entries, the scale to read cls_std against (both after the final norm).
+    - proto_used: how many prototypes are the argmax of at least one teacher row (at most G * B). The exp of the
+      entropy of the batch-mean target would be the alternative, but Sinkhorn makes that mean uniform by design.
+    """
+    t = teacher_probs.detach().float().flatten(0, -2)
+    log_s = F.log_softmax(student_logits.detach().float().flatten(0, -2) / student_temp, dim=-1)
+    c = cls.detach().float()
+    # A scatter into K flags, not torch.unique: its data-dependent size would sync with the host on a GPU.
+    used = torch.zeros(t.shape[-1], device=t.device).index_fill_(0, t.argmax(-1), 1.0).sum()
+    return {
+        "teacher_entropy": torch.special.entr(t).sum(-1).mean(),  # entr(0) = 0: one-hot rows are exact
+        "student_entropy": -(log_s.exp() * log_s).sum(-1).mean(),
+        "cls_std": c.std(dim=0, correction=min(1, c.shape[0] - 1)).mean(),  # one row: 0 rather than NaN
+        "cls_rms": c.pow(2).mean().sqrt(),
+        "proto_used": used,
+    }
+
+
+def collapse_state(diag: dict[str, float], prototypes: int) -> str | None:
+    """Names the self-distillation collapse the diagnostics show (several joined by " + "), or None when healthy.
+
+    - "uniform targets": teacher entropy within ln(1 / 0.9) of ln K. The teacher's scores no longer tell the
+      images apart, so every target is uniform and a uniform student is the loss minimum (L_CL stuck at ln K).
+    - "constant CLS": the [CLS] std across the batch below 1% of its RMS: the backbone output ignores the image.
+    - "one prototype": teacher rows near one-hot (entropy < 0.1 nats) on a single prototype for the whole batch
+      (centring / Sinkhorn failed). With one image per worker, two views agreeing looks the same: read it with
+      the batch size in mind.
+    """
+    names = []
+    if diag["teacher_entropy"] >= math.log(UNIFORM_PERPLEXITY * prototypes):
+        names.append("uniform targets")
+    if diag["cls_std"] <= CONSTANT_CLS * diag["cls_rms"]:  # <=: an all-zero [CLS] is constant too
+        names.append("constant CLS")
+    if diag["teacher_entropy"] < ONE_PROTOTYPE_ENTROPY and diag["proto_used"] < ONE_PROTOTYPE_USED:
+        names.append("one prototype")
+    return " + ".join(names) or None
+
+
+class CollapseMonitor:
+    """Debounces ``collapse_state`` over metrics windows: the reported state (a collapse, or None: healthy) only
+    changes once the new state has held for ``patience`` steps, so a run hovering at a threshold reports once
+    when a collapse starts and once when it ends, not every window."""
+
+    def __init__(self, patience: int) -> None:
+        self.patience = patience
+        self.reported: str | None = None
+        self.candidate: str | None = None
+        self.since = 0  # the step before the candidate state's first window
+
+    def update(self, state: str | None, start: int, end: int) -> tuple[str | None, int] | None:
+        """Feed the state of the window of steps (start, end]; returns (the newly reported state, the step it has
+        held since) when the reported state changes, else None."""
+        if state != self.candidate:
+            self.candidate, self.since = state, start
+        if state != self.reported and end - self.since >= self.patience:
+            self.reported = state
+            return state, self.since
+        return None
+
+
 # --- the joint objective ------------------------------------------------------------------------------------------
 
 
@@ -283,7 +368,8 @@ class JointObjective(nn.Module):
         return generate_masks(batch, grid, self.cfg.masking, generator=generator, device=views.global_clean.device)
 
     def losses(self, views: Views, step: int, masks: Masks) -> dict[str, Tensor]:
-        """{"loss": L, "mae": L_MAE, "cl": L_CL}; only "loss" carries gradients."""
+        """{"loss": L, "mae": L_MAE, "cl": L_CL, and the ``contrastive_diagnostics``}, every value a 0-d tensor
+        (in the order of ``TERMS``); only "loss" carries gradients."""
         g, n_local = views.n_global, views.n_local
         b = views.global_clean.shape[0] // g
         student = self.student(views.global_clean, self._patch_keep(masks.keep, views.global_clean))
@@ -302,7 +388,9 @@ class JointObjective(nn.Module):
         total = mae + self.cfg.lambda_cl * cl
         if self.cfg.check_finite:
             _check_finite(step, {"mae": mae, "cl": cl, "loss": total})
-        return {"loss": total, "mae": mae.detach(), "cl": cl.detach()}
+        # Read with the loss terms: a CL term stuck at ln K is either collapse or plain slow learning; these tell.
+        diag = contrastive_diagnostics(probs, student_logits[:g], student.cls, self.cfg.cl.student_temp)
+        return {"loss": total, "mae": mae.detach(), "cl": cl.detach(), **diag}
 
     @torch.no_grad()
     def teacher_probs(self, scores: Tensor, step: int) -> Tensor:

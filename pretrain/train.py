@@ -14,7 +14,9 @@ One code path for CPU (gloo) and GPU (nccl; Ray Train picks the backend from ``u
 - Checkpoints (``pretrain/checkpoint.py``) every ``checkpoint.every`` steps, at the end, and when Ray Train reports
   an imminent preemption; each is reported to Ray Train in place, and a restarted worker group (or a rerun of the
   same command) gets the latest back from ``ray.train.get_checkpoint()``. The data position is part of it.
-- Metrics every ``log.every`` steps from rank 0: JSON lines under ``<run>/metrics/`` and a progress line.
+- Metrics every ``log.every`` steps from rank 0: JSON lines under ``<run>/metrics/`` and a progress line, with the
+  contrastive term's diagnostics; a collapse they show (``objective.collapse_state``) that lasts
+  ``log.collapse_patience`` steps is logged once as a warning and a ``collapse`` record, and so is its end.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from pretrain import data
 from pretrain.backbone import build, flops
 from pretrain.config import OptimSettings, PretrainConfig, RaySettings
 from pretrain.masking import num_masked
-from pretrain.objective import JointObjective
+from pretrain.objective import TERMS, CollapseMonitor, JointObjective, collapse_state
 
 METRICS = "metrics"
 RUN_FILE = "run.json"
@@ -235,7 +237,7 @@ class Window:
     """Sums over the steps since the last metrics line."""
 
     steps: int = 0
-    terms: Tensor | None = None  # [loss, mae, cl] summed over steps (mean over micro-batches)
+    terms: Tensor | None = None  # objective.TERMS summed over steps (mean over micro-batches)
     grad_norm: Tensor | None = None
     data_wait: float = 0.0
     started: float = field(default_factory=time.perf_counter)
@@ -333,6 +335,7 @@ class Worker:
             self.index, c, position=self.position, steps=c.steps - self.step, world=self.world, rank=self.rank
         )
         window = Window()
+        self.collapse = CollapseMonitor(c.log.collapse_patience)
         last_metrics: dict = {}
         preemption_saved = False
         while self.step < c.steps:
@@ -346,7 +349,7 @@ class Worker:
                 self.generator.manual_seed(_seed(c.seed, step, micro, self.rank))
                 out = self.model(images, step, self.generator)
                 (out["loss"] / accum).backward()
-                terms.append(torch.stack([out["loss"].detach(), out["mae"], out["cl"]]))
+                terms.append(torch.stack([out[k].detach().float() for k in TERMS]))  # read at log time only
                 keys += batch.keys
             lr, wd = lr_at(step, c.optim, c.steps), wd_at(step, c.optim, c.steps)
             for group in self.optimizer.param_groups:
@@ -384,8 +387,9 @@ class Worker:
 
     def _log_window(self, window: Window, **schedule: float) -> dict:
         c = self.cfg
-        # Reduced on the training device (NCCL reduces only GPU tensors): means of the loss terms and grad norm,
-        # mean and max of the data wait per step over ranks.
+        # Reduced on the training device (NCCL reduces only GPU tensors): means of the loss terms, diagnostics and
+        # grad norm, mean and max of the data wait per step over ranks. Every rank gets the same means, so every
+        # rank's collapse monitor agrees (rank 0 writes).
         stats = torch.cat([window.terms, window.grad_norm.view(1)]).float() / (window.steps * self.world)
         wait = torch.full((2,), window.data_wait / window.steps, device=self.device)
         dist.all_reduce(stats)
@@ -400,10 +404,9 @@ class Worker:
             "step": self.step,
             "epoch": self.position.epoch,
             "samples_seen": self.samples_seen,
-            "loss": stats[0],
-            "mae": stats[1],
-            "cl": stats[2],
-            "grad_norm": stats[3],
+            **dict(zip(TERMS, stats)),
+            "grad_norm": stats[len(TERMS)],
+            "collapse": collapse_state(dict(zip(TERMS, stats)), c.objective.cl.prototypes),  # this window's
             **schedule,
             "images_per_s": images_per_s,
             "tokens_per_s": images_per_s * self.tokens_per_image,
@@ -415,17 +418,37 @@ class Worker:
         }
         if self.peak:
             record["mfu"] = images_per_s * self.flops_per_image / (self.world * self.peak)
+        change = self.collapse.update(record["collapse"], self.step - window.steps, self.step)
         if self.log:
             self.log.write(record)
             mfu = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
+            ln_k = math.log(c.objective.cl.prototypes)
+            alarm = f" COLLAPSE: {self.collapse.reported}" if self.collapse.reported else ""
             progress(
                 f"[pretrain] step {self.step}/{c.steps} ep {record['epoch']} loss {record['loss']:.4f} "
                 f"(mae {record['mae']:.4f} cl {record['cl']:.4f}) lr {record['lr']:.2e} "
                 f"gnorm {record['grad_norm']:.3f} "
+                f"| Ht {record['teacher_entropy']:.3f} Hs {record['student_entropy']:.3f} lnK {ln_k:.3f} "
+                f"cls_std/rms {record['cls_std'] / max(record['cls_rms'], 1e-12):.1e} "
+                f"protos {record['proto_used']:.1f} m {record['momentum']:.5f}{alarm} "
                 f"| {images_per_s:.1f} img/s {record['tokens_per_s']:.0f} tok/s | step {step_s:.3f}s "
                 f"= data {wait_mean:.3f}s + compute {record['compute_s']:.3f}s{mfu}"
             )
+            if change:
+                self._log_collapse(*change)
         return {k: v for k, v in record.items() if isinstance(v, (int, float))}
+
+    def _log_collapse(self, state: str | None, since: int) -> None:
+        """A collapse (or its end) that has lasted ``log.collapse_patience`` steps: a warning and a record."""
+        ended = state is None
+        self.log.write({"kind": "collapse", "step": self.step, "state": state, "since": since, "ended": ended})
+        if ended:
+            progress(f"[pretrain] collapse ended: healthy since step {since}")
+        else:
+            progress(
+                f"[pretrain] WARNING: self-distillation collapse ({state}) since step {since}: the contrastive "
+                "term teaches nothing while it lasts (see README, Pretraining)"
+            )
 
     def _save(self, metrics: dict, reason: str = "interval") -> None:
         name = os.path.basename(ckpt.step_uri(self.run_uri, self.step))

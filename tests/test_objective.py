@@ -1,5 +1,5 @@
 """The joint MAE + self-distillation objective: MAE targets and loss, EMA teacher, centring, views, NaN guard,
-and a tiny model learning on the sample photos."""
+the contrastive term's diagnostics and collapse detection, and a tiny model learning on the sample photos."""
 
 from __future__ import annotations
 
@@ -13,13 +13,17 @@ import torch.nn.functional as F
 from PIL import Image
 
 from pretrain.backbone import SIZES, build
-from pretrain.masking import generate_masks
+from pretrain.masking import Masks, generate_masks
 from pretrain.objective import (
+    TERMS,
     CLConfig,
+    CollapseMonitor,
     JointObjective,
     MAEConfig,
     NonFiniteLossError,
     ObjectiveConfig,
+    collapse_state,
+    contrastive_diagnostics,
     distillation_loss,
     mae_loss,
     mae_targets,
@@ -174,7 +178,8 @@ def test_no_gradient_reaches_the_teacher() -> None:
     obj = tiny_objective()
     assert all(not p.requires_grad for p in obj.teacher.parameters())
     out = obj(torch.rand(4, 3, 96, 72), step=0, generator=_gen())
-    assert set(out) == {"loss", "mae", "cl"} and out["loss"].requires_grad and not out["cl"].requires_grad
+    assert tuple(out) == TERMS and out["loss"].requires_grad
+    assert all(v.ndim == 0 and not v.requires_grad and v.grad_fn is None for k, v in out.items() if k != "loss")
     out["loss"].backward()
     assert all(p.grad is None for p in obj.teacher.parameters())
     for module in (obj.student, obj.decoder, obj.head):
@@ -186,6 +191,110 @@ def test_no_gradient_reaches_the_teacher() -> None:
     assert not all(torch.equal(a, p) for a, p in zip(before, obj.teacher.parameters()))
     obj.train()
     assert obj.student.training and not obj.teacher.training
+
+
+# --- diagnostics and collapse detection ---------------------------------------------------------------------------
+
+
+def test_diagnostics_on_constructed_inputs() -> None:
+    g, b, k = 2, 3, 16
+    cls = torch.randn(g * b, 8)
+    logits = torch.randn(g, b, k)
+    uniform = contrastive_diagnostics(torch.full((g, b, k), 1 / k), torch.zeros(g, b, k), cls, 0.1)
+    assert uniform["teacher_entropy"].item() == pytest.approx(math.log(k), rel=1e-6)
+    assert uniform["student_entropy"].item() == pytest.approx(math.log(k), rel=1e-6)  # equal logits: uniform
+
+    same = F.one_hot(torch.full((g, b), 5), k).float()  # every row one-hot on prototype 5
+    d = contrastive_diagnostics(same, logits, cls, 0.1)
+    assert d["teacher_entropy"].item() == 0.0 and d["proto_used"].item() == 1.0
+    expected = torch.distributions.Categorical(logits=logits / 0.1).entropy().mean()
+    assert d["student_entropy"].item() == pytest.approx(expected.item(), rel=1e-5)
+    spread = F.one_hot(torch.tensor([[0, 1, 1], [2, 9, 0]]), k).float()
+    assert contrastive_diagnostics(spread, logits, cls, 0.1)["proto_used"].item() == 4.0
+
+    flat = contrastive_diagnostics(same, logits, torch.randn(1, 8).expand(g * b, 8), 0.1)
+    assert flat["cls_std"].item() == 0.0 and flat["cls_rms"].item() > 0.1
+    two = contrastive_diagnostics(same[:1, :2], logits[:1, :2], torch.tensor([[0.0, 0.0], [2.0, 2.0]]), 0.1)
+    assert two["cls_std"].item() == pytest.approx(math.sqrt(2))  # unbiased std of {0, 2} in each dim
+    assert two["cls_rms"].item() == pytest.approx(math.sqrt(2))  # sqrt((0 + 0 + 4 + 4) / 4)
+    one_row = contrastive_diagnostics(same[:1, :1], logits[:1, :1], cls[:1], 0.1)
+    assert one_row["cls_std"].item() == 0.0  # not NaN
+
+
+def _diag(entropy: float, std: float = 0.5, rms: float = 1.0, used: float = 8.0) -> dict[str, float]:
+    return {"teacher_entropy": entropy, "student_entropy": entropy, "cls_std": std, "cls_rms": rms, "proto_used": used}
+
+
+def test_collapse_state_names_each_failure() -> None:
+    k = 256
+    healthy = math.log(k) - 1.0
+    assert collapse_state(_diag(healthy), k) is None
+    assert collapse_state(_diag(math.log(k)), k) == "uniform targets"
+    assert collapse_state(_diag(math.log(k) - 0.05), k) == "uniform targets"
+    assert collapse_state(_diag(math.log(k) - 0.2), k) is None  # below ln(0.9 K)
+    assert collapse_state(_diag(healthy, std=1e-3), k) == "constant CLS"
+    assert collapse_state(_diag(healthy, std=0.1, rms=100.0), k) == "constant CLS"  # relative to the scale
+    assert collapse_state(_diag(healthy, std=0.1, rms=1.0), k) is None
+    assert collapse_state(_diag(0.01, used=1.0), k) == "one prototype"
+    assert collapse_state(_diag(0.01, used=4.0), k) is None  # sharp targets on several prototypes: healthy
+    assert collapse_state(_diag(math.log(k), std=0.0), k) == "uniform targets + constant CLS"
+    # from the diagnostics themselves: every row one-hot on one prototype
+    one_hot = F.one_hot(torch.zeros(2, 4, dtype=torch.long), k).float()
+    d = contrastive_diagnostics(one_hot, torch.randn(2, 4, k), torch.randn(8, 16), 0.1)
+    assert collapse_state({n: v.item() for n, v in d.items()}, k) == "one prototype"
+
+
+def test_collapse_monitor_reports_a_lasting_collapse_once_and_its_end() -> None:
+    monitor = CollapseMonitor(patience=10)
+    u = "uniform targets"
+    states = [None, u, None, u, u, u, u, None, u, None, None, None]
+    changes = {}
+    for i, state in enumerate(states):  # windows of 5 steps
+        change = monitor.update(state, 5 * i, 5 * (i + 1))
+        if change:
+            changes[5 * (i + 1)] = change
+    # a one-window blip is never reported; the collapse from step 15 is once it has held 10 steps, and its end
+    # (from step 45, after a one-window relapse) once the run has been healthy for 10 steps
+    assert changes == {25: (u, 15), 55: (None, 45)}
+    assert monitor.reported is None
+
+
+def _repeated_views(image: torch.Tensor, g: int, b: int) -> Views:
+    one = make_views(image[None], SMALL_VIEWS.model_copy(update={"n_local": 0}), _gen())
+    rows = (g * b, -1, -1, -1)
+    return Views(one.global_clean[:1].expand(rows), one.global_aug[:1].expand(rows), one.local, g, 0)
+
+
+def test_losses_diagnose_a_constant_cls_and_uniform_targets() -> None:
+    k = 64
+    # The same crop of one image in every row, masked alike: one [CLS], and Sinkhorn turns identical teacher
+    # scores into uniform targets.
+    obj = tiny_objective(cl=CLConfig(hidden=64, bottleneck=32, prototypes=k, normalize="sinkhorn"))
+    views = _repeated_views(torch.rand(3, 96, 72), 2, 4)
+    one = obj.masks_for(Views(views.global_clean[:1], views.global_aug[:1], views.local, 1, 0), _gen())
+    masks = Masks(*(t.expand(8, *t.shape[1:]) for t in (one.mask, one.keep, one.blockwise)))
+    out = obj.losses(views, 0, masks)
+    assert out["cls_std"].item() < 1e-6 * out["cls_rms"].item()
+    assert out["teacher_entropy"].item() == pytest.approx(math.log(k), rel=1e-5)
+    assert collapse_state({n: v.item() for n, v in out.items()}, k) == "uniform targets + constant CLS"
+
+
+def test_losses_diagnose_distinct_images_as_healthy_unless_the_cls_ignores_them() -> None:
+    k = 64
+    images = torch.rand(6, 3, 96, 72)
+    cl = CLConfig(hidden=64, bottleneck=32, prototypes=k, normalize="sinkhorn")
+    for layer_scale, expected in ((1.0, None), (1e-4, "uniform targets + constant CLS")):
+        torch.manual_seed(0)
+        backbone = build(dataclasses.replace(SIZES["tiny"], layer_scale_init=layer_scale))
+        obj = JointObjective(backbone, small_config(cl=cl), total_steps=10)
+        with torch.no_grad():
+            out = obj(images, 0, _gen())
+        diag = {n: v.item() for n, v in out.items()}
+        # LayerScale 1e-4 (the default, for deep models) leaves a fresh 4-block [CLS] nearly image-independent:
+        # the tiny runs' collapse, visible from step 0.
+        assert collapse_state(diag, k) == expected, diag
+        if expected is None:
+            assert diag["cls_std"] > 0.1 * diag["cls_rms"] and diag["teacher_entropy"] < math.log(0.9 * k)
 
 
 # --- views --------------------------------------------------------------------------------------------------------

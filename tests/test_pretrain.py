@@ -31,7 +31,7 @@ from pretrain import checkpoint as ckpt
 from pretrain import data
 from pretrain.backbone import SIZES, build
 from pretrain.config import OptimSettings, PretrainConfig
-from pretrain.objective import JointObjective
+from pretrain.objective import TERMS, JointObjective, collapse_state
 from pretrain.train import build_model, build_optimizer, fingerprint, latest_per_step, lr_at, read_metrics, wd_at
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,6 +48,7 @@ FAST = [
     "optim.grad_accum=2",
     "log.every=1",
     "log.record_keys=true",
+    "log.collapse_patience=3",
 ]
 
 
@@ -113,6 +114,20 @@ def test_short_fsdp_run_finishes_and_its_loss_falls(reference):
         assert r["lr"] == pytest.approx(lr_at(s - 1, load_config(PretrainConfig, TINY, FAST).optim, STEPS))
         assert r["step_s"] == pytest.approx(r["data_wait_s"] + r["compute_s"])
         assert r["images_per_s"] > 0 and r["tokens_per_s"] > r["images_per_s"] and "mfu" not in r
+    # The contrastive diagnostics ride along (means over micro-batches and workers), with each window's collapse
+    # state; a state held for log.collapse_patience steps is recorded once, with the step it began after.
+    cfg = load_config(PretrainConfig, TINY, FAST)
+    prototypes, rows = cfg.objective.cl.prototypes, cfg.objective.views.n_global * cfg.data.batch_size
+    for r in train.values():
+        assert all(math.isfinite(r[k]) for k in TERMS), r
+        assert 0 <= r["teacher_entropy"] <= math.log(prototypes) + 1e-4 and 1 <= r["proto_used"] <= rows
+        assert r["collapse"] == collapse_state(r, prototypes)
+    reported = None
+    for event in read_metrics(str(reference), "collapse"):
+        assert event["state"] != reported and event["ended"] == (event["state"] is None)
+        assert event["step"] - event["since"] >= 3
+        assert all(train[s]["collapse"] == event["state"] for s in range(event["since"] + 1, event["step"] + 1))
+        reported = event["state"]
 
 
 def test_checkpoints_are_committed_and_only_the_last_k_kept(reference):
