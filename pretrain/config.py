@@ -20,6 +20,9 @@ class ModelSettings(Strict):
     size: str = "0.4b"  # a key of pretrain.backbone.SIZES
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
     compile: bool = False  # torch.compile each transformer block
+    # LayerScale's initial value (None: the size's, 1e-4). At 1e-4 a fresh shallow model's [CLS] barely depends on
+    # the image, so the teacher's targets start uniform; small models start better from 0.1.
+    layer_scale_init: float | None = Field(None, gt=0)
 
     @field_validator("size")
     @classmethod
@@ -29,7 +32,10 @@ class ModelSettings(Strict):
         return v
 
     def backbone(self) -> BackboneConfig:
-        return dataclasses.replace(SIZES[self.size], activation_checkpointing=self.activation_checkpointing)
+        backbone = dataclasses.replace(SIZES[self.size], activation_checkpointing=self.activation_checkpointing)
+        if self.layer_scale_init is not None:
+            backbone = dataclasses.replace(backbone, layer_scale_init=self.layer_scale_init)
+        return backbone
 
 
 class DataSettings(Strict):

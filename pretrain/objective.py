@@ -57,6 +57,9 @@ class CLConfig(Strict):
     sinkhorn_iters: int = Field(3, ge=1)
     momentum: float = Field(0.996, ge=0, le=1)  # teacher EMA momentum at step 0 ...
     momentum_end: float = Field(1.0, ge=0, le=1)  # ... and at the last step (cosine between)
+    # KoLeo (DINOv2): spreads the student's [CLS] of each global view over the batch, so a [CLS] that ignores the
+    # image costs loss from step 0 instead of sitting at the uniform-target minimum. 0 turns it off.
+    koleo: float = Field(0.0, ge=0)
 
 
 class ObjectiveConfig(Strict):
@@ -223,6 +226,17 @@ def sinkhorn_knopp(scores: Tensor, temp: float, iters: int) -> Tensor:
     return (q * n).t()
 
 
+def koleo_loss(x: Tensor, eps: float = 1e-8) -> Tensor:
+    """Kozachenko-Leonenko entropy estimate (DINOv2's KoLeo regulariser) of rows of ``x`` [..., B, D]: minus the
+    mean log distance of each L2-normalised row to its nearest other row in the same batch."""
+    x = F.normalize(x.float(), dim=-1, eps=eps)
+    sim = x @ x.transpose(-1, -2)
+    sim.diagonal(dim1=-2, dim2=-1).fill_(-2.0)  # never its own nearest neighbour
+    nearest = sim.max(dim=-1).values
+    distance = (2 - 2 * nearest).clamp_min(0).sqrt()  # |a - b| of unit vectors
+    return -torch.log(distance + eps).mean()
+
+
 def distillation_loss(teacher_probs: Tensor, student_logits: Tensor, student_temp: float) -> Tensor:
     """Mean over view pairs (teacher view g, student view v != g) of the cross-entropy, averaged over the batch.
 
@@ -239,7 +253,7 @@ def distillation_loss(teacher_probs: Tensor, student_logits: Tensor, student_tem
 
 # Every scalar ``JointObjective.losses`` returns, in a fixed order so the training loop can stack them.
 DIAGNOSTICS = ("teacher_entropy", "student_entropy", "cls_std", "cls_rms", "proto_used")
-TERMS = ("loss", "mae", "cl", *DIAGNOSTICS)
+TERMS = ("loss", "mae", "cl", "koleo", *DIAGNOSTICS)
 
 # Collapse rules (``collapse_state``). Thresholds are scale-free so they hold for any K and width.
 UNIFORM_PERPLEXITY = 0.9  # teacher entropy >= ln(0.9 K), i.e. within 0.105 nats of ln K
@@ -385,12 +399,13 @@ class JointObjective(nn.Module):
             probs = self.teacher_probs(teacher, step).view(g, b, -1)
         cl = distillation_loss(probs, student_logits, self.cfg.cl.student_temp)
 
-        total = mae + self.cfg.lambda_cl * cl
+        koleo = koleo_loss(student.cls.view(g, b, -1)) if self.cfg.cl.koleo and b > 1 else mae.new_zeros(())
+        total = mae + self.cfg.lambda_cl * (cl + self.cfg.cl.koleo * koleo)
         if self.cfg.check_finite:
-            _check_finite(step, {"mae": mae, "cl": cl, "loss": total})
+            _check_finite(step, {"mae": mae, "cl": cl, "koleo": koleo, "loss": total})
         # Read with the loss terms: a CL term stuck at ln K is either collapse or plain slow learning; these tell.
         diag = contrastive_diagnostics(probs, student_logits[:g], student.cls, self.cfg.cl.student_temp)
-        return {"loss": total, "mae": mae.detach(), "cl": cl.detach(), **diag}
+        return {"loss": total, "mae": mae.detach(), "cl": cl.detach(), "koleo": koleo.detach(), **diag}
 
     @torch.no_grad()
     def teacher_probs(self, scores: Tensor, step: int) -> Tensor:

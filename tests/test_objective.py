@@ -422,3 +422,60 @@ def test_tiny_model_joint_loss_falls_on_sample_photos() -> None:
     assert last[0] < 0.85 * first[0], (first, last)  # the joint loss falls clearly ...
     assert last[1] < 0.85 * first[1], (first, last)  # ... and so does reconstruction
     assert last[2] < 0.95 * math.log(prototypes), (first, last)  # self-distillation has not collapsed to uniform
+
+
+def test_koleo_is_minus_log_nearest_distance_and_pushes_the_closest_rows_apart() -> None:
+    from pretrain.objective import koleo_loss
+
+    orthonormal = torch.eye(4, 8)
+    assert koleo_loss(orthonormal).item() == pytest.approx(-math.log(math.sqrt(2)), abs=1e-6)
+    x = torch.tensor([[1.0, 0.0, 0.0], [0.99, 0.14, 0.0], [0.0, 0.0, 1.0]], requires_grad=True)
+    assert koleo_loss(x).item() > koleo_loss(orthonormal).item()  # two near-duplicate rows cost more
+    koleo_loss(x).backward()
+    with torch.no_grad():
+        moved = x - 0.05 * x.grad
+    near = lambda t: F.normalize(t, dim=-1)[:2].diff(dim=0).norm().item()  # noqa: E731
+    assert near(moved) > near(x.detach())
+    assert koleo_loss(torch.stack([orthonormal, orthonormal])).item() == pytest.approx(koleo_loss(orthonormal).item())
+
+
+def _short_run(cfg, images: torch.Tensor, steps: int, batch: int) -> dict[str, float]:
+    """Means of the objective's terms over the last third of a short run at ``batch`` images per step."""
+    torch.manual_seed(0)
+    obj = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=steps)
+    opt = torch.optim.AdamW([p for p in obj.parameters() if p.requires_grad], lr=cfg.optim.lr,
+                            weight_decay=cfg.optim.weight_decay)
+    gen, history = _gen(), []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = cfg.optim.lr * min(1.0, (step + 1) / cfg.optim.warmup_steps)
+        out = obj(images[torch.randint(len(images), (batch,), generator=gen)], step, gen)
+        opt.zero_grad(set_to_none=True)
+        out["loss"].backward()
+        opt.step()
+        obj.update_teacher(step)
+        history.append({k: out[k].item() for k in TERMS})
+    tail = history[-steps // 3 :]
+    return {k: sum(h[k] for h in tail) / len(tail) for k in TERMS}
+
+
+def test_the_shipped_tiny_objective_leaves_ln_k_where_the_former_one_stays(repo_root) -> None:
+    """The shipped tiny config, at its batch (4) and length (60 steps): the contrastive term falls well below
+    ln K with no collapse named; the former tiny objective (Sinkhorn over 256 prototypes, LayerScale 1e-4, the
+    0.996 EMA) stays at ln K with uniform targets."""
+    from common.config import load_config
+    from pretrain.config import PretrainConfig
+
+    images = _photo_batch()
+    shipped = load_config(PretrainConfig, str(repo_root / "configs/pretrain/tiny.yaml"))
+    k = shipped.objective.cl.prototypes
+    learned = _short_run(shipped, images, shipped.steps, batch=4)
+    assert learned["cl"] < math.log(k) - 0.5, learned
+    assert collapse_state(learned, k) is None, learned
+    former = load_config(PretrainConfig, str(repo_root / "configs/pretrain/tiny.yaml"), [
+        "model.layer_scale_init=0.0001", "objective.cl.normalize=sinkhorn", "objective.cl.prototypes=256",
+        "objective.cl.teacher_temp=0.07", "objective.cl.momentum=0.996", "objective.cl.momentum_end=1.0",
+        "objective.cl.koleo=0"])
+    stuck = _short_run(former, images, former.steps, batch=4)
+    assert abs(stuck["cl"] - math.log(256)) < 0.05, stuck
+    assert "uniform targets" in collapse_state(stuck, 256), stuck
