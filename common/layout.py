@@ -41,7 +41,6 @@ class OutputLayout:
     survivors = "dedup/survivors"
     survey_units = "dedup/survey"
     phash_pairs = "dedup/pairs/phash"
-    phash_work = "dedup/phash_bands"
     embedding_pairs = "dedup/pairs/embedding"
     embedding_buckets = "dedup/embedding_buckets"
     embedding_centroids = "dedup/embedding_centroids.npy"

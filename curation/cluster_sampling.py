@@ -6,10 +6,10 @@ uids it dropped (absent: none dropped). The survivors that are not dropped are t
 
 1. train: the training set is the ``sample_size`` alive items of lowest hash of (uid, seed): uniform, and
    independent of how items are partitioned. Ray tasks return their files' items below a hash threshold; one
-   training task keeps the lowest, trains the leaf centroids on them with faiss k-means and the upper levels on the leaf
-   centroids (``sampling.hierarchical_kmeans`` does both), ``sample.training_points_per_cluster`` points per leaf
-   (faiss subsamples a larger set to at most 256 per centroid anyway). Written to ``sample/hierarchy.parquet`` (level,
-   cluster, parent, centroid), which later steps and reruns read.
+   training task keeps the lowest, trains the leaf centroids on them with faiss k-means and the upper levels on
+   the leaf centroids (``sampling.hierarchical_kmeans`` does both), ``sample.training_points_per_cluster`` points
+   per leaf (faiss subsamples a larger set to at most 256 per centroid anyway). Written to
+   ``sample/hierarchy.parquet`` (level, cluster, parent, centroid), which later steps and reruns read.
 2. assign: a task per survivors file gives each alive item its leaf and squared distance to the leaf centroid and
    writes the rows (uid, leaf, distance, balance) routed to buckets by leaf (``leaf % buckets``) into
    ``sample/work/buckets/part-<i>.parquet`` (``curation.routed``: one file per task); it returns its per-leaf
@@ -32,7 +32,8 @@ different fingerprint clears this step's outputs first, so a resumed run never m
 Memory, and what it becomes at 1B survivors on a cluster (1M-row survivors files, 384-d, sqrt(N) = 31.6k leaves):
 - training task: the training sample (``sample_size`` x D float32; default 64 per leaf, at most
   ``MAX_TRAINING_POINTS`` = 1M points = 1.5 GB, i.e. 32 per leaf at 1B: set ``sample.clusters`` for such runs);
-- driver: the leaf centroids (K1 x D: 49 MB), per-leaf counts and budgets (K1 int64), per-file row counts and uid ranges (M = 1000 files);
+- driver: the leaf centroids (K1 x D: 49 MB), per-leaf counts and budgets (K1 int64), per-file row counts and uid
+  ranges (M = 1000 files);
 - train and assign tasks: one row group of a survivors file (its embeddings, ~4x in decoding buffers) plus, for
   assign, ~28 bytes per row of the file (uid, leaf, distance, balance: 28 MB); the survey should keep row groups
   at tens of thousands of rows;

@@ -123,8 +123,9 @@ def _write_output_shards(out_uri: str, first: int, plan: list[list[tuple[int, in
                           columns=["uid", "source", "shard_id", "cluster_ids", "selected"], filesystem=fs)
         return t.filter(t.column("selected"))
 
+    columns = [n for n in target.names if n != "cluster_ids"]  # the scored files have all but the cluster ids
+
     def scored_of(shard_id: str) -> pa.Table:
-        columns = [n for n in target.names if n != "cluster_ids"]
         return pa.concat_tables([pq.read_table(join(root, f), columns=columns, filesystem=fs) for f in scored_files[shard_id]])
 
     selected, scored = _InOrder(selected_of), _InOrder(scored_of)
@@ -314,15 +315,13 @@ def write_phase(cfg: CurateConfig, out_uri: str, records: dict[str, dict], parti
     funnel: Counter = Counter()
     for receipt in ledgers.values():
         funnel.update(receipt["funnel"])
-    shard_list = shards
     return {
         "schema_version": schema.SCHEMA_VERSION,
         "config_hash": cfg.results_hash(),
         "settings_hash": settings_hash,
         "embedding_model": cfg.models.embedding.name,
-        "shards": shard_list,
+        "shards": shards,
         "final_ledger": [f for u in sorted(ledgers) for f in ledgers[u]["files"]],
-        "totals": {"shards": len(shard_list), "rows": sum(s["rows"] for s in shard_list),
-                   "bytes": sum(s["bytes"] for s in shard_list)},
+        "totals": {"shards": len(shards), "rows": sum(s["rows"] for s in shards), "bytes": sum(s["bytes"] for s in shards)},
         "funnel": dict(sorted(funnel.items())),
     }

@@ -399,14 +399,15 @@ class Worker:
         step_s = (time.perf_counter() - window.started) / window.steps
         images_per_s = c.samples_per_step(self.world) / step_s
         wait_mean, wait_max = wait[0] / self.world, wait[1]
+        terms = dict(zip(TERMS, stats))
         record = {
             "kind": "train",
             "step": self.step,
             "epoch": self.position.epoch,
             "samples_seen": self.samples_seen,
-            **dict(zip(TERMS, stats)),
+            **terms,
             "grad_norm": stats[len(TERMS)],
-            "collapse": collapse_state(dict(zip(TERMS, stats)), c.objective.cl.prototypes),  # this window's
+            "collapse": collapse_state(terms, c.objective.cl.prototypes),  # this window's
             **schedule,
             "images_per_s": images_per_s,
             "tokens_per_s": images_per_s * self.tokens_per_image,
