@@ -72,6 +72,7 @@ class RenderConfig(Strict):
     focal: tuple[float, float] = (0.9, 2.0)  # focal length in units of the image's longer side
     offset: float = Field(0.15, ge=0)  # figure centre jitter, fraction of the image size
     noise: float = Field(0.02, ge=0)  # max std of Gaussian sensor noise (colour in [0, 1])
+    yaw: float = Field(np.pi, ge=0, le=np.pi)  # largest |yaw| of the view in radians: pi is any direction, 0 frontal
 
     @model_validator(mode="after")
     def _ranges(self) -> RenderConfig:
@@ -373,7 +374,7 @@ def render(cfg: RenderConfig, rng: np.random.Generator | int) -> Render:
 
     # Camera: body frame (y up, z facing) -> OpenCV camera frame (y down, z forward) after a random yaw (any
     # direction, back views included), a little pitch and roll.
-    rot = _rx(np.pi) @ _rz(rng.uniform(-0.15, 0.15)) @ _rx(rng.uniform(-0.25, 0.25)) @ _ry(rng.uniform(-np.pi, np.pi))
+    rot = _rx(np.pi) @ _rz(rng.uniform(-0.15, 0.15)) @ _rx(rng.uniform(-0.25, 0.25)) @ _ry(rng.uniform(-cfg.yaw, cfg.yaw))
     extent = np.array([rot @ p.point(p.radii * d) for p in body for d in np.eye(3).tolist() + (-np.eye(3)).tolist()])
     lo, hi = extent.min(0), extent.max(0)
     f = rng.uniform(*cfg.focal) * max(H, W)

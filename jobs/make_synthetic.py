@@ -1,30 +1,38 @@
 """Render synthetic humanoids with labels for all five fine-tuning tasks, as labelled Parquet shards.
 
     python -m jobs.make_synthetic --out <dir or s3://...> --n 2000 [--val 200] [--height 128 --width 96]
-        [--keypoints 308] [--seed 0] [--workers 2]
+        [--keypoints 308] [--max-yaw 3.14] [--seed 0] [--workers 2]
+    python -m jobs.make_synthetic --out <dir or s3://...> --n 4000 --unlabelled --height 512 --width 384
 
 Writes ``<out>/train/part-00000.parquet ...`` and ``<out>/val/...`` (``common.schema.labelled_schema``), each
 folder with a ``manifest.json``. Sample ``i`` of a split is a pure function of (seed, split, i), so the same
 command writes byte-identical shards, and the validation figures never occur in training.
+
+``--unlabelled`` writes an image pool for ``jobs.curate`` instead: ``<out>/pool-00000.tar ...``, WebDataset
+shards of JPEG renders and nothing else, drawn from a split of their own, so no pool figure is a labelled one.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import sys
+import tarfile
 from concurrent.futures import ProcessPoolExecutor
 from hashlib import sha256
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
+from PIL import Image
 
 from common import schema, storage
 from common.config import hash_json
 from finetune.data import encode_row
-from finetune.render import PARTS, RenderConfig, keypoint_spec, render
+from finetune.render import COCO_KEYPOINTS, PARTS, RenderConfig, keypoint_spec, render
 
-SPLITS = {"train": 0, "val": 1}
+SPLITS = {"train": 0, "val": 1, "pool": 2}
+POOL_JPEG_QUALITY = 90
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,6 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--height", type=int, default=128)
     p.add_argument("--width", type=int, default=96)
     p.add_argument("--keypoints", type=int, default=308, help="keypoints per figure (17 COCO + landmarks, <= 308)")
+    p.add_argument(
+        "--max-yaw", type=float, default=None,
+        help="largest |yaw| of the view in radians (default: any direction; 1.2 keeps the face in view)",
+    )  # fmt: skip
+    p.add_argument("--unlabelled", action="store_true", help="write --n JPEG renders as a WebDataset image pool")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rows-per-shard", type=int, default=256)
     p.add_argument("--row-group-size", type=int, default=64, help="rows per Parquet row group (the shuffle unit)")
@@ -65,6 +78,36 @@ def render_rows(cfg_json: dict, seed: int, split: str, lo: int, hi: int) -> list
             )
         )
     return rows
+
+
+def render_jpegs(cfg_json: dict, seed: int, lo: int, hi: int) -> list[tuple[str, bytes]]:
+    cfg = RenderConfig.model_validate(cfg_json)
+    out = []
+    for i in range(lo, hi):
+        image = render(cfg, np.random.default_rng([seed, SPLITS["pool"], i])).image
+        buf = io.BytesIO()
+        Image.fromarray(image).save(buf, "JPEG", quality=POOL_JPEG_QUALITY)
+        out.append((f"render-{seed}-{i:08d}.jpg", buf.getvalue()))
+    return out
+
+
+def write_pool(out: str, n: int, cfg: RenderConfig, seed: int, args: argparse.Namespace, pool) -> int:
+    """``n`` unlabelled renders as tar shards of ``--rows-per-shard`` JPEGs; returns the number of shards."""
+    fs, root = storage.resolve(out)
+    ranges = [(lo, min(n, lo + args.rows_per_shard)) for lo in range(0, n, args.rows_per_shard)]
+    jobs = [(cfg.model_dump(mode="json"), seed, lo, hi) for lo, hi in ranges]
+    results = pool.map(render_jpegs, *zip(*jobs)) if pool else (render_jpegs(*j) for j in jobs)
+    for k, members in enumerate(results):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                # Fixed owner, mode and time: the same command writes the same bytes.
+                info.size, info.mtime, info.mode = len(data), 0, 0o644
+                tar.addfile(info, io.BytesIO(data))
+        storage.write_bytes_atomic(fs, storage.join(root, f"pool-{k:05d}.tar"), buf.getvalue())
+        print(f"[make_synthetic] pool-{k:05d}.tar: {len(members)} renders", flush=True)
+    return len(ranges)
 
 
 def write_split(
@@ -127,13 +170,21 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--n and --val must be at least 1")
         if args.rows_per_shard < 1 or args.row_group_size < 1:
             raise ValueError("--rows-per-shard and --row-group-size must be at least 1")
-        cfg = RenderConfig(height=args.height, width=args.width, num_keypoints=args.keypoints)
+        shape = {"yaw": args.max_yaw} if args.max_yaw is not None else {}
+        # A pool carries no labels: skip the landmark visibility work.
+        keypoints = len(COCO_KEYPOINTS) if args.unlabelled else args.keypoints
+        cfg = RenderConfig(height=args.height, width=args.width, num_keypoints=keypoints, **shape)
         storage.resolve(args.out)
     except (ValueError, storage.StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     pool = ProcessPoolExecutor(args.workers) if args.workers > 1 else None
     try:
+        if args.unlabelled:
+            shards = write_pool(args.out, args.n, cfg, args.seed, args, pool)
+            print(f"[make_synthetic] {args.n} unlabelled renders at {cfg.height}x{cfg.width} in {shards} shards "
+                  f"in {args.out}")  # fmt: skip
+            return 0
         for split, n in (("train", args.n), ("val", n_val)):
             write_split(args.out, split, n, cfg, args.seed, args, pool)
     finally:

@@ -6,20 +6,23 @@ Metrics are checked against cases worked out by hand; the end-to-end run trains 
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import tarfile
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import save_file
 
 from common.config import load_config
 from finetune import data, heads, losses, metrics, tasks
 from finetune.config import FinetuneConfig
-from finetune.render import MAX_KEYPOINTS, PARTS, RenderConfig, keypoint_spec, render
+from finetune.render import COCO_KEYPOINTS, MAX_KEYPOINTS, PARTS, RenderConfig, keypoint_spec, render
 from finetune.train import build_model, build_optimizer, layer_id, load_finetuned, set_schedule
 from jobs import finetune as job
 from jobs import make_synthetic
@@ -106,6 +109,34 @@ def test_renders_are_deterministic_and_keypoint_sets_nest():
     assert len(render(RenderConfig(height=64, width=48, num_keypoints=17), 0).keypoints) == 17
     with pytest.raises(ValueError, match="num_keypoints"):
         RenderConfig(num_keypoints=309)
+
+
+def test_max_yaw_keeps_the_face_towards_the_camera():
+    nose = COCO_KEYPOINTS.index("nose")
+    frontal = [render(RenderConfig(height=64, width=48, num_keypoints=17, yaw=0.0), s).visibility[nose] for s in range(8)]
+    anyway = [render(RenderConfig(height=64, width=48, num_keypoints=17), s).visibility[nose] for s in range(8)]
+    assert all(v == 2 for v in frontal)
+    assert any(v < 2 for v in anyway)  # back views hide the nose
+
+
+def test_unlabelled_pool_is_jpeg_webdataset_shards_of_renders_no_labelled_split_holds(tmp_path):
+    args = ["--n", "6", "--unlabelled", "--height", "64", "--width", "48", "--rows-per-shard", "4", "--max-yaw", "1.2"]
+    assert make_synthetic.main(["--out", str(tmp_path / "a"), *args]) == 0
+    assert make_synthetic.main(["--out", str(tmp_path / "b"), *args]) == 0
+    shards = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert shards == ["pool-00000.tar", "pool-00001.tar"]
+    for name in shards:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    with tarfile.open(tmp_path / "a" / "pool-00001.tar") as tar:
+        members = tar.getnames()
+        data_bytes = tar.extractfile(members[1]).read()
+    assert members == ["render-0-00000004.jpg", "render-0-00000005.jpg"]
+    cfg = RenderConfig(height=64, width=48, num_keypoints=17, yaw=1.2)
+    expected = render(cfg, np.random.default_rng([0, make_synthetic.SPLITS["pool"], 5])).image.astype(float)
+    got = np.asarray(Image.open(io.BytesIO(data_bytes)).convert("RGB"), float)
+    loss = np.abs(got - expected).mean()  # the render, up to JPEG loss on a noisy 64x48 picture
+    train_figure = render(cfg, np.random.default_rng([0, make_synthetic.SPLITS["train"], 5])).image.astype(float)
+    assert loss < 10 and np.abs(got - train_figure).mean() > 3 * loss
 
 
 # --- shards -----------------------------------------------------------------------------------------------------------
