@@ -1,0 +1,771 @@
+"""One prepared GPU check: the project's headline figures on one GPU, measured in one run of under 8 minutes.
+
+    bash benchmarks/gpu_check.sh                     # clean checkout, bare GPU machine: install, then measure
+    python benchmarks/gpu_check.py [--total-s 420] [--out gpu_check.json] [--budget part=seconds] [--only part]
+    python benchmarks/gpu_check.py --cpu-smoke       # the same code paths at tiny sizes on CPU (tests/test_gpu_check.py)
+
+Three parts, each in its own process with its own share of ``--total-s`` and a hard stop at the end of it (the
+process group is killed); a part that fails or runs out of time is reported with its error and what it measured so
+far, and the next part still runs. The parts:
+
+1. ``curation``: the full profile's phase 1 on Ray Data (``curation.score.ScorePhase``: read and decode on CPU tasks,
+   YOLO11m detection + YOLO11m-pose and OpenCLIP ViT-L-14 + the aesthetic head on GPU actors, pHash) over a few
+   thousand images cycled from the package photos, re-encoded at web sizes (long side 1024-2048 px). The models are
+   the real architectures with random weights, saved into a temporary model store and loaded through the store's
+   loading code (``curation.random_store``), with every filter opened so each image does all the work. A sweep over
+   the model stages' batch size; per point images/s per GPU once the pipeline runs (from the first result to the
+   last) and from the start (actor start-up included), and the GPU's utilisation over the running window. Then
+   where a batch's time goes, in this process on the GPU: decode, host-to-device copy and each model's forward
+   (the OCR text-overlay stage is off: it is CPU work, measured by bench_curation.py).
+2. ``pretrain``: the 0.4B backbone's pretraining step (``pretrain.train``: the joint MAE + contrastive objective,
+   FSDP2 over a world of one, bf16, AdamW, EMA teacher) at 1024x768 on in-memory images, eager and under
+   ``torch.compile``, each with and without activation checkpointing: step time, images/s, tokens/s, peak memory
+   and MFU (the backbone's own FLOP count, ``pretrain.train.train_flops_per_image``, against the GPU's dense bf16
+   peak, ``pretrain.train.PEAK_TFLOPS``; the peak used is printed).
+3. ``data_wait``: the same step streaming real curated shards (the README's lite curation of package photos at web
+   sizes) through Ray Data inside a Ray Train run (``pretrain.train.fit``), with the fastest setting of part 2: the
+   share of the step spent waiting for the next batch, from the run's own metrics.
+
+Goals on one H200: curation >= 150 images/s per GPU, MFU >= 45%, data wait < 3% of the step. The figures are
+printed as one table and written as JSON (``--out``); each part's log goes beside it (``<out stem>-logs/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PARTS = ("curation", "pretrain", "data_wait")
+SHARE = {"curation": 0.4, "pretrain": 0.35, "data_wait": 0.25}  # of the time left when the part starts
+GOALS = {"curation": "images/s per GPU >= 150", "pretrain": "MFU >= 45%", "data_wait": "data wait < 3% of the step"}
+_MARGIN_S = 5.0  # a part stops starting new work this long before its hard stop, to write what it has
+_FAILURES = ("raise", "hang")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Everything the two modes differ in; the code paths are the same."""
+
+    # curation
+    images: int  # pool size
+    long_sides: tuple[int, ...]  # each photo is re-encoded at these long sides (0: as shipped)
+    batches: tuple[int, ...]  # model stages' batch sizes swept
+    yolo: str
+    clip: str
+    clip_cfg: dict | None  # None: the tiny OpenCLIP of curation.random_store; {}: the architecture's own
+    imgsz: int
+    yolo_actors: tuple[int, float, float]  # actors, CPUs and GPU share of each
+    clip_actors: tuple[int, float, float]
+    ray_cpus: int | None
+    receipt_rows: int  # rows per result write (input.files_per_shard): the granularity of the measured rate
+    # pretraining
+    config: str
+    overrides: tuple[str, ...]
+    warmup: int
+    steps: int
+    compile: bool  # also measure under torch.compile (inductor's CPU code generation takes minutes)
+    # data wait
+    data_photos: int  # person photos in the pool curated for it (times len(data_sizes))
+    data_sizes: tuple[int, ...]
+    data_overrides: tuple[str, ...]
+    data_warmup: int
+    data_steps: int
+
+
+GPU = Sizes(
+    images=2048, long_sides=(1024, 1536, 2048), batches=(16, 32, 64), yolo="yolo11m", clip="ViT-L-14", clip_cfg={},
+    imgsz=640, yolo_actors=(4, 2, 0.25), clip_actors=(2, 2, 0.5), ray_cpus=None, receipt_rows=64,
+    config="configs/pretrain/sapiens2_0.4b.yaml", overrides=(), warmup=3, steps=6, compile=True,
+    data_photos=4, data_sizes=(1280, 1408, 1536, 1664, 1792, 1920, 2048, 2176),
+    data_overrides=("ray.cpus_per_worker=4", "log.every=5"), data_warmup=5, data_steps=15,
+)
+SMOKE = Sizes(
+    images=8, long_sides=(0,), batches=(4,), yolo="yolo11n", clip="ViT-S-32", clip_cfg=None,
+    imgsz=64, yolo_actors=(1, 0.5, 0.0), clip_actors=(1, 0.5, 0.0), ray_cpus=2, receipt_rows=2,
+    config="configs/pretrain/tiny.yaml",
+    overrides=("objective.views.global_size=[64,48]", "objective.views.local_size=[32,32]", "data.batch_size=2",
+               "ray.torch_threads=1"),
+    warmup=1, steps=2, compile=False,
+    data_photos=4, data_sizes=(0,),
+    data_overrides=("ray.cpus_per_worker=0.5", "log.every=1", "data.read_cpus=0.5"), data_warmup=1, data_steps=2,
+)
+PERSON_PHOTOS = ("bus", "zidane", "grace_hopper", "astronaut")  # kept by the lite profile
+
+
+# --- what a part writes ----------------------------------------------------------------------------------------------
+
+
+class PartReport:
+    """A part's results, rewritten to its JSON file at every change, so a part stopped mid-way still tells what it
+    measured."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict = {"status": "running"}
+        self._lock = threading.Lock()
+        self._write()
+
+    def set(self, **values) -> None:
+        with self._lock:
+            self.data.update(values)
+            self._write()
+
+    def append(self, key: str, item: dict) -> None:
+        with self._lock:
+            self.data.setdefault(key, []).append(item)
+            self._write()
+
+    def _write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.replace(self.path)
+
+
+@dataclass
+class Deadline:
+    at: float  # time.monotonic()
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+
+def synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``fn`` after one warm-up call, with the GPU's queue drained around each call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        fn()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class GpuSampler:
+    """GPU utilisation (%) and memory in use (MiB), sampled in a thread from nvidia-smi (else torch's NVML
+    query); no samples where neither is there."""
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        self.every_s, self.samples = every_s, []  # (monotonic time, utilisation %, memory MiB)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def query() -> tuple[float, float] | None:
+        if shutil.which("nvidia-smi"):
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                capture_output=True, text=True, timeout=5,
+            )
+            if out.returncode == 0 and out.stdout.strip():
+                util, mem = out.stdout.strip().splitlines()[0].split(",")
+                return float(util), float(mem)
+        import torch
+
+        if torch.cuda.is_available():
+            try:
+                return float(torch.cuda.utilization()), float("nan")
+            except Exception:  # noqa: BLE001 - pynvml missing: no utilisation figure
+                return None
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sample = self.query()
+            if sample is None:
+                return
+            self.samples.append((time.monotonic(), *sample))
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> GpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def mean_between(self, t0: float, t1: float) -> float | None:
+        inside = [u for t, u, _ in self.samples if t0 <= t <= t1]
+        return round(statistics.mean(inside), 1) if inside else None
+
+
+# --- part 1: full-profile curation ----------------------------------------------------------------------------------
+
+
+def web_sized_photos(names: tuple[str, ...] | None, long_sides: tuple[int, ...]) -> list[bytes]:
+    """The package photos (or the named ones) as JPEGs at each long side (0: the shipped bytes)."""
+    from PIL import Image
+
+    from curation.sample_pool import load_photos
+
+    photos = load_photos()
+    out = []
+    for name, photo in photos.items():
+        if names is not None and name not in names:
+            continue
+        for side in long_sides:
+            if not side:
+                out.append(photo.data)
+                continue
+            img = photo.image.convert("RGB")
+            s = side / max(img.size)
+            buf = io.BytesIO()
+            img.resize((round(img.width * s), round(img.height * s)), Image.Resampling.BICUBIC).save(buf, "JPEG", quality=90)
+            out.append(buf.getvalue())
+    return out
+
+
+def write_parquet_pool(out: Path, images: list[bytes], n: int, rows_per_file: int = 128) -> None:
+    """``n`` images cycled from ``images`` as a Parquet pool (the binary ``image`` column jobs.curate reads)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out.mkdir(parents=True)
+    cycled = [images[i % len(images)] for i in range(n)]
+    for k, start in enumerate(range(0, n, rows_per_file)):
+        pq.write_table(pa.table({"image": pa.array(cycled[start : start + rows_per_file], pa.binary())}),
+                       out / f"pool-{k:05d}.parquet")
+
+
+def curation_config(store: list[str], sz: Sizes, batch: int):
+    from bench_full_profile import FULL, OPEN_FILTERS
+
+    from common.config import load_config
+    from curation.config import CurateConfig
+
+    def stage(name: str, actors: tuple[int, float, float]) -> list[str]:
+        n, cpus, gpus = actors
+        return [f"stages.{name}.batch_size={batch}", f"stages.{name}.actors=[{n},{n}]",
+                f"stages.{name}.num_cpus={cpus}", f"stages.{name}.num_gpus={gpus}"]
+
+    overrides = [
+        # random detectors score every box low: candidates from any score on, a few per image as in real photos
+        *store, *OPEN_FILTERS, "models.yolo.min_candidate_score=0.00001", "models.yolo.max_det=10",
+        f"models.yolo.imgsz={sz.imgsz}", "stages.text_overlay.enabled=false",
+        "input.format=parquet", f"input.files_per_shard={sz.receipt_rows}", *stage("yolo_person", sz.yolo_actors), *stage("clip", sz.clip_actors),
+    ]
+    if sz.ray_cpus:
+        overrides.append(f"ray.num_cpus={sz.ray_cpus}")
+    return load_config(CurateConfig, FULL, overrides)
+
+
+def run_score_phase(cfg, pool: Path, out: Path, sampler: GpuSampler) -> dict:
+    """Phase 1 of the curate job over the pool; rates from the receipts as they arrive."""
+    from curation.pool import list_shards
+    from curation.score import ScorePhase
+
+    shards = list_shards(str(pool), cfg.input)
+    phase = ScorePhase(cfg, str(out), str(pool), log=lambda line: None)
+    start, first, last, first_rows, rows, kept = time.monotonic(), None, None, 0, 0, 0
+    for receipt in phase.build(shards).iter_rows():
+        last = time.monotonic()
+        if first is None:
+            first, first_rows = last, receipt["rows"]
+        rows += receipt["rows"]
+        kept += receipt["kept"]
+    running = (rows - first_rows) / (last - first) if last and last > first else None
+    return {
+        "images": rows, "kept": kept, "wall_s": round(last - start, 2),
+        "images_per_s_running": round(running, 1) if running else None,
+        "images_per_s_from_start": round(rows / (last - start), 1),
+        "gpu_util_pct": sampler.mean_between(first, last) if first else None,
+        "gpu_mem_mib_max": max((m for _, _, m in sampler.samples), default=None),
+    }
+
+
+def time_split(cfg, images: list[bytes], batch: int) -> dict[str, float]:
+    """Milliseconds per image of each piece of the two model stages' work on a batch, in this process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    import torch
+    from PIL import Image
+    from ultralytics.data.augment import LetterBox
+
+    from curation.imageio import decode
+    from curation.stages.clip import ClipStage, clip_input
+    from curation.stages.yolo import YoloPersonStage
+
+    rows = []
+    for i in range(batch):
+        data = images[i % len(images)]
+        with Image.open(io.BytesIO(data)) as im:
+            rows.append({"image": {"bytes": data, "path": f"{i}.jpg"}, "width": im.width, "height": im.height})
+    yolo, clip = YoloPersonStage(cfg), ClipStage(cfg)
+    yolo.setup()
+    clip.setup()
+    m, repeats = cfg.models.yolo, 3
+    pool = ThreadPoolExecutor(yolo.threads)  # as the stages decode: a thread pool of the stage's CPU share
+    decoded = list(pool.map(lambda r: decode(r["image"]["bytes"], max_side=m.imgsz), rows))
+    letterbox = LetterBox((m.imgsz, m.imgsz), auto=False, stride=32)
+    yolo_host = torch.from_numpy(np.stack([letterbox(image=im) for im in decoded]))
+    yolo_in = yolo_host.to(yolo.device).permute(0, 3, 1, 2).to(yolo.dtype).div_(255)
+
+    def clip_decode() -> list:
+        return list(pool.map(lambda r: clip_input(r["image"]["bytes"], r["width"], r["height"], clip.size,
+                                                  clip.resize_mode, clip.interpolation), rows))
+
+    clip_host = torch.from_numpy(np.stack(clip_decode()))
+    with torch.inference_mode():
+        clip_in = ((clip_host.to(clip.device).permute(0, 3, 1, 2).float() - clip.mean) / clip.std).to(clip.dtype)
+        emb = torch.nn.functional.normalize(clip.clip.model.encode_image(clip_in).float(), dim=-1)
+        parts = {
+            "yolo: decode (CPU threads)": timed(lambda: list(pool.map(
+                lambda r: decode(r["image"]["bytes"], max_side=m.imgsz), rows)), repeats),
+            "yolo: host-to-device copy": timed(lambda: yolo_host.to(yolo.device), repeats),
+            **({"yolo: detector forward": timed(lambda: yolo.det(yolo_in), repeats)} if yolo.det is not None else {}),
+            "yolo: pose forward": timed(lambda: yolo.pose(yolo_in), repeats),
+            "yolo: whole stage call": timed(lambda: yolo.process_batch(rows), repeats),
+            "clip: decode + resize (CPU threads)": timed(clip_decode, repeats),
+            "clip: host-to-device copy": timed(lambda: clip_host.to(clip.device), repeats),
+            "clip: image tower forward": timed(lambda: clip.clip.model.encode_image(clip_in), repeats),
+            "clip: aesthetic head": timed(lambda: clip.head(emb), repeats),
+            "clip: whole stage call": timed(lambda: clip.process_batch(rows), repeats),
+        }
+    return {name: round(1000 * s / batch, 3) for name, s in parts.items()}
+
+
+def part_curation(sz: Sizes, deadline: Deadline, report: PartReport, context: dict) -> None:
+    import torch
+
+    from common.ray_utils import init_ray
+    from curation.random_store import build_random_store
+
+    with tempfile.TemporaryDirectory(prefix="gpu-check-curation-") as tmp:
+        root = Path(tmp)
+        images = web_sized_photos(None, sz.long_sides)
+        write_parquet_pool(root / "pool", images, sz.images)
+        store = build_random_store(root / "store", yolo=sz.yolo, clip_arch=sz.clip, clip_cfg=sz.clip_cfg)
+        report.set(pool=f"{sz.images} images cycled from {len(images)} package photos at long sides {sz.long_sides}",
+                   models=f"{sz.yolo} + {sz.yolo}-pose at {sz.imgsz}, OpenCLIP {sz.clip} + aesthetic MLP (random init)",
+                   actors=f"yolo_person {sz.yolo_actors[0]} x ({sz.yolo_actors[1]} CPU, {sz.yolo_actors[2]} GPU), "
+                          f"clip {sz.clip_actors[0]} x ({sz.clip_actors[1]} CPU, {sz.clip_actors[2]} GPU)",
+                   gpus=torch.cuda.device_count())
+        init_ray(None, sz.ray_cpus)
+        best, per_point_s = None, 0.0
+        for batch in sz.batches:
+            if deadline.left() < per_point_s + _MARGIN_S:
+                report.append("skipped", {"batch": batch, "why": f"{deadline.left():.0f} s left"})
+                continue
+            started = time.monotonic()
+            with GpuSampler() as sampler:
+                point = run_score_phase(curation_config(store, sz, batch), root / "pool", root / f"out-{batch}", sampler)
+            per_point_s = time.monotonic() - started
+            report.append("sweep", {"batch": batch, **point})
+            if best is None or (point["images_per_s_running"] or 0) > (best["images_per_s_running"] or 0):
+                best = {"batch": batch, **point}
+        if best is None:
+            raise RuntimeError("no batch size of the sweep ran in the time there was")
+        report.set(best=best, images_per_s_per_gpu=round(best["images_per_s_running"] / max(1, torch.cuda.device_count()), 1)
+                   if best["images_per_s_running"] else None)
+        if deadline.left() > _MARGIN_S:
+            batch = best["batch"]
+            report.set(ms_per_image=time_split(curation_config(store, sz, batch), images, batch), split_batch=batch)
+
+
+# --- part 2: pretraining step ----------------------------------------------------------------------------------------
+
+
+def pretrain_config(sz: Sizes, *extra: str):
+    from common.config import load_config
+    from pretrain.config import PretrainConfig
+
+    return load_config(PretrainConfig, REPO / sz.config, ["ray.workers=1", *sz.overrides, *extra])
+
+
+def init_single_process_group():
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return device
+
+
+def set_activation_checkpointing(model, on: bool) -> None:
+    for module in model.modules():
+        if hasattr(module, "activation_checkpointing"):
+            module.activation_checkpointing = on
+
+
+def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadline) -> dict:
+    """Step time of the worker's step (``pretrain.train``: objective, clipped AdamW step, EMA teacher) on random
+    uint8 images, median of ``steps`` after ``warmup``; throughput, memory and MFU from it."""
+    import torch
+
+    from pretrain.train import build_optimizer, lr_at, optimizer_step, peak_flops, train_flops_per_image
+
+    optimizer = build_optimizer(model, cfg.optim)
+    params = [p for p in model.parameters() if p.requires_grad]
+    generator = torch.Generator(device=device)
+    images = torch.randint(0, 256, (cfg.data.batch_size, 3, *cfg.image_size), dtype=torch.uint8, device=device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for step in range(warmup + steps):
+        if step > warmup and deadline.left() < _MARGIN_S:
+            break  # enough for a figure; the next setting may not fit otherwise
+        synchronize()
+        start = time.perf_counter()
+        generator.manual_seed(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg.optim, cfg.steps)
+        model(images, step, generator)["loss"].backward()
+        optimizer_step(optimizer, params, cfg.optim.grad_clip)
+        model.update_teacher(step)
+        synchronize()
+        times.append(time.perf_counter() - start)
+    timed_steps = times[warmup:] or times[-1:]
+    step_s = statistics.median(timed_steps)
+    flops_per_image, tokens_per_image = train_flops_per_image(cfg)
+    images_per_s = cfg.data.batch_size / step_s
+    peak = peak_flops(cfg, device)
+    return {
+        "step_s": round(step_s, 4), "first_step_s": round(times[0], 2), "timed_steps": len(timed_steps),
+        "images_per_s": round(images_per_s, 2), "tokens_per_s": round(images_per_s * tokens_per_image),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "mfu": round(images_per_s * flops_per_image / peak, 4) if peak else None,
+    }
+
+
+def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: dict) -> None:
+    import torch
+
+    from pretrain.train import PEAK_TFLOPS, build_model, peak_flops, train_flops_per_image
+
+    device = init_single_process_group()
+    cfg = pretrain_config(sz)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    peak = peak_flops(cfg, device)
+    flops_per_image, tokens_per_image = train_flops_per_image(cfg)
+    report.set(
+        device=name, size=cfg.model.size, image=list(cfg.image_size), batch=cfg.data.batch_size,
+        precision=cfg.precision if device.type == "cuda" else "fp32 (CPU)",
+        train_tflop_per_image=round(flops_per_image / 1e12, 4), tokens_per_image=tokens_per_image,
+        peak_tflops=peak / 1e12 if peak else None,
+        peak_source=("log.peak_tflops" if cfg.log.peak_tflops else f"pretrain.train.PEAK_TFLOPS for {name!r}")
+        if peak else f"none for {name!r} (known: {sorted(PEAK_TFLOPS)}; set log.peak_tflops): no MFU",
+    )
+    # Eager first: a figure even if compiling outlasts the budget. Under compile, checkpointing on first (the
+    # 0.4B config's setting). Checkpointing is a flag read at each forward, so one model serves both settings.
+    model, built = None, None
+    for compiled, checkpointing in ((False, False), (False, True), (True, True), (True, False)):
+        setting = {"compile": compiled, "activation_checkpointing": checkpointing}
+        if compiled and not sz.compile:
+            report.append("skipped", {**setting, "why": "--cpu-smoke: inductor's CPU code generation takes minutes"})
+            continue
+        if deadline.left() < _MARGIN_S:
+            report.append("skipped", {**setting, "why": f"{deadline.left():.0f} s left"})
+            continue
+        if built != compiled:
+            model = None  # the eager model's memory goes before the compiled one is built
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            cfg = pretrain_config(sz, f"model.compile={str(compiled).lower()}")
+            model, built = build_model(cfg, device), compiled
+        set_activation_checkpointing(model, checkpointing)
+        try:
+            result = measure_steps(cfg, model, device, sz.warmup, sz.steps, deadline)
+        except torch.OutOfMemoryError as exc:
+            report.append("runs", {**setting, "error": f"out of memory: {str(exc).splitlines()[0]}"})
+            torch.cuda.empty_cache()
+            continue
+        report.append("runs", {**setting, **result})
+    runs = [r for r in report.data.get("runs", []) if "step_s" in r]
+    if not runs:
+        raise RuntimeError("no setting completed a timed step")
+    best = min(runs, key=lambda r: r["step_s"])
+    report.set(best=best)
+
+
+# --- part 3: data wait ------------------------------------------------------------------------------------------------
+
+
+def curate_for_training(root: Path, sz: Sizes) -> Path:
+    """Curated shards the way the README makes them: the lite profile's curate job over a folder pool of person
+    photos at web sizes (pHash / embedding dedup off: the resized copies are the pool)."""
+    from jobs import curate
+
+    pool = root / "pool"
+    pool.mkdir()
+    for i, data in enumerate(web_sized_photos(PERSON_PHOTOS[: sz.data_photos], sz.data_sizes)):
+        (pool / f"{i:05d}.jpg").write_bytes(data)
+    out = root / "curated"
+    args = ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(pool), "--output", str(out),
+            "dedup.signals=[]", "stages.text_overlay.enabled=false"]
+    if sz.ray_cpus:
+        args.append(f"ray.num_cpus={sz.ray_cpus}")
+    if curate.main(args) != 0:
+        raise RuntimeError("the curate job failed (its log says why)")
+    return out / "shards"
+
+
+def part_data_wait(sz: Sizes, deadline: Deadline, report: PartReport, context: dict) -> None:
+    import torch
+
+    from common.ray_utils import init_ray
+    from pretrain import data
+    from pretrain.train import fit, read_metrics, run_uri_for
+
+    setting = context.get("setting") or {"compile": False, "activation_checkpointing": True}
+    steps = sz.data_warmup + sz.data_steps
+    gpu = torch.cuda.is_available()
+    cfg = pretrain_config(
+        sz, f"steps={steps}", f"checkpoint.every={steps}", "checkpoint.on_preemption=false",
+        f"ray.use_gpu={str(gpu).lower()}", f"model.compile={str(setting['compile']).lower()}",
+        f"model.activation_checkpointing={str(setting['activation_checkpointing']).lower()}", *sz.data_overrides,
+        *([f"ray.num_cpus={sz.ray_cpus}"] if sz.ray_cpus else []),
+    )
+    root = Path(tempfile.mkdtemp(prefix="gpu-check-data-"))
+    try:
+        init_ray(cfg.ray.address, cfg.ray.num_cpus)
+        shards = curate_for_training(root, sz)
+        run_uri = run_uri_for(str(root / "runs"), "gpu-check")
+        Path(run_uri).mkdir(parents=True)
+        index = data.ensure_index(str(shards), run_uri)
+        report.set(setting=setting, shards_images=index.num_samples, batch=cfg.data.batch_size,
+                   image=list(cfg.image_size), warmup_steps=sz.data_warmup)
+
+        def measured() -> bool:
+            try:
+                records = [r for r in read_metrics(run_uri) if r["step"] > sz.data_warmup]
+            except (OSError, ValueError):
+                return False
+            if not records or records[-1]["step"] < steps:
+                return False
+            frac = [r["data_wait_frac"] for r in records]
+            report.set(
+                data_wait_frac_mean=round(statistics.mean(frac), 4), data_wait_frac_max=round(max(frac), 4),
+                step_s=round(statistics.median(r["step_s"] for r in records), 4),
+                images_per_s=round(statistics.median(r["images_per_s"] for r in records), 2),
+                mfu=round(statistics.median(r["mfu"] for r in records), 4) if all("mfu" in r for r in records) else None,
+                windows=len(records),
+            )
+            return True
+
+        def watch() -> None:
+            # The run's last metrics line is the measurement: its final checkpoint (GBs for 0.4B) is not waited for.
+            while not measured():
+                time.sleep(0.5)
+            report.set(status="ok")
+            shutil.rmtree(root, ignore_errors=True)
+            os._exit(0)
+
+        threading.Thread(target=watch, daemon=True).start()
+        fit(cfg, str(root / "runs"), "gpu-check")
+        if not measured():
+            raise RuntimeError("the training run ended without metrics past its warm-up")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+PART_FNS = {"curation": part_curation, "pretrain": part_pretrain, "data_wait": part_data_wait}
+
+
+def run_child(args: argparse.Namespace) -> int:
+    """One part, in this process: its results go to ``args.result``."""
+    sz = SMOKE if args.cpu_smoke else GPU
+    report = PartReport(Path(args.result))
+    deadline = Deadline(time.monotonic() + args.budget_s - _MARGIN_S)
+    if args.cpu_smoke:
+        import torch
+
+        torch.set_num_threads(1)  # tiny tensors; a shared machine
+    try:
+        failure = dict(f.split("=", 1) for f in args.fail).get(args.part)
+        if failure == "raise":
+            raise RuntimeError(f"failure injected into part {args.part} (--fail)")
+        while failure == "hang":
+            time.sleep(1)
+        PART_FNS[args.part](sz, deadline, report, json.loads(args.context))
+    except BaseException as exc:  # noqa: BLE001 - reported, then the next part runs
+        traceback.print_exc()
+        report.set(status="error", error=f"{type(exc).__name__}: {exc}".strip()[:2000])
+        return 1
+    report.set(status="ok")
+    return 0
+
+
+# --- the driver -------------------------------------------------------------------------------------------------------
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """End the part's process and everything it started (its local Ray included): they share its process group."""
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_part(part: str, budget_s: float, args: argparse.Namespace, context: dict, logs: Path) -> dict:
+    result = logs / f"{part}.json"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--part", part, "--result", str(result),
+           "--budget-s", f"{budget_s:.1f}", "--context", json.dumps(context)]
+    cmd += ["--cpu-smoke"] if args.cpu_smoke else []
+    for f in args.fail:
+        cmd += ["--fail", f]
+    start = time.monotonic()
+    with open(logs / f"{part}.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        try:
+            proc.wait(budget_s)
+            stopped = False
+        except subprocess.TimeoutExpired:
+            stopped = True
+        stop_group(proc)  # also after a clean exit: Ray processes it left behind
+    out = json.loads(result.read_text()) if result.exists() else {"status": "running"}
+    out["seconds"] = round(time.monotonic() - start, 1)
+    out["budget_s"] = round(budget_s, 1)
+    if out["status"] != "ok":
+        out["status"] = "error"
+        if stopped:
+            out["error"] = f"stopped at its time budget ({budget_s:.0f} s)" + (f"; {out['error']}" if "error" in out else "")
+        elif "error" not in out:
+            out["error"] = f"the part's process exited with code {proc.returncode} (log: {logs / f'{part}.log'})"
+    out["log"] = str(logs / f"{part}.log")
+    return out
+
+
+def percent(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def table_rows(parts: dict) -> list[tuple[str, str, str]]:
+    """(part, measurement, value) rows of the printed table."""
+    rows = []
+    for part, r in parts.items():
+        if r["status"] != "ok":
+            rows.append((part, "ERROR", r.get("error", "")))
+        if part == "curation":
+            for p in r.get("sweep", []):
+                rows.append((part, f"batch {p['batch']}: images/s running | from start | GPU util %",
+                             f"{p['images_per_s_running']} | {p['images_per_s_from_start']} | {p['gpu_util_pct']}"))
+            if r.get("images_per_s_per_gpu") is not None:
+                rows.append((part, f"images/s per GPU (batch {r['best']['batch']})", str(r["images_per_s_per_gpu"])))
+            for name, ms in r.get("ms_per_image", {}).items():
+                rows.append((part, f"ms/image, {name}", f"{ms:.3f}"))
+        elif part == "pretrain":
+            if r.get("device"):
+                peak = f"{r['peak_tflops']:g} TFLOPS ({r['peak_source']})" if r.get("peak_tflops") else r.get("peak_source")
+                rows.append((part, f"{r.get('size')} at {r.get('image')}, batch {r.get('batch')}, {r.get('device')}",
+                             f"peak {peak}"))
+            for run in r.get("runs", []):
+                name = f"compile {'on' if run['compile'] else 'off'}, act. ckpt {'on' if run['activation_checkpointing'] else 'off'}"
+                value = run.get("error") or (
+                    f"step {run['step_s']:.3f} s, {run['images_per_s']} img/s, {run['tokens_per_s']:,} tok/s, "
+                    f"peak mem {run['peak_mem_gib'] or 'n/a'} GiB, MFU {percent(run['mfu'])}")
+                rows.append((part, name, value))
+        elif part == "data_wait" and "data_wait_frac_mean" in r:
+            s = r["setting"]
+            rows.append((part, f"compile {'on' if s['compile'] else 'off'}, act. ckpt "
+                               f"{'on' if s['activation_checkpointing'] else 'off'}, {r['shards_images']} curated images",
+                         f"data wait {r['data_wait_frac_mean']:.2%} of the step (max {r['data_wait_frac_max']:.2%}), "
+                         f"step {r['step_s']:.3f} s, MFU {percent(r['mfu'])}"))
+        rows.append((part, "seconds (budget)", f"{r['seconds']} ({r['budget_s']})"))
+    return rows
+
+
+def print_table(results: dict) -> None:
+    rows = table_rows(results["parts"])
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+    print(f"\n{results['device']} | torch {results['torch']} | {results['mode']}")
+    print(f"{'part':<{widths[0]}}  {'measurement':<{widths[1]}}  value")
+    for part, what, value in rows:
+        print(f"{part:<{widths[0]}}  {what:<{widths[1]}}  {value}")
+    print("goals: " + "; ".join(f"{p}: {g}" for p, g in GOALS.items()))
+
+
+def device_name() -> str:
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        if out.returncode == 0 and out.stdout.strip():
+            names = out.stdout.strip().splitlines()
+            return f"{len(names)} x {names[0]}"
+    return f"no GPU, {os.cpu_count()} CPUs"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: the same code paths in under a minute")
+    ap.add_argument("--total-s", type=float, default=None, help="seconds for all parts (default 420; smoke 240)")
+    ap.add_argument("--out", default="gpu_check.json", help="the JSON results; part logs go to <stem>-logs/")
+    ap.add_argument("--only", action="append", choices=PARTS, default=[], help="run only these parts")
+    ap.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS", help="fix a part's time budget")
+    ap.add_argument("--fail", action="append", default=[], metavar="PART=raise|hang",
+                    help="make a part fail (raise at once, or hang until its hard stop): checks the reporting")
+    # one part in a child process (the driver's own use)
+    ap.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--budget-s", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--context", default="{}", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for f in args.fail:
+        part, _, how = f.partition("=")
+        if part not in PARTS or how not in _FAILURES:
+            ap.error(f"--fail {f!r}: expected PART=raise or PART=hang, PART one of {PARTS}")
+    if args.part:
+        return run_child(args)
+
+    import torch
+
+    fixed = {p: float(s) for p, s in (b.split("=", 1) for b in args.budget)}
+    total = args.total_s or (240.0 if args.cpu_smoke else 420.0)
+    out = Path(args.out).resolve()
+    logs = out.with_name(out.stem + "-logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    results = {"mode": "cpu-smoke" if args.cpu_smoke else "gpu", "device": device_name(), "torch": torch.__version__,
+               "total_s": total, "goals": GOALS, "parts": {}}
+    start, context = time.monotonic(), {}
+    todo = [p for p in PARTS if not args.only or p in args.only]
+    for i, part in enumerate(todo):
+        left = total - (time.monotonic() - start)
+        shares = sum(SHARE[p] for p in todo[i:] if p not in fixed)
+        budget = fixed.get(part) or max(0.0, left - sum(fixed.get(p, 0) for p in todo[i + 1:])) * SHARE[part] / shares
+        print(f"[gpu_check] {part}: {budget:.0f} s (log {logs / f'{part}.log'})", flush=True)
+        results["parts"][part] = r = run_part(part, budget, args, context, logs)
+        if part == "pretrain" and r.get("best"):
+            context["setting"] = {k: r["best"][k] for k in ("compile", "activation_checkpointing")}
+        print(f"[gpu_check] {part}: {r['status']} in {r['seconds']} s" + (f": {r['error']}" if "error" in r else ""),
+              flush=True)
+        out.write_text(json.dumps(results, indent=1))
+    print_table(results)
+    print(f"\nwritten: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
