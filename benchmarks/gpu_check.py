@@ -2,6 +2,7 @@
 
     bash benchmarks/gpu_check.sh                     # clean checkout, bare GPU machine: install, then measure
     python benchmarks/gpu_check.py [--total-s 420] [--out gpu_check.json] [--budget part=seconds] [--only part]
+                                   [--peak-tflops 989]
     python benchmarks/gpu_check.py --cpu-smoke       # the same code paths at tiny sizes on CPU (tests/test_gpu_check.py)
 
 Three parts, each in its own process with its own share of ``--total-s`` and a hard stop at the end of it (the
@@ -90,8 +91,10 @@ class Sizes:
 
 
 GPU = Sizes(
-    images=2048, long_sides=(1024, 1536, 2048), batches=(16, 32, 64), yolo="yolo11m", clip="ViT-L-14", clip_cfg={},
-    imgsz=640, yolo_actors=(4, 2, 0.25), clip_actors=(2, 2, 0.5), ray_cpus=None, receipt_rows=64,
+    images=2048, long_sides=(1024, 1536, 2048), batches=(32, 64, 16), yolo="yolo11m", clip="ViT-L-14", clip_cfg={},
+    # one GPU's worth of actors (GPU shares sum to 1), each decoding its batch on its CPUs; 3 CPUs left for the
+    # read, decode-check, pHash and write tasks
+    imgsz=640, yolo_actors=(3, 3, 0.2), clip_actors=(2, 2, 0.2), ray_cpus=None, receipt_rows=64,
     config="configs/pretrain/sapiens2_0.4b.yaml", overrides=(), warmup=3, steps=6, compile=True,
     data_photos=4, data_sizes=(1280, 1408, 1536, 1664, 1792, 1920, 2048, 2176),
     data_overrides=("ray.cpus_per_worker=4", "log.every=5"), data_warmup=5, data_steps=15,
@@ -268,7 +271,8 @@ def curation_config(store: list[str], sz: Sizes, batch: int):
         # random detectors score every box low: candidates from any score on, a few per image as in real photos
         *store, *OPEN_FILTERS, "models.yolo.min_candidate_score=0.00001", "models.yolo.max_det=10",
         f"models.yolo.imgsz={sz.imgsz}", "stages.text_overlay.enabled=false",
-        "input.format=parquet", f"input.files_per_shard={sz.receipt_rows}", *stage("yolo_person", sz.yolo_actors), *stage("clip", sz.clip_actors),
+        "input.format=parquet", f"input.files_per_shard={sz.receipt_rows}",
+        *stage("yolo_person", sz.yolo_actors), *stage("clip", sz.clip_actors),
     ]
     if sz.ray_cpus:
         overrides.append(f"ray.num_cpus={sz.ray_cpus}")
@@ -382,8 +386,8 @@ def part_curation(sz: Sizes, deadline: Deadline, report: PartReport, context: di
                 best = {"batch": batch, **point}
         if best is None:
             raise RuntimeError("no batch size of the sweep ran in the time there was")
-        report.set(best=best, images_per_s_per_gpu=round(best["images_per_s_running"] / max(1, torch.cuda.device_count()), 1)
-                   if best["images_per_s_running"] else None)
+        # the actor pools hold one GPU's worth of GPU shares, so the pipeline's rate is the rate per GPU
+        report.set(best=best, images_per_s_per_gpu=best["images_per_s_running"])
         if deadline.left() > _MARGIN_S:
             batch = best["batch"]
             report.set(ms_per_image=time_split(curation_config(store, sz, batch), images, batch), split_batch=batch)
@@ -392,11 +396,12 @@ def part_curation(sz: Sizes, deadline: Deadline, report: PartReport, context: di
 # --- part 2: pretraining step ----------------------------------------------------------------------------------------
 
 
-def pretrain_config(sz: Sizes, *extra: str):
+def pretrain_config(sz: Sizes, context: dict, *extra: str):
     from common.config import load_config
     from pretrain.config import PretrainConfig
 
-    return load_config(PretrainConfig, REPO / sz.config, ["ray.workers=1", *sz.overrides, *extra])
+    peak = [f"log.peak_tflops={context['peak_tflops']}"] if context.get("peak_tflops") else []
+    return load_config(PretrainConfig, REPO / sz.config, ["ray.workers=1", *sz.overrides, *peak, *extra])
 
 
 def init_single_process_group():
@@ -462,7 +467,7 @@ def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: di
     from pretrain.train import PEAK_TFLOPS, build_model, peak_flops, train_flops_per_image
 
     device = init_single_process_group()
-    cfg = pretrain_config(sz)
+    cfg = pretrain_config(sz, context)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     peak = peak_flops(cfg, device)
     flops_per_image, tokens_per_image = train_flops_per_image(cfg)
@@ -471,8 +476,8 @@ def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: di
         precision=cfg.precision if device.type == "cuda" else "fp32 (CPU)",
         train_tflop_per_image=round(flops_per_image / 1e12, 4), tokens_per_image=tokens_per_image,
         peak_tflops=peak / 1e12 if peak else None,
-        peak_source=("log.peak_tflops" if cfg.log.peak_tflops else f"pretrain.train.PEAK_TFLOPS for {name!r}")
-        if peak else f"none for {name!r} (known: {sorted(PEAK_TFLOPS)}; set log.peak_tflops): no MFU",
+        peak_source=("--peak-tflops" if cfg.log.peak_tflops else f"pretrain.train.PEAK_TFLOPS for {name!r}")
+        if peak else f"none for {name!r} (known: {sorted(PEAK_TFLOPS)}; pass --peak-tflops): no MFU",
     )
     # Eager first: a figure even if compiling outlasts the budget. Under compile, checkpointing on first (the
     # 0.4B config's setting). Checkpointing is a flag read at each forward, so one model serves both settings.
@@ -489,7 +494,7 @@ def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: di
             model = None  # the eager model's memory goes before the compiled one is built
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            cfg = pretrain_config(sz, f"model.compile={str(compiled).lower()}")
+            cfg = pretrain_config(sz, context, f"model.compile={str(compiled).lower()}")
             model, built = build_model(cfg, device), compiled
         set_activation_checkpointing(model, checkpointing)
         try:
@@ -539,7 +544,7 @@ def part_data_wait(sz: Sizes, deadline: Deadline, report: PartReport, context: d
     steps = sz.data_warmup + sz.data_steps
     gpu = torch.cuda.is_available()
     cfg = pretrain_config(
-        sz, f"steps={steps}", f"checkpoint.every={steps}", "checkpoint.on_preemption=false",
+        sz, context, f"steps={steps}", f"checkpoint.every={steps}", "checkpoint.on_preemption=false",
         f"ray.use_gpu={str(gpu).lower()}", f"model.compile={str(setting['compile']).lower()}",
         f"model.activation_checkpointing={str(setting['activation_checkpointing']).lower()}", *sz.data_overrides,
         *([f"ray.num_cpus={sz.ray_cpus}"] if sz.ray_cpus else []),
@@ -725,6 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="gpu_check.json", help="the JSON results; part logs go to <stem>-logs/")
     ap.add_argument("--only", action="append", choices=PARTS, default=[], help="run only these parts")
     ap.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS", help="fix a part's time budget")
+    ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU (default: by device name)")
     ap.add_argument("--fail", action="append", default=[], metavar="PART=raise|hang",
                     help="make a part fail (raise at once, or hang until its hard stop): checks the reporting")
     # one part in a child process (the driver's own use)
@@ -749,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     results = {"mode": "cpu-smoke" if args.cpu_smoke else "gpu", "device": device_name(), "torch": torch.__version__,
                "total_s": total, "goals": GOALS, "parts": {}}
-    start, context = time.monotonic(), {}
+    start, context = time.monotonic(), {"peak_tflops": args.peak_tflops}
     todo = [p for p in PARTS if not args.only or p in args.only]
     for i, part in enumerate(todo):
         left = total - (time.monotonic() - start)
