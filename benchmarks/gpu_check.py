@@ -47,7 +47,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -280,25 +280,29 @@ def curation_config(store: list[str], sz: Sizes, batch: int):
 
 
 def run_score_phase(cfg, pool: Path, out: Path, sampler: GpuSampler) -> dict:
-    """Phase 1 of the curate job over the pool; rates from the receipts as they arrive."""
+    """Phase 1 of the curate job over the pool. The running rate is read over the middle half of the images (from
+    the result that completes a quarter of them to the one that completes three quarters), where the pipeline is
+    full and not yet draining; it is left out when those results came in a burst (under a quarter of the wall
+    time: a pool too small to stream, as in the smoke mode)."""
     from curation.pool import list_shards
     from curation.score import ScorePhase
 
     shards = list_shards(str(pool), cfg.input)
     phase = ScorePhase(cfg, str(out), str(pool), log=lambda line: None)
-    start, first, last, first_rows, rows, kept = time.monotonic(), None, None, 0, 0, 0
+    start, arrivals, rows, kept = time.monotonic(), [], 0, 0  # arrivals: (time, images done)
     for receipt in phase.build(shards).iter_rows():
-        last = time.monotonic()
-        if first is None:
-            first, first_rows = last, receipt["rows"]
         rows += receipt["rows"]
         kept += receipt["kept"]
-    running = (rows - first_rows) / (last - first) if last and last > first else None
+        arrivals.append((time.monotonic(), rows))
+    wall = arrivals[-1][0] - start
+    t0, n0 = next(a for a in arrivals if a[1] >= rows / 4)
+    t1, n1 = next(a for a in arrivals if a[1] >= 3 * rows / 4)
+    steady = t1 - t0 >= wall / 4
     return {
-        "images": rows, "kept": kept, "wall_s": round(last - start, 2),
-        "images_per_s_running": round(running, 1) if running else None,
-        "images_per_s_from_start": round(rows / (last - start), 1),
-        "gpu_util_pct": sampler.mean_between(first, last) if first else None,
+        "images": rows, "kept": kept, "wall_s": round(wall, 2),
+        "images_per_s_running": round((n1 - n0) / (t1 - t0), 1) if steady else None,
+        "images_per_s_from_start": round(rows / wall, 1),
+        "gpu_util_pct": sampler.mean_between(t0, t1) if steady else sampler.mean_between(start, start + wall),
         "gpu_mem_mib_max": max((m for _, _, m in sampler.samples), default=None),
     }
 
@@ -355,6 +359,10 @@ def time_split(cfg, images: list[bytes], batch: int) -> dict[str, float]:
     return {name: round(1000 * s / batch, 3) for name, s in parts.items()}
 
 
+def rate(point: dict) -> float:
+    return point["images_per_s_running"] or point["images_per_s_from_start"]
+
+
 def part_curation(sz: Sizes, deadline: Deadline, report: PartReport, context: dict) -> None:
     import torch
 
@@ -382,12 +390,12 @@ def part_curation(sz: Sizes, deadline: Deadline, report: PartReport, context: di
                 point = run_score_phase(curation_config(store, sz, batch), root / "pool", root / f"out-{batch}", sampler)
             per_point_s = time.monotonic() - started
             report.append("sweep", {"batch": batch, **point})
-            if best is None or (point["images_per_s_running"] or 0) > (best["images_per_s_running"] or 0):
+            if best is None or rate(point) > rate(best):
                 best = {"batch": batch, **point}
         if best is None:
             raise RuntimeError("no batch size of the sweep ran in the time there was")
         # the actor pools hold one GPU's worth of GPU shares, so the pipeline's rate is the rate per GPU
-        report.set(best=best, images_per_s_per_gpu=best["images_per_s_running"])
+        report.set(best=best, images_per_s_per_gpu=rate(best))
         if deadline.left() > _MARGIN_S:
             batch = best["batch"]
             report.set(ms_per_image=time_split(curation_config(store, sz, batch), images, batch), split_batch=batch)
@@ -499,9 +507,11 @@ def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: di
         set_activation_checkpointing(model, checkpointing)
         try:
             result = measure_steps(cfg, model, device, sz.warmup, sz.steps, deadline)
-        except torch.OutOfMemoryError as exc:
-            report.append("runs", {**setting, "error": f"out of memory: {str(exc).splitlines()[0]}"})
-            torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001 - out of memory, a compiler error: that setting's row says so
+            first_line = (str(exc).splitlines() or [""])[0][:300]
+            report.append("runs", {**setting, "error": f"{type(exc).__name__}: {first_line}"})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             continue
         report.append("runs", {**setting, **result})
     runs = [r for r in report.data.get("runs", []) if "step_s" in r]
@@ -665,6 +675,10 @@ def run_part(part: str, budget_s: float, args: argparse.Namespace, context: dict
     return out
 
 
+def setting_name(s: dict) -> str:
+    return f"compile {'on' if s['compile'] else 'off'}, act. ckpt {'on' if s['activation_checkpointing'] else 'off'}"
+
+
 def percent(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
@@ -680,7 +694,8 @@ def table_rows(parts: dict) -> list[tuple[str, str, str]]:
                 rows.append((part, f"batch {p['batch']}: images/s running | from start | GPU util %",
                              f"{p['images_per_s_running']} | {p['images_per_s_from_start']} | {p['gpu_util_pct']}"))
             if r.get("images_per_s_per_gpu") is not None:
-                rows.append((part, f"images/s per GPU (batch {r['best']['batch']})", str(r["images_per_s_per_gpu"])))
+                how = "running" if r["best"]["images_per_s_running"] else "from the start"
+                rows.append((part, f"images/s per GPU (batch {r['best']['batch']}, {how})", str(r["images_per_s_per_gpu"])))
             for name, ms in r.get("ms_per_image", {}).items():
                 rows.append((part, f"ms/image, {name}", f"{ms:.3f}"))
         elif part == "pretrain":
@@ -689,15 +704,13 @@ def table_rows(parts: dict) -> list[tuple[str, str, str]]:
                 rows.append((part, f"{r.get('size')} at {r.get('image')}, batch {r.get('batch')}, {r.get('device')}",
                              f"peak {peak}"))
             for run in r.get("runs", []):
-                name = f"compile {'on' if run['compile'] else 'off'}, act. ckpt {'on' if run['activation_checkpointing'] else 'off'}"
+                name = setting_name(run)
                 value = run.get("error") or (
                     f"step {run['step_s']:.3f} s, {run['images_per_s']} img/s, {run['tokens_per_s']:,} tok/s, "
                     f"peak mem {run['peak_mem_gib'] or 'n/a'} GiB, MFU {percent(run['mfu'])}")
                 rows.append((part, name, value))
         elif part == "data_wait" and "data_wait_frac_mean" in r:
-            s = r["setting"]
-            rows.append((part, f"compile {'on' if s['compile'] else 'off'}, act. ckpt "
-                               f"{'on' if s['activation_checkpointing'] else 'off'}, {r['shards_images']} curated images",
+            rows.append((part, f"{setting_name(r['setting'])}, {r['shards_images']} curated images",
                          f"data wait {r['data_wait_frac_mean']:.2%} of the step (max {r['data_wait_frac_max']:.2%}), "
                          f"step {r['step_s']:.3f} s, MFU {percent(r['mfu'])}"))
         rows.append((part, "seconds (budget)", f"{r['seconds']} ({r['budget_s']})"))

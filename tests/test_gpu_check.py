@@ -36,6 +36,7 @@ def test_every_part_measures(tmp_path):
     # every filter open: each image passes both model stages, so the rate is one of the whole work
     assert curation["sweep"] and all(p["images"] == p["kept"] == 8 and p["images_per_s_from_start"] > 0
                                      for p in curation["sweep"])
+    assert curation["images_per_s_per_gpu"] > 0
     split = curation["ms_per_image"]
     assert all(split[k] > 0 for k in ("yolo: detector forward", "yolo: pose forward", "clip: image tower forward",
                                       "clip: decode + resize (CPU threads)", "yolo: whole stage call"))
