@@ -265,8 +265,8 @@ class PersonStage(Stage):
                              "(18 part maps, a background map and 38 affinity-field channels)")
 
     def process_batch(self, rows: list[Row]) -> list[Update]:
-        # One forward pass per image: images keep their own aspect ratio (padding them to one shape would spend the
-        # network's time on padding), and at batch size one OpenCV's dnn is as fast per image as batched.
+        # One forward pass per image: each keeps its own aspect ratio (padding a batch to one shape would spend the
+        # network's time on padding).
         return [self._one(row) for row in rows]
 
     def detect(self, rgb: np.ndarray, width: int, height: int) -> list[tuple[np.ndarray, np.ndarray, float]]:
@@ -309,7 +309,7 @@ class PersonStage(Stage):
     def _one(self, row: Row) -> Update:
         m, f = self.cfg.models.person, self.cfg.filters
         width, height = int(row["width"]), int(row["height"])
-        rgb = decode(row["image"]["bytes"], max_side=m.input_side * 2, mode="RGB")
+        rgb = decode(row["image"]["bytes"], max_side=m.input_side, mode="RGB")  # the network's input size
         area = float(width * height)
         records = []
         for box, kp, score in self.detect(rgb, width, height):
