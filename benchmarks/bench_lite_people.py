@@ -62,7 +62,22 @@ def _timed_batches(stage, rows: list[dict], size: int) -> tuple[float, list[dict
     return time.perf_counter() - start, out
 
 
-def worker(images: Path, pool: Path | None) -> dict:
+def ray_scoring(cfg, pool: Path) -> dict:
+    """Phase 1 on a local Ray with 2 CPUs, as a curation job runs it (the lite config's actor pools)."""
+    from common.ray_utils import init_ray
+    from curation.pool import list_shards
+    from curation.score import ScorePhase, claim_output
+
+    init_ray(num_cpus=2)
+    out = pool.parent / f"scored-{os.getpid()}"
+    claim_output(str(out), cfg.results_hash(), str(pool), new_run=True)
+    shards = list_shards(str(pool), cfg.input)
+    start = time.perf_counter()
+    ScorePhase(cfg, str(out), str(pool), log=lambda _: None).run(shards)
+    return {"ray_s": time.perf_counter() - start}
+
+
+def worker(images: Path, pool: Path | None, with_ray: bool = False) -> dict:
     """Measure the tree whose ``curation`` package is importable here."""
     from common.config import load_config
     from curation.config import CurateConfig
@@ -103,6 +118,8 @@ def worker(images: Path, pool: Path | None) -> dict:
         table = score_in_process(cfg, shards, str(pool))
         result["e2e_s"] = time.perf_counter() - start
         result["e2e_rows"] = table.select(["source", "status", "stage", "reason"]).to_pylist()
+        if with_ray:
+            result |= ray_scoring(cfg, pool)
     return result
 
 
@@ -123,11 +140,11 @@ def _write_images(folder: Path) -> list[dict]:
     return labels
 
 
-def _run_tree(tree: Path, images: Path, pool: Path | None) -> dict:
+def _run_tree(tree: Path, images: Path, pool: Path | None, with_ray: bool) -> dict:
     out = images / f"result-{abs(hash(str(tree)))}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--images", str(images), "--result", str(out)]
     if pool is not None:
-        cmd += ["--pool", str(pool)]
+        cmd += ["--pool", str(pool)] + (["--ray"] if with_ray else [])
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
     subprocess.run(cmd, cwd=tree, env=env, check=True)
     return json.loads(out.read_text())
@@ -187,7 +204,10 @@ def _e2e_metrics(manifest: dict[str, dict], r: dict) -> dict:
         elif entry["expect"] == "any" and not survived and row["stage"] not in entry["stage_any"]:
             wrong += 1
     n = len(r["e2e_rows"])
-    return {"n": n, "kept": kept, "not_as_expected": wrong, "img_s": n / r["e2e_s"]}
+    out = {"n": n, "kept": kept, "not_as_expected": wrong, "img_s": n / r["e2e_s"]}
+    if "ray_s" in r:
+        out["ray_img_s"] = n / r["ray_s"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,13 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path, help="a checkout of this repository to compare against")
     ap.add_argument("--n", type=int, default=None, help="sample pool size for (d) (default: the pool's default)")
     ap.add_argument("--no-e2e", action="store_true", help="skip (d)")
+    ap.add_argument("--ray", action="store_true", help="(d) also on a local Ray with 2 CPUs, as a job runs it")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--images", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--pool", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        args.result.write_text(json.dumps(worker(args.images, args.pool)))
+        args.result.write_text(json.dumps(worker(args.images, args.pool, args.ray)))
         return 0
 
     with tempfile.TemporaryDirectory(prefix="bench-lite-people-") as tmp:
@@ -217,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             make_sample_pool.main(["--out", str(pool), "--seed", "0", *(["--n", str(args.n)] if args.n else [])])
             manifest = {e["path"]: e for e in map(json.loads, (pool / "_manifest.jsonl").read_text().splitlines())}
         trees = [("new", REPO)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
-        results = {name: _run_tree(tree, images, pool) for name, tree in trees}
+        results = {name: _run_tree(tree, images, pool, args.ray) for name, tree in trees}
 
     print(f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
           f"load average {os.getloadavg()[0]:.1f}; {len(labels)} labelled photos "
@@ -241,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                      f" prominent persons (median difference {y['median']:.1f} deg)")
         if "e2e" in m:
             e = m["e2e"]
-            line += f"; end to end: {e['img_s']:.2f} img/s ({e['kept']} of {e['n']} kept, {e['not_as_expected']} not as the manifest expects)"
+            line += f"; end to end: {e['img_s']:.2f} img/s in one process ({e['kept']} of {e['n']} kept, {e['not_as_expected']} not as the manifest expects)"
+            if "ray_img_s" in e:
+                line += f", {e['ray_img_s']:.2f} img/s on a local Ray with 2 CPUs"
         rows.append(line)
     print("\n".join(rows))
     if "baseline" in metrics:
@@ -251,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             ratios.append(f"head pose {new['head']['img_s'] / old['head']['img_s']:.2f}x img/s")
         if "e2e" in new:
             ratios.append(f"end to end {new['e2e']['img_s'] / old['e2e']['img_s']:.2f}x img/s")
+            if "ray_img_s" in new["e2e"]:
+                ratios.append(f"end to end on Ray {new['e2e']['ray_img_s'] / old['e2e']['ray_img_s']:.2f}x img/s")
         ratios.append(f"precision {old['person']['precision']:.3f} -> {new['person']['precision']:.3f}, "
                       f"recall {old['person']['recall']:.3f} -> {new['person']['recall']:.3f}")
         print("new vs baseline: " + "; ".join(ratios))

@@ -140,29 +140,34 @@ def group_skeletons(heat: np.ndarray, fields: np.ndarray, *, threshold: float = 
     return out
 
 
+def head_height(kp: np.ndarray) -> float | None:
+    """A person's head height (crown to chin, pixels) from COCO keypoints ``kp`` (17, 3; confidence 0 = missing),
+    by body proportions: shoulders about 1.8 head heights apart, hips 1.3, ears 0.65, eyes 0.28, the nose about one
+    above the shoulders' middle. The largest estimate wins (foreshortening only shortens). None without a pair."""
+    seen = kp[:, 2] > 0
+    xy = kp[:, :2]
+    sizes = [float(np.hypot(*(xy[a] - xy[b]))) / f
+             for a, b, f in ((COCO_L_SHOULDER, COCO_R_SHOULDER, 1.8), (COCO_L_HIP, COCO_R_HIP, 1.3),
+                             (COCO_L_EAR, COCO_R_EAR, 0.65), (COCO_L_EYE, COCO_R_EYE, 0.28))
+             if seen[a] and seen[b]]
+    if seen[COCO_NOSE] and seen[COCO_L_SHOULDER] and seen[COCO_R_SHOULDER]:
+        sizes.append(float(np.hypot(*(xy[COCO_NOSE] - (xy[COCO_L_SHOULDER] + xy[COCO_R_SHOULDER]) / 2))))
+    return max(sizes) if sizes else None
+
+
 def body_box(kp: np.ndarray, width: float, height: float) -> np.ndarray | None:
     """A person box (x0, y0, x1, y1) from COCO keypoints ``kp`` (17, 3; confidence 0 = missing): the keypoints'
-    extent grown by body proportions measured in head heights, estimated from the visible parts (shoulders about
-    1.8 head heights wide, ears 0.65, eyes 0.28, the nose about one above the shoulders' middle). The crown lies
-    0.6 of a head above the highest face point; a body cut off above its ankles continues below its lowest joint
-    (by the rest of a leg, a thigh, or a chest), within the image."""
+    extent grown by body proportions measured in head heights (``head_height``). The crown lies 0.6 of a head
+    above the highest face point; a body cut off above its ankles continues below its lowest joint (by the rest of
+    a leg, a thigh, or a chest), within the image."""
     seen = kp[:, 2] > 0
     if seen.sum() < 2:
         return None
     xy = kp[:, :2]
-
-    def dist(a: int, b: int) -> float | None:
-        return float(np.hypot(*(xy[a] - xy[b]))) if seen[a] and seen[b] else None
-
-    estimates = [d / f for d, f in ((dist(COCO_L_SHOULDER, COCO_R_SHOULDER), 1.8), (dist(COCO_L_EAR, COCO_R_EAR), 0.65),
-                                    (dist(COCO_L_EYE, COCO_R_EYE), 0.28), (dist(COCO_L_HIP, COCO_R_HIP), 1.3))
-                 if d is not None]
-    if seen[COCO_NOSE] and seen[COCO_L_SHOULDER] and seen[COCO_R_SHOULDER]:
-        estimates.append(float(np.hypot(*(xy[COCO_NOSE] - (xy[COCO_L_SHOULDER] + xy[COCO_R_SHOULDER]) / 2))))
     pts = xy[seen]
     x0, y0 = pts.min(0)
     x1, y1 = pts.max(0)
-    head = max(estimates) if estimates else (y1 - y0) / 4
+    head = head_height(kp) or (y1 - y0) / 4
     head_seen = seen[list(_HEAD)]
     top = (xy[list(_HEAD)][head_seen, 1].min() - 0.6 * head) if head_seen.any() else y0 - 0.3 * head
     if seen[[COCO_L_ANKLE, COCO_R_ANKLE]].any():
@@ -399,18 +404,10 @@ def head_region(kp: np.ndarray) -> tuple[np.ndarray, float] | None:
     """Centre and head height (pixels) of a person's head from its COCO keypoints; None without a face keypoint."""
     seen = kp[:, 2] > 0
     face = [i for i in _HEAD if seen[i]]
-    if not face:
+    head = head_height(kp)
+    if not face or head is None:
         return None
-    xy = kp[:, :2]
-    sizes = []
-    for a, b, f in ((COCO_L_SHOULDER, COCO_R_SHOULDER, 1.8), (COCO_L_EAR, COCO_R_EAR, 0.65), (COCO_L_EYE, COCO_R_EYE, 0.28)):
-        if seen[a] and seen[b]:
-            sizes.append(float(np.hypot(*(xy[a] - xy[b]))) / f)
-    if seen[COCO_NOSE] and seen[COCO_L_SHOULDER] and seen[COCO_R_SHOULDER]:
-        sizes.append(float(np.hypot(*(xy[COCO_NOSE] - (xy[COCO_L_SHOULDER] + xy[COCO_R_SHOULDER]) / 2))))
-    if not sizes:
-        return None
-    return xy[face].mean(0), max(sizes)
+    return kp[face, :2].mean(0), head
 
 
 def _affine(centre: np.ndarray, side: float, angle: float, n: int) -> np.ndarray:
