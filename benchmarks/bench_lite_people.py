@@ -62,6 +62,35 @@ def _timed_batches(stage, rows: list[dict], size: int) -> tuple[float, list[dict
     return time.perf_counter() - start, out
 
 
+def scoring_in_process(cfg, pool: Path) -> dict:
+    """Phase 1 in this process, batch by batch, as ``curation.score.score_in_process`` runs it, with the CPU time
+    of each stage (its native threads included) and the rows it saw still pending."""
+    import pyarrow as pa
+
+    from curation.pool import list_shards
+    from curation.score import _finalise, _shard_reader
+    from curation.stage import StageRunner
+
+    cfg_json = cfg.model_dump_json()
+    runners = [(name, StageRunner(name, cfg_json), cfg.stages[name].batch_size) for name in cfg.enabled_stages]
+    reader = _shard_reader(cfg, str(pool))
+    cpu = dict.fromkeys(cfg.enabled_stages, 0.0)
+    seen = dict.fromkeys(cfg.enabled_stages, 0)
+    tables = []
+    start = time.perf_counter()
+    for shard in list_shards(str(pool), cfg.input):
+        table = reader.read_table(shard)
+        for name, runner, size in runners:
+            seen[name] += table.column("status").to_pylist().count("pending")
+            t0 = time.process_time()
+            table = pa.concat_tables([runner(table.slice(i, size)) for i in range(0, table.num_rows, size)])
+            cpu[name] += time.process_time() - t0
+        tables.append(_finalise(table))
+    wall = time.perf_counter() - start
+    rows = pa.concat_tables(tables).select(["source", "status", "stage", "reason"]).to_pylist()
+    return {"e2e_s": wall, "e2e_rows": rows, "stage_cpu_s": cpu, "stage_rows": seen}
+
+
 def ray_scoring(cfg, pool: Path) -> dict:
     """Phase 1 on a local Ray with 2 CPUs, as a curation job runs it (the lite config's actor pools)."""
     from common.ray_utils import init_ray
@@ -110,14 +139,7 @@ def worker(images: Path, pool: Path | None, with_ray: bool = False) -> dict:
                  for p in h["persons"] if p["prominent"] and p.get("head_yaw") is not None and p.get("keypoints")],
     }
     if pool is not None:
-        from curation.pool import list_shards
-        from curation.score import score_in_process
-
-        shards = list_shards(str(pool), cfg.input)
-        start = time.perf_counter()
-        table = score_in_process(cfg, shards, str(pool))
-        result["e2e_s"] = time.perf_counter() - start
-        result["e2e_rows"] = table.select(["source", "status", "stage", "reason"]).to_pylist()
+        result |= scoring_in_process(cfg, pool)
         if with_ray:
             result |= ray_scoring(cfg, pool)
     return result
@@ -204,7 +226,9 @@ def _e2e_metrics(manifest: dict[str, dict], r: dict) -> dict:
         elif entry["expect"] == "any" and not survived and row["stage"] not in entry["stage_any"]:
             wrong += 1
     n = len(r["e2e_rows"])
-    out = {"n": n, "kept": kept, "not_as_expected": wrong, "img_s": n / r["e2e_s"]}
+    out = {"n": n, "kept": kept, "not_as_expected": wrong, "img_s": n / r["e2e_s"],
+           "cpu_per_input": sum(r["stage_cpu_s"].values()) / n, "stage_cpu_s": r["stage_cpu_s"],
+           "stage_rows": r["stage_rows"]}
     if "ray_s" in r:
         out["ray_img_s"] = n / r["ray_s"]
     return out
@@ -265,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             line += f"; end to end: {e['img_s']:.2f} img/s in one process ({e['kept']} of {e['n']} kept, {e['not_as_expected']} not as the manifest expects)"
             if "ray_img_s" in e:
                 line += f", {e['ray_img_s']:.2f} img/s on a local Ray with 2 CPUs"
+            line += f"; CPU per input {e['cpu_per_input']:.3f} s (" + ", ".join(
+                f"{k} {v / max(e['stage_rows'][k], 1):.3f}" for k, v in e["stage_cpu_s"].items()) + " s per image it saw)"
         rows.append(line)
     print("\n".join(rows))
     if "baseline" in metrics:
@@ -274,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             ratios.append(f"head pose {new['head']['img_s'] / old['head']['img_s']:.2f}x img/s")
         if "e2e" in new:
             ratios.append(f"end to end {new['e2e']['img_s'] / old['e2e']['img_s']:.2f}x img/s")
+            ratios.append(f"CPU per input {old['e2e']['cpu_per_input'] / new['e2e']['cpu_per_input']:.2f}x less")
             if "ray_img_s" in new["e2e"]:
                 ratios.append(f"end to end on Ray {new['e2e']['ray_img_s'] / old['e2e']['ray_img_s']:.2f}x img/s")
         ratios.append(f"precision {old['person']['precision']:.3f} -> {new['person']['precision']:.3f}, "

@@ -193,7 +193,7 @@ class HeadPoseModelSettings(Strict):
     )
     crop_heads: float = Field(2.5, gt=0)  # the face detector sees a square this many head heights wide
     face_side: int = Field(160, ge=32)  # the image is decoded so that the smallest head is about this many pixels
-    min_face_score: float = Field(0.5, ge=0, le=1)
+    min_face_score: float = Field(0.5, ge=0, le=1)  # of the detector, and of the face mesh's face probability
     frontal_max_yaw: float = Field(45.0, gt=0, lt=90)  # |yaw| above this is a profile (as models.yolo)
 
 

@@ -547,21 +547,26 @@ class HeadPoseStage(Stage):
             if head is not None and rgb is not None:
                 centre, size = head
                 found = self.find_face(rgb, centre * scale, m.crop_heads * size * scale)
-            if found is None:
-                # No face where this body's head is: seen from behind, turned away, or hidden.
+            pose = None
+            if found is not None:
+                box, points, score = found
+                mesh, flag = self.face_mesh(rgb, box, points[:2])
+                # The mesh's own face probability vetoes a detection it does not see as a face (MediaPipe's use).
+                if flag >= m.min_face_score:
+                    pose = self.solve_pose(mesh / scale, width, height), score * flag, mesh / scale
+            if pose is None or not all(math.isfinite(a) for a in pose[0]):
+                # No face where this body's head is: seen from behind, turned away, or hidden. How sure: the person
+                # detector's doubt about the nose and eyes (no face keypoint at all: sure).
                 kp = np.asarray(p.get("keypoints") or [0.0] * 51, np.float64).reshape(-1, 3)
                 seen = kp[[COCO_NOSE, COCO_L_EYE, COCO_R_EYE], 2]
                 p.update(head_yaw_class="not_visible", head_confidence=float(1.0 - seen.max()) if head else 1.0)
                 continue
-            box, points, score = found
-            mesh, flag = self.face_mesh(rgb, box, points[:2])
-            yaw, pitch, roll = self.solve_pose(mesh / scale, width, height)
+            (yaw, pitch, roll), confidence, mesh = pose
             cls = yaw_class(yaw, m.frontal_max_yaw)
-            confidence = score * flag
-            x0, y0 = np.clip(mesh.min(0) / scale, 0, [width, height])
-            x1, y1 = np.clip(mesh.max(0) / scale, 0, [width, height])
-            p.update(head_yaw_class=cls, head_confidence=float(confidence), head_yaw=_finite(yaw),
-                     head_pitch=_finite(pitch), head_roll=_finite(roll))
+            p.update(head_yaw_class=cls, head_confidence=float(confidence), head_yaw=float(yaw), head_pitch=float(pitch),
+                     head_roll=float(roll))
+            x0, y0 = np.clip(mesh.min(0), 0, [width, height])
+            x1, y1 = np.clip(mesh.max(0), 0, [width, height])
             if x1 > x0 and y1 > y0:
                 faces.append({"x0": float(x0), "y0": float(y0), "x1": float(x1), "y1": float(y1),
                               "score": float(confidence), "view": cls})
@@ -573,7 +578,3 @@ class HeadPoseStage(Stage):
             "head_yaw_class": main["head_yaw_class"] if main else None,
             "head_confidence": main["head_confidence"] if main else None,
         }
-
-
-def _finite(v: float) -> float | None:
-    return float(v) if math.isfinite(v) else None
