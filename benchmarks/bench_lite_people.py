@@ -279,14 +279,16 @@ def main(argv: list[str] | None = None) -> int:
                 f" (wrong: {', '.join(p['wrong']) or 'none'}); head pose: {h['img_s'] or 0:.2f} img/s, yaw class "
                 f"mirrors on {h['class_ok']}/{h['pairs']} pairs")
         if h["with_degrees"]:
-            line += f", yaw sign flips on {h['sign_flips']}/{h['with_degrees']} (max |yaw + mirrored yaw| {h['max_abs_yaw_sum']:.1f} deg)"
+            line += (f", yaw sign flips on {h['sign_flips']}/{h['with_degrees']}"
+                     f" (max |yaw + mirrored yaw| {h['max_abs_yaw_sum']:.1f} deg)")
         if m["yaw"]:
             y = m["yaw"]
             line += (f"; yaw within 15 deg of the full profile's fit on the same face keypoints for {y['within_15']}/{y['n']}"
                      f" prominent persons (median difference {y['median']:.1f} deg)")
         if "e2e" in m:
             e = m["e2e"]
-            line += f"; end to end: {e['img_s']:.2f} img/s in one process ({e['kept']} of {e['n']} kept, {e['not_as_expected']} not as the manifest expects)"
+            line += (f"; end to end: {e['img_s']:.2f} img/s in one process ({e['kept']} of {e['n']} kept,"
+                     f" {e['not_as_expected']} not as the manifest expects)")
             if "ray_img_s" in e:
                 line += f", {e['ray_img_s']:.2f} img/s on a local Ray with 2 CPUs"
             line += f"; CPU per input {e['cpu_per_input']:.3f} s (" + ", ".join(

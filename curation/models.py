@@ -382,8 +382,11 @@ def _archive_link(page: str, archive: str) -> tuple[str | None, str | None]:
     with urllib.request.urlopen(page, timeout=60) as r:  # noqa: S310 - http(s) or file: indexes from the config
         parser = _Links()
         parser.feed(r.read().decode("utf-8", "replace"))
+    web = urllib.parse.urlparse(page).scheme in ("http", "https")
     for href in parser.links:
         url, _, fragment = urllib.parse.urljoin(page, href).partition("#")
+        if web and urllib.parse.urlparse(url).scheme not in ("http", "https"):
+            continue  # a page served over the web may not point into this machine's files
         if urllib.parse.unquote(url.rsplit("/", 1)[-1]) == archive:
             digest = fragment[len("sha256="):].lower() if fragment.startswith("sha256=") else None
             return url, digest
