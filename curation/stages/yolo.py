@@ -36,7 +36,7 @@ import numpy as np
 
 from curation.imageio import decode
 from curation.stage import Row, Stage, Update
-from curation.stages.people import PERSON_COLUMNS, order_main_first, person_update, prominence
+from curation.stages.people import PERSON_COLUMNS, order_main_first, person_update, prominence, yaw_class
 
 if TYPE_CHECKING:
     from curation.config import Filters
@@ -160,17 +160,6 @@ def estimate_head_pose(xy: np.ndarray, conf: np.ndarray, min_conf: float = 0.5) 
     out.confidence[valid] = confidence
     out.face_box[valid] = np.stack([centre.real - half, centre.imag - half, centre.real + half, centre.imag + half], -1)
     return out
-
-
-def yaw_class(yaw: float, frontal_max_yaw: float) -> str:
-    """The lite profile's coarse class for a yaw in degrees (NaN: face not visible)."""
-    if math.isnan(yaw):
-        return "not_visible"
-    if yaw < -frontal_max_yaw:
-        return "left_profile"
-    if yaw > frontal_max_yaw:
-        return "right_profile"
-    return "frontal"
 
 
 def _iou_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
