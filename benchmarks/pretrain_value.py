@@ -1,7 +1,7 @@
 """Does pretraining on curated shards give a better backbone? Pretrained vs random init on label-efficient fine-tuning.
 
     python benchmarks/pretrain_value.py --quick            # <= 15 min on 2 CPUs: seg, 64 labels, one seed
-    python benchmarks/pretrain_value.py                    # the full experiment (about 1.5 h on 2 CPUs)
+    python benchmarks/pretrain_value.py                    # the full experiment (about an hour on 2 quiet CPUs)
     python benchmarks/pretrain_value.py --work out/pv --pool 4000 --labels 64,256 --tasks seg,pose --seeds 0,1,2
 
 The real chain, every step a job a user runs:
@@ -42,8 +42,8 @@ METRIC = {"seg": "mIoU", "pose": "AP"}  # headline metric per task; higher is be
 MODES = {"probe": "true", "full": "false"}  # mode -> optim.freeze_backbone
 POOL_SHARD = 50  # renders per pool tar shard: one shard is one unit of curation work and of its resume
 PRESETS = {
-    "quick": dict(pool=500, pretrain_steps=300, labels="64", tasks="seg", seeds="0", steps=150, val=64),
-    "full": dict(pool=4000, pretrain_steps=2000, labels="64,256", tasks="seg,pose", seeds="0,1,2", steps=300, val=128),
+    "quick": dict(pool=500, pretrain_steps=300, labels="64", tasks="seg", seeds="0", steps=300, val=64),
+    "full": dict(pool=3000, pretrain_steps=1000, labels="64,256", tasks="seg,pose", seeds="0,1,2", steps=300, val=128),
 }
 
 
