@@ -38,6 +38,7 @@ from common.storage import (
     StorageError,
     delete_quietly,
     exists,
+    is_local,
     join,
     list_files,
     open_output_atomic,
@@ -164,6 +165,10 @@ def plan_tars(rows: list[int], samples_per_tar: int | None) -> list[list[tuple[i
 def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None, log=print) -> dict:
     """Write the tars not yet written and the export's manifest; returns the manifest."""
     in_fs, in_root = resolve(shards_uri)
+    out_fs, out_root = resolve(out_uri)
+    # tasks run in other working directories (and on other nodes): give them local paths made absolute
+    shards_uri = in_root if is_local(in_fs) else shards_uri
+    out_uri = out_root if is_local(out_fs) else out_uri
     manifest_path = join(in_root, LAYOUT.manifest_name)
     if not exists(in_fs, manifest_path):
         raise ExportError(f"{shards_uri}: no {LAYOUT.manifest_name}; point --shards at a curated output's shards folder")
@@ -173,7 +178,6 @@ def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None
     settings = {"format": "webdataset", "samples_per_tar": samples_per_tar,
                 "shards": [[s["file"], s["sha256"]] for s in source["shards"]]}
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-    out_fs, out_root = resolve(out_uri)
     remove_temporaries(out_fs, out_root)  # tars a killed export left half-written
     records = _TarRecords(out_fs, out_root, "export", settings_hash)
     names = [tar_name(k) for k in range(len(plan))]

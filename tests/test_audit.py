@@ -586,6 +586,7 @@ def test_readme_reader_examples_load_the_shards(curated_run, tmp_path):
     shutil.copytree(curated_run, tmp_path / "out" / "curated")
     check = """
 import hashlib, json
+from datasets import Image
 raw = hf.cast_column("image", Image(decode=False))
 print(json.dumps({
     "hf_rows": len(hf), "hf_image": type(first_image).__module__.split(".")[0], "hf_size": list(first_image.size),

@@ -5,7 +5,11 @@ import hashlib
 import io
 import json
 import math
+import os
+import re
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -198,3 +202,27 @@ def test_keys_from_data_are_safe_webdataset_keys():
     assert export.image_extension(None, png.getvalue()) == "png"  # no format column: read from the header
     assert export.image_extension(None, image) == "bin"
     assert export.image_extension("MPO", image) == "jpg" and export.image_extension("TIFF", image) == "tiff"
+
+
+def test_readme_examples_load_the_output_and_the_tars(curated_run, tmp_path, monkeypatch):
+    """The README's "other tools" section, run as written on a copy of a curated output and its export."""
+    (tmp_path / "out").mkdir()
+    shutil.copytree(curated_run, tmp_path / "out" / "curated")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("\n## Using the curated data in other tools", 1)[1].split("\n## ", 1)[0]
+    command = re.search(r"```bash\n(python -m jobs.export [^\n\[]*)", section).group(1).split()
+    monkeypatch.chdir(tmp_path)
+    assert export.main(command[3:]) == 0
+    check = """
+print(json.dumps({"rows": len(ds), "image": type(ds[0]["image"]).__module__.split(".")[0], "key": first["__key__"],
+                  "wds_image": type(next(v for k, v in first.items() if k not in ("__key__", "__url__", "json"))).__module__.split(".")[0],
+                  "wds_json": first["json"]}))
+"""
+    code = "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.S)) + check
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    truth = _shard_rows(curated_run)
+    assert got["rows"] == len(truth) and got["image"] == got["wds_image"] == "PIL"
+    assert got["wds_json"] == {k: v for k, v in truth[got["key"]].items() if k != "image"}
