@@ -20,6 +20,7 @@ listing data files skip.
     shards/manifest.json                    the current shards and final-ledger files: the commit point of "write"
     final_ledger/<shard_id>-<sha256>.parquet   the ledger with every phase applied
     report/                                 the HTML report (jobs.report)
+    README.md                               the dataset card (curation.card): what load_dataset("<out>") reads
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class OutputLayout:
     manifest = f"{shards}/{manifest_name}"
     final_ledger = "final_ledger"
     report = "report"
+    card = "README.md"
+    shard_glob = f"{shards}/part-*.parquet"  # the final shards and nothing else (not the manifest, not _tmp- files)
 
     # --- phases ---------------------------------------------------------------------------------------------------
 

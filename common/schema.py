@@ -5,9 +5,9 @@
 - ``LEDGER``: exactly one row per input, with its fate, the deciding stage, the reason and every score computed
   before the decision (no image bytes, no embedding).
 
-The image column follows Hugging Face's ``Image`` feature (a struct of ``bytes`` and ``path``) so that
-``datasets`` loads our shards as images. Bytes are the original encoded bytes, never re-encoded; ``key`` is
-their sha256.
+The image column follows Hugging Face's ``Image`` feature (a struct of ``bytes`` and ``path``), and the final
+shards carry ``datasets``' own ``huggingface`` schema metadata (``hf_metadata``), so ``datasets`` loads them as
+images with no cast. Bytes are the original encoded bytes, never re-encoded; ``key`` is their sha256.
 """
 
 from __future__ import annotations
@@ -169,6 +169,60 @@ def with_metadata(schema: pa.Schema, *, table: str, config_hash: str, extra: dic
     if extra:
         meta[b"humans1b.extra"] = json.dumps(extra, sort_keys=True).encode()
     return schema.with_metadata(meta)
+
+
+# --- Hugging Face features ----------------------------------------------------------------------------------------
+# ``datasets`` stores a table's features as JSON under the ``huggingface`` schema metadata key and in a dataset
+# card's ``dataset_info.features``. Both are derived here from the arrow schema, in the exact form ``datasets``
+# writes them (a test compares them with ``datasets.Features.from_arrow_schema`` plus ``Image()``), so writers need
+# no ``datasets`` import. The ``image`` column becomes an ``Image`` feature, every other column its plain feature.
+
+HF_METADATA_KEY = b"huggingface"
+_HF_DTYPES = {"float": "float32", "double": "float64", "halffloat": "float16"}  # arrow names datasets spells otherwise
+
+
+def _hf_feature(name: str | None, dtype: pa.DataType) -> dict:
+    if name == "image" and dtype == IMAGE_TYPE:
+        return {"_type": "Image"}
+    if pa.types.is_struct(dtype):
+        return {f.name: _hf_feature(f.name, f.type) for f in dtype}
+    if pa.types.is_fixed_size_list(dtype):
+        return {"feature": _hf_feature(None, dtype.value_type), "length": dtype.list_size, "_type": "List"}
+    if pa.types.is_list(dtype):
+        return {"feature": _hf_feature(None, dtype.value_type), "_type": "List"}
+    if pa.types.is_nested(dtype):  # large lists, maps: not in our tables, and datasets spells them otherwise
+        raise TypeError(f"no Hugging Face feature for {dtype}")
+    return {"dtype": _HF_DTYPES.get(str(dtype), str(dtype)), "_type": "Value"}
+
+
+def hf_features(schema: pa.Schema) -> dict:
+    """The table's ``datasets`` features as ``Features.to_dict()`` gives them."""
+    return {f.name: _hf_feature(f.name, f.type) for f in schema}
+
+
+def hf_metadata(schema: pa.Schema) -> dict[bytes, bytes]:
+    """The ``huggingface`` schema metadata ``datasets`` writes into its own Parquet files."""
+    return {HF_METADATA_KEY: json.dumps({"info": {"features": hf_features(schema)}}).encode()}
+
+
+def _card_entry(feature: dict) -> dict:
+    """One feature as a dataset card lists it (``Features._to_yaml_list``)."""
+    kind = feature.get("_type")
+    if kind == "List":
+        inner = _card_entry(feature["feature"])
+        # a list of one dtype or of a struct is written as that dtype or that struct's fields
+        item = inner[next(iter(inner))] if list(inner) in (["dtype"], ["struct"]) else inner
+        return {"list": item, **({"length": feature["length"]} if "length" in feature else {})}
+    if kind == "Value":
+        return {"dtype": feature["dtype"]}
+    if kind:
+        return {"dtype": kind.lower()}  # Image -> image
+    return {"struct": [{"name": name, **_card_entry(sub)} for name, sub in feature.items()]}
+
+
+def hf_card_features(schema: pa.Schema) -> list[dict]:
+    """The table's features as a dataset card's ``dataset_info.features`` lists them."""
+    return [{"name": name, **_card_entry(feature)} for name, feature in hf_features(schema).items()]
 
 
 def read_metadata(schema: pa.Schema) -> dict:

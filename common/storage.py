@@ -7,6 +7,7 @@ that a local folder and ``s3://bucket/prefix`` behave the same. Writes are atomi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -91,12 +92,24 @@ def _tmp_beside(path: str) -> str:
     return f"{head}/_tmp-{uuid.uuid4().hex[:8]}-{name}"
 
 
-def write_bytes_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+@contextlib.contextmanager
+def open_output_atomic(fs: pafs.FileSystem, path: str):
+    """A stream whose bytes appear at ``path`` only once the block ends without an error (a file too large to hold
+    in memory, streamed); on an error the partial temporary is removed."""
     fs.create_dir(path.rpartition("/")[0], recursive=True)
     tmp = _tmp_beside(path)
-    with fs.open_output_stream(tmp) as out:
-        out.write(data)
+    try:
+        with fs.open_output_stream(tmp) as out:
+            yield out
+    except BaseException:
+        delete_quietly(fs, tmp)
+        raise
     fs.move(tmp, path)
+
+
+def write_bytes_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    with open_output_atomic(fs, path) as out:
+        out.write(data)
 
 
 def write_json_atomic(fs: pafs.FileSystem, path: str, obj) -> None:

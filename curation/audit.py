@@ -3,7 +3,8 @@
 Checks, each reported as a ``Problem`` that names the file (relative to the output root), the row where there is
 one, and what is wrong:
 
-- every shard the manifest lists exists, with the manifest's size, sha256, row count, schema and file metadata;
+- every shard the manifest lists exists, with the manifest's size, sha256, row count, schema and file metadata
+  (``datasets``' features included);
 - ``shards/`` holds nothing the manifest does not list (readers that glob ``*.parquet`` would pick it up);
 - every image decodes and its bytes hash to its ``key``; keys (and sources) are unique across all shards;
 - the manifest lists one final-ledger file per committed input shard, with its sha256, and ``final_ledger/``
@@ -190,6 +191,9 @@ class _Auditor:
                            ("config_hash", manifest["config_hash"])):
             if meta.get(name) != want:
                 add(None, f"file metadata humans1b.{name} is {meta.get(name)!r}, expected {want!r}")
+        if (actual.metadata or {}).get(schema.HF_METADATA_KEY) != schema.hf_metadata(actual)[schema.HF_METADATA_KEY]:
+            add(None, "file metadata huggingface is missing or does not describe the columns (datasets would not "
+                      "decode the images)")
         if pf.metadata.num_rows != entry["rows"]:
             add(None, f"{pf.metadata.num_rows} rows, the manifest says {entry['rows']}")
         columns = [c for c in ("key", "source", "image") if c in actual.names]

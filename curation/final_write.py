@@ -105,18 +105,24 @@ class _InOrder:
         return self.table
 
 
-@ray.remote(num_cpus=0.5)
-def _write_output_shards(out_uri: str, first: int, plan: list[list[tuple[int, int, int]]],
-                         scored_files: dict[str, list[str]], cfg_json: str) -> dict:
-    """Output shards ``first, first + 1, ...`` (``plan`` gives each one's slices of the partitions' selected rows):
-    the selected rows in uid (= shard_id, source) order, with their cluster ids."""
-    cfg = CurateConfig.model_validate_json(cfg_json)
-    fs, root = resolve(out_uri)
+def final_shard_schema(cfg: CurateConfig) -> pa.Schema:
+    """The final shards' schema with their file metadata: ours, and the features ``datasets`` reads (the image
+    column an ``Image``), so ``load_dataset("parquet", ...)`` decodes images with no cast."""
     dim = cfg.embedding_dim if cfg.write.include_embedding else None
     target = schema.with_metadata(
         schema.curated_schema(dim), table="curated", config_hash=cfg.results_hash(),
         extra={"embedding_model": cfg.models.embedding.name, "embedding_dim": cfg.embedding_dim},
     )
+    return target.with_metadata({**target.metadata, **schema.hf_metadata(target)})
+
+
+@ray.remote(num_cpus=0.5)
+def _write_output_shards(out_uri: str, first: int, plan: list[list[tuple[int, int, int]]],
+                         scored_files: dict[str, list[str]], cfg_json: str, target: pa.Schema) -> dict:
+    """Output shards ``first, first + 1, ...`` (``plan`` gives each one's slices of the partitions' selected rows):
+    the selected rows in uid (= shard_id, source) order, with their cluster ids, written with ``target``."""
+    cfg = CurateConfig.model_validate_json(cfg_json)
+    fs, root = resolve(out_uri)
 
     def selected_of(partition: int) -> pa.Table:
         t = pq.read_table(join(root, sample_decisions_path(partition)),
@@ -279,6 +285,7 @@ def write_phase(cfg: CurateConfig, out_uri: str, records: dict[str, dict], parti
     """Write the final shards and final ledger; returns the manifest (not yet switched to: the caller writes it)."""
     fs, root = resolve(out_uri)
     cfg_json = cfg.model_dump_json()
+    target = final_shard_schema(cfg)  # once per run: every shard task gets the same schema and metadata
     window = max(2, 4 * int(ray.cluster_resources().get("CPU", 2)))
     selected = ray.get([_count_selected.remote(out_uri, sample_decisions_path(i)) for i in range(partitions)])
     plan = plan_output_shards(selected, cfg.write.rows_per_shard)
@@ -293,7 +300,7 @@ def write_phase(cfg: CurateConfig, out_uri: str, records: dict[str, dict], parti
     for partition, ks in starts.items():
         scored = {s: records[s]["scored_files"] for k in ks for p, _, _ in plan[k] for s in shards_in[p]}
         units[f"shards-{partition:06d}"] = lambda ks=ks, scored=scored: _write_output_shards.remote(
-            out_uri, ks[0], plan[ks[0] : ks[-1] + 1], scored, cfg_json)
+            out_uri, ks[0], plan[ks[0] : ks[-1] + 1], scored, cfg_json, target)
     unit_records = UnitRecords(fs, root, "write", settings_hash)
     started = time.monotonic()
     shards = [shard for _, receipt in sorted(run_units(unit_records, units, window)) for shard in receipt["shards"]]

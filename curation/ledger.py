@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from common import schema
-from common.layout import LAYOUT
+from common.layout import GLOBAL_PHASES, LAYOUT
 from common.storage import exists, join, list_files, read_json, resolve
 
 
@@ -54,3 +56,45 @@ def summary_table(ledger: pa.Table) -> str:
         label = f"{st} / {code}" + (" (error)" if status_ == schema.ERROR else "")
         lines.append(f"{label:<{width}}{n:>8}  {pct(n)}")
     return "\n".join(lines)
+
+
+@dataclass
+class FunnelStep:
+    phase: str
+    stage: str
+    reached: int
+    outcomes: list[tuple[str, str, int]]  # (status, reason code, count) of images that stopped here
+
+
+def stopped_by_stage(rows: Iterable[dict]) -> dict[str, Counter]:
+    """Per stage, (status, reason code) counts of the ledger rows that stopped there."""
+    stopped: dict[str, Counter] = defaultdict(Counter)
+    for r in rows:
+        if r["status"] != schema.KEPT:
+            stopped[r["stage"]][(r["status"], reason_code(r["reason"]))] += 1
+    return stopped
+
+
+def stopped_in_funnel(funnel: dict[str, int]) -> dict[str, Counter]:
+    """``stopped_by_stage`` from a manifest's funnel (``<phase>/<stage>/<status>/<reason code>`` counts)."""
+    stopped: dict[str, Counter] = defaultdict(Counter)
+    for name, n in funnel.items():
+        _, stage, status, code = name.split("/", 3)
+        if status != schema.KEPT:
+            stopped[stage][(status, code)] += n
+    return stopped
+
+
+def funnel_steps(stopped: dict[str, Counter], total: int, stage_order: Sequence[str]) -> list[FunnelStep]:
+    """How many of ``total`` inputs reached each stage and phase, and what stopped there (by status and reason
+    code); scoring stages in ``stage_order``, then any other scoring stage that stopped images, then the global
+    phases."""
+    scoring = [s for s in stage_order if s not in GLOBAL_PHASES]
+    scoring += sorted(s for s in stopped if s not in scoring and s not in GLOBAL_PHASES)
+    remaining, steps = total, []
+    for stage in [*scoring, *GLOBAL_PHASES]:
+        counts = stopped.get(stage, Counter())
+        outcomes = [(status, code, n) for (status, code), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+        steps.append(FunnelStep("score" if stage not in GLOBAL_PHASES else stage, stage, remaining, outcomes))
+        remaining -= sum(n for *_, n in outcomes)
+    return steps

@@ -13,6 +13,7 @@ beside the output (``curation.survivors`` describes the partitioning):
     shards/part-NNNNN-<digest>.parquet      final curated shards (curation.final_write)
     final_ledger/<shard_id>-<digest>.parquet   the ledger with every phase applied: one row per input
     shards/manifest.json                    the current shards and final-ledger files, totals, funnel
+    README.md                               the dataset card for Hugging Face datasets and the Hub (curation.card)
 
 Resume: a phase records ``_state/<phase>.started.json`` with its settings hash; a rerun with the same settings keeps
 every partition already written (a step's output file, written atomically, is its own commit record) and redoes
@@ -44,6 +45,7 @@ from common.storage import (
     write_json_atomic,
 )
 from curation import survivors as sv
+from curation.card import write_card
 from curation.cluster_sampling import run_sample
 from curation.components import run_components
 from curation.config import CurateConfig
@@ -206,6 +208,7 @@ class GlobalPhases:
         self.guard()
         write_json_atomic(self.fs, join(self.root, LAYOUT.manifest), manifest)  # the switch to the new files
         removed = self._remove_unlisted(manifest)
+        write_card(self.out_uri, self.cfg, manifest)  # after the switch: the card describes the current shards
         self.log(
             f"[write] {manifest['totals']['rows']} images in {len(manifest['shards'])} shards "
             f"({manifest['totals']['bytes']} bytes); {removed} files the manifest no longer lists removed"

@@ -36,7 +36,7 @@ from common.storage import exists, join, read_json, resolve, write_bytes_atomic
 from curation.audit import AuditResult
 from curation.config import CurateConfig
 from curation.imageio import open_image, open_reduced
-from curation.ledger import read_ledger, reason_code
+from curation.ledger import funnel_steps, read_ledger, reason_code, stopped_by_stage
 from curation.phases import committed_records
 
 LEDGER_COLUMNS = [
@@ -357,30 +357,6 @@ def _detail(reason: str | None) -> str:
     return detail.strip() or code
 
 
-@dataclass
-class FunnelStep:
-    phase: str
-    stage: str
-    reached: int
-    outcomes: list[tuple[str, str, int]]  # (status, reason code, count) of images that stopped here
-
-
-def funnel_steps(rows: list[dict], stage_order: Sequence[str]) -> list[FunnelStep]:
-    """How many images reached each stage and phase, and what stopped there (by status and reason code)."""
-    stopped: dict[str, Counter] = defaultdict(Counter)
-    for r in rows:
-        if r["status"] != schema.KEPT:
-            stopped[r["stage"]][(r["status"], reason_code(r["reason"]))] += 1
-    scoring = [s for s in stage_order if s not in GLOBAL_PHASES]
-    scoring += sorted(s for s in stopped if s not in scoring and s not in GLOBAL_PHASES)
-    remaining, steps = len(rows), []
-    for stage in [*scoring, *GLOBAL_PHASES]:
-        outcomes = [(status, code, n) for (status, code), n in sorted(stopped[stage].items(), key=lambda kv: -kv[1])]
-        steps.append(FunnelStep("score" if stage not in GLOBAL_PHASES else stage, stage, remaining, outcomes))
-        remaining -= sum(n for *_, n in outcomes)
-    return steps
-
-
 class _Report:
     def __init__(self, out_uri: str, cfg: CurateConfig, audit: AuditResult | None, config_source: str,
                  options: ReportOptions, log: Callable[[str], None]):
@@ -444,7 +420,7 @@ class _Report:
 
     def funnel(self) -> list[Part]:
         total = len(self.rows)
-        steps = funnel_steps(self.rows, self.cfg.enabled_stages)
+        steps = funnel_steps(stopped_by_stage(self.rows), total, self.cfg.enabled_stages)
         kept = sum(r["status"] == schema.KEPT for r in self.rows)
         labels = [f"{s.phase}/{s.stage}" if s.phase == "score" else s.stage for s in steps] + ["final shards"]
         src = self.chart("funnel", _bar_chart(labels, {"images": [s.reached for s in steps] + [kept]},

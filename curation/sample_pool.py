@@ -533,6 +533,15 @@ def wds_member(name: str) -> str:
     return f"{key}.{ext}"
 
 
+def fixed_tarinfo(name: str, size: int) -> tarfile.TarInfo:
+    """A tar member header with a fixed owner, mode and time: headers otherwise carry the writer's clock and user,
+    and the same members would give other bytes."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, 0, 0o644
+    info.uid, info.gid, info.uname, info.gname = 0, 0, "", ""
+    return info
+
+
 def _shards(items: list[PoolItem], seed: int) -> list[list[PoolItem]]:
     storable = [it for it in items if it.data is not None]
     order = np.random.default_rng([seed, 5]).permutation(len(storable))
@@ -582,10 +591,7 @@ def _write_webdataset(items: list[PoolItem], out: Path, seed: int) -> list[tuple
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for it in shard:
                 assert it.data is not None
-                info = tarfile.TarInfo(wds_member(it.name))
-                # Fixed owner, mode and time: tar headers otherwise carry the writer's clock and user.
-                info.size, info.mtime, info.mode = len(it.data), 0, 0o644
-                info.uid, info.gid, info.uname, info.gname = 0, 0, "", ""
+                info = fixed_tarinfo(wds_member(it.name), len(it.data))
                 tar.addfile(info, io.BytesIO(it.data))
                 placed.append((f"{fname}#{info.name}", it))
         (out / fname).write_bytes(buf.getvalue())

@@ -28,6 +28,7 @@ from PIL import Image
 
 from common import schema, storage
 from common.config import hash_json
+from curation.sample_pool import fixed_tarinfo
 from finetune.data import encode_row
 from finetune.render import COCO_KEYPOINTS, PARTS, RenderConfig, keypoint_spec, render
 
@@ -101,10 +102,7 @@ def write_pool(out: str, n: int, cfg: RenderConfig, seed: int, args: argparse.Na
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for name, data in members:
-                info = tarfile.TarInfo(name)
-                # Fixed owner, mode and time: the same command writes the same bytes.
-                info.size, info.mtime, info.mode = len(data), 0, 0o644
-                tar.addfile(info, io.BytesIO(data))
+                tar.addfile(fixed_tarinfo(name, len(data)), io.BytesIO(data))  # the same command, the same bytes
         storage.write_bytes_atomic(fs, storage.join(root, f"pool-{k:05d}.tar"), buf.getvalue())
         print(f"[make_synthetic] pool-{k:05d}.tar: {len(members)} renders", flush=True)
     return len(ranges)

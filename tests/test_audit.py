@@ -176,6 +176,18 @@ def test_damaged_image_is_located_by_row(out):
     assert _where(problems, rel, 2, "image does not decode")
 
 
+def test_shard_without_datasets_features(out):
+    """A shard rewritten without the huggingface metadata (manifest updated): datasets would not decode it."""
+    path, rel = _shard(out, 0)
+    table = pq.read_table(path)
+    meta = {k: v for k, v in table.schema.metadata.items() if k != schema.HF_METADATA_KEY}
+    _rewrite(path, table.replace_schema_metadata(meta))
+    _refresh_manifest(out)
+    problems = audit(str(out)).problems
+    assert [(p.file, p.row) for p in problems] == [(rel, None)]
+    assert "file metadata huggingface is missing" in problems[0].what
+
+
 def test_extra_file(out):
     shutil.copy(_shard(out, 0)[0], out / "shards" / "part-00099.parquet")
     problems = audit(str(out)).problems
@@ -586,6 +598,7 @@ def test_readme_reader_examples_load_the_shards(curated_run, tmp_path):
     shutil.copytree(curated_run, tmp_path / "out" / "curated")
     check = """
 import hashlib, json
+from datasets import Image
 raw = hf.cast_column("image", Image(decode=False))
 print(json.dumps({
     "hf_rows": len(hf), "hf_image": type(first_image).__module__.split(".")[0], "hf_size": list(first_image.size),

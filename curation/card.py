@@ -1,0 +1,108 @@
+"""The dataset card: ``<out>/README.md``, what the Hugging Face Hub shows and ``datasets.load_dataset("<out>")`` reads.
+
+Its YAML header points ``datasets`` at the final shards only (the output also holds the ledger, the phase files and
+``_state``, which are not the dataset), lists the features the shards carry and the split's size; the body gives
+the run's funnel from the manifest. The write phase writes it atomically after switching the manifest, so a rerun
+that rewrites the shards rewrites the card.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from common import schema
+from common.layout import LAYOUT
+from common.storage import join, resolve, write_bytes_atomic
+from curation.config import CurateConfig
+from curation.final_write import final_shard_schema
+from curation.ledger import funnel_steps, stopped_in_funnel
+
+# The Hub's size categories: (upper bound, label), the first bound above the row count wins.
+_SIZE_CATEGORIES = [(10**3, "n<1K"), (10**4, "1K<n<10K"), (10**5, "10K<n<100K"), (10**6, "100K<n<1M"),
+                    (10**7, "1M<n<10M"), (10**8, "10M<n<100M"), (10**9, "100M<n<1B"), (10**10, "1B<n<10B"),
+                    (10**11, "10B<n<100B"), (10**12, "100B<n<1T")]
+
+
+def size_category(rows: int) -> str:
+    return next((label for bound, label in _SIZE_CATEGORIES if rows < bound), "n>1T")
+
+
+def card_header(cfg: CurateConfig, manifest: dict) -> dict:
+    rows = manifest["totals"]["rows"]
+    return {
+        "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": LAYOUT.shard_glob}]}],
+        "dataset_info": {
+            "features": schema.hf_card_features(final_shard_schema(cfg)),
+            "splits": [{"name": "train", "num_examples": rows}],
+            "download_size": manifest["totals"]["bytes"],
+        },
+        "license": "other",  # a placeholder: the images keep their sources' terms (see the card's Licence section)
+        "size_categories": [size_category(rows)],
+        "task_categories": ["image-feature-extraction"],
+        "tags": ["humans", "people", "human-centric", "pretraining", "curated"],
+        "pretty_name": "Humans-1B curated images",
+    }
+
+
+def _pct(n: int, total: int) -> str:
+    return f"{100.0 * n / total:.1f}%" if total else "-"
+
+
+def funnel_markdown(cfg: CurateConfig, funnel: dict[str, int]) -> str:
+    """The manifest's funnel as a table: images reaching each stage, what stopped there, what was kept."""
+    total = sum(funnel.values())
+    kept = sum(n for name, n in funnel.items() if name.split("/")[2] == schema.KEPT)
+    lines = ["| phase | stage | outcome | images | % of inputs |", "|---|---|---|---:|---:|",
+             f"| | inputs | | {total} | {_pct(total, total)} |"]
+    for step in funnel_steps(stopped_in_funnel(funnel), total, cfg.enabled_stages):
+        lines.append(f"| {step.phase} | {step.stage} | reached | {step.reached} | {_pct(step.reached, total)} |")
+        for status, code, n in step.outcomes:
+            outcome = status + (f": {code}" if code and code != status else "")
+            lines.append(f"| | | {outcome} | {n} | {_pct(n, total)} |")
+    lines.append(f"| write | final shards | kept | {kept} | {_pct(kept, total)} |")
+    return "\n".join(lines)
+
+
+def card_text(cfg: CurateConfig, manifest: dict) -> str:
+    header = yaml.safe_dump(card_header(cfg, manifest), sort_keys=False, allow_unicode=True)
+    totals = manifest["totals"]
+    return f"""---
+{header}---
+
+# Humans-1B curated images
+
+{totals['rows']} human-centric images (at least one prominent person, short side >= {cfg.filters.min_short_side} px)
+in {totals['shards']} Parquet shards, curated by Humans-1B with the `{cfg.profile}` profile (config hash
+`{manifest['config_hash']}`, embedding model `{manifest['embedding_model']}`).
+
+```python
+from datasets import load_dataset
+
+ds = load_dataset("<this folder or repository>", split="train")
+ds[0]["image"]  # a PIL image, decoded from the original bytes
+```
+
+Each row holds the **original encoded bytes** of one image (`image`, never re-encoded; `key` is their sha256),
+where it came from (`source`), what decode learned (`format`, `width`, `height`, ...) and every score of the
+curation: person boxes and head pose, technical quality, text coverage, pHash, balanced-sampling cluster ids.
+`shards/manifest.json` lists the shards with their sha256; `final_ledger/` records the fate of every input.
+
+## Licence
+
+`license: other` is a placeholder. The images keep the licences and terms of their sources (the `source` column
+names each one); set the licence that applies before publishing.
+
+## Funnel
+
+Each input stops at the first stage that rejects it; the counts are the run's final ledger.
+
+{funnel_markdown(cfg, manifest['funnel'])}
+"""
+
+
+def write_card(out_uri: str, cfg: CurateConfig, manifest: dict) -> str:
+    """Write ``<out>/README.md`` for the manifest just committed; returns its path."""
+    fs, root = resolve(out_uri)
+    path = join(root, LAYOUT.card)
+    write_bytes_atomic(fs, path, card_text(cfg, manifest).encode())
+    return path
