@@ -191,7 +191,7 @@ class Worker:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.step, self.curve, self.saved_step = 0, [], None
         self._restore()
-        self.log = MetricsLog(run_uri, self.step) if self.rank == 0 else None
+        self.log = MetricsLog.for_run(run_uri, self.step, cfg) if self.rank == 0 else None
 
     # --- checkpoints ---
 
@@ -230,6 +230,7 @@ class Worker:
             for _, old, _ in ckpt.list_checkpoints(self.run_uri)[: -self.cfg.checkpoint.keep]:
                 storage.delete_quietly(fs, storage.resolve(old)[1])
             self.log.write({"kind": "checkpoint", "step": self.step, "uri": uri})
+            self.log.roll(self.step + 1)
 
     # --- training ---
 
@@ -279,7 +280,7 @@ class Worker:
         stats = (stats / self.world).tolist()
         record = {"kind": "train", "step": self.step, "loss": stats[0], "grad_norm": stats[1],
                   **dict(zip(names, stats[2:])), "lr": lr, "wd": wd, "step_s": seconds / len(window),
-                  "data_wait_s": wait / len(window),
+                  "data_wait_s": wait / len(window), "data_wait_frac": wait / seconds,
                   "images_per_s": len(window) * self.cfg.data.batch_size * self.world / seconds}  # fmt: skip
         if self.log:
             self.log.write(record)
