@@ -6,25 +6,13 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from conftest import tensorboard_scalars
 
 from common.config import ConfigError, load_config
-from common.metrics_sinks import TENSORBOARD, Sinks, scalars
+from common.metrics_sinks import Sinks, scalars
 from pretrain.config import PretrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def tensorboard_scalars(run: Path) -> dict[str, dict[int, float]]:
-    """tag -> step -> value, as TensorBoard shows them (a resume's purge applied); a step seen twice fails."""
-    events = EventAccumulator(str(run / TENSORBOARD), size_guidance={"scalars": 0})
-    events.Reload()
-    out = {}
-    for tag in events.Tags()["scalars"]:
-        steps = [e.step for e in events.Scalars(tag)]
-        assert len(steps) == len(set(steps)), (tag, steps)
-        out[tag] = {e.step: e.value for e in events.Scalars(tag)}
-    return out
 
 
 def test_records_become_grouped_scalars_and_a_resume_replaces_the_steps_after_its_checkpoint(tmp_path):
