@@ -85,7 +85,8 @@ class TensorBoardSink:
         # The file name holds the second it was opened and the host; the suffix keeps two attempts within one
         # second apart, in the order they started (readers take files in name order).
         self.writer = SummaryWriter(
-            logdir, purge_step=first_step + 1 if first_step else None, flush_secs=30, filename_suffix=f".{time.time_ns()}"
+            logdir, purge_step=first_step + 1 if first_step else None, flush_secs=30,
+            filename_suffix=f".{time.time_ns()}",
         )
 
     def log(self, step: int, values: dict[str, float]) -> None:

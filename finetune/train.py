@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from common import storage
 from common.config import hash_json
+from common.progress import Progress
 from finetune import data, tasks
 from finetune.config import FinetuneConfig
 from pretrain import checkpoint as ckpt
@@ -296,9 +297,13 @@ class Worker:
     def evaluate(self, pictures: int = 0) -> dict:
         self.model.eval()
         acc, shown = self.task.metric(), []
+        c = self.cfg
+        samples = min(c.eval.max_samples or self.val_index.num_samples, self.val_index.num_samples)
+        per_worker = math.ceil(math.ceil(samples / self.world) / c.data.eval_batch_size)  # the same on every worker
+        meter = Progress(f"[finetune] eval step {self.step}:", per_worker, progress, "batches") if self.log else None
         for batch, valid in data.eval_batches(
-            self.val_index, self.spec["task"], self.info.image_size, batch_size=self.cfg.data.eval_batch_size,
-            world=self.world, rank=self.rank, limit=self.cfg.eval.max_samples,
+            self.val_index, self.spec["task"], self.info.image_size, batch_size=c.data.eval_batch_size,
+            world=self.world, rank=self.rank, limit=c.eval.max_samples,
         ):  # fmt: skip
             batch, valid = _to(batch, self.device), valid.to(self.device)
             out = self.model(batch["image"])
@@ -308,6 +313,8 @@ class Worker:
                     target, pred = self.task.picture(self.model.head, out, batch, i)
                     image = batch["image"][i].permute(1, 2, 0).cpu().numpy()
                     shown.append(np.concatenate([image, target, pred], axis=1))
+            if meter:
+                meter.update()
         self.model.train()
         states = [None] * self.world
         dist.all_gather_object(states, acc.state())

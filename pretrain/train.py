@@ -566,6 +566,9 @@ def launch(loop, loop_config: dict, settings: RaySettings, storage_path: str, na
             storage_path=storage_path if "://" in storage_path else os.path.abspath(os.path.expanduser(storage_path)),
             failure_config=ray.train.FailureConfig(max_failures=settings.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
+            # Ray Train's own INFO lines (every rank's whole report at each checkpoint, worker-group start-up) stay
+            # in its log files; the console gets rank 0's progress lines and Ray Train's warnings and errors
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
     )
     return trainer.fit()

@@ -29,8 +29,11 @@ def ray_local():
 def start_local_ray() -> None:
     import ray
 
+    from common.ray_utils import RUNTIME_ENV, quiet_ray_logs
+
+    quiet_ray_logs()  # the jobs' quiet console (common.ray_utils.init_ray), in the driver and the workers
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", runtime_env=RUNTIME_ENV)
 
 
 def tensorboard_scalars(run: Path) -> dict[str, dict[int, float]]:

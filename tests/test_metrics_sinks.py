@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_records_become_grouped_scalars_and_a_resume_replaces_the_steps_after_its_checkpoint(tmp_path):
     def record(step: int, attempt: int) -> dict:
         return {"kind": "train", "step": step, "epoch": 0, "loss": step + attempt / 10, "lr": 0.1,
-                "images_per_s": 5.0, "teacher_entropy": 1.5, "collapse": None, "data_wait_frac": float("nan")}  # fmt: skip
+                "images_per_s": 5.0, "teacher_entropy": 1.5, "collapse": None,
+                "data_wait_frac": float("nan")}  # fmt: skip
 
     groups = {"teacher_entropy": "contrastive"}
     first = Sinks(["tensorboard"], str(tmp_path), 0, {"steps": 8}, groups)
