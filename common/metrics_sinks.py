@@ -60,6 +60,18 @@ def check_backends(backends: list[str]) -> list[str]:
     return backends
 
 
+def describe(backends: list[str], run_uri: str) -> str:
+    """Where a run's metrics can be looked at, for the job's last lines."""
+    run = storage.redact(run_uri)  # no credentials on the console
+    store = os.environ.get("MLFLOW_TRACKING_URI") or "file://" + storage.join(run, MLFLOW)
+    where = {
+        "tensorboard": f"tensorboard --logdir {storage.join(run, TENSORBOARD)}",
+        "mlflow": f"mlflow ui --backend-store-uri {store}",
+        "wandb": f"W&B project {os.environ.get('WANDB_PROJECT', 'humans1b')}",
+    }
+    return "; ".join(where[b] for b in backends)
+
+
 def scalars(record: Mapping, groups: Mapping[str, str] = GROUPS) -> dict[str, float]:
     """The record's finite numeric fields, tagged ``<group>/<name>``."""
     default = KIND_GROUPS.get(record.get("kind"), record.get("kind") or "metrics")

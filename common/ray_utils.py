@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 
 import ray
@@ -16,6 +17,11 @@ QUIET = {
     # local Ray here runs without (the clean-up it guards still happens when the run ends)
     "ray.train.v2._internal.execution.controller.placement_group_cleaner": (
         "Failed to query Ray Train Controller actor state",
+    ),
+    # every rank's whole report at each checkpoint; this logger is named by its file's path, so Ray Train's own
+    # log level (RunConfig's LoggingConfig, which quiets its other INFO lines) does not reach it
+    os.path.join(os.path.dirname(ray.__file__), "train", "v2", "_internal", "execution", "context.py"): (
+        "Reporting training result",
     ),
     # two lines per dataset (kept in Ray Data's log file); pretraining starts one per worker and plan chunk
     "ray.data._internal.execution.streaming_executor": ("Starting execution of Dataset", "Execution plan of Dataset"),
@@ -58,6 +64,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     token Ray wrote under ``~/.ray``; a remote client needs ``RAY_AUTH_MODE=token`` and the token (infra/README).
     """
     quiet_ray_logs()
+    if not sys.stdout.isatty():  # a job log, not a terminal: Ray Data's progress summary every minute, not 10 s
+        os.environ.setdefault("RAY_DATA_NON_TTY_PROGRESS_LOG_INTERVAL", "60")
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
