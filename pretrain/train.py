@@ -48,9 +48,9 @@ from pretrain.objective import DIAGNOSTICS, TERMS, CollapseMonitor, JointObjecti
 
 METRICS = "metrics"
 RUN_FILE = "run.json"
-# bf16 dense peak per GPU, for MFU when log.peak_tflops is not set (matched against the device name).
 # TensorBoard / MLflow / W&B groups of the pretraining scalars beyond the shared ones (common.metrics_sinks.GROUPS)
 SCALAR_GROUPS = {**dict.fromkeys(DIAGNOSTICS, "contrastive"), "samples_seen": "progress"}
+# bf16 dense peak per GPU, for MFU when log.peak_tflops is not set (matched against the device name).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 
 

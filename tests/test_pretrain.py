@@ -25,8 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from common import storage as fs_storage
-from conftest import tensorboard_scalars
 from common.config import ConfigError, load_config
+from conftest import tensorboard_scalars
 from jobs import pretrain as job
 from pretrain import checkpoint as ckpt
 from pretrain import data
