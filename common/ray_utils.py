@@ -4,22 +4,72 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 
 import ray
 
 
+# Ray log lines that tell a user nothing to act on, by the logger that writes them: the start of each message. Ray's
+# warnings about resources and failures, and its progress bars, are kept.
+QUIET = {
+    # every few seconds for a whole training run: the check needs the State API, served by the dashboard that a
+    # local Ray here runs without (the clean-up it guards still happens when the run ends)
+    "ray.train.v2._internal.execution.controller.placement_group_cleaner": (
+        "Failed to query Ray Train Controller actor state",
+    ),
+    # every rank's whole report at each checkpoint; this logger is named by its file's path, so Ray Train's own
+    # log level (RunConfig's LoggingConfig, which quiets its other INFO lines) does not reach it
+    os.path.join(os.path.dirname(ray.__file__), "train", "v2", "_internal", "execution", "context.py"): (
+        "Reporting training result",
+    ),
+    # two lines per dataset (kept in Ray Data's log file); pretraining starts one per worker and plan chunk
+    "ray.data._internal.execution.streaming_executor": ("Starting execution of Dataset", "Execution plan of Dataset"),
+    # how progress is shown, once per process
+    "ray.data._internal.progress": (
+        "Progress will be logged because", "Progress bars disabled", "[dataset]: A new progress UI",
+    ),
+}
+
+
+class DropMessages(logging.Filter):
+    """Drops the records whose message starts with one of ``starts``."""
+
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+def quiet_ray_logs() -> None:
+    """Install the ``QUIET`` filters in this process: the driver, and every worker process of a job started by
+    ``init_ray`` (Ray calls this as the workers' setup hook)."""
+    for name, starts in QUIET.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, DropMessages) for f in logger.filters):
+            logger.addFilter(DropMessages(starts))
+
+
+# Merged with a submitted job's own runtime environment; the hook is imported by name on every worker.
+RUNTIME_ENV = {"worker_process_setup_hook": "common.ray_utils.quiet_ray_logs"}
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Join the cluster a submitted job runs on (RAY_ADDRESS), a given address (``auto`` finds a cluster started on
-    this machine), or start a local Ray.
+    this machine), or start a local Ray; with the quiet logs of ``QUIET`` in the driver and every worker.
 
     Ray 2.59+ local clusters use token authentication; a submitted job and ``ray.init`` on the head node find the
     token Ray wrote under ``~/.ray``; a remote client needs ``RAY_AUTH_MODE=token`` and the token (infra/README).
     """
+    quiet_ray_logs()
+    if not sys.stdout.isatty():  # a job log, not a terminal: Ray Data's progress summary every minute, not 10 s
+        os.environ.setdefault("RAY_DATA_NON_TTY_PROGRESS_LOG_INTERVAL", "60")
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
-    kwargs = {"logging_level": logging.WARNING, "log_to_driver": True}
+    kwargs = {"logging_level": logging.WARNING, "log_to_driver": True, "runtime_env": RUNTIME_ENV}
     if address:
         ray.init(address=address, **kwargs)
     else:

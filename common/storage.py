@@ -12,12 +12,18 @@ import functools
 import json
 import os
 import re
+import time
 import uuid
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 from hashlib import sha256
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
+
+T = TypeVar("T")
 
 
 class StorageError(ValueError):
@@ -180,3 +186,34 @@ def delete_quietly(fs: pafs.FileSystem, path: str) -> None:
             fs.delete_file(path)
     except (OSError, FileNotFoundError):
         pass
+
+
+def retry_io(call: Callable[[], T], retries: int) -> T:
+    """``call()``, called again up to ``retries`` times when it raises ``OSError`` (a flaky object store or network
+    disk), with a growing pause; the last error propagates."""
+    for attempt in range(retries + 1):
+        try:
+            return call()
+        except OSError:
+            if attempt == retries:
+                raise
+            time.sleep(min(2.0**attempt, 30.0))
+    raise AssertionError("unreachable")
+
+
+def retry_io_stream(open_stream: Callable[[], Iterator[T]], retries: int) -> Iterator[T]:
+    """The items of ``open_stream()``; after an ``OSError`` the stream is opened again and the items already yielded
+    are skipped (so it must yield the same items in the same order each time), up to ``retries`` times."""
+    yielded, failures = 0, 0
+    while True:
+        try:
+            for position, item in enumerate(open_stream()):
+                if position >= yielded:
+                    yielded += 1
+                    yield item
+            return
+        except OSError:
+            if failures == retries:
+                raise
+            failures += 1
+            time.sleep(min(2.0 ** (failures - 1), 30.0))

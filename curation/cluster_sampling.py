@@ -63,6 +63,7 @@ import pyarrow.parquet as pq
 import ray
 
 from common.layout import LAYOUT
+from common.progress import progress
 from common.storage import delete_quietly, exists, join, read_json, resolve, write_json_atomic, write_parquet_atomic
 from curation import routed, sampling
 from curation.config import SampleSettings
@@ -586,12 +587,12 @@ def run_sample(
         # 2. assign
         centroids_ref = ray.put(centroids[0])
         counts, reused = np.zeros(n_leaves, np.int64), 0
-        for leaves, n, done in _in_order(
+        for leaves, n, done in progress(_in_order(
             lambda i: _assign_task.remote(
                 out_uri, i, survivor_files[i], decision_files[i], centroids_ref, buckets, balance
             ),
             n_files, window,
-        ):
+        ), "[sample] assign", n_files, log, unit="files"):
             counts[leaves] += n
             reused += done
         if counts.sum() != alive:
@@ -609,19 +610,20 @@ def run_sample(
 
         # 4. select
         args = [ray.put(a) for a in (budget, route_min, np.asarray(nonempty, np.int64))]
-        reused = sum(
+        reused = sum(progress(
             _in_order(
                 lambda b: _select_task.remote(out_uri, b, n_files, *args, settings.mode, balance, settings.seed),
                 buckets, window,
-            )
-        )
+            ),
+            "[sample] select", buckets, log, unit="buckets",
+        ))
         log(f"[sample] selected {int(budget.sum())} in {buckets} buckets ({reused} done before) in {laps()}")
 
     # 5. assemble
     rows = selected = reused = 0
-    for r, s, done in _in_order(
+    for r, s, done in progress(_in_order(
         lambda i: _assemble_task.remote(out_uri, i, survivor_files[i], buckets, cluster_ids_ref), n_files, window
-    ):
+    ), "[sample] assemble", n_files, log, unit="files"):
         rows, selected, reused = rows + r, selected + s, reused + done
     log(f"[sample] {rows} after dedup, {selected} selected, {rows - selected} unsampled "
         f"({len(per_level)} cluster levels {per_level}; {reused} of {n_files} decision files done before) in {laps()}")

@@ -64,6 +64,7 @@ import pyarrow.parquet as pq
 import ray
 
 from common.layout import LAYOUT
+from common.progress import Progress
 from common.storage import delete_quietly, exists, join, read_json, resolve, write_json_atomic, write_parquet_atomic
 from curation import dedup as dd
 from curation.routed import read_plain, read_receipt, read_routed, run_windowed, write_plain, write_routed
@@ -601,17 +602,20 @@ def run_components(
     layout = ray.put(layout_here)
     window = window or max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
 
-    def run(calls: list[tuple[object, tuple]]) -> list[dict]:
-        return run_windowed(calls, window)
+    def run(calls: list[tuple[object, tuple]], what: str = "tasks") -> list[dict]:
+        return run_windowed(calls, window, Progress(f"[components] {what}", len(calls), log, unit="tasks"))
 
     # 1-2: edges
     routes = [_work("pairs", f"{code:03d}-{k:06d}.parquet") for k, (code, _) in enumerate(pair_list)]
-    receipts = run([(_pairs_task, (out_uri, layout, path, code, r)) for (code, path), r in zip(pair_list, routes)])
+    receipts = run(
+        [(_pairs_task, (out_uri, layout, path, code, r)) for (code, path), r in zip(pair_list, routes)], "pair files"
+    )
     pair_counts = {s: 0 for s in signals}
     for (code, _), receipt in zip(pair_list, receipts):
         pair_counts[signals[code]] += receipt["rows"]
     edges = _parts("edges", n_parts)
-    remaining = sum(r["edges"] for r in run([(_edges_task, (out_uri, layout, routes, p, edges[p])) for p in range(n_parts)]))
+    edge_calls = [(_edges_task, (out_uri, layout, routes, p, edges[p])) for p in range(n_parts)]
+    remaining = sum(r["edges"] for r in run(edge_calls, "edge partitions"))
     distinct_edges = remaining // 2
     log(f"[components] {pair_counts} pairs: {distinct_edges} distinct edges in {n_parts} partitions")
 
@@ -638,7 +642,10 @@ def run_components(
         [(_keep_task, (out_uri, layout, signals, members, group_edges, p, dropped[p])) for p in range(n_parts)]
     )
     by_signal = {s: sum(r["dropped"][s] for r in receipts) for s in signals}
-    run([(_write_task, (out_uri, layout, dropped, g, [outputs[i] for i in files])) for g, files in enumerate(groups)])
+    run(
+        [(_write_task, (out_uri, layout, dropped, g, [outputs[i] for i in files])) for g, files in enumerate(groups)],
+        "decision files",
+    )
 
     summary = {
         "pairs": pair_counts,

@@ -75,6 +75,7 @@ from common.storage import (
     write_json_atomic,
     write_parquet_atomic,
 )
+from common.progress import progress
 from common.ray_utils import as_completed
 from curation import dedup as dd
 
@@ -537,17 +538,17 @@ def run_embedding_pairs(
     assigned: list[dict] = []
     if missing:
         shared = ray.put((probes.centroids(_load_centroids(fs, root)), bucket_of))
-        assigned = list(as_completed(
+        assigned = list(progress(as_completed(
             ((lambda i=i, f=f: _assign_file.remote(out_uri, f, i, shared, probes, missing))
              for i, f in enumerate(survivor_files)), TASK_WINDOW,
-        ))
+        ), "[embedding pairs] assign", len(survivor_files), log, unit="survivor files"))
         log(f"[embedding pairs] {sum(r['rows'] for r in assigned)} (survivor, cluster) rows written to "
             f"{len(missing)} buckets")
     settings = SearchSettings(k, threshold, probes, layout)
-    receipts = list(as_completed(
+    receipts = list(progress(as_completed(
         ((lambda b=b: _search_bucket.remote(out_uri, b, len(survivor_files), settings)) for b in range(n_buckets)),
         TASK_WINDOW,
-    ))
+    ), "[embedding pairs] search", n_buckets, log, unit="buckets"))
     delete_quietly(fs, join(root, BUCKETS_DIR))
     searched = [r for r in receipts if not r["skipped"]]
     pairs = sum(r["pairs"] for r in receipts)

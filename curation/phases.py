@@ -34,6 +34,7 @@ import pyarrow.fs as pafs
 import ray
 
 from common.layout import GLOBAL_PHASES, LAYOUT
+from common.progress import progress
 from common.storage import (
     delete_quietly,
     exists,
@@ -159,7 +160,10 @@ class GlobalPhases:
         }
         records = UnitRecords(self.fs, self.root, LAYOUT.survey_units, self.cfg.phase_hash("dedup"))
         total = 0
-        for path, receipt in run_units(records, units, self.window):
+        survey = progress(
+            run_units(records, units, self.window), "[dedup] survey", len(units), self.log, unit="partitions"
+        )
+        for path, receipt in survey:
             if receipt["missing_embedding"]:
                 raise PhaseOrderError(
                     f"{path}: {receipt['missing_embedding']} images without an embedding: the global phases need the "

@@ -77,6 +77,7 @@ from common.storage import (
     write_json_atomic,
     write_parquet_atomic,
 )
+from common.progress import progress
 from common.ray_utils import as_completed
 from curation import dedup as dd
 
@@ -414,14 +415,14 @@ def run_phash_pairs(
     window = max_in_flight or max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
     maps, reduces = [], []
     if missing:
-        maps = list(as_completed(
+        maps = list(progress(as_completed(
             ((lambda m=m, f=f: _map_task.remote(out_uri, out_dir, f, m, plan, missing))
              for m, f in enumerate(survivor_files)), window,
-        ))
-        reduces = list(as_completed(
+        ), "[phash pairs] map", len(survivor_files), log, unit="survivor files"))
+        reduces = list(progress(as_completed(
             ((lambda p=p: _reduce_task.remote(out_uri, out_dir, p, len(survivor_files), plan, max_kernel_hashes))
              for p in missing), window,
-        ))
+        ), "[phash pairs] reduce", len(missing), log, unit="partitions"))
     delete_quietly(fs, join(folder, SHUFFLE_DIR))
     done = [r for r in reduces if not r["skipped"]]
     n_pairs = _count_rows(fs, [join(folder, _part_name(p)) for p in range(plan.partitions)])

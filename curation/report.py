@@ -32,6 +32,7 @@ from PIL import Image, UnidentifiedImageError
 
 from common import schema
 from common.layout import GLOBAL_PHASES, LAYOUT, PHASES
+from common.progress import progress
 from common.storage import exists, join, read_json, resolve, write_bytes_atomic
 from curation.audit import AuditResult
 from curation.config import CurateConfig
@@ -180,8 +181,9 @@ class Tile:
 class Thumbnails:
     """Makes each thumbnail once (named by key), reading survivors from the scored files and others from source."""
 
-    def __init__(self, out_uri: str, cfg: CurateConfig, options: ReportOptions, reader: SourceReader | None = None):
-        self.out_uri, self.cfg, self.options = out_uri, cfg, options
+    def __init__(self, out_uri: str, cfg: CurateConfig, options: ReportOptions, reader: SourceReader | None = None,
+                 log: Callable[[str], None] = print):
+        self.out_uri, self.cfg, self.options, self.log = out_uri, cfg, options, log
         self.fs, self.root = resolve(out_uri)
         self.reader = reader or SourceReader(cfg.input.image_column, cfg.filters.max_file_bytes)
         self.dir = join(self.root, LAYOUT.report, "thumbs")
@@ -214,7 +216,8 @@ class Thumbnails:
                 todo.setdefault(t.key, t)
         scored_bytes = self._scored_bytes([t for t in todo.values() if t.scored])
         with ThreadPoolExecutor(max_workers=max(1, self.options.workers)) as pool:
-            made = dict(zip(todo, pool.map(lambda t: self._jpeg(t, scored_bytes.get(t.source)), todo.values())))
+            jpegs = pool.map(lambda t: self._jpeg(t, scored_bytes.get(t.source)), todo.values())
+            made = dict(zip(todo, progress(jpegs, "[report] thumbnails", len(todo), self.log, unit="images")))
         results: dict[str, tuple[str | None, str | None]] = {}
         for key, jpeg in made.items():  # written from one thread: object stores take one upload at a time best
             if isinstance(jpeg, str):
@@ -364,7 +367,7 @@ class _Report:
         self.options, self.log = options, log
         self.fs, self.root = resolve(out_uri)
         self.rng = np.random.default_rng(options.seed)
-        self.thumbs = Thumbnails(out_uri, cfg, options)
+        self.thumbs = Thumbnails(out_uri, cfg, options, log=log)
         self.charts: dict[str, bytes] = {}
 
     # --- data --------------------------------------------------------------------------------------------------

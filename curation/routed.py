@@ -22,6 +22,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 
+from common.progress import Progress
 from common.storage import exists, write_bytes_atomic, write_parquet_atomic
 
 ROUTES, RECEIPT = b"routes", b"receipt"
@@ -92,20 +93,22 @@ def read_receipt(fs: pafs.FileSystem, path: str) -> dict | None:
     return json.loads(metadata.get(RECEIPT, b"{}"))
 
 
-def run_windowed(calls: Sequence[tuple[object, tuple]], window: int) -> list:
-    """``fn.remote(*args)`` for each ``(fn, args)``, at most ``window`` in flight; results in call order."""
+def run_windowed(calls: Sequence[tuple[object, tuple]], window: int, progress: Progress | None = None) -> list:
+    """``fn.remote(*args)`` for each ``(fn, args)``, at most ``window`` in flight; results in call order.
+    ``progress`` is told of each finished call."""
     results: list = [None] * len(calls)
     pending: dict = {}
 
-    def collect(num_returns: int) -> None:
-        done, _ = ray.wait(list(pending), num_returns=num_returns)
-        for ref in done:
-            results[pending.pop(ref)] = ray.get(ref)
+    def collect() -> None:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        results[pending.pop(done[0])] = ray.get(done[0])
+        if progress:
+            progress.update()
 
     for index, (fn, args) in enumerate(calls):
         if len(pending) >= window:
-            collect(1)
+            collect()
         pending[fn.remote(*args)] = index
-    if pending:
-        collect(len(pending))
+    while pending:
+        collect()
     return results

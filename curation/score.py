@@ -31,6 +31,8 @@ from common.storage import (
     redact,
     remove_temporaries,
     resolve,
+    retry_io,
+    retry_io_stream,
     write_json_atomic,
     write_parquet_atomic,
 )
@@ -71,9 +73,11 @@ def _shard_reader(cfg: CurateConfig, input_uri: str) -> ShardReader:
 
 def _read_shards(batch: pa.Table, cfg_json: str, input_uri: str) -> Iterator[pa.Table]:
     """Stream each input shard in chunks (a generator: Ray Data never holds a whole shard in one block)."""
-    reader = _shard_reader(CurateConfig.model_validate_json(cfg_json), input_uri)
+    cfg = CurateConfig.model_validate_json(cfg_json)
+    reader = _shard_reader(cfg, input_uri)
     for row in batch.to_pylist():
-        yield from reader.read(InputShard.from_row(row))
+        shard = InputShard.from_row(row)
+        yield from retry_io_stream(lambda: reader.read(shard), cfg.ray.io_retries)
 
 
 def _finalise(table: pa.Table) -> pa.Table:
@@ -83,8 +87,13 @@ def _finalise(table: pa.Table) -> pa.Table:
 
 
 def _write_parts(batch: pa.Table, out_uri: str, cfg_json: str, results_hash: str) -> pa.Table:
-    """Write the batch's rows as one ledger part (and one scored part) per input shard; return receipts."""
+    """Write the batch's rows as one ledger part (and one scored part) per input shard; return receipts. Each write
+    is atomic and named by its content, so one retried after an I/O error leaves what one try would."""
     cfg = CurateConfig.model_validate_json(cfg_json)
+    return retry_io(lambda: _write_parts_once(batch, out_uri, cfg, results_hash), cfg.ray.io_retries)
+
+
+def _write_parts_once(batch: pa.Table, out_uri: str, cfg: CurateConfig, results_hash: str) -> pa.Table:
     fs, root = resolve(out_uri)
     batch = _finalise(batch)
     scored_schema = schema.with_metadata(
@@ -195,11 +204,11 @@ class ScorePhase:
     def build(self, shards: list[InputShard]) -> ray.data.Dataset:
         cfg_json = self.cfg.model_dump_json()
         ds = ray.data.from_items([s.to_row() for s in shards], override_num_blocks=len(shards))
-        io_retry = dict(max_retries=self.cfg.ray.io_retries, retry_exceptions=[OSError])
+        # I/O errors are retried inside the read and write functions (ray.io_retries); Ray Data retries the tasks
+        # of lost workers and nodes itself
         ds = ds.map_batches(
             _read_shards, batch_size=1, batch_format="pyarrow", num_cpus=0.25,
             fn_kwargs={"cfg_json": cfg_json, "input_uri": self.input_uri},
-            **io_retry,
         )
         for name in self.cfg.enabled_stages:
             from curation.stages import STAGES
@@ -226,7 +235,6 @@ class ScorePhase:
             batch_format="pyarrow",
             num_cpus=0.25,
             fn_kwargs={"out_uri": self.out_uri, "cfg_json": cfg_json, "results_hash": self.results_hash},
-            **io_retry,
         )
 
     def run(self, shards: list[InputShard]) -> dict:

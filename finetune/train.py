@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from common import storage
 from common.config import hash_json
+from common.progress import Progress
 from finetune import data, tasks
 from finetune.config import FinetuneConfig
 from pretrain import checkpoint as ckpt
@@ -191,7 +192,7 @@ class Worker:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.step, self.curve, self.saved_step = 0, [], None
         self._restore()
-        self.log = MetricsLog(run_uri, self.step) if self.rank == 0 else None
+        self.log = MetricsLog.for_run(run_uri, self.step, cfg) if self.rank == 0 else None
 
     # --- checkpoints ---
 
@@ -230,6 +231,7 @@ class Worker:
             for _, old, _ in ckpt.list_checkpoints(self.run_uri)[: -self.cfg.checkpoint.keep]:
                 storage.delete_quietly(fs, storage.resolve(old)[1])
             self.log.write({"kind": "checkpoint", "step": self.step, "uri": uri})
+            self.log.roll(self.step + 1)
 
     # --- training ---
 
@@ -279,7 +281,7 @@ class Worker:
         stats = (stats / self.world).tolist()
         record = {"kind": "train", "step": self.step, "loss": stats[0], "grad_norm": stats[1],
                   **dict(zip(names, stats[2:])), "lr": lr, "wd": wd, "step_s": seconds / len(window),
-                  "data_wait_s": wait / len(window),
+                  "data_wait_s": wait / len(window), "data_wait_frac": wait / seconds,
                   "images_per_s": len(window) * self.cfg.data.batch_size * self.world / seconds}  # fmt: skip
         if self.log:
             self.log.write(record)
@@ -295,9 +297,13 @@ class Worker:
     def evaluate(self, pictures: int = 0) -> dict:
         self.model.eval()
         acc, shown = self.task.metric(), []
+        c = self.cfg
+        samples = min(c.eval.max_samples or self.val_index.num_samples, self.val_index.num_samples)
+        per_worker = math.ceil(math.ceil(samples / self.world) / c.data.eval_batch_size)  # the same on every worker
+        meter = Progress(f"[finetune] eval step {self.step}:", per_worker, progress, "batches") if self.log else None
         for batch, valid in data.eval_batches(
-            self.val_index, self.spec["task"], self.info.image_size, batch_size=self.cfg.data.eval_batch_size,
-            world=self.world, rank=self.rank, limit=self.cfg.eval.max_samples,
+            self.val_index, self.spec["task"], self.info.image_size, batch_size=c.data.eval_batch_size,
+            world=self.world, rank=self.rank, limit=c.eval.max_samples,
         ):  # fmt: skip
             batch, valid = _to(batch, self.device), valid.to(self.device)
             out = self.model(batch["image"])
@@ -307,6 +313,8 @@ class Worker:
                     target, pred = self.task.picture(self.model.head, out, batch, i)
                     image = batch["image"][i].permute(1, 2, 0).cpu().numpy()
                     shown.append(np.concatenate([image, target, pred], axis=1))
+            if meter:
+                meter.update()
         self.model.train()
         states = [None] * self.world
         dist.all_gather_object(states, acc.state())

@@ -20,6 +20,7 @@ import time
 from common import storage
 from common.config import ConfigError, load_config
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
+from common.metrics_sinks import describe
 from common.ray_utils import init_ray
 from common.storage import StorageError
 from finetune import data, tasks
@@ -127,7 +128,7 @@ def _finetune(args: argparse.Namespace, cfg: FinetuneConfig, spec: dict, info: d
     final = {k: v for k, v in report["metrics"].items() if isinstance(v, float)}
     print(f"[finetune] done in {time.monotonic() - start:.0f} s; {args.task} at step {report['step']}: "
           + " ".join(f"{k}={v:.4f}" for k, v in final.items()))  # fmt: skip
-    print(f"[finetune] metrics:  {storage.join(run_uri, METRICS_FILE)}")
+    print(f"[finetune] metrics:  {storage.join(run_uri, METRICS_FILE)}; {describe(cfg.log.backends, run_uri)}")
     print(f"[finetune] pictures: {storage.join(run_uri, PICTURES)}/")
     print(f"[finetune] model:    {storage.join(run_uri, FINETUNED_FILE)}")
     return 0

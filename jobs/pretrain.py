@@ -20,6 +20,7 @@ import time
 from common import storage
 from common.config import ConfigError, load_config
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
+from common.metrics_sinks import describe
 from common.ray_utils import init_ray
 from common.storage import StorageError
 from pretrain import checkpoint as ckpt
@@ -76,7 +77,7 @@ def _train(args: argparse.Namespace, cfg: PretrainConfig, run_uri: str, data_uri
     latest = ckpt.latest_committed(run_uri)
     print(f"[pretrain] done in {time.monotonic() - start:.0f} s")
     print(f"[pretrain] checkpoints: {storage.join(run_uri, ckpt.CHECKPOINTS)} (latest: {latest})")
-    print(f"[pretrain] metrics:     {storage.join(run_uri, METRICS)}/*.jsonl")
+    print(f"[pretrain] metrics:     {storage.join(run_uri, METRICS)}/*.jsonl; {describe(cfg.log.backends, run_uri)}")
     if latest is not None:
         out = storage.join(run_uri, ckpt.BACKBONE_FILE)
         meta = ckpt.export_backbone(latest, out)

@@ -35,6 +35,7 @@ import os
 import random
 import struct
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -257,7 +258,10 @@ def export_backbone(ckpt_uri: str, out_uri: str) -> dict:
     cfg = SIZES[commit["config"]["model"]["size"]]
     shapes = build_meta(cfg).state_dict()
     state = {"model": {f"student.{k}": torch.empty(v.shape, dtype=v.dtype) for k, v in shapes.items()}}
-    dcp.load(state, storage_reader=_reader(ckpt_uri), planner=SafeLoadPlanner(allow_partial_load=True), no_dist=True)
+    with warnings.catch_warnings():  # no_dist is what this single-process read means to do; torch warns anyway
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        planner = SafeLoadPlanner(allow_partial_load=True)
+        dcp.load(state, storage_reader=_reader(ckpt_uri), planner=planner, no_dist=True)
     tensors = {k.removeprefix("student."): v.contiguous() for k, v in state["model"].items()}
     meta = {
         "format": "pt",

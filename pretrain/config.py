@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from common.config import Strict, hash_json
+from common.metrics_sinks import Backend, check_backends
 from pretrain.backbone import SIZES, BackboneConfig
 from pretrain.objective import ObjectiveConfig
 
@@ -78,6 +79,13 @@ class LogSettings(Strict):
     peak_tflops: float | None = Field(None, gt=0)  # per-GPU peak for MFU; None: looked up from the GPU name
     # steps a self-distillation collapse (objective.collapse_state), or its end, must last before it is logged
     collapse_patience: int = Field(20, ge=1)
+    # where metrics go besides <run>/metrics/*.jsonl (common/metrics_sinks.py): tensorboard, mlflow, wandb
+    backends: list[Backend] = ["tensorboard"]
+
+    @field_validator("backends")
+    @classmethod
+    def _installed(cls, v: list[str]) -> list[str]:
+        return check_backends(list(dict.fromkeys(v)))
 
 
 class FaultSettings(Strict):

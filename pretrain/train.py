@@ -38,15 +38,18 @@ from torch.distributed.tensor import DTensor
 
 from common import storage
 from common.config import ConfigError
+from common.metrics_sinks import Sinks
 from pretrain import checkpoint as ckpt
 from pretrain import data
 from pretrain.backbone import build, flops
 from pretrain.config import OptimSettings, PretrainConfig, RaySettings
 from pretrain.masking import num_masked
-from pretrain.objective import TERMS, CollapseMonitor, JointObjective, collapse_state
+from pretrain.objective import DIAGNOSTICS, TERMS, CollapseMonitor, JointObjective, collapse_state
 
 METRICS = "metrics"
 RUN_FILE = "run.json"
+# TensorBoard / MLflow / W&B groups of the pretraining scalars beyond the shared ones (common.metrics_sinks.GROUPS)
+SCALAR_GROUPS = {**dict.fromkeys(DIAGNOSTICS, "contrastive"), "samples_seen": "progress"}
 # bf16 dense peak per GPU, for MFU when log.peak_tflops is not set (matched against the device name).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 
@@ -187,20 +190,28 @@ def _seed(*parts: int) -> int:
 
 
 class MetricsLog:
-    """JSON lines under ``<run>/metrics/``: one part file per attempt and checkpoint interval.
+    """JSON lines under ``<run>/metrics/``: one part file per attempt and checkpoint interval; the ``train`` and
+    ``eval`` records also go to the run's ``log.backends`` (``common.metrics_sinks``: TensorBoard by default).
 
     A part is ``part-<attempt start ns>-<first step>.jsonl``; names sort chronologically. Lines are flushed as
     written (visible at once on a local disk); ``roll`` closes the part at a checkpoint, which is when an object
     store makes it visible. After a resume, steps past the restored checkpoint appear again in the new attempt's
-    parts: ``read_metrics`` keeps every line, ``latest_per_step`` the newest.
+    parts: ``read_metrics`` keeps every line, ``latest_per_step`` the newest (TensorBoard readers drop the old ones).
     """
 
-    def __init__(self, run_uri: str, first_step: int) -> None:
+    def __init__(self, run_uri: str, first_step: int, sinks: Sinks | None = None) -> None:
         self.fs, root = storage.resolve(run_uri)
         self.dir = storage.join(root, METRICS)
         self.fs.create_dir(self.dir, recursive=True)
         self.attempt = time.time_ns()
+        self.sinks = sinks
         self._open(first_step)
+
+    @classmethod
+    def for_run(cls, run_uri: str, first_step: int, cfg, groups: dict[str, str] | None = None) -> MetricsLog:
+        """The log of a run whose config has a ``log`` section (pretraining, fine-tuning)."""
+        params = cfg.model_dump(mode="json")
+        return cls(run_uri, first_step, Sinks(cfg.log.backends, run_uri, first_step, params, groups or {}))
 
     def _open(self, step: int) -> None:
         self.out = self.fs.open_output_stream(storage.join(self.dir, f"part-{self.attempt}-{step:09d}.jsonl"))
@@ -208,13 +219,19 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         self.out.write((json.dumps({**record, "attempt": self.attempt}) + "\n").encode())
         self.out.flush()
+        if self.sinks:
+            self.sinks.log(record)
 
     def roll(self, next_step: int) -> None:
         self.out.close()
         self._open(next_step)
+        if self.sinks:
+            self.sinks.checkpoint()
 
     def close(self) -> None:
         self.out.close()
+        if self.sinks:
+            self.sinks.close()
 
 
 def read_metrics(run_uri: str, kind: str | None = "train") -> list[dict]:
@@ -281,7 +298,7 @@ class Worker:
         self.peak = peak_flops(cfg, self.device)
         self.restored: dict | None = None
         self._restore(ray.train.get_checkpoint())
-        self.log = MetricsLog(run_uri, self.step) if self.rank == 0 else None
+        self.log = MetricsLog.for_run(run_uri, self.step, cfg, SCALAR_GROUPS) if self.rank == 0 else None
         if self.log and self.restored:
             self.log.write({"kind": "resume", "step": self.step, "world_size": self.world, **self.restored})
 
@@ -549,6 +566,9 @@ def launch(loop, loop_config: dict, settings: RaySettings, storage_path: str, na
             storage_path=storage_path if "://" in storage_path else os.path.abspath(os.path.expanduser(storage_path)),
             failure_config=ray.train.FailureConfig(max_failures=settings.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
+            # Ray Train's own INFO lines (every rank's whole report at each checkpoint, worker-group start-up) stay
+            # in its log files; the console gets rank 0's progress lines and Ray Train's warnings and errors
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
     )
     return trainer.fit()

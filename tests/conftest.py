@@ -29,8 +29,28 @@ def ray_local():
 def start_local_ray() -> None:
     import ray
 
+    from common.ray_utils import RUNTIME_ENV, quiet_ray_logs
+
+    quiet_ray_logs()  # the jobs' quiet console (common.ray_utils.init_ray), in the driver and the workers
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", runtime_env=RUNTIME_ENV)
+
+
+def tensorboard_scalars(run: Path) -> dict[str, dict[int, float]]:
+    """A run's TensorBoard scalars as TensorBoard's own reader shows them (a resume's purge applied):
+    tag -> step -> value; a step seen twice for a tag fails."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from common.metrics_sinks import TENSORBOARD
+
+    events = EventAccumulator(str(run / TENSORBOARD), size_guidance={"scalars": 0})
+    events.Reload()
+    out = {}
+    for tag in events.Tags()["scalars"]:
+        steps = [e.step for e in events.Scalars(tag)]
+        assert len(steps) == len(set(steps)), (tag, steps)
+        out[tag] = {e.step: e.value for e in events.Scalars(tag)}
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from common.config import load_config
+from conftest import tensorboard_scalars
 from finetune import data, heads, losses, metrics, tasks
 from finetune.config import FinetuneConfig
 from finetune.render import COCO_KEYPOINTS, MAX_KEYPOINTS, PARTS, RenderConfig, keypoint_spec, render
@@ -474,6 +475,10 @@ def test_finetune_job_trains_evaluates_and_resumes(shards, tmp_path, ray_local):
     assert len(pictures) == 2 and data.decode_image(pictures[0].read_bytes()).shape == (64, 3 * 48, 3)
     train = [json.loads(line) for f in (run / "metrics").glob("*.jsonl") for line in f.read_text().splitlines()]
     assert [r["step"] for r in train if r["kind"] == "train"] == [2, 4, 6]
+    board = tensorboard_scalars(run)  # TensorBoard: the training scalars and the evaluation curve
+    assert board["loss/loss"] == pytest.approx({r["step"]: r["loss"] for r in train if r["kind"] == "train"}, rel=1e-6)
+    assert set(board["optim/lr"]) == set(board["perf/data_wait_frac"]) == {2, 4, 6}
+    assert board["eval/mIoU"] == pytest.approx({c["step"]: c["mIoU"] for c in report["curve"]}, rel=1e-6)
     model, task = load_finetuned(str(run / "finetuned.safetensors"))
     assert task.name == "seg"
     with torch.no_grad():

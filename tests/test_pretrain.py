@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from common import storage as fs_storage
 from common.config import ConfigError, load_config
+from conftest import tensorboard_scalars
 from jobs import pretrain as job
 from pretrain import checkpoint as ckpt
 from pretrain import data
@@ -122,6 +123,13 @@ def test_short_fsdp_run_finishes_and_its_loss_falls(reference):
         assert all(math.isfinite(r[k]) for k in TERMS), r
         assert 0 <= r["teacher_entropy"] <= math.log(prototypes) + 1e-4 and 1 <= r["proto_used"] <= rows
         assert r["collapse"] == collapse_state(r, prototypes)
+    # TensorBoard shows the same numbers, grouped
+    board = tensorboard_scalars(reference)
+    for tag, key in [("loss/loss", "loss"), ("loss/cl", "cl"), ("optim/lr", "lr"), ("optim/grad_norm", "grad_norm"),
+                     ("perf/images_per_s", "images_per_s"), ("perf/data_wait_frac", "data_wait_frac"),
+                     ("contrastive/teacher_entropy", "teacher_entropy"), ("contrastive/proto_used", "proto_used")]:
+        assert board[tag] == pytest.approx({s: r[key] for s, r in train.items()}, rel=1e-6), tag
+    assert "perf/mfu" not in board  # CPU: no peak to divide by
     reported = None
     for event in read_metrics(str(reference), "collapse"):
         assert event["state"] != reported and event["ended"] == (event["state"] is None)
@@ -196,6 +204,10 @@ def test_killed_worker_resumes_from_last_checkpoint_with_the_same_samples_and_st
     ref, got = latest_per_step(read_metrics(str(reference))), latest_per_step(read_metrics(str(killed)))
     for s in range(1, STEPS + 1):
         assert got[s]["loss"] == pytest.approx(ref[s]["loss"], rel=1e-5), s
+    # TensorBoard holds each step once: the resumed attempt's values replace what the killed one wrote past the
+    # checkpoint
+    board = tensorboard_scalars(killed)["loss/loss"]
+    assert board == pytest.approx({s: got[s]["loss"] for s in range(1, STEPS + 1)}, rel=1e-6)
     # Samples fed twice: only those of the steps after the restored checkpoint that the killed attempt reached.
     samples = read_metrics(str(killed), "samples")
     attempts = sorted({r["attempt"] for r in samples})

@@ -1,0 +1,125 @@
+"""A quiet console: Ray's noise filtered in every process, no deprecated Ray calls, rank 0's lines only; I/O retries
+that replaced Ray's task-level retry arguments."""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from common import ray_utils
+from common.progress import Progress, progress
+from common.storage import retry_io, retry_io_stream
+from curation.config import CurateConfig
+from curation.pool import list_shards
+from curation.score import ScorePhase
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_quiet_filters_drop_only_the_named_noise():
+    ray_utils.quiet_ray_logs()
+    ray_utils.quiet_ray_logs()  # idempotent: one filter per logger
+    cleaner = logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner")
+    executor = logging.getLogger("ray.data._internal.execution.streaming_executor")
+    assert sum(isinstance(f, ray_utils.DropMessages) for f in cleaner.filters) == 1
+    shown: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: shown.append(record.getMessage())
+    for logger in (cleaner, executor):
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    try:
+        cleaner.warning("Failed to query Ray Train Controller actor state. State API may be temporarily unavailable.")
+        cleaner.warning("Failed to clean up placement group: boom")
+        executor.info("Starting execution of Dataset dataset_1. Full logs are in /tmp/ray")
+        executor.warning("Ray's object store is configured to use only 10% of available memory")
+    finally:
+        for logger in (cleaner, executor):
+            logger.removeHandler(handler)
+            logger.setLevel(logging.NOTSET)
+    assert shown == [
+        "Failed to clean up placement group: boom",
+        "Ray's object store is configured to use only 10% of available memory",
+    ]
+
+
+def test_the_scoring_pipeline_uses_no_deprecated_ray_arguments(sample_pool, ray_local, tmp_path):
+    from ray.util.annotations import RayDeprecationWarning
+
+    cfg = CurateConfig()
+    shards = list_shards(str(sample_pool), cfg.input)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ScorePhase(cfg, str(tmp_path / "out"), str(sample_pool)).build(shards)  # builds the plan, runs nothing
+    ours = [w for w in caught if issubclass(w.category, DeprecationWarning) and w.filename.startswith(str(REPO))]
+    assert not ours and not [w for w in caught if issubclass(w.category, RayDeprecationWarning)], caught
+
+
+def test_io_errors_are_retried_and_a_retried_stream_yields_each_item_once(monkeypatch):
+    monkeypatch.setattr("common.storage.time.sleep", lambda s: None)
+    opened = []
+
+    def stream():  # fails after two items on its first two openings
+        opened.append(1)
+        for i in range(5):
+            if i == 2 and len(opened) <= 2:
+                raise OSError("connection reset")
+            yield i
+
+    assert list(retry_io_stream(stream, retries=2)) == [0, 1, 2, 3, 4] and len(opened) == 3
+    opened.clear()
+    with pytest.raises(OSError):
+        list(retry_io_stream(stream, retries=1))
+    calls = []
+
+    def flaky_write() -> str:  # fails twice
+        calls.append(1)
+        if len(calls) < 3:
+            raise OSError("timeout")
+        return "written"
+
+    assert retry_io(flaky_write, retries=2) == "written" and len(calls) == 3
+    calls.clear()
+    with pytest.raises(OSError):
+        retry_io(flaky_write, retries=1)
+
+
+def test_a_training_job_prints_rank_zero_lines_and_no_ray_noise(curated_run, ray_local, tmp_path):
+    """A job joining the session's Ray, as a submitted job does: its whole console output is read."""
+    address = ray_local.get_runtime_context().gcs_address
+    args = ["--config", str(REPO / "configs/pretrain/tiny.yaml"), "--data", str(curated_run / "shards"),
+            "--storage", str(tmp_path), "--name", "quiet", "steps=4", "checkpoint.every=2", "log.every=1",
+            "objective.views.global_size=[64,48]", "objective.views.local_size=[32,32]", "data.batch_size=1",
+            f"ray.address={address}"]  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "jobs.pretrain", *args], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+    console = run.stdout + run.stderr
+    assert run.returncode == 0, console[-3000:]
+    for noise in ("TrainingReport(", "Reporting training result", "Failed to query Ray Train Controller",
+                  "RayDeprecationWarning", "Starting execution of Dataset"):  # fmt: skip
+        assert noise not in console, noise
+    steps = [int(m) for m in re.findall(r"\[pretrain\] step (\d+)/4", console)]
+    assert steps and len(steps) == len(set(steps)), steps  # two workers, one line per step: rank 0's
+    assert (tmp_path / "quiet" / "tensorboard").is_dir()
+
+
+def test_progress_lines_come_every_interval_with_done_total_and_rate():
+    now, lines = [0.0], []
+    meter = Progress("[sample] assign", 10, lines.append, "files", every_s=10.0, clock=lambda: now[0])
+    for _ in range(4):  # 3 s per file
+        now[0] += 3.0
+        meter.update()
+    assert lines == ["[sample] assign 4/10 files (40%), 0.333/s, ~18 s left"]
+    for _ in range(6):
+        now[0] += 3.0
+        meter.update()
+    assert len(lines) == 2 and lines[1].startswith("[sample] assign 8/10 files (80%)")  # none once all are done
+    quick: list[str] = []
+    assert list(progress(range(5), "[x]", 5, quick.append)) == [0, 1, 2, 3, 4] and quick == []
