@@ -73,7 +73,7 @@ def keypoint_ap(
     max_dets: int = 20,
 ) -> dict[str, float]:
     """COCO keypoint AP. Per image: ground truths (keypoints, visibility, area), detections (keypoints, score)."""
-    det_scores, det_ious, det_gt_ignored, n_gt = [], [], [], 0
+    n_gt = 0
     per_image = []
     for gts, dets in zip(ground_truths, detections, strict=True):
         dets = sorted(dets, key=lambda d: -d[1])[:max_dets]
