@@ -35,7 +35,9 @@ import hashlib
 import os
 import sys
 import threading
+import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -45,6 +47,7 @@ import pyarrow.compute as pc
 import ray
 
 from common import schema
+from curation.ledger import reason_code
 
 if TYPE_CHECKING:
     from curation.config import CurateConfig
@@ -185,6 +188,44 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
+_funnel_metrics: tuple | None = None
+
+
+def _outcome(update: Update) -> tuple[str, str]:
+    """(outcome, reason code) of one row's update: the ledger's status and the stable part of its reason."""
+    if _FAULT in update:
+        return schema.ERROR, reason_code(update[_FAULT])
+    if REJECT in update:
+        return schema.REJECTED, reason_code(update[REJECT])
+    return "passed", ""
+
+
+def _record_funnel(stage: str, updates: list[Update], seconds: float) -> None:
+    """The funnel as Ray metrics (Prometheus / the Ray dashboard): images per stage, outcome and reason code, and
+    the seconds each stage spent, so images/s per stage is one ratio of two rates. Metrics are for people watching
+    a run; they never fail a batch, and outside a Ray worker there is nowhere to send them."""
+    global _funnel_metrics
+    if not ray.is_initialized():
+        return
+    try:
+        if _funnel_metrics is None:
+            from ray.util.metrics import Counter as RayCounter
+
+            _funnel_metrics = (
+                RayCounter("humans1b_curation_images", "Images a curation stage finished, by outcome and reason code",
+                           tag_keys=("stage", "outcome", "reason")),
+                RayCounter("humans1b_curation_stage_seconds", "Seconds a curation stage spent scoring its images",
+                           tag_keys=("stage",)),
+            )  # fmt: skip
+        images, busy = _funnel_metrics
+        for (outcome, reason), n in Counter(map(_outcome, updates)).items():
+            images.inc(n, tags={"stage": stage, "outcome": outcome, "reason": reason})
+        if seconds > 0:
+            busy.inc(seconds, tags={"stage": stage})
+    except Exception:  # noqa: BLE001 - a metrics backend problem must never cost an image its score
+        pass
+
+
 class StageRunner:
     """Ray Data callable around one stage: ``pa.Table -> pa.Table`` over the working schema."""
 
@@ -218,7 +259,9 @@ class StageRunner:
         columns = {c: picked.column(c).to_pylist() for c in self.stage.reads}
         rows = [dict(zip(columns, values)) for values in zip(*columns.values())] if columns else [{}] * len(pending)
         tokens = [_row_token(self.stage.name, source) for source in picked.column("source").to_pylist()]
+        start = time.perf_counter()
         updates = self._process_skipping_stuck_rows(rows, tokens)
+        _record_funnel(self.stage.name, updates, time.perf_counter() - start)
         return self._merge(table, pending, updates)
 
     def _process_skipping_stuck_rows(self, rows: list[Row], tokens: list[str]) -> list[Update]:

@@ -216,3 +216,37 @@ def test_global_phases_refuse_to_run_out_of_order(tmp_path, sample_pool, repo_ro
     args = ["--config", str(repo_root / LITE), "--input", str(sample_pool), "--output", str(out), "--phases", "sample"]
     assert curate.main(args) == 2
     assert "needs phase dedup" in capsys.readouterr().err
+
+
+def test_the_funnel_reaches_rays_prometheus_export(curated, ledger, ray_local):
+    """Each scoring stage counts its images by outcome and reason code as Ray metrics: what the Ray dashboard,
+    Prometheus and Grafana read. Counters add up over the test session, so each is at least this run's count."""
+    import time
+    import urllib.request
+
+    node = ray_local.nodes()[0]
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    expected = Counter(
+        (r["stage"], r["status"], reason_code(r["reason"]))
+        for r in ledger.values()
+        if r["stage"] in FILTER_STAGES and r["status"] in (schema.REJECTED, schema.ERROR)
+    )
+    assert expected
+    deadline, exported, busy = time.monotonic() + 90, {}, set()
+    while time.monotonic() < deadline:  # the metrics agent publishes every few seconds
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        exported = {}
+        for line in text.splitlines():
+            if line.startswith("ray_humans1b_curation_images"):
+                labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(","))
+                key = tuple(labels[k].strip('"') for k in ("stage", "outcome", "reason"))
+                exported[key] = exported.get(key, 0) + float(line.rsplit(" ", 1)[1])
+            elif line.startswith("ray_humans1b_curation_stage_seconds"):
+                busy.add(line.split('stage="', 1)[1].split('"', 1)[0])
+        if all(exported.get(k, 0) >= n for k, n in expected.items()) and set(FILTER_STAGES) <= busy:
+            break
+        time.sleep(3)
+    assert {k: exported.get(k, 0) for k in expected} == {k: max(n, exported.get(k, 0)) for k, n in expected.items()}
+    assert set(FILTER_STAGES) <= busy
+    passed = {k[0] for k in exported if k[1] == "passed"}
+    assert {"decode", "person"} <= passed
