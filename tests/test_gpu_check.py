@@ -47,7 +47,8 @@ def test_every_part_measures(tmp_path):
     assert set(eager) == {False, True}
     for run in eager.values():
         assert run["step_s"] > 0 and run["timed_steps"] >= 1
-        assert run["tokens_per_s"] == round(run["images_per_s"] * pretrain["tokens_per_image"])
+        # both rounded from the same unrounded rate: within one token/s
+        assert abs(run["tokens_per_s"] - run["images_per_s"] * pretrain["tokens_per_image"]) <= 1
         assert run["mfu"] is None  # no GPU, no peak to measure against
     assert pretrain["train_tflop_per_image"] > 0 and "no MFU" in pretrain["peak_source"]
     assert {(s["compile"], s["activation_checkpointing"]) for s in pretrain["skipped"]} == {(True, True), (True, False)}
