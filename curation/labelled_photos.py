@@ -54,7 +54,8 @@ def _shipped(name: str) -> Image.Image:
     return Image.fromarray(arr)
 
 
-def _rgb(img: Image.Image, min_side: int) -> np.ndarray:
+def upscaled_rgb(img: Image.Image, min_side: int) -> np.ndarray:
+    """RGB pixels with the short side raised to ``min_side`` (Lanczos) where it is shorter."""
     img = img.convert("RGB")
     if min(img.size) < min_side:
         s = min_side / min(img.size)
@@ -95,7 +96,7 @@ def crowd(photos: list[np.ndarray], cells: int, side: int = 960, fill: float = 0
 
 def person_check(min_side: int = 384) -> Iterator[LabelledPhoto]:
     """The labelled photos, in a fixed order."""
-    people = {n: _rgb(_shipped(n), min_side) for n in PEOPLE}
+    people = {n: upscaled_rgb(_shipped(n), min_side) for n in PEOPLE}
     for name, rgb in people.items():
         h, w = rgb.shape[:2]
         s = max(0.6, min_side / min(h, w))
@@ -110,17 +111,17 @@ def person_check(min_side: int = 384) -> Iterator[LabelledPhoto]:
             yield LabelledPhoto(name + suffix, v, True, "people")
         yield LabelledPhoto(f"{name}_painted", painted(rgb), True, "painted_people")
     for name in ANIMALS:
-        rgb = _rgb(_shipped(name), min_side)
+        rgb = upscaled_rgb(_shipped(name), min_side)
         yield LabelledPhoto(name, rgb, False, "animals")
         if name == "chelsea":
             yield LabelledPhoto(f"{name}_mirrored", np.ascontiguousarray(rgb[:, ::-1]), False, "animals")
             yield LabelledPhoto(f"{name}_painted", painted(rgb), False, "animals")
     for name in SCENES:
-        rgb = _rgb(_shipped(name), min_side)
+        rgb = upscaled_rgb(_shipped(name), min_side)
         yield LabelledPhoto(name, rgb, False, "scenes")
         yield LabelledPhoto(f"{name}_painted", painted(rgb), False, "scenes")
     for name in TEXTURES:
-        yield LabelledPhoto(name, _rgb(_shipped(name), min_side), False, "textures")
+        yield LabelledPhoto(name, upscaled_rgb(_shipped(name), min_side), False, "textures")
     shots = list(people.values())
     for cells in (4, 6):
         yield LabelledPhoto(f"crowd_{cells}x{cells}", crowd(shots, cells), False, "crowds")

@@ -15,7 +15,7 @@ from PIL import Image
 from common import schema
 from curation.config import CurateConfig
 from curation.stage import REJECT
-from curation.labelled_photos import person_check, precision_recall
+from curation.labelled_photos import person_check, precision_recall, upscaled_rgb
 from curation.stages.people import HeadPoseStage, PersonStage, group_skeletons, yaw_class
 
 PEOPLE = ("bus", "zidane", "grace_hopper", "astronaut", "camera")
@@ -43,12 +43,7 @@ def _photo(name: str) -> np.ndarray:
         import skimage.data
 
         img = Image.fromarray(getattr(skimage.data, name)())
-    img = img.convert("RGB")
-    if min(img.size) < MIN_SIDE:
-        s = MIN_SIDE / min(img.size)
-        img = img.resize((max(MIN_SIDE, round(img.width * s)), max(MIN_SIDE, round(img.height * s))),
-                         Image.Resampling.LANCZOS)
-    return np.asarray(img)
+    return upscaled_rgb(img, MIN_SIDE)
 
 
 def _jpeg(rgb: np.ndarray, quality: int = 95) -> bytes:
