@@ -1,7 +1,7 @@
 """Does pretraining on curated shards give a better backbone? Pretrained vs random init on label-efficient fine-tuning.
 
     python benchmarks/pretrain_value.py --quick            # <= 15 min on 2 CPUs: seg, 64 labels, one seed
-    python benchmarks/pretrain_value.py                    # the full experiment (about an hour on 2 quiet CPUs)
+    python benchmarks/pretrain_value.py                    # the full experiment (about 2.5 hours on 2 quiet CPUs)
     python benchmarks/pretrain_value.py --work out/pv --pool 4000 --labels 64,256 --tasks seg,pose --seeds 0,1,2
 
 The real chain, every step a job a user runs:
@@ -12,7 +12,8 @@ The real chain, every step a job a user runs:
 4. ``jobs.make_synthetic``: labelled renders at 128x96 (17 COCO keypoints), figures the pool never holds; the
    ``--labels`` sets are prefixes of one another and share one validation set.
 5. ``jobs.finetune`` for every task x label count x mode (frozen backbone = probe, or full fine-tuning) x init
-   (random or pretrained) x seed: the same steps, schedule, head initialisation and data order for both inits.
+   (random or pretrained) x seed: the same steps, schedule, head initialisation, data order and augmentation
+   draws for both inits.
 
 Prints each cell's mean +- std over seeds and the paired difference, then one last line
 ``pretrained <metric> vs random <metric> (...)``. Every step reuses what an earlier run left under ``--work``
@@ -42,8 +43,8 @@ METRIC = {"seg": "mIoU", "pose": "AP"}  # headline metric per task; higher is be
 MODES = {"probe": "true", "full": "false"}  # mode -> optim.freeze_backbone
 POOL_SHARD = 50  # renders per pool tar shard: one shard is one unit of curation work and of its resume
 PRESETS = {
-    "quick": dict(pool=500, pretrain_steps=300, labels="64", tasks="seg", seeds="0", steps=300, val=64),
-    "full": dict(pool=3000, pretrain_steps=1000, labels="64,256", tasks="seg,pose", seeds="0,1,2", steps=300, val=128),
+    "quick": dict(pool=500, pretrain_steps=300, labels="64", tasks="seg", seeds="0", steps=500, val=64),
+    "full": dict(pool=3000, pretrain_steps=2000, labels="64,256", tasks="seg,pose", seeds="0,1,2", steps=1000, val=128),
 }
 
 

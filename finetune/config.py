@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from common.config import Strict
+from finetune.augment import AugmentSettings
 from pretrain.config import LogSettings, ModelSettings, OptimSettings, RaySettings
 
 # Layer-wise LR decay of the public Sapiens2 configs per size; the paper's text quotes 0.85, used for the rest.
@@ -60,6 +61,7 @@ class FinetuneData(Strict):
     eval_batch_size: int = Field(8, ge=1)
     shuffle: bool = True
     prefetch: int = Field(4, ge=1)  # batches decoded ahead, per worker
+    augment: AugmentSettings | None = AugmentSettings()  # training samples only; null: none
 
 
 class EvalSettings(Strict):

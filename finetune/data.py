@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 from common import schema, storage
+from finetune.augment import Augmenter
 from pretrain.data import DataError, DataIndex, DataPosition, advance, worker_plan
 
 TASKS = ("pose", "seg", "pointmap", "normal", "albedo")
@@ -236,13 +237,20 @@ def train_batches(
     rank: int,
     shuffle: bool = True,
     prefetch: int = 4,
+    augment: Augmenter | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """This worker's batches for steps ``start_step`` .. ``steps - 1`` of the run."""
+    """This worker's batches for steps ``start_step`` .. ``steps - 1`` of the run, augmented where ``augment`` is
+    given (each sample's draw seeded by seed, step, rank and its slot in the batch)."""
+
+    def collate_step(samples: list[dict[str, np.ndarray]], step: int) -> dict[str, torch.Tensor]:
+        if augment is not None:
+            samples = [augment(s, np.random.default_rng([seed, step, rank, i])) for i, s in enumerate(samples)]
+        return collate(samples)
 
     def batches() -> Iterator[dict[str, torch.Tensor]]:
         reader = SegmentReader(index, task, image_size)
         position = position_after(start_step, batch_size * world, index.num_samples)
-        left, pending = steps - start_step, []
+        left, pending, step = steps - start_step, [], start_step
         while left > 0:
             chunk = min(PLAN_STEPS, left)
             segments, position = worker_plan(
@@ -252,8 +260,8 @@ def train_batches(
             for seg in segments:
                 pending += reader.read(seg)
                 while len(pending) >= batch_size:
-                    yield collate(pending[:batch_size])
-                    pending = pending[batch_size:]
+                    yield collate_step(pending[:batch_size], step)
+                    pending, step = pending[batch_size:], step + 1
             left -= chunk
 
     return _prefetch(batches(), prefetch)

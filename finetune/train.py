@@ -36,6 +36,7 @@ from common import storage
 from common.config import hash_json
 from common.progress import Progress
 from finetune import data, tasks
+from finetune.augment import Augmenter
 from finetune.config import FinetuneConfig
 from pretrain import checkpoint as ckpt
 from pretrain.backbone import BackboneConfig, Sapiens2Backbone, build
@@ -113,12 +114,16 @@ def build_backbone(cfg: FinetuneConfig, backbone_uri: str | None) -> Sapiens2Bac
         torch.manual_seed(cfg.seed)
         return build(cfg.model.backbone())
     backbone = ckpt.load_backbone(backbone_uri, activation_checkpointing=cfg.model.activation_checkpointing)
-    if dataclasses.replace(backbone.cfg, activation_checkpointing=False) != dataclasses.replace(
-        cfg.model.backbone(), activation_checkpointing=False
-    ):
+    # Architecture only: how the pretraining initialised LayerScale or whether it recomputed activations is not.
+    found, wanted = (
+        dataclasses.replace(c, activation_checkpointing=False, layer_scale_init=0.0)
+        for c in (backbone.cfg, cfg.model.backbone())
+    )
+    if found != wanted:
         raise ValueError(
-            f"the backbone in {backbone_uri} does not have the architecture of model.size={cfg.model.size!r}; "
-            "set model.size to the size it was pretrained with"
+            f"the backbone in {backbone_uri} (width {backbone.cfg.width}, depth {backbone.cfg.depth}, patch "
+            f"{backbone.cfg.patch_size}) does not have the architecture of model.size={cfg.model.size!r} with "
+            f"model.patch_size={cfg.model.patch_size}; set them to what it was pretrained with"
         )
     return backbone
 
@@ -235,6 +240,12 @@ class Worker:
 
     # --- training ---
 
+    def augmenter(self) -> Augmenter | None:
+        if self.cfg.data.augment is None:
+            return None
+        augmenter = Augmenter(self.cfg.data.augment, self.spec["task"], self.info.parts, self.info.keypoint_names)
+        return augmenter if augmenter.active else None
+
     def run(self) -> None:
         c = self.cfg
         if self.log:
@@ -247,7 +258,7 @@ class Worker:
         batches = data.train_batches(
             self.train_index, self.spec["task"], self.info.image_size, seed=c.seed, batch_size=c.data.batch_size,
             start_step=self.step, steps=c.steps, world=self.world, rank=self.rank, shuffle=c.data.shuffle,
-            prefetch=c.data.prefetch,
+            prefetch=c.data.prefetch, augment=self.augmenter(),
         )  # fmt: skip
         window: list[Tensor] = []
         started, wait = time.perf_counter(), 0.0

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from common import storage
-from pretrain.backbone import SIZES, BackboneConfig, Sapiens2Backbone
+from pretrain.backbone import BackboneConfig, Sapiens2Backbone
 
 CHECKPOINTS = "checkpoints"
 COMMIT_FILE = "commit.json"
@@ -254,8 +254,10 @@ def export_backbone(ckpt_uri: str, out_uri: str) -> dict:
     """
     from safetensors.torch import save as st_save
 
+    from pretrain.config import ModelSettings  # the run's model settings, overrides (patch size...) included
+
     commit = read_commit(ckpt_uri)
-    cfg = SIZES[commit["config"]["model"]["size"]]
+    cfg = ModelSettings.model_validate(commit["config"]["model"]).backbone()
     shapes = build_meta(cfg).state_dict()
     state = {"model": {f"student.{k}": torch.empty(v.shape, dtype=v.dtype) for k, v in shapes.items()}}
     with warnings.catch_warnings():  # no_dist is what this single-process read means to do; torch warns anyway

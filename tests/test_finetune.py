@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from common.config import load_config
 from conftest import tensorboard_scalars
-from finetune import data, heads, losses, metrics, tasks
+from finetune import augment, data, heads, losses, metrics, tasks
 from finetune.config import FinetuneConfig
 from finetune.render import COCO_KEYPOINTS, MAX_KEYPOINTS, PARTS, RenderConfig, keypoint_spec, render
 from finetune.train import build_model, build_optimizer, layer_id, load_finetuned, set_schedule
@@ -196,6 +196,91 @@ def test_training_batches_follow_the_plan_and_resume(shards):
     evals = [list(data.eval_batches(val, "seg", (64, 48), batch_size=3, world=2, rank=r)) for r in (0, 1)]
     assert [len(e) for e in evals] == [2, 2]  # 8 samples: 4 per rank in batches of 3, padded
     assert sum(int(v.sum()) for e in evals for _, v in e) == 8
+
+
+def _as_sample(r, task: str) -> dict[str, np.ndarray]:
+    sample = {"image": r.image.transpose(2, 0, 1).copy()}
+    if task == "seg":
+        sample["parts"] = r.parts.astype(np.int64)
+    else:
+        k = len(COCO_KEYPOINTS)
+        sample.update(keypoints=r.keypoints[:k].copy(), visibility=r.visibility[:k].copy(), area=np.float32(r.mask.sum()))
+    return sample
+
+
+def test_mirror_swaps_left_and_right_and_refuses_unpaired_names():
+    order = augment.mirror_order(PARTS)
+    assert [PARTS[i] for i in order[:7]] == ["background", "face_neck", "hair", "torso", "pelvis",
+                                            "right_upper_arm", "left_upper_arm"]  # fmt: skip
+    assert (order[order] == np.arange(len(PARTS))).all()
+    assert augment.mirror_order(keypoint_spec(17).names) is not None
+    cfg = augment.AugmentSettings()
+    # Surface landmarks beyond COCO's 17 have no mirror partner: pose gets no flip, everything else stays on.
+    many = augment.Augmenter(cfg, "pose", PARTS, keypoint_spec(40).names)
+    assert many.flip == 0 and many.geometric and many.colour
+    albedo = augment.Augmenter(cfg, "albedo", PARTS, ())
+    assert not albedo.active  # its target is the surface colour; a warp would break the camera of the label maps
+
+
+def test_augmented_labels_stay_on_their_body_parts(renders):
+    """Seg and pose augmenters seeded alike draw the same warp: each visible keypoint must land on the part label
+    it had before (left and right swapped in a mirror image)."""
+    names = COCO_KEYPOINTS
+    home = {"left_wrist": {"left_lower_arm", "left_hand"}, "right_wrist": {"right_lower_arm", "right_hand"},
+            "left_knee": {"left_upper_leg", "left_lower_leg"}, "right_knee": {"right_upper_leg", "right_lower_leg"}}  # fmt: skip
+    cfg = augment.AugmentSettings(flip=0.5, scale=0.25, shift=0.1, colour=0.0)
+    seg, pose = (augment.Augmenter(cfg, t, PARTS, names) for t in ("seg", "pose"))
+    checked = 0
+    for i, r in enumerate(renders):
+        for draw in range(4):
+            a = seg(_as_sample(r, "seg"), np.random.default_rng([i, draw]))
+            b = pose(_as_sample(r, "pose"), np.random.default_rng([i, draw]))
+            for name, parts in home.items():
+                k = names.index(name)
+                if b["visibility"][k] != 2:
+                    continue
+                x, y = np.round(b["keypoints"][k]).astype(int)
+                window = a["parts"][max(y - 1, 0) : y + 2, max(x - 1, 0) : x + 2]
+                assert {PARTS[v] for v in window.ravel()} & parts, (i, draw, name)
+                checked += 1
+    assert checked >= 40
+    # The warp moved things: images differ from the render, and some keypoint left the frame or moved.
+    original = _as_sample(renders[0], "pose")
+    moved = pose(_as_sample(renders[0], "pose"), np.random.default_rng([0, 0]))
+    assert np.abs(moved["keypoints"] - original["keypoints"]).max() > 1
+    assert (moved["image"] != original["image"]).any()
+
+
+def test_a_mirror_alone_is_exact_and_its_own_inverse(renders):
+    r, k = renders[1], len(COCO_KEYPOINTS)
+    cfg = augment.AugmentSettings(flip=1.0, scale=0.0, shift=0.0, colour=0.0)
+    seg = augment.Augmenter(cfg, "seg", PARTS, COCO_KEYPOINTS)
+    pose = augment.Augmenter(cfg, "pose", PARTS, COCO_KEYPOINTS)
+    a = seg(_as_sample(r, "seg"), np.random.default_rng(0))
+    assert (a["image"] == r.image.transpose(2, 0, 1)[:, :, ::-1]).all()
+    assert (a["parts"] == augment.mirror_order(PARTS)[r.parts[:, ::-1]]).all()
+    b = pose(_as_sample(r, "pose"), np.random.default_rng(0))
+    order = augment.mirror_order(COCO_KEYPOINTS)
+    np.testing.assert_allclose(b["keypoints"][:, 0], (CFG.width - 1) - r.keypoints[:k][order, 0], atol=1e-4)
+    back = pose(b, np.random.default_rng(0))
+    np.testing.assert_allclose(back["keypoints"], r.keypoints[:k], atol=1e-4)
+    assert (back["visibility"] == r.visibility[:k]).all() and back["area"] == r.mask.sum()
+
+
+def test_augmented_batches_are_the_same_for_a_seed_and_after_a_resume(shards):
+    index = DataIndex.scan(str(shards / "train"))
+    info = data.read_info(index, str(shards / "train"))
+    aug = augment.Augmenter(augment.AugmentSettings(), "seg", info.parts, info.keypoint_names)
+    kwargs = dict(seed=3, batch_size=4, steps=5, world=1, rank=0)
+
+    def run(start: int, augmenter) -> list[torch.Tensor]:
+        return [b["image"] for b in data.train_batches(index, "seg", (64, 48), start_step=start, augment=augmenter,
+                                                       **kwargs)]  # fmt: skip
+
+    plain, first, again, resumed = run(0, None), run(0, aug), run(0, aug), run(3, aug)
+    assert all((x == y).all() for x, y in zip(first, again))
+    assert all((x == y).all() for x, y in zip(first[3:], resumed))
+    assert all((x != y).any() for x, y in zip(first, plain))
 
 
 # --- heads and losses -----------------------------------------------------------------------------------------------
@@ -435,17 +520,20 @@ def test_pretrained_backbone_is_loaded_and_a_wrong_size_refused(tmp_path):
     import dataclasses
 
     torch.manual_seed(5)
-    backbone = build("tiny")
+    cfg = load_config(FinetuneConfig, TINY)
+    backbone = build(dataclasses.replace(cfg.model.backbone(), layer_scale_init=0.1))  # how it was initialised is no matter
     meta = {"format": "pt", "size": "tiny", "step": "1",
             "backbone_config": json.dumps(dataclasses.asdict(backbone.cfg))}  # fmt: skip
     path = tmp_path / "backbone.safetensors"
     save_file({k: v.contiguous() for k, v in backbone.state_dict().items()}, str(path), metadata=meta)
-    cfg = load_config(FinetuneConfig, TINY)
     model = build_model(cfg, tasks.make("normal", cfg, _info()), str(path))
     torch.testing.assert_close(model.backbone.blocks[2].ffn.w3.weight, backbone.blocks[2].ffn.w3.weight)
     wrong = load_config(FinetuneConfig, TINY, ["model.size=tiny-gqa"])
     with pytest.raises(ValueError, match="model.size"):
         build_model(wrong, tasks.make("normal", wrong, _info()), str(path))
+    coarse = load_config(FinetuneConfig, TINY, ["model.patch_size=16"])
+    with pytest.raises(ValueError, match="patch 8"):
+        build_model(coarse, tasks.make("normal", coarse, _info()), str(path))
 
 
 # --- the job ----------------------------------------------------------------------------------------------------------

@@ -231,7 +231,9 @@ def test_collapse_state_names_each_failure() -> None:
     assert collapse_state(_diag(healthy), k) is None
     assert collapse_state(_diag(math.log(k)), k) == "uniform targets"
     assert collapse_state(_diag(math.log(k) - 0.05), k) == "uniform targets"
-    assert collapse_state(_diag(math.log(k) - 0.2), k) is None  # below ln(0.9 K)
+    assert collapse_state(_diag(math.log(k) - 0.2), k) == "uniform targets"  # perplexity 0.82 K
+    assert collapse_state(_diag(math.log(k) - 0.3), k) is None  # below ln(0.8 K)
+    assert collapse_state(_diag(4.02), 64) == "uniform targets"  # where a 1000-step tiny run sat (ln 64 = 4.159)
     assert collapse_state(_diag(healthy, std=1e-3), k) == "constant CLS"
     assert collapse_state(_diag(healthy, std=0.1, rms=100.0), k) == "constant CLS"  # relative to the scale
     assert collapse_state(_diag(healthy, std=0.1, rms=1.0), k) is None

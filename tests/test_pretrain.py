@@ -172,15 +172,17 @@ def test_export_writes_a_backbone_that_loads(reference, tmp_path):
     assert meta["size"] == "tiny" and meta["step"] == str(STEPS)
     backbone = ckpt.load_backbone(str(out))  # strict: exactly the backbone's keys
     # The same tensors through a different path: the whole objective, unsharded, from the DCP checkpoint.
-    full = JointObjective(build("tiny"), load_config(PretrainConfig, TINY, FAST).objective, STEPS)
+    cfg = load_config(PretrainConfig, TINY, FAST)
+    assert backbone.cfg.patch_size == cfg.model.patch_size == 8  # the run's model settings, not the size's default
+    full = JointObjective(build(cfg.model.backbone()), cfg.objective, STEPS)
     state = {"model": full.state_dict()}
     dcp.load(state, storage_reader=dcp.FileSystemReader(latest), planner=ckpt.SafeLoadPlanner(), no_dist=True)
     for name, tensor in backbone.state_dict().items():
         torch.testing.assert_close(tensor, state["model"][f"student.{name}"], rtol=0, atol=0)
-    fresh = build("tiny").state_dict()
+    fresh = build(cfg.model.backbone()).state_dict()
     assert not torch.equal(fresh["blocks.0.attn.qkv.weight"], backbone.state_dict()["blocks.0.attn.qkv.weight"])
     out_tokens = backbone(torch.randn(1, 3, 64, 48)).patches
-    assert out_tokens.shape == (1, 12, SIZES["tiny"].width) and torch.isfinite(out_tokens).all()
+    assert out_tokens.shape == (1, 8 * 6, SIZES["tiny"].width) and torch.isfinite(out_tokens).all()
     job_export = ckpt.read_safetensors(str(reference / ckpt.BACKBONE_FILE))[0]  # the job's own export
     assert all(torch.equal(job_export[k], v) for k, v in backbone.state_dict().items())
 
@@ -413,7 +415,7 @@ def test_checkpoint_and_export_on_an_object_store(monkeypatch):
         monkeypatch.setattr(fs_storage, "resolve", lambda uri: (s3, uri[5:]) if uri.startswith("s3://") else resolve(uri))
         cfg = load_config(PretrainConfig, TINY, FAST)
         torch.manual_seed(0)
-        model = JointObjective(build("tiny"), cfg.objective, STEPS)
+        model = JointObjective(build(cfg.model.backbone()), cfg.objective, STEPS)
         optimizer = build_optimizer(model, cfg.optim)
         model(torch.randint(0, 256, (2, 3, 64, 48), dtype=torch.uint8), 0, torch.Generator().manual_seed(0))[
             "loss"
@@ -424,7 +426,7 @@ def test_checkpoint_and_export_on_an_object_store(monkeypatch):
         ckpt.save(uri, model, optimizer, {"step": 1, "config": cfg.model_dump(mode="json")})
         assert ckpt.list_checkpoints(run) == [(1, uri, True)] and ckpt.read_commit(uri)["step"] == 1
         torch.manual_seed(1)
-        other = JointObjective(build("tiny"), cfg.objective, STEPS)
+        other = JointObjective(build(cfg.model.backbone()), cfg.objective, STEPS)
         other_opt = build_optimizer(other, cfg.optim)
         ckpt.load(uri, other, other_opt)
         for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
