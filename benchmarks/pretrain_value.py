@@ -17,7 +17,7 @@ The real chain, every step a job a user runs:
 
 Prints each cell's mean +- std over seeds and the paired difference, then one last line
 ``pretrained <metric> vs random <metric> (...)``. Every step reuses what an earlier run left under ``--work``
-(jobs resume), so a rerun only does what is missing.
+(jobs resume), so a rerun only does what is missing; a ``--work`` whose runs used other settings is refused.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.config import load_config  # noqa: E402
 from common.ray_utils import init_ray  # noqa: E402
+from finetune.config import FinetuneConfig  # noqa: E402
+from pretrain.checkpoint import read_safetensors  # noqa: E402
 from jobs import curate, make_synthetic  # noqa: E402
 from jobs import finetune as finetune_job  # noqa: E402
 from jobs import pretrain as pretrain_job  # noqa: E402
@@ -112,14 +115,21 @@ def labelled_sets(args: argparse.Namespace) -> dict[int, Path]:
 def finetune_result(args, runs: Path, task: str, n: int, data: Path, mode: str, init: str, seed: int,
                     backbone: Path) -> float:  # fmt: skip
     run = runs / f"{task}-{n}-{mode}-{init}-s{seed}"
-    if not (run / "metrics.json").exists():
+    overrides = [f"seed={seed}", f"steps={args.steps}", "eval.every=0", "eval.max_samples=null", "eval.visualise=0",
+                 f"optim.freeze_backbone={MODES[mode]}"]  # fmt: skip
+    done = run / "metrics.json"
+    if done.exists():  # an earlier run's result counts only if it ran these settings
+        ran = json.loads(done.read_text())["config"]
+        wanted = load_config(FinetuneConfig, REPO / "configs/finetune/tiny.yaml", overrides).model_dump(mode="json")
+        if ran != wanted:
+            differ = sorted(k for k in wanted if ran.get(k) != wanted[k])
+            raise SystemExit(f"{run} ran with other settings ({', '.join(differ)}); give another --work")
+    else:
         extra = ["--backbone", str(backbone)] if init == "pretrained" else []
         step(f"fine-tune {task}, {n} labels, {mode}, {init} init, seed {seed}", finetune_job.main,
              ["--task", task, "--config", str(REPO / "configs/finetune/tiny.yaml"), "--data", str(data),
-              "--storage", str(runs), "--name", run.name, *extra, f"seed={seed}", f"steps={args.steps}",
-              "eval.every=0", "eval.max_samples=null", "eval.visualise=0",
-              f"optim.freeze_backbone={MODES[mode]}"])  # fmt: skip
-    return float(json.loads((run / "metrics.json").read_text())["metrics"][METRIC[task]])
+              "--storage", str(runs), "--name", run.name, *extra, *overrides])  # fmt: skip
+    return float(json.loads(done.read_text())["metrics"][METRIC[task]])
 
 
 def mean_std(xs: list[float]) -> str:
@@ -134,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     shards, kept = pool_and_curate(args)
     runs = args.work / "runs"
     backbone = runs / "pretrain" / "backbone.safetensors"
+    if backbone.exists() and int(read_safetensors(str(backbone))[1]["step"]) != args.pretrain_steps:
+        raise SystemExit(f"{backbone} was pretrained for another number of steps; give another --work")
     if not backbone.exists():
         step(f"pretrain tiny, {args.pretrain_steps} steps on {kept} curated images", pretrain_job.main,
              ["--config", str(REPO / "configs/pretrain/tiny.yaml"), "--data", str(shards), "--storage", str(runs),
