@@ -384,8 +384,10 @@ def test_config_overrides_are_typed_and_checked():
         load_config(PretrainConfig, TINY, ["optim.learning_rate=1"])
     with pytest.raises(ConfigError, match="unknown size"):
         load_config(PretrainConfig, TINY, ["model.size=2b"])
+    with pytest.raises(ConfigError, match="multiple of 8"):  # the tiny config's 8-px patches
+        load_config(PretrainConfig, TINY, ["objective.views.local_size=[44,44]"])
     with pytest.raises(ConfigError, match="multiple of 16"):
-        load_config(PretrainConfig, TINY, ["objective.views.local_size=[40,40]"])
+        load_config(PretrainConfig, TINY, ["objective.views.local_size=[40,40]", "model.patch_size=16"])
     assert load_config(PretrainConfig, REPO / "configs/pretrain/sapiens2_0.4b.yaml").model.backbone().width == 1024
 
 
