@@ -46,7 +46,7 @@ METRIC = {"seg": "mIoU", "pose": "AP"}  # headline metric per task; higher is be
 MODES = {"probe": "true", "full": "false"}  # mode -> optim.freeze_backbone
 POOL_SHARD = 50  # renders per pool tar shard: one shard is one unit of curation work and of its resume
 PRESETS = {
-    "quick": dict(pool=500, pretrain_steps=300, labels="64", tasks="seg", seeds="0", steps=500, val=64),
+    "quick": dict(pool=400, pretrain_steps=200, labels="64", tasks="seg", seeds="0", steps=300, val=64),
     "full": dict(pool=3000, pretrain_steps=2000, labels="64,256", tasks="seg,pose", seeds="0,1,2", steps=1000, val=128),
 }
 
