@@ -57,12 +57,14 @@ class Augmenter:
     """Augments decoded samples (``finetune.data.decode_sample``'s dicts) of one task in place."""
 
     def __init__(self, cfg: AugmentSettings, task: str, parts: tuple[str, ...], keypoint_names: tuple[str, ...]):
-        self.cfg, self.task = cfg, task
+        self.cfg = cfg
         self.geometric = task in GEOMETRIC_TASKS and (cfg.scale > 0 or cfg.shift > 0)
         self.colour = task in COLOUR_TASKS and cfg.colour > 0
         self.parts_order, self.keypoint_order = None, None
-        if task == "seg":
-            self.parts_order = mirror_order(parts)
+        if task == "seg" and (order := mirror_order(parts)) is not None:
+            # A lookup over every uint8 label: values past the classes (the ignore index, 255) stay as they are.
+            self.parts_order = np.arange(256)
+            self.parts_order[: len(order)] = order
         if task == "pose" and all(n in COCO_KEYPOINTS for n in keypoint_names):
             self.keypoint_order = mirror_order(keypoint_names)
         self.flip = cfg.flip if (self.parts_order is not None or self.keypoint_order is not None) else 0.0

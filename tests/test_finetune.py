@@ -259,6 +259,9 @@ def test_a_mirror_alone_is_exact_and_its_own_inverse(renders):
     a = seg(_as_sample(r, "seg"), np.random.default_rng(0))
     assert (a["image"] == r.image.transpose(2, 0, 1)[:, :, ::-1]).all()
     assert (a["parts"] == augment.mirror_order(PARTS)[r.parts[:, ::-1]]).all()
+    unlabelled = _as_sample(r, "seg")
+    unlabelled["parts"][:4, :] = 255  # the ignore index: no class of its own, kept through the mirror
+    assert (seg(unlabelled, np.random.default_rng(0))["parts"][:4, :] == 255).all()
     b = pose(_as_sample(r, "pose"), np.random.default_rng(0))
     order = augment.mirror_order(COCO_KEYPOINTS)
     np.testing.assert_allclose(b["keypoints"][:, 0], (CFG.width - 1) - r.keypoints[:k][order, 0], atol=1e-4)
