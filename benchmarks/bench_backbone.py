@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.config import load_config  # noqa: E402
-from pretrain.backbone import build, flops  # noqa: E402
+from pretrain.backbone import build, count_params, flops  # noqa: E402
 from pretrain.masking import generate_masks  # noqa: E402
 from pretrain.config import PretrainConfig  # noqa: E402
 from pretrain.objective import JointObjective  # noqa: E402
@@ -62,7 +62,8 @@ def main() -> None:
     images = torch.rand(b, 3, h, w)
     keep = generate_masks(b, grid, generator=torch.Generator().manual_seed(0)).keep
     print(f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"size {args.size}, image {h}x{w} ({n_tokens} patches, {keep.shape[1]} visible at ratio 0.75), batch {b}")
+    print(f"size {args.size} ({count_params(model.cfg) / 1e6:.2f}M parameters), image {h}x{w} "
+          f"({n_tokens} patches, {keep.shape[1]} visible at ratio 0.75), batch {b}")
 
     def fwd_bwd(keep_idx: torch.Tensor | None):
         def run() -> None:

@@ -69,7 +69,7 @@ def local_loop(
     for step in range(warmup + steps):
         t = time.perf_counter()
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.optim, cfg.steps)
+            group["lr"] = lr_at(step, cfg.optim, cfg.steps, cfg.samples_per_step())
         for micro in range(cfg.optim.grad_accum):
             generator.manual_seed(step * 1000 + micro)
             images = batches[(step * cfg.optim.grad_accum + micro) % len(batches)]

@@ -454,7 +454,7 @@ def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadlin
         start = time.perf_counter()
         generator.manual_seed(step)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.optim, cfg.steps)
+            group["lr"] = lr_at(step, cfg.optim, cfg.steps, cfg.data.batch_size)  # one process, one micro-batch
         model(images, step, generator)["loss"].backward()
         optimizer_step(optimizer, params, cfg.optim.grad_clip)
         model.update_teacher(step)

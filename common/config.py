@@ -2,7 +2,9 @@
 
 Configs are pydantic models that forbid unknown keys, so a typo in a YAML file or an override fails at start with
 a message naming the field. Overrides use dotted paths (``filters.min_short_side=512``) and YAML value syntax
-(``stages.text_overlay.enabled=false``, ``stages.person.actors=[1,4]``).
+(``stages.text_overlay.enabled=false``, ``stages.person.actors=[1,4]``). A file may start from another with
+``_base_: other.yaml`` (a path relative to it, as mmengine configs do): its mappings are merged key by key into
+the base's, so a task's config states only what differs from the shared one.
 """
 
 from __future__ import annotations
@@ -59,21 +61,41 @@ def _describe(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A config file's mapping, with its ``_base_`` chain merged underneath."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist (see configs/ for the shipped ones)")
+    if path.resolve() in seen:
+        raise ConfigError(f"config file {path} names itself as its own _base_ (through {' -> '.join(map(str, seen))})")
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    base = loaded.pop("_base_", None)
+    if base is None:
+        return loaded
+    tree = _read_yaml(path.parent / str(base), (*seen, path.resolve()))
+    _merge(tree, loaded)
+    return tree
+
+
+def _merge(tree: dict, update: dict) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(tree.get(key), dict):
+            tree[key] = dict(tree[key])
+            _merge(tree[key], value)
+        else:
+            tree[key] = value
+
+
 def load_config(model: type[M], path: str | Path | None, overrides: list[str] = (), base: dict | None = None) -> M:
     """Read ``path`` (YAML) into ``model``, applying ``key=value`` overrides on top."""
     tree: dict = dict(base or {})
     source = "defaults"
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist (see configs/ for the shipped ones)")
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at the top level")
-        tree.update(loaded)
+        _merge(tree, _read_yaml(Path(path)))
         source = str(path)
     for override in overrides:
         apply_override(tree, override)

@@ -6,8 +6,8 @@ without it. The operations are the usual ones of the pose and segmentation pipel
 label exact:
 
 - mirror: body parts and keypoints swap their ``left_`` / ``right_`` names. Offered only when every label has a
-  mirror image: body-part names always do; keypoints only when each is a named COCO point (the surface landmarks
-  beyond COCO's 17 sit at random points of one side and have no partner).
+  mirror image: Sapiens2's part classes and 308 keypoints (``finetune.labels``) all do (a name without a side
+  sits on the midline and is its own image); a label set with a ``left_`` name and no ``right_`` one gets none.
 - zoom / shift: one affine warp of image and labels (parts by nearest neighbour; keypoints moved, those leaving the
   frame marked unlabelled; the person's area scaled). Pixels it brings in are black background. Only for pose and
   segmentation: a warped pointmap or normal map would no longer match the camera that made it.
@@ -24,7 +24,6 @@ import numpy as np
 from pydantic import Field
 
 from common.config import Strict
-from finetune.render import COCO_KEYPOINTS
 
 GEOMETRIC_TASKS = ("pose", "seg")
 COLOUR_TASKS = ("pose", "seg", "pointmap", "normal")
@@ -65,7 +64,7 @@ class Augmenter:
             # A lookup over every uint8 label: values past the classes (the ignore index, 255) stay as they are.
             self.parts_order = np.arange(256)
             self.parts_order[: len(order)] = order
-        if task == "pose" and all(n in COCO_KEYPOINTS for n in keypoint_names):
+        if task == "pose":
             self.keypoint_order = mirror_order(keypoint_names)
         self.flip = cfg.flip if (self.parts_order is not None or self.keypoint_order is not None) else 0.0
 

@@ -15,8 +15,9 @@ from common.config import Strict
 from finetune.augment import AugmentSettings
 from pretrain.config import LogSettings, ModelSettings, OptimSettings, RaySettings
 
-# Layer-wise LR decay of the public Sapiens2 configs per size; the paper's text quotes 0.85, used for the rest.
+# Layer-wise LR decay per size: the public Sapiens2 fine-tuning configs (sapiens2 repository).
 LAYER_DECAY = {"0.4b": 0.8, "0.8b": 0.85, "1b": 0.9, "5b": 0.94}
+# Sizes without a public config (tiny, 0.1b): our choice, the single figure the Sapiens2 paper's text quotes.
 DEFAULT_LAYER_DECAY = 0.85
 
 
@@ -26,7 +27,9 @@ class HeadSettings(Strict):
     # pose: Gaussian blur (sigma, heatmap pixels) before sub-pixel decoding, which steadies the step on noisy maps
     # (DARK) but biases peaks within ~2 sigma of the map's edge; 0: none (exact for Gaussian-shaped outputs)
     blur: float = Field(1.0, ge=0)
-    class_weights: list[float] | None = None  # seg: per-class loss weights (None: all 1)
+    # seg: per-class CE and Dice weights; "auto": from the training set's class frequencies
+    # (finetune.losses.balanced_class_weights over its first 256 samples, fixed when the run starts); None: all 1
+    class_weights: list[float] | Literal["auto"] | None = None
     ignore_index: int = 255  # seg: label value that neither counts in the loss nor in the metrics
 
 
@@ -43,6 +46,7 @@ class LossSettings(Strict):
 
 class FinetuneOptim(OptimSettings):
     # Sapiens2 fine-tuning: AdamW (0.9, 0.999), weight decay 0.1 (constant, none on 1-D params), short warm-up.
+    # lr (ours) is the base rate for 256 images per step: the peak is lr x data.batch_size x workers / 256.
     lr: float = Field(1e-4, gt=0)
     min_lr: float = Field(0.0, ge=0)
     warmup_steps: int = Field(50, ge=0)
@@ -94,6 +98,10 @@ class FinetuneConfig(Strict):
         if self.optim.grad_accum != 1:
             raise ValueError("optim.grad_accum: fine-tuning takes one batch per step; raise data.batch_size instead")
         return self
+
+    def samples_per_step(self, workers: int | None = None) -> int:
+        """Images per optimiser step over all workers (the global batch)."""
+        return self.data.batch_size * (workers or self.ray.workers)
 
     def layer_decay(self) -> float:
         if self.optim.layer_decay is not None:

@@ -113,6 +113,7 @@ class LabelInfo:
     keypoint_names: tuple[str, ...]
     keypoint_sigmas: tuple[float, ...]
     image_size: tuple[int, int]  # (H, W)
+    keypoint_groups: tuple[str, ...] = ()  # per keypoint (body, hands, face); none: no per-group metrics
 
     @property
     def num_classes(self) -> int:
@@ -140,6 +141,7 @@ def read_info(index: DataIndex, data_uri: str) -> LabelInfo:
                 keypoint_names=tuple(e.get("keypoint_names", ())),
                 keypoint_sigmas=tuple(float(s) for s in e.get("keypoint_sigmas", ())),
                 image_size=tuple(e["image_size"]),
+                keypoint_groups=tuple(e.get("keypoint_groups", ())),
             )
         )
     if infos[0] != infos[-1]:
@@ -311,3 +313,13 @@ def eval_batches(
 
     return _prefetch(batches(), 2)
 
+
+
+def class_pixel_counts(index: DataIndex, info: LabelInfo, limit: int = 256) -> np.ndarray:
+    """Pixels per body-part class [C] over the first ``limit`` samples (file order): what ``auto`` class weights
+    are made of. A sample of the set is enough to tell a frequent class from a rare one."""
+    counts = np.zeros(info.num_classes, np.int64)
+    for batch, valid in eval_batches(index, "seg", info.image_size, batch_size=32, world=1, rank=0, limit=limit):
+        labels = batch["parts"][valid].numpy().ravel()
+        counts += np.bincount(labels[labels < info.num_classes], minlength=info.num_classes)
+    return counts

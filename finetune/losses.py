@@ -12,6 +12,7 @@ Dense losses average over the labelled pixels (``mask``); gradients use pairs of
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -42,6 +43,22 @@ def heatmap_loss(pred: Tensor, target: Tensor, weight: Tensor) -> Tensor:
     """MSE over heatmaps [B, K, h, w] of keypoints with ``weight`` [B, K] > 0."""
     per_kp = ((pred.float() - target) ** 2).mean(dim=(2, 3))
     return (per_kp * weight).sum() / weight.sum().clamp_min(1)
+
+
+def balanced_class_weights(counts: np.ndarray, max_weight: float = 10.0) -> list[float]:
+    """Per-class CE / Dice weights from pixel counts: sqrt(median frequency / frequency), in [1/max, max].
+
+    The square root of median-frequency balancing: rare classes (lips, socks, eyeglasses: a few pixels a person)
+    weigh up to ``max_weight`` times a median class without drowning the large ones. Classes absent from the
+    counts get 1."""
+    counts = np.asarray(counts, np.float64)
+    present = counts > 0
+    if not present.any():
+        return [1.0] * len(counts)
+    freq = counts / counts.sum()
+    weights = np.ones(len(counts))
+    weights[present] = np.clip(np.sqrt(np.median(freq[present]) / freq[present]), 1 / max_weight, max_weight)
+    return [round(float(w), 4) for w in weights]
 
 
 def seg_loss(

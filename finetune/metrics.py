@@ -132,29 +132,45 @@ def _average_precision(scores: np.ndarray, tp: np.ndarray, ignored: np.ndarray, 
 
 
 class PoseMetric(Accumulator):
-    """One person per image: one ground truth and one detection (score: mean keypoint heatmap maximum)."""
+    """One person per image: one ground truth and one detection (score: mean keypoint heatmap maximum). With
+    ``groups`` (one name per keypoint), also AP and OKS over each group's keypoints alone (``AP_face``, ...)."""
 
-    def __init__(self, sigmas: np.ndarray) -> None:
+    def __init__(self, sigmas: np.ndarray, groups: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.sigmas = np.asarray(sigmas, np.float64)
+        self.groups = tuple(groups)
 
     def update(self, pred: Tensor, scores: Tensor, gt: Tensor, visibility: Tensor, area: Tensor) -> None:
         self._add(
             pred=pred.detach().cpu().double().numpy(),
-            score=scores.detach().cpu().double().mean(-1).numpy(),
+            score=scores.detach().cpu().double().numpy(),
             gt=gt.cpu().double().numpy(),
             vis=visibility.cpu().numpy(),
             area=area.cpu().double().numpy(),
         )
 
     def compute(self) -> dict[str, float]:
-        pred, score, gt, vis, area = (self._cat(k) for k in ("pred", "score", "gt", "vis", "area"))
-        gts = [[(gt[i], vis[i], float(area[i]))] for i in range(len(gt))]
-        dets = [[(pred[i], float(score[i]))] for i in range(len(pred))]
-        out = keypoint_ap(gts, dets, self.sigmas)
-        sims = [oks(pred[i], gt[i], vis[i], area[i], self.sigmas) for i in range(len(gt)) if (vis[i] > 0).any()]
-        out["OKS"] = float(np.mean(sims)) if sims else float("nan")
+        arrays = [self._cat(k) for k in ("pred", "score", "gt", "vis", "area")]
+        out = _pose_scores(*arrays, self.sigmas)
+        names = self.groups if len(self.groups) == len(self.sigmas) else ()
+        for group in dict.fromkeys(names):
+            sel = np.array([g == group for g in names])
+            pred, score, gt, vis, area = arrays
+            scores = _pose_scores(pred[:, sel], score[:, sel], gt[:, sel], vis[:, sel], area, self.sigmas[sel])
+            out.update({f"{k}_{group}": v for k, v in scores.items() if k in ("AP", "OKS")})
         return out
+
+
+def _pose_scores(
+    pred: np.ndarray, score: np.ndarray, gt: np.ndarray, vis: np.ndarray, area: np.ndarray, sigmas: np.ndarray
+) -> dict[str, float]:
+    """Keypoint AP and mean OKS of one detection per image; the detection's score is its keypoints' mean."""
+    gts = [[(gt[i], vis[i], float(area[i]))] for i in range(len(gt))]
+    dets = [[(pred[i], float(score[i].mean()))] for i in range(len(pred))]
+    out = keypoint_ap(gts, dets, sigmas)
+    sims = [oks(pred[i], gt[i], vis[i], area[i], sigmas) for i in range(len(gt)) if (vis[i] > 0).any()]
+    out["OKS"] = float(np.mean(sims)) if sims else float("nan")
+    return out
 
 
 # --- segmentation -------------------------------------------------------------------------------------------------

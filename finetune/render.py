@@ -5,16 +5,17 @@ shins, feet) posed by forward kinematics from random joint angles, scaled and sh
 direction by a pinhole camera. Every pixel's ray is intersected analytically with every ellipsoid and the nearest
 hit gives, exactly and consistently:
 
-- the body-part label (``PARTS``; 0 is background),
+- the body-part label (``finetune.labels.PARTS``, Sapiens2's 29 classes; 0 is background): skin parts, and the
+  regions of a surface that are something else: clothing (a top with or without sleeves, trousers or shorts),
+  a belt, shoes and socks, lips, teeth and tongue, eyeglasses,
 - the camera-frame 3D point (OpenCV axes: x right, y down, z forward; metres), so depth is ``point[..., 2]``,
 - the unit surface normal (facing the camera: the first hit of a ray enters a convex body),
-- the albedo: per-part materials (skin, clothing with stripes / checks / speckles, hair, shoes, eyes and mouth),
+- the albedo: per-region materials (skin, clothing with stripes / checks / speckles, hair, shoes, eyes, mouth),
 - the shaded colour: albedo x (ambient + Lambertian from a random light) x light colour,
 
 composited on a procedural background (gradient, floor, low-frequency texture, clutter shapes, sensor noise).
-Keypoints: the 17 COCO body keypoints (nose, eyes, ears on the head surface; joint centres inside the limbs) and
-then surface landmarks (fixed points on the ellipsoids, denser on the face and hands, as Sapiens2's 308), ``K`` up
-to ``MAX_KEYPOINTS``. Visibility follows COCO: 0 outside the image, 1 occluded, 2 visible. A surface landmark is
+Keypoints: the first ``K`` of Sapiens2's 308 (``finetune.labels.KEYPOINTS``: 25 body, 40 hand, 243 face points),
+each a surface point of a primitive or a joint centre inside the limbs. Visibility follows COCO: 0 outside the image, 1 occluded, 2 visible. A surface landmark is
 visible when nothing lies in front of it on its own ray; a joint centre when the first surface on its ray belongs to
 a limb that meets at the joint.
 
@@ -24,44 +25,16 @@ keypoint at (x, y) lies in pixel (round(y), round(x)) and the principal point is
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 from pydantic import Field, model_validator
 
 from common.config import Strict
+from finetune.labels import COCO_KEYPOINTS, HEAD_POINTS, MAX_KEYPOINTS, PART, keypoints
 
-PARTS = (
-    "background",
-    "face_neck",
-    "hair",
-    "torso",
-    "pelvis",
-    "left_upper_arm",
-    "right_upper_arm",
-    "left_lower_arm",
-    "right_lower_arm",
-    "left_hand",
-    "right_hand",
-    "left_upper_leg",
-    "right_upper_leg",
-    "left_lower_leg",
-    "right_lower_leg",
-    "left_foot",
-    "right_foot",
-)
-PART = {name: i for i, name in enumerate(PARTS)}
-COCO_KEYPOINTS = (
-    "nose", "left_eye", "right_eye", "left_ear", "right_ear", "left_shoulder", "right_shoulder", "left_elbow",
-    "right_elbow", "left_wrist", "right_wrist", "left_hip", "right_hip", "left_knee", "right_knee", "left_ankle",
-    "right_ankle",
-)  # fmt: skip
-COCO_SIGMAS = (
-    0.026, 0.025, 0.025, 0.035, 0.035, 0.079, 0.079, 0.072, 0.072, 0.062, 0.062, 0.107, 0.107, 0.087, 0.087,
-    0.089, 0.089,
-)  # fmt: skip
-LANDMARK_SIGMA = 0.035  # surface landmarks are sharp points on the surface, like Sapiens2's face and hand points
-MAX_KEYPOINTS = 308
 
 
 class RenderConfig(Strict):
@@ -119,6 +92,9 @@ def _rz(a: float) -> np.ndarray:
     return np.array([[c, -s, 0], [s, c, 0], [0, 0, 1]])
 
 
+Region = tuple[int, Callable[[np.ndarray], np.ndarray], dict]  # (part, which local points, material)
+
+
 @dataclass
 class Ellipsoid:
     name: str
@@ -127,84 +103,23 @@ class Ellipsoid:
     rot: np.ndarray  # (3, 3): columns are the local axes (local y runs along a limb)
     radii: np.ndarray  # (3,)
     material: dict = field(default_factory=dict)
+    regions: list[Region] = field(default_factory=list)  # parts of the surface with another label and material
 
     def moved(self, rot: np.ndarray, shift: np.ndarray) -> Ellipsoid:
-        return Ellipsoid(self.name, self.part, rot @ self.centre + shift, rot @ self.rot, self.radii, self.material)
+        return dataclasses.replace(self, centre=rot @ self.centre + shift, rot=rot @ self.rot)
 
     def point(self, local: np.ndarray) -> np.ndarray:
         """A point given in the ellipsoid's local frame (metres) -> the ellipsoid's frame of reference."""
         return self.centre + self.rot @ local
 
 
-# Primitive names in drawing order; landmarks and joint keypoints refer to them by name.
+# Primitive names in drawing order; keypoints refer to them by name (``finetune.labels``).
 PRIMITIVES = (
     "head", "hair", "neck", "torso", "pelvis", "left_upper_arm", "right_upper_arm", "left_lower_arm",
     "right_lower_arm", "left_hand", "right_hand", "left_upper_leg", "right_upper_leg", "left_lower_leg",
     "right_lower_leg", "left_foot", "right_foot",
 )  # fmt: skip
-_PRIMITIVE_PART = {"head": "face_neck", "neck": "face_neck"}
-
-# COCO keypoints: surface points on the head (unit directions in its frame: x left, y up, z forward) ...
-_HEAD_POINTS = {
-    "nose": (0.0, -0.15, 1.0),
-    "left_eye": (0.33, 0.18, 0.93),
-    "right_eye": (-0.33, 0.18, 0.93),
-    "left_ear": (1.0, 0.0, -0.05),
-    "right_ear": (-1.0, 0.0, -0.05),
-}
-# ... and joint centres: (primitive, end of its bone (+1 top, -1 bottom), primitives meeting at the joint).
-_JOINTS = {
-    f"{s}_{j}": (f"{s}_{prim}", end, tuple(m if m in ("torso", "pelvis") else f"{s}_{m}" for m in meet))
-    for s in ("left", "right")
-    for j, prim, end, meet in (
-        ("shoulder", "upper_arm", 1, ("upper_arm", "torso")),
-        ("elbow", "upper_arm", -1, ("upper_arm", "lower_arm")),
-        ("wrist", "lower_arm", -1, ("lower_arm", "hand")),
-        ("hip", "upper_leg", 1, ("upper_leg", "pelvis")),
-        ("knee", "upper_leg", -1, ("upper_leg", "lower_leg")),
-        ("ankle", "lower_leg", -1, ("lower_leg", "foot")),
-    )
-}
 _BONE_OVERLAP = 1.12  # limb ellipsoids reach a little past their joints, so neighbouring limbs meet
-
-
-@dataclass(frozen=True)
-class KeypointSpec:
-    names: tuple[str, ...]
-    sigmas: np.ndarray  # [K] OKS sigmas
-    # per keypoint: ("surface", primitive, unit direction) or ("joint", primitive, end, meeting primitives)
-    anchors: tuple[tuple, ...]
-
-
-def keypoint_spec(k: int = MAX_KEYPOINTS) -> KeypointSpec:
-    """The first ``k`` keypoints: COCO's 17, then surface landmarks in a fixed interleaved order (any prefix
-    spreads over the body): 40% on the face, 10% on each hand, the rest over the other parts (not the hair)."""
-    if not len(COCO_KEYPOINTS) <= k <= MAX_KEYPOINTS:
-        raise ValueError(f"num_keypoints must be in [{len(COCO_KEYPOINTS)}, {MAX_KEYPOINTS}], got {k}")
-    anchors: list[tuple] = []
-    for name in COCO_KEYPOINTS:
-        if name in _HEAD_POINTS:
-            d = np.array(_HEAD_POINTS[name], float)
-            anchors.append(("surface", "head", d / np.linalg.norm(d)))
-        else:
-            prim, end, meet = _JOINTS[name]
-            anchors.append(("joint", prim, end, meet))
-    rng = np.random.default_rng(MAX_KEYPOINTS)  # fixed: landmark i means the same point in every dataset
-    others = [p for p in PRIMITIVES if p not in ("head", "hair", "left_hand", "right_hand")]
-    choices = ["head", "left_hand", "right_hand", *others]
-    weights = np.array([0.4, 0.1, 0.1, *[0.4 / len(others)] * len(others)])
-    names = list(COCO_KEYPOINTS)
-    counts: dict[str, int] = {}
-    for _ in range(MAX_KEYPOINTS - len(COCO_KEYPOINTS)):
-        prim = choices[rng.choice(len(choices), p=weights)]
-        d = rng.normal(size=3)
-        if prim == "head":  # face landmarks: the front of the head
-            d[2] = abs(d[2]) + 0.8 * np.linalg.norm(d[:2])
-        anchors.append(("surface", prim, d / np.linalg.norm(d)))
-        counts[prim] = counts.get(prim, 0) + 1
-        names.append(f"{'face' if prim == 'head' else prim}_{counts[prim]:03d}")
-    sigmas = np.array([*COCO_SIGMAS, *[LANDMARK_SIGMA] * (MAX_KEYPOINTS - len(COCO_SIGMAS))], np.float32)
-    return KeypointSpec(tuple(names[:k]), sigmas[:k], tuple(anchors[:k]))
 
 
 # --- the figure -------------------------------------------------------------------------------------------------
@@ -253,44 +168,118 @@ def _figure(rng: np.random.Generator) -> list[Ellipsoid]:
         r_ft = r_sh @ _rx(u(-0.3, 0.3))
         foot_c = ankle + r_ft @ (np.array([0, -0.045, 0.06]) * s)
         prims.append(Ellipsoid(f"{side}_foot", 0, foot_c, r_ft, np.array([0.045, 0.035, 0.11]) * s))
-    for p in prims:
-        p.part = PART[_PRIMITIVE_PART.get(p.name, p.name)]
     order = {n: i for i, n in enumerate(PRIMITIVES)}
     return sorted(prims, key=lambda p: order[p.name])
 
 
-def _materials(rng: np.random.Generator, prims: list[Ellipsoid]) -> None:
-    """Albedo of each primitive: skin, hair, shoes, and two clothing materials with a random pattern."""
-    skin = np.array([0.95, 0.75, 0.6]) * rng.uniform(0.25, 1.0) + rng.uniform(-0.05, 0.05, 3)
+def _dress(rng: np.random.Generator, prims: list[Ellipsoid]) -> None:
+    """Each primitive's part label and material, and the regions of its surface that are something else: clothing
+    over skin (a top with no, short or long sleeves and a neckline; trousers or shorts), a belt (apparel), shoes and
+    socks, lips (teeth and tongue when the mouth is open) and eyeglasses on the face. Regions paint in order."""
+    skin = {"base": np.array([0.95, 0.75, 0.6]) * rng.uniform(0.25, 1.0) + rng.uniform(-0.05, 0.05, 3)}
 
     def cloth() -> dict:
         a, b = rng.uniform(0.05, 0.95, 3), rng.uniform(0.05, 0.95, 3)
         return {"base": a, "alt": b, "pattern": rng.choice(["plain", "stripes", "checks", "speckles"]),
                 "freq": rng.uniform(3, 9), "phase": rng.uniform(0, 2 * np.pi)}  # fmt: skip
 
+    def plain(colour) -> dict:
+        return {"base": np.asarray(colour, np.float64)}
+
     top, bottom = cloth(), cloth()
-    sleeves, trousers = rng.uniform() < 0.6, rng.uniform() < 0.7
-    hair = {"base": np.array([0.25, 0.16, 0.08]) * rng.uniform(0.2, 3.0), "pattern": "plain"}
-    shoes = {"base": rng.uniform(0.02, 0.6, 3), "pattern": "plain"}
+    shirt = rng.uniform() > 0.1
+    sleeves = rng.choice(["none", "short", "long"], p=[0.3, 0.4, 0.3]) if shirt else "none"
+    trousers = rng.uniform() < 0.6
+    belt = rng.uniform() < 0.5
+    shoes, socks = rng.uniform() < 0.7, rng.uniform() < 0.5
+    glasses, mouth_open = rng.uniform() < 0.3, rng.uniform() < 0.5
+    hair = plain(np.array([0.25, 0.16, 0.08]) * rng.uniform(0.2, 3.0))
+    shoe, sock = plain(rng.uniform(0.02, 0.6, 3)), plain(rng.uniform(0.1, 0.95, 3))
+    upper, lower = PART["upper_clothing"], PART["lower_clothing"]
+
+    def everywhere(local: np.ndarray) -> np.ndarray:
+        return np.ones(len(local), bool)
+
+    def above(y: float) -> Callable[[np.ndarray], np.ndarray]:
+        return lambda local: local[:, 1] > y
+
+    def below(y: float) -> Callable[[np.ndarray], np.ndarray]:
+        return lambda local: local[:, 1] < y
+
     for p in prims:
-        n = p.name
+        n, side = p.name, p.name.split("_")[0]
+        p.part, p.material, p.regions = PART.get(n, PART["face_neck"]), skin, []
         if n == "hair":
-            m = hair
+            p.material = hair
+        elif n == "head":
+            p.material = {**skin, "pattern": "face"}
+            p.regions = _face_regions(skin["base"], glasses, mouth_open, rng)
+        elif n == "torso" and shirt:
+            p.part, p.material = upper, top
+            p.regions = [(PART["torso"], lambda local: (local[:, 1] > 0.8) & (local[:, 2] > 0), skin)]  # neckline
+        elif n == "pelvis":
+            p.part, p.material = lower, bottom
+            if belt:
+                p.regions = [(PART["apparel"], lambda local: local[:, 1] > 0.6, plain(rng.uniform(0.05, 0.3, 3)))]
+        elif n.endswith("upper_arm") and sleeves != "none":
+            p.regions = [(upper, everywhere if sleeves == "long" else above(-0.2), top)]
+        elif n.endswith("lower_arm") and sleeves == "long":
+            p.regions = [(upper, everywhere, top)]
+        elif n.endswith("upper_leg"):
+            p.regions = [(lower, everywhere if trousers else above(-0.3), bottom)]
+        elif n.endswith("lower_leg"):
+            p.regions = [(lower, everywhere, bottom)] if trousers else []
+            if socks and not trousers:
+                p.regions.append((PART[f"{side}_sock"], below(-0.75), sock))
         elif n.endswith("foot"):
-            m = shoes
-        elif n == "torso" or n.endswith("upper_arm") or (sleeves and n.endswith("lower_arm")):
-            m = top
-        elif n == "pelvis" or n.endswith("upper_leg") or (trousers and n.endswith("lower_leg")):
-            m = bottom
-        else:
-            m = {"base": skin, "pattern": "face" if n == "head" else "plain"}
-        p.material = m
+            if shoes:
+                p.part, p.material = PART[f"{side}_shoe"], shoe
+            elif socks:
+                p.part, p.material = PART[f"{side}_sock"], sock
+
+
+def _face_regions(skin: np.ndarray, glasses: bool, mouth_open: bool, rng: np.random.Generator) -> list[Region]:
+    """Lips around a mouth below the nose, open: upper teeth, tongue, lower teeth inside; eyeglasses over both
+    eyes (frame and tinted lenses) with a bridge. Coordinates: the head's unit sphere (x left, y up, z forward)."""
+    mouth_y, half_open = -0.45, (0.07 if mouth_open else 0.0)
+
+    def within(w: float, h: float) -> Callable[[np.ndarray], np.ndarray]:
+        return lambda local: ((local[:, 0] / w) ** 2 + ((local[:, 1] - mouth_y) / h) ** 2 < 1) & (local[:, 2] > 0)
+
+    lip = {"base": skin * (0.75, 0.4, 0.4)}
+    regions: list[Region] = [
+        (PART["upper_lip"], lambda local: within(0.3, 0.12 + half_open)(local) & (local[:, 1] >= mouth_y), lip),
+        (PART["lower_lip"], lambda local: within(0.3, 0.12 + half_open)(local) & (local[:, 1] < mouth_y), lip),
+    ]
+    if mouth_open:
+        inner = within(0.2, half_open)
+        third = half_open / 3
+        regions += [
+            (PART["upper_teeth"], lambda local: inner(local) & (local[:, 1] > mouth_y + third), {"base": np.array([0.92, 0.9, 0.82])}),
+            (PART["tongue"], lambda local: inner(local) & (np.abs(local[:, 1] - mouth_y) <= third), {"base": np.array([0.8, 0.35, 0.4])}),
+            (PART["lower_teeth"], lambda local: inner(local) & (local[:, 1] < mouth_y - third), {"base": np.array([0.92, 0.9, 0.82])}),
+        ]  # fmt: skip
+    if glasses:
+        eyes = np.stack([HEAD_POINTS["left_eye"], HEAD_POINTS["right_eye"]])
+        frame = {"base": rng.uniform(0.0, 0.3, 3)}
+
+        def lens(local: np.ndarray) -> np.ndarray:
+            return (local @ eyes.T).max(1) > np.cos(0.2)
+
+        def rims(local: np.ndarray) -> np.ndarray:
+            near = local @ eyes.T
+            bridge = (np.abs(local[:, 0]) < 0.2) & (np.abs(local[:, 1] - 0.2) < 0.04) & (local[:, 2] > 0.8)
+            return ((near.max(1) > np.cos(0.22)) & (near.max(1) <= np.cos(0.17))) | bridge
+
+        regions += [(PART["eyeglasses"], lens, {"base": skin * 0.5 + 0.15, "pattern": "face"}),
+                    (PART["eyeglasses"], rims, frame)]  # fmt: skip
+    return regions
 
 
 def _albedo(m: dict, local: np.ndarray) -> np.ndarray:
     """Albedo [N, 3] at points ``local`` [N, 3] on the unit sphere of a primitive's frame."""
     base = np.broadcast_to(np.clip(m["base"], 0, 1), local.shape).copy()
-    kind = m["pattern"]
+    kind = m.get("pattern", "plain")
     if kind in ("stripes", "checks", "speckles"):
         f, ph = m["freq"], m["phase"]
         if kind == "stripes":
@@ -300,13 +289,21 @@ def _albedo(m: dict, local: np.ndarray) -> np.ndarray:
         else:
             on = np.sin(3 * f * local[:, 0] + ph) * np.sin(3 * f * local[:, 1] + 2 * ph) > 0.6
         base[on] = np.clip(m["alt"], 0, 1)
-    elif kind == "face":  # dark eyes and a darker red mouth on the front of the head
+    elif kind == "face":  # dark eyes
         for name in ("left_eye", "right_eye"):
-            d = np.array(_HEAD_POINTS[name]) / np.linalg.norm(_HEAD_POINTS[name])
-            base[local @ d > 0.985] = (0.05, 0.04, 0.04)
-        mouth = (local[:, 2] > 0.8) & (np.abs(local[:, 1] + 0.45) < 0.07) & (np.abs(local[:, 0]) < 0.3)
-        base[mouth] = base[mouth] * (0.7, 0.35, 0.35)
+            base[local @ HEAD_POINTS[name] > 0.985] = (0.05, 0.04, 0.04)
     return np.clip(base, 0.0, 1.0)
+
+
+def surface(p: Ellipsoid, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(part labels [N], albedo [N, 3]) of primitive ``p`` at its unit-sphere points ``local``."""
+    labels = np.full(len(local), p.part, np.uint8)
+    albedo = _albedo(p.material, local)
+    for part, where, material in p.regions:
+        sel = where(local)
+        labels[sel] = part
+        albedo[sel] = _albedo(material, local[sel])
+    return labels, albedo
 
 
 def first_hits(prims: list[Ellipsoid], dirs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -370,7 +367,7 @@ def render(cfg: RenderConfig, rng: np.random.Generator | int) -> Render:
     rng = np.random.default_rng(rng)
     H, W = cfg.height, cfg.width
     body = _figure(rng)
-    _materials(rng, body)
+    _dress(rng, body)
 
     # Camera: body frame (y up, z facing) -> OpenCV camera frame (y down, z forward) after a random yaw (any
     # direction, back views included), a little pitch and roll.
@@ -398,11 +395,10 @@ def render(cfg: RenderConfig, rng: np.random.Generator | int) -> Render:
         sel = idx == i
         if not sel.any():
             continue
-        parts[sel] = p.part
+        parts[sel], albedo[sel] = surface(p, local[sel])
         points[sel] = t[sel, None] * dirs[sel]
         n = (local[sel] / p.radii) @ p.rot.T  # gradient of the implicit surface, rotated to the camera frame
         normals[sel] = n / np.linalg.norm(n, axis=1, keepdims=True)
-        albedo[sel] = _albedo(p.material, local[sel])
 
     # Lighting: a directional light from the camera's side of the scene, plus ambient.
     light = np.array([rng.uniform(-1, 1), rng.uniform(-1, 0.3), -rng.uniform(0.3, 1.0)])
@@ -432,10 +428,10 @@ def render(cfg: RenderConfig, rng: np.random.Generator | int) -> Render:
 def _keypoints(
     cfg: RenderConfig, prims: list[Ellipsoid], f: float, cx: float, cy: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    spec = keypoint_spec(cfg.num_keypoints)
+    anchors = [k.anchor for k in keypoints(cfg.num_keypoints)]
     by_name = {p.name: (i, p) for i, p in enumerate(prims)}
     pts = []
-    for a in spec.anchors:
+    for a in anchors:
         _, p = by_name[a[1]]
         if a[0] == "surface":
             pts.append(p.point(p.radii * a[2]))
@@ -446,7 +442,7 @@ def _keypoints(
     kp2d = np.stack([f * kp3d[:, 0] / z + cx, f * kp3d[:, 1] / z + cy], -1)
     t, idx, _ = first_hits(prims, kp3d / z[:, None])
     vis = np.ones(len(kp3d), np.uint8)
-    for k, a in enumerate(spec.anchors):
+    for k, a in enumerate(anchors):
         if a[0] == "surface":
             seen = t[k] >= z[k] * (1 - 1e-6)  # nothing nearer on its ray than the point itself
         else:

@@ -56,7 +56,7 @@ class Pose(Task):
         return mse, {"mse": mse.detach()}
 
     def metric(self):
-        return metrics.PoseMetric(np.array(self.info.keypoint_sigmas))
+        return metrics.PoseMetric(np.array(self.info.keypoint_sigmas), self.info.keypoint_groups)
 
     def update(self, acc, head, out, batch, valid):
         kp, scores = head.decode(out, self.image_hw)
@@ -86,7 +86,7 @@ class Seg(Task):
     def __init__(self, cfg, info) -> None:
         super().__init__(cfg, info)
         w = cfg.head.class_weights
-        if w is not None and len(w) != info.num_classes:
+        if isinstance(w, list) and len(w) != info.num_classes:
             raise ValueError(f"head.class_weights has {len(w)} values, the data has {info.num_classes} classes")
         palette = np.random.default_rng(0).integers(40, 256, (256, 3)).astype(np.uint8)
         palette[0] = 0
@@ -97,6 +97,8 @@ class Seg(Task):
 
     def loss(self, head, out, batch):
         w = self.cfg.head.class_weights
+        if w == "auto":
+            raise ValueError('head.class_weights="auto" is resolved from the data when a run starts (finetune.train.fit)')
         weights = None if w is None else out.new_tensor(w, dtype=torch.float32)
         return losses.seg_loss(
             out, batch["parts"], class_weights=weights, ignore_index=self.cfg.head.ignore_index,
@@ -203,3 +205,50 @@ def make(name: str, cfg: FinetuneConfig, info: LabelInfo) -> Task:
     if name == "pose" and info.num_keypoints < 1:
         raise ValueError("the data names no keypoints (metadata 'keypoint_names'); it cannot train pose")
     return REGISTRY[name](cfg, info)
+
+
+# --- labels at the model's output size (a 4K backbone decodes at half the input's) ---------------------------------
+
+
+def _nearest(x: Tensor, hw: tuple[int, int]) -> Tensor:
+    """[B, H, W] -> [B, h, w]: each output pixel takes the input pixel under its centre (class ids and masks are
+    never blended)."""
+    (H, W), (h, w) = x.shape[1:3], hw
+    rows = ((torch.arange(h, device=x.device) + 0.5) * (H / h)).long().clamp_max(H - 1)
+    cols = ((torch.arange(w, device=x.device) + 0.5) * (W / w)).long().clamp_max(W - 1)
+    return x[:, rows][:, :, cols]
+
+
+def _area_mean(x: Tensor, weight: Tensor, hw: tuple[int, int]) -> Tensor:
+    """[B, H, W, C] -> [B, h, w, C]: the weight-averaged values over each output pixel's footprint (0 where it holds
+    no weight), so background pixels, which carry no label, do not pull a surface value towards zero."""
+    interpolate = torch.nn.functional.interpolate
+    w = weight.float()[:, None]
+    total = interpolate(x.float().permute(0, 3, 1, 2) * w, size=hw, mode="area")
+    norm = interpolate(w, size=hw, mode="area")
+    return torch.where(norm > 0, total / norm.clamp_min(1e-12), 0.0).permute(0, 2, 3, 1)
+
+
+def resize_targets(batch: dict[str, Tensor], task: str, hw: tuple[int, int]) -> dict[str, Tensor]:
+    """The batch's labels resized from its images' size to ``hw`` (the model's output size); ``image`` and the other
+    keys are kept as they are. Seg ``parts`` and dense ``mask``: nearest pixel; dense ``target``: the area mean over
+    the masked pixels (normals then back to unit length); pose ``keypoints`` on pixel centres,
+    ``x' = (x + 0.5) * s - 0.5``, and ``area`` by the product of the two size ratios."""
+    H, W = batch["image"].shape[-2:]
+    h, w = hw
+    out = dict(batch)
+    if task == "pose":
+        sx, sy = w / W, h / H
+        out["keypoints"] = (batch["keypoints"] + 0.5) * batch["keypoints"].new_tensor([sx, sy]) - 0.5
+        out["area"] = batch["area"] * (sx * sy)
+    elif task == "seg":
+        out["parts"] = _nearest(batch["parts"], hw)
+    elif task in ("pointmap", "normal", "albedo"):
+        target = _area_mean(batch["target"], batch["mask"], hw)
+        if task == "normal":
+            target = torch.nn.functional.normalize(target, dim=-1, eps=1e-12)
+        out["target"] = target.to(batch["target"].dtype)
+        out["mask"] = _nearest(batch["mask"], hw)
+    else:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    return out

@@ -8,10 +8,13 @@ restarting the worker group, continues from the newest committed checkpoint with
 
 - Backbone: an exported pretrained backbone (``backbone.safetensors`` of ``jobs.pretrain``, safetensors only) or a
   random initialisation from the run's seed.
-- Optimiser: AdamW; layer-wise LR decay: the head and the final norm get the full rate, block ``i`` (of ``depth``)
-  ``decay ** (depth - i)``, the patch embedding and learned tokens ``decay ** (depth + 1)``; no weight decay on
-  1-D parameters (norms, biases, layer scales) or the learned tokens. ``optim.freeze_backbone`` trains the head
-  alone on features computed without gradients (dense probing).
+- Optimiser: AdamW at the peak rate ``optim.lr x global batch / 256`` (``pretrain.train.peak_lr``); layer-wise LR
+  decay: the head and the final norm get the full rate, block ``i`` of the ``n`` blocks (a 4K backbone's windowed
+  blocks first, then the global ones) ``decay ** (n - i)``, the patch embedding and learned tokens
+  ``decay ** (n + 1)``; no weight decay on 1-D parameters (norms, biases, layer scales) or the learned tokens.
+  ``optim.freeze_backbone`` trains the head alone on features computed without gradients (dense probing).
+- Output size: the input's, or half of it for a 4K backbone (``output_size``: its decoder gives 2K from 4K
+  input); the labels are then resized to it (``tasks.resize_targets``) for the loss and the metrics.
 - Evaluation every ``eval.every`` steps and at the end, on every worker's share of the validation set; the
   metric states are gathered on rank 0.
 - At the end: ``<run>/metrics.json`` (final metrics, the evaluation curve, the config), PNGs under
@@ -35,13 +38,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from common import storage
 from common.config import hash_json
 from common.progress import Progress
-from finetune import data, tasks
+from finetune import data, losses, tasks
 from finetune.augment import Augmenter
 from finetune.config import FinetuneConfig
 from pretrain import checkpoint as ckpt
 from pretrain.backbone import BackboneConfig, Sapiens2Backbone, build
 from pretrain.data import DataIndex
-from pretrain.train import MetricsLog, launch, lr_at, optimizer_step, progress, run_uri_for, shard, wd_at
+from pretrain.train import MetricsLog, launch, lr_at, optimizer_step, peak_lr, progress, run_uri_for, shard, wd_at
 from pretrain.views import IMAGENET_MEAN, IMAGENET_STD
 
 METRICS_FILE = "metrics.json"
@@ -68,41 +71,58 @@ class FinetuneModel(nn.Module):
         x = (x - self.mean) / self.std
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
             feat = self.backbone(x).featmap()
-        return self.head(feat, tuple(images.shape[-2:]))
+        return self.head(feat, output_size(self.backbone.cfg, *images.shape[-2:]))
 
     def no_weight_decay(self) -> set[str]:
         exempt = {f"backbone.{n}" for n in self.backbone.no_weight_decay()}
         return exempt | {f"head.{n}" for n, p in self.head.named_parameters() if p.ndim <= 1}
 
 
+def output_stride(cfg: BackboneConfig) -> int:
+    """Input pixels per output pixel: a 4K backbone's decoder outputs 2K (half the input per side), a base one
+    the input's resolution."""
+    return 2 if cfg.window else 1
+
+
+def output_size(cfg: BackboneConfig, height: int, width: int) -> tuple[int, int]:
+    """(H, W) of the head's output (and of the labels it is trained on) for a height x width input."""
+    stride = output_stride(cfg)
+    return height // stride, width // stride
+
+
 def feature_stride(cfg: BackboneConfig) -> int:
-    return cfg.patch_size * (cfg.window or 1)
+    """Output pixels per feature-map cell, what the head upsamples by."""
+    return cfg.patch_size * (cfg.window or 1) // output_stride(cfg)
 
 
-def layer_id(name: str, depth: int) -> int:
-    """0: patch embedding and learned tokens; i + 1: block i; depth + 1: final norm and the head."""
+def layer_id(name: str, depth: int, local_depth: int = 0) -> int:
+    """0: patch embedding and learned tokens; i + 1: windowed block i; local_depth + i + 1: global block i;
+    local_depth + depth + 1: final norm and the head."""
+    top = local_depth + depth + 1
     if not name.startswith("backbone."):
-        return depth + 1
+        return top
     rest = name.removeprefix("backbone.")
-    if rest.startswith("blocks."):
+    if rest.startswith("local_blocks."):
         return int(rest.split(".")[1]) + 1
+    if rest.startswith("blocks."):
+        return local_depth + int(rest.split(".")[1]) + 1
     if rest.startswith(("patch_embed", "cls_token", "registers", "window_query")):
         return 0
-    return depth + 1
+    return top
 
 
 def param_groups(model: FinetuneModel, decay: float, weight_decay: float) -> list[dict]:
-    """AdamW groups per (layer, decay or not): ``lr_scale`` = decay ** (depth + 1 - layer)."""
-    depth = model.backbone.cfg.depth
+    """AdamW groups per (layer, decay or not): ``lr_scale`` = decay ** (blocks + 1 - layer)."""
+    cfg = model.backbone.cfg
     exempt = model.no_weight_decay()
     groups: dict[tuple[int, bool], dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        lid, no_wd = layer_id(name, depth), name in exempt
+        lid, no_wd = layer_id(name, cfg.depth, cfg.local_depth), name in exempt
         g = groups.setdefault(
             (lid, no_wd),
-            {"params": [], "lr_scale": decay ** (depth + 1 - lid), "decays": not no_wd,
+            {"params": [], "lr_scale": decay ** (cfg.total_depth + 1 - lid), "decays": not no_wd,
              "weight_decay": 0.0 if no_wd else weight_decay, "name": f"layer{lid}{'-no_decay' if no_wd else ''}"},
         )  # fmt: skip
         g["params"].append(p)
@@ -120,9 +140,11 @@ def build_backbone(cfg: FinetuneConfig, backbone_uri: str | None) -> Sapiens2Bac
         for c in (backbone.cfg, cfg.model.backbone())
     )
     if found != wanted:
+        bb = backbone.cfg
+        local = f" + {bb.local_depth} windowed blocks ({bb.window}x{bb.window} windows)" if bb.window else ""
         raise ValueError(
-            f"the backbone in {backbone_uri} (width {backbone.cfg.width}, depth {backbone.cfg.depth}, patch "
-            f"{backbone.cfg.patch_size}) does not have the architecture of model.size={cfg.model.size!r} with "
+            f"the backbone in {backbone_uri} (width {bb.width}, depth {bb.depth}{local}, patch "
+            f"{bb.patch_size}) does not have the architecture of model.size={cfg.model.size!r} with "
             f"model.patch_size={cfg.model.patch_size}; set them to what it was pretrained with"
         )
     return backbone
@@ -137,11 +159,11 @@ def build_model(
     head = task.build_head(backbone.cfg.width, feature_stride(backbone.cfg))
     model = FinetuneModel(backbone, head, frozen=cfg.optim.freeze_backbone)
     if cfg.model.compile:
-        for block in backbone.blocks:
+        for block in backbone.all_blocks:
             block.compile()
     if device is None or not dist.is_initialized():
         return model.to(device or "cpu")
-    return shard(model, [*backbone.blocks, head], device, cfg.precision)
+    return shard(model, [*backbone.all_blocks, head], device, cfg.precision)
 
 
 def build_optimizer(model: FinetuneModel, cfg: FinetuneConfig) -> torch.optim.AdamW:
@@ -152,10 +174,13 @@ def build_optimizer(model: FinetuneModel, cfg: FinetuneConfig) -> torch.optim.Ad
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
 
 
-def set_schedule(optimizer: torch.optim.Optimizer, cfg: FinetuneConfig, step: int) -> tuple[float, float]:
-    """Per-group learning rates (the schedule times each group's layer scale) and weight decay at ``step``."""
+def set_schedule(
+    optimizer: torch.optim.Optimizer, cfg: FinetuneConfig, step: int, world: int
+) -> tuple[float, float]:
+    """Per-group learning rates (the schedule times each group's layer scale) and weight decay at ``step`` of a
+    run on ``world`` workers (the peak rate scales with the global batch)."""
     o = cfg.optim
-    lr = lr_at(step, o, cfg.steps)
+    lr = lr_at(step, o, cfg.steps, cfg.samples_per_step(world))
     wd = o.weight_decay if o.weight_decay_end is None else wd_at(step, o, cfg.steps)
     for group in optimizer.param_groups:
         group["lr"] = lr * group["lr_scale"]
@@ -165,6 +190,19 @@ def set_schedule(optimizer: torch.optim.Optimizer, cfg: FinetuneConfig, step: in
 
 def _to(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def make_task(name: str, cfg: FinetuneConfig, info: data.LabelInfo, backbone: BackboneConfig) -> tasks.Task:
+    """The task at the model's output size: its labels, and pose's heatmap geometry, live there."""
+    return tasks.make(name, cfg, dataclasses.replace(info, image_size=output_size(backbone, *info.image_size)))
+
+
+def _image_at(images: Tensor, hw: tuple[int, int]) -> Tensor:
+    """uint8 images area-resized to ``hw`` (pictures beside a prediction made at another size)."""
+    if tuple(images.shape[-2:]) == tuple(hw):
+        return images
+    resized = torch.nn.functional.interpolate(images.float(), size=hw, mode="area")
+    return resized.round().clamp(0, 255).to(torch.uint8)
 
 
 # --- the worker loop ----------------------------------------------------------------------------------------------
@@ -191,7 +229,8 @@ class Worker:
         self.info = data.read_info(self.train_index, spec["train"])
         if data.read_info(self.val_index, spec["val"]) != self.info:
             raise data.DataError(f"{spec['val']} labels differ from {spec['train']} (classes, keypoints or size)")
-        self.task = tasks.make(spec["task"], cfg, self.info)
+        self.task = make_task(spec["task"], cfg, self.info, cfg.model.backbone())
+        self.output_hw = self.task.image_hw
         self.model = build_model(cfg, self.task, spec.get("backbone"), self.device)
         self.optimizer = build_optimizer(self.model, cfg)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -240,6 +279,12 @@ class Worker:
 
     # --- training ---
 
+    def labels(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The batch with its labels at the model's output size (a 4K backbone's is half the input's)."""
+        if tuple(batch["image"].shape[-2:]) == self.output_hw:
+            return batch
+        return tasks.resize_targets(batch, self.spec["task"], self.output_hw)
+
     def augmenter(self) -> Augmenter | None:
         if self.cfg.data.augment is None:
             return None
@@ -249,11 +294,14 @@ class Worker:
     def run(self) -> None:
         c = self.cfg
         if self.log:
+            batch = c.samples_per_step(self.world)
             progress(
                 f"[finetune] {self.spec['task']} size={c.model.size} "
                 f"backbone={'pretrained' if self.spec.get('backbone') else 'random'} frozen={c.optim.freeze_backbone} "
-                f"steps {self.step}->{c.steps} workers={self.world} batch={c.data.batch_size * self.world} "
-                f"layer_decay={c.layer_decay()} train={self.train_index.num_samples} val={self.val_index.num_samples}"
+                f"steps {self.step}->{c.steps} workers={self.world} batch={batch} "
+                f"lr={peak_lr(c.optim, batch):.3g} (optim.lr {c.optim.lr:g} x {batch} / 256) "
+                f"layer_decay={c.layer_decay()} output={self.output_hw[0]}x{self.output_hw[1]} "
+                f"train={self.train_index.num_samples} val={self.val_index.num_samples}"
             )
         batches = data.train_batches(
             self.train_index, self.spec["task"], self.info.image_size, seed=c.seed, batch_size=c.data.batch_size,
@@ -266,9 +314,9 @@ class Worker:
             t = time.perf_counter()
             batch = _to(next(batches), self.device)
             wait += time.perf_counter() - t
-            lr, wd = set_schedule(self.optimizer, c, self.step)
+            lr, wd = set_schedule(self.optimizer, c, self.step, self.world)
             out = self.model(batch["image"])
-            loss, terms = self.task.loss(self.model.head, out, batch)
+            loss, terms = self.task.loss(self.model.head, out, self.labels(batch))
             loss.backward()
             grad_norm = optimizer_step(self.optimizer, self.params, c.optim.grad_clip)
             self.step += 1
@@ -318,11 +366,13 @@ class Worker:
         ):  # fmt: skip
             batch, valid = _to(batch, self.device), valid.to(self.device)
             out = self.model(batch["image"])
-            self.task.update(acc, self.model.head, out, batch, valid)
-            if self.rank == 0:
+            labels = self.labels(batch)
+            self.task.update(acc, self.model.head, out, labels, valid)
+            if self.rank == 0 and len(shown) < pictures:
+                labels = {**labels, "image": _image_at(batch["image"], self.output_hw)}  # drawn at the output size
                 for i in valid.nonzero().flatten().tolist()[: pictures - len(shown)]:
-                    target, pred = self.task.picture(self.model.head, out, batch, i)
-                    image = batch["image"][i].permute(1, 2, 0).cpu().numpy()
+                    target, pred = self.task.picture(self.model.head, out, labels, i)
+                    image = labels["image"][i].permute(1, 2, 0).cpu().numpy()
                     shown.append(np.concatenate([image, target, pred], axis=1))
             if meter:
                 meter.update()
@@ -395,7 +445,8 @@ def _finite(obj):
 
 
 def load_finetuned(uri: str) -> tuple[FinetuneModel, tasks.Task]:
-    """The model (eval mode, CPU) and its task from ``finetuned.safetensors``; safetensors only, no pickle."""
+    """The model (eval mode, CPU) and its task from ``finetuned.safetensors``; safetensors only, no pickle. The
+    task works at the model's output size (``output_size``: half the input's for a 4K backbone)."""
     tensors, meta = ckpt.read_safetensors(uri)
     if "task" not in meta:
         raise ValueError(f"{uri} is not a fine-tuned model (no task in its metadata); it may be a bare backbone")
@@ -404,7 +455,7 @@ def load_finetuned(uri: str) -> tuple[FinetuneModel, tasks.Task]:
     bb_cfg = BackboneConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     labels = json.loads(meta["labels"])
     info = data.LabelInfo(**{k: tuple(v) for k, v in labels.items()})
-    task = tasks.make(meta["task"], cfg, info)
+    task = make_task(meta["task"], cfg, info, bb_cfg)
     model = FinetuneModel(Sapiens2Backbone(bb_cfg), task.build_head(bb_cfg.width, feature_stride(bb_cfg)))
     model.load_state_dict(tensors, strict=True)
     return model.eval(), task
@@ -413,7 +464,20 @@ def load_finetuned(uri: str) -> tuple[FinetuneModel, tasks.Task]:
 # --- the driver side ----------------------------------------------------------------------------------------------
 
 
+def resolve_class_weights(cfg: FinetuneConfig, spec: dict) -> FinetuneConfig:
+    """``head.class_weights: auto`` -> the weights of the training set's class frequencies (seg only)."""
+    if cfg.head.class_weights != "auto":
+        return cfg
+    if spec["task"] != "seg":
+        return cfg.model_copy(update={"head": cfg.head.model_copy(update={"class_weights": None})})
+    index = DataIndex.scan(spec["train"])
+    counts = data.class_pixel_counts(index, data.read_info(index, spec["train"]))
+    weights = losses.balanced_class_weights(counts)
+    return cfg.model_copy(update={"head": cfg.head.model_copy(update={"class_weights": weights})})
+
+
 def fit(cfg: FinetuneConfig, spec: dict, storage_path: str, name: str):
     """Run (or resume) the fine-tuning run ``name`` under ``storage_path`` on the connected Ray cluster."""
+    cfg = resolve_class_weights(cfg, spec)
     config = {"config": cfg.model_dump(mode="json"), "spec": spec, "run_uri": run_uri_for(storage_path, name)}
     return launch(train_loop, config, cfg.ray, storage_path, name)

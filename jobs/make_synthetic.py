@@ -30,7 +30,8 @@ from common import schema, storage
 from common.config import hash_json
 from curation.sample_pool import fixed_tarinfo
 from finetune.data import encode_row
-from finetune.render import COCO_KEYPOINTS, PARTS, RenderConfig, keypoint_spec, render
+from finetune.labels import COCO_KEYPOINTS, PARTS, keypoints
+from finetune.render import RenderConfig, render
 
 SPLITS = {"train": 0, "val": 1, "pool": 2}
 POOL_JPEG_QUALITY = 90
@@ -45,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--val", type=int, default=None, help="validation samples (default: n / 5, at least 8)")
     p.add_argument("--height", type=int, default=128)
     p.add_argument("--width", type=int, default=96)
-    p.add_argument("--keypoints", type=int, default=308, help="keypoints per figure (17 COCO + landmarks, <= 308)")
+    p.add_argument("--keypoints", type=int, default=308, help="the first K of the 308 keypoints (finetune.labels: 17 COCO, 25 body, 65 with hands, 308 all)")
     p.add_argument(
         "--max-yaw", type=float, default=None,
         help="largest |yaw| of the view in radians (default: any direction; 1.2 keeps the face in view)",
@@ -119,11 +120,12 @@ def write_split(
 ) -> list[dict]:
     fs, root = storage.resolve(out)
     folder = storage.join(root, split)
-    spec = keypoint_spec(cfg.num_keypoints)
+    points = keypoints(cfg.num_keypoints)
     extra = {
         "parts": list(PARTS),
-        "keypoint_names": list(spec.names),
-        "keypoint_sigmas": [float(s) for s in spec.sigmas],
+        "keypoint_names": [k.name for k in points],
+        "keypoint_sigmas": [k.sigma for k in points],
+        "keypoint_groups": [k.group for k in points],
         "image_size": [cfg.height, cfg.width],
         "renderer": cfg.model_dump(mode="json"),
         "seed": seed,

@@ -26,7 +26,7 @@ from common.storage import StorageError
 from pretrain import checkpoint as ckpt
 from pretrain.config import PretrainConfig
 from pretrain.data import DataError, ensure_index
-from pretrain.train import METRICS, claim_run, fit, run_uri_for
+from pretrain.train import METRICS, claim_run, fit, peak_lr, run_uri_for
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -67,6 +67,7 @@ def _train(args: argparse.Namespace, cfg: PretrainConfig, run_uri: str, data_uri
     print(
         f"[pretrain] {'resuming' if resuming else 'starting'} {run_uri}: size={cfg.model.size} steps={cfg.steps} "
         f"workers={cfg.ray.workers} gpu={cfg.ray.use_gpu} global batch={per_step} "
+        f"lr={peak_lr(cfg.optim, per_step):.3g} (optim.lr {cfg.optim.lr:g} x {per_step} / 256) "
         f"data={index.num_samples} samples in {index.num_units} row groups "
         f"({index.num_samples // per_step} steps/epoch)",
         flush=True,

@@ -8,11 +8,12 @@ attention (kv heads = heads / 2) only in the middle blocks [8, depth - 8); a fin
 Masked (MAE) training: `forward(images, keep)` runs the transformer on the visible patches only, each at its
 true grid position, so dropped patches cannot influence any output.
 
-4K variant (`window` set): the first `local_depth` blocks attend inside non-overlapping window x window
-windows of the patch grid. Each window carries one extra pooling token, initialised from the [CLS] token plus a
-learned offset, that attends over its window in those blocks; after the local stage that token is the window's
-single token, so the grid shrinks by `window` per side (4096x3072 -> 256x192 patches -> 64x48 tokens). The
-remaining blocks attend globally over [CLS, registers, window tokens] with RoPE at the reduced grid positions.
+4K variant (`window` set): `local_depth` extra blocks (`local_blocks`), in front of the `depth` global blocks of
+the base size, attend inside non-overlapping window x window windows of the patch grid. Each window carries one
+extra pooling token, initialised from the [CLS] token plus a learned offset, that attends over its window in those
+blocks; after the local stage that token is the window's single token, so the grid shrinks by `window` per side
+(4096x3072 -> 256x192 patches -> 64x48 tokens). The global blocks, exactly the base size's (GQA placement
+included), then attend over [CLS, registers, window tokens] with RoPE at the reduced grid positions.
 Under masking the window is the unit at the global level: windows without a visible patch never enter the
 global stage, and masked patches inside a kept window are excluded from its attention as keys.
 """
@@ -32,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 @dataclass(frozen=True)
 class BackboneConfig:
     width: int
-    depth: int
+    depth: int  # global-attention blocks (a 4K variant adds `local_depth` windowed blocks in front)
     heads: int
     kv_heads: int | None = None  # kv heads of the middle (GQA) blocks; None -> heads // 2
     mhsa_edge: int = 8  # this many blocks at each end keep full multi-head attention
@@ -45,7 +46,7 @@ class BackboneConfig:
     norm_eps: float = 1e-6
     qkv_bias: bool = True
     window: int | None = None  # 4K variant: window side in patches (4 -> 4x4 windows)
-    local_depth: int = 0  # 4K variant: the first blocks that attend inside windows
+    local_depth: int = 0  # 4K variant: windowed blocks run before the `depth` global ones
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
@@ -53,8 +54,10 @@ class BackboneConfig:
             raise ValueError("head dim must be a multiple of 4 (2D RoPE rotates pairs on two axes)")
         if self.heads % self.gqa_kv_heads:
             raise ValueError("kv_heads must divide heads")
-        if (self.window is None) != (self.local_depth == 0) or not 0 <= self.local_depth <= self.depth:
-            raise ValueError("the 4K variant needs both window and 0 < local_depth <= depth")
+        if self.depth < 1:
+            raise ValueError("depth (the global blocks) must be at least 1")
+        if (self.window is None) != (self.local_depth == 0) or self.local_depth < 0:
+            raise ValueError("the 4K variant needs both window and local_depth > 0; a base size neither")
 
     @property
     def head_dim(self) -> int:
@@ -65,10 +68,16 @@ class BackboneConfig:
         return self.ffn_ratio * self.width
 
     @property
+    def total_depth(self) -> int:
+        """Every transformer block: the windowed ones, then the global ones."""
+        return self.local_depth + self.depth
+
+    @property
     def gqa_kv_heads(self) -> int:
         return self.kv_heads if self.kv_heads is not None else self.heads // 2
 
     def block_kv_heads(self, index: int) -> int:
+        """KV heads of global block `index` (the windowed blocks keep full multi-head attention)."""
         middle = self.mhsa_edge <= index < self.depth - self.mhsa_edge
         return self.gqa_kv_heads if middle else self.heads
 
@@ -82,12 +91,12 @@ _BASE = {
     "1b": BackboneConfig(width=1536, depth=40, heads=24, kv_heads=12),
     "5b": BackboneConfig(width=2432, depth=56, heads=32, kv_heads=16),
 }
-# 4K variants: 4x4 windows; as many local blocks as the public 4K backbones give their window stage
-# (there those are extra blocks in front; here they are the first blocks of `depth`).
-_LOCAL_DEPTH = {"tiny": 2, "0.1b": 2, "0.4b": 2, "0.8b": 3, "1b": 4, "5b": 6}
+# 4K variants: 4x4 windows; as many windowed blocks, in front of the base size's global blocks, as the public 4K
+# backbones give their window stage.
+LOCAL_DEPTH = {"tiny": 2, "0.1b": 2, "0.4b": 2, "0.8b": 3, "1b": 4, "5b": 6}
 SIZES: dict[str, BackboneConfig] = {
     **_BASE,
-    **{f"{k}-4k": dataclasses.replace(_BASE[k], window=4, local_depth=d) for k, d in _LOCAL_DEPTH.items()},
+    **{f"{k}-4k": dataclasses.replace(_BASE[k], window=4, local_depth=d) for k, d in LOCAL_DEPTH.items()},
 }
 # Public model card at 1024x768: (parameters, FLOPs).
 CARD: dict[str, tuple[float, float]] = {
@@ -206,6 +215,7 @@ class Sapiens2Backbone(nn.Module):
         self.registers = nn.Parameter(torch.zeros(1, cfg.num_registers, D))
         # 4K: each window's pooling token is the [CLS] token plus this learned offset (zero at init).
         self.window_query = nn.Parameter(torch.zeros(1, 1, D)) if cfg.window else None
+        self.local_blocks = nn.ModuleList(Block(cfg, cfg.heads) for _ in range(cfg.local_depth))
         self.blocks = nn.ModuleList(Block(cfg, cfg.block_kv_heads(i)) for i in range(cfg.depth))
         self.norm = nn.RMSNorm(D, eps=cfg.norm_eps)
         self.activation_checkpointing = cfg.activation_checkpointing
@@ -228,6 +238,11 @@ class Sapiens2Backbone(nn.Module):
         nn.init.trunc_normal_(self.registers, std=0.02)
         if self.window_query is not None:
             nn.init.zeros_(self.window_query)
+
+    @property
+    def all_blocks(self) -> list[Block]:
+        """Windowed then global blocks, in forward order: the units to shard or compile."""
+        return [*self.local_blocks, *self.blocks]
 
     def no_weight_decay(self) -> set[str]:
         """Names of norms, biases, layer scales and the learned tokens."""
@@ -252,17 +267,16 @@ class Sapiens2Backbone(nn.Module):
         grid = self.patch_grid(H, W)
         x = self.patch_embed(images).flatten(2).transpose(1, 2)  # [B, gh * gw, D]
         coords = grid_coords(*grid, device=x.device)
-        blocks = list(self.blocks)
         if self.cfg.window:
-            x, keep, grid = self._local_stage(x, coords, grid, keep, blocks[: self.cfg.local_depth])
-            coords, blocks = grid_coords(*grid, device=x.device), blocks[self.cfg.local_depth :]
+            x, keep, grid = self._local_stage(x, coords, grid, keep)
+            coords = grid_coords(*grid, device=x.device)
         elif keep is not None:
             x = x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))
         prefix = 1 + self.cfg.num_registers
         coords = coords if keep is None else coords[keep]
         rope = rope_tables(coords, self.cfg.head_dim, self.cfg.rope_base, prefix, x.dtype)
         x = torch.cat([self.cls_token.expand(B, -1, -1), self.registers.expand(B, -1, -1), x], dim=1)
-        for blk in blocks:
+        for blk in self.blocks:
             x = self._run(blk, x, rope)
         x = self.norm(x)
         return BackboneOutput(cls=x[:, 0], registers=x[:, 1:prefix], patches=x[:, prefix:], grid=grid, keep=keep)
@@ -273,7 +287,7 @@ class Sapiens2Backbone(nn.Module):
         return blk(x, rope, mask)
 
     def _local_stage(
-        self, x: Tensor, coords: Tensor, grid: tuple[int, int], keep: Tensor | None, blocks: list[Block]
+        self, x: Tensor, coords: Tensor, grid: tuple[int, int], keep: Tensor | None
     ) -> tuple[Tensor, Tensor | None, tuple[int, int]]:
         """Windowed blocks + per-window pooling: [B, gh*gw, D] -> [B, n_windows, D] (kept windows only)."""
         B, N, D = x.shape
@@ -301,7 +315,7 @@ class Sapiens2Backbone(nn.Module):
         query = (self.cls_token + self.window_query).expand(tokens.shape[0], -1, -1)
         seq = torch.cat([query, tokens], dim=1)
         rope = rope_tables(coords[windows].flatten(0, 1), self.cfg.head_dim, self.cfg.rope_base, 1, x.dtype)
-        for blk in blocks:
+        for blk in self.local_blocks:
             seq = self._run(blk, seq, rope, mask)
         return seq[:, 0].view(B, -1, D), keep, (th, tw)
 
@@ -342,8 +356,8 @@ def flops(
     gh, gw = height // p, width // p
     prefix = 1 + cfg.num_registers
 
-    def block(i: int, seqs: float, length: float) -> float:
-        kv = cfg.block_kv_heads(i) * cfg.head_dim
+    def block_macs(kv_heads: int, seqs: float, length: float) -> float:
+        kv = kv_heads * cfg.head_dim
         linear = D * (D + 2 * kv) + D * D + 3 * D * cfg.hidden  # qkv, proj, SwiGLU
         return seqs * (length * linear + (2 * length * length * D if attention else 0.0))
 
@@ -351,9 +365,9 @@ def flops(
     if cfg.window:
         win2 = cfg.window**2
         n_windows = round(visible * gh * gw / win2)
-        total += sum(block(i, n_windows, 1 + win2) for i in range(cfg.local_depth))
+        total += cfg.local_depth * block_macs(cfg.heads, n_windows, 1 + win2)
         n_tokens = n_windows
     else:
         n_tokens = round(visible * gh * gw)
-    total += sum(block(i, 1, prefix + n_tokens) for i in range(cfg.local_depth, cfg.depth))
+    total += sum(block_macs(cfg.block_kv_heads(i), 1, prefix + n_tokens) for i in range(cfg.depth))
     return float(total)

@@ -25,7 +25,7 @@ class ModelSettings(Strict):
     # the image, so the teacher's targets start uniform; small models start better from 0.1.
     layer_scale_init: float | None = Field(None, gt=0)
     # Patch side in pixels (None: the size's, 16). At 128x96 a 16-px patch leaves an 8x6 token grid, coarser than
-    # the 64x48 the paper sizes see at 1024x768; 8 px gives the tiny model 16x12 tokens.
+    # the 64x48 the Sapiens2 sizes see at 1024x768; 8 px gives the tiny model 16x12 tokens.
     patch_size: int | None = Field(None, ge=1)
 
     @field_validator("size")
@@ -60,8 +60,10 @@ class DataSettings(Strict):
 
 
 class OptimSettings(Strict):
-    lr: float = Field(1.5e-4, gt=0)  # peak learning rate, after warm-up
-    min_lr: float = Field(1e-6, ge=0)  # end of the cosine decay
+    # Base rate for 256 images per optimiser step: the peak after warm-up is lr x global batch / 256, global batch =
+    # data.batch_size x grad_accum x workers (pretrain.train.peak_lr; Sapiens v1: 1.5e-4 x batch / 256).
+    lr: float = Field(1.5e-4, gt=0)
+    min_lr: float = Field(1e-6, ge=0)  # end of the cosine decay; absolute, not scaled by the batch
     warmup_steps: int = Field(0, ge=0)  # linear warm-up, in optimiser steps
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)

@@ -7,8 +7,9 @@ One code path for CPU (gloo) and GPU (nccl; Ray Train picks the backend from ``u
   decoder) and on both projection heads, then on the root. On GPU with ``precision: bf16`` parameters are gathered
   and computed in bf16 and gradients reduced in fp32. The teacher's EMA update runs on the local shards.
 - Optimiser: AdamW, decay and no-decay groups (1-D params, tokens: the objective's ``no_weight_decay``); linear
-  warm-up then cosine learning rate, cosine weight decay, both by optimiser step (so gradient accumulation does not
-  stretch them); gradient clipping on the global norm. Under accumulation only the last micro-batch reduces.
+  warm-up to the peak ``optim.lr x global batch / 256`` (``peak_lr``) then cosine learning rate, cosine weight
+  decay, both by optimiser step (so gradient accumulation does not stretch them); gradient clipping on the global
+  norm. Under accumulation only the last micro-batch reduces.
 - Randomness of views and masks: a generator reseeded from (seed, step, micro-batch, rank) at each micro-batch, so
   a resumed run draws exactly what the uninterrupted run would have.
 - Checkpoints (``pretrain/checkpoint.py``) every ``checkpoint.every`` steps, at the end, and when Ray Train reports
@@ -56,13 +57,23 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40
 
 # --- schedules ----------------------------------------------------------------------------------------------------
 
+LR_REFERENCE_BATCH = 256  # ``optim.lr`` is the learning rate of this many images per optimiser step
 
-def lr_at(step: int, o: OptimSettings, total: int) -> float:
-    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine to ``min_lr`` at ``total`` (optimiser steps)."""
+
+def peak_lr(o: OptimSettings, global_batch: int) -> float:
+    """The linear scaling rule (MAE, Sapiens v1): ``o.lr x global_batch / 256``, ``global_batch`` being the images of
+    one optimiser step over all workers (micro-batches included). ``o.min_lr`` is absolute, as in MAE's code."""
+    return o.lr * global_batch / LR_REFERENCE_BATCH
+
+
+def lr_at(step: int, o: OptimSettings, total: int, global_batch: int) -> float:
+    """Linear warm-up to ``peak_lr`` over ``warmup_steps``, then cosine to ``min_lr`` at ``total`` (optimiser
+    steps)."""
+    peak = peak_lr(o, global_batch)
     if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
+        return peak * (step + 1) / o.warmup_steps
     progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
-    return o.min_lr + (o.lr - o.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+    return o.min_lr + (peak - o.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def wd_at(step: int, o: OptimSettings, total: int) -> float:
@@ -78,7 +89,7 @@ def build_model(cfg: PretrainConfig, device: torch.device) -> JointObjective:
     """The objective with FSDP2 applied; every rank builds the same initial weights from ``cfg.seed``."""
     torch.manual_seed(cfg.seed)
     model = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=cfg.steps)
-    blocks = [*model.student.blocks, *model.teacher["backbone"].blocks]
+    blocks = [*model.student.all_blocks, *model.teacher["backbone"].all_blocks]
     if cfg.model.compile:
         for block in blocks:
             block.compile()
@@ -368,7 +379,7 @@ class Worker:
                 (out["loss"] / accum).backward()
                 terms.append(torch.stack([out[k].detach().float() for k in TERMS]))  # read at log time only
                 keys += batch.keys
-            lr, wd = lr_at(step, c.optim, c.steps), wd_at(step, c.optim, c.steps)
+            lr, wd = lr_at(step, c.optim, c.steps, per_step), wd_at(step, c.optim, c.steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
                 group["weight_decay"] = wd if group["name"] == "decay" else 0.0

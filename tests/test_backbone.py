@@ -1,11 +1,29 @@
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch.utils.flop_counter import FlopCounterMode
 
+from common.config import load_config
+from finetune import tasks
+from finetune.config import FinetuneConfig
+from finetune.data import LabelInfo
+from finetune.train import (
+    build_model,
+    build_optimizer,
+    feature_stride,
+    layer_id,
+    make_task,
+    output_size,
+    set_schedule,
+)
+from pretrain import checkpoint as ckpt
 from pretrain.backbone import (
     CARD,
+    LOCAL_DEPTH,
     SIZES,
     Attention,
     BackboneConfig,
@@ -18,13 +36,14 @@ from pretrain.backbone import (
 )
 
 TINY = SIZES["tiny"]
+FINETUNE_TINY = Path(__file__).resolve().parents[1] / "configs/finetune/tiny.yaml"
 
 
 def _model(cfg: BackboneConfig, seed: int = 0) -> Sapiens2Backbone:
     torch.manual_seed(seed)
     model = Sapiens2Backbone(cfg).eval()
     with torch.no_grad():  # layer scales of 1.0 so that every block visibly shapes the output
-        for blk in model.blocks:
+        for blk in model.all_blocks:
             blk.ls1.fill_(1.0)
             blk.ls2.fill_(1.0)
     return model
@@ -64,8 +83,26 @@ def test_every_size_shapes_on_meta(name):
 def test_parameter_counts_match_the_card(name):
     n = count_params(name)
     assert abs(n / CARD[name][0] - 1) < 0.01, (name, n)
-    # the 4K variant only adds the pooling offset
-    assert count_params(f"{name}-4k") == n + SIZES[name].width
+    # the 4K variant adds its windowed blocks (full multi-head attention) and the pooling offset
+    cfg = SIZES[f"{name}-4k"]
+    mhsa_block = sum(p.numel() for p in build(dataclasses.replace(cfg, depth=1, window=None, local_depth=0),
+                                              "meta").blocks.parameters())  # fmt: skip
+    assert count_params(cfg) == n + cfg.local_depth * mhsa_block + cfg.width
+
+
+@pytest.mark.parametrize("name", sorted(k.removesuffix("-4k") for k in SIZES if k.endswith("-4k")))
+def test_4k_adds_windowed_blocks_in_front_of_the_base_depth(name):
+    base, cfg = SIZES[name], SIZES[f"{name}-4k"]
+    model = build(cfg, "meta")
+    assert len(model.blocks) == cfg.depth == base.depth  # every global block of the base size
+    assert len(model.local_blocks) == cfg.local_depth == LOCAL_DEPTH[name] > 0
+    assert cfg.total_depth == base.depth + LOCAL_DEPTH[name] and len(model.all_blocks) == cfg.total_depth
+    assert model.all_blocks[0] is model.local_blocks[0] and model.all_blocks[-1] is model.blocks[-1]
+    assert count_params(cfg) > count_params(base)
+    # the global blocks are the base's, weight for weight: a base checkpoint fills them
+    base_shapes = {k: v.shape for k, v in build(base, "meta").state_dict().items()}
+    shapes = {k: v.shape for k, v in model.state_dict().items() if not k.startswith(("local_blocks.", "window_"))}
+    assert shapes == base_shapes
 
 
 def test_flops_match_the_card_for_5b_and_stay_close_for_the_rest():
@@ -90,13 +127,14 @@ def test_flops_equal_torch_flop_counter(name, H, W, visible):
 
 
 def test_gqa_exactly_in_the_middle_blocks():
-    for name in ["tiny-gqa", "0.4b", "5b"]:
+    for name in ["tiny-gqa", "0.4b", "5b", "0.4b-4k", "5b-4k"]:
         cfg = SIZES[name]
         model = build(cfg, "meta")
         # from the weights themselves: qkv has (heads + 2 * kv_heads) * head_dim rows
         kv = [(blk.attn.qkv.out_features // cfg.head_dim - cfg.heads) // 2 for blk in model.blocks]
         expected = [cfg.heads // 2 if 8 <= i < cfg.depth - 8 else cfg.heads for i in range(cfg.depth)]
-        assert kv == expected, name
+        assert kv == expected, name  # [8, depth - 8) of the global blocks, as the base size
+        assert all(blk.attn.kv_heads == cfg.heads for blk in model.local_blocks), name
     assert all(blk.attn.kv_heads == 12 for blk in build("0.1b", "meta").blocks)  # depth 12: none
 
 
@@ -164,11 +202,18 @@ def test_encoder_sees_only_the_kept_patches():
 
 
 def test_4k_one_window_over_the_whole_grid_equals_a_global_stage():
-    """Window = whole grid, no registers: the pooled window token is the [CLS] token of a plain global model."""
-    local = BackboneConfig(width=64, depth=2, heads=4, num_registers=0, window=4, local_depth=2)
-    plain = dataclasses.replace(local, window=None, local_depth=0)
+    """Window = whole grid, no registers: the pooled window token is the [CLS] token of a plain global model whose
+    blocks are the windowed ones (the 4K model's one global block is made the identity)."""
+    local = BackboneConfig(width=64, depth=1, heads=4, num_registers=0, window=4, local_depth=2)
+    plain = dataclasses.replace(local, depth=2, window=None, local_depth=0)
     model4k, model = _model(local), _model(plain, seed=1)
-    model.load_state_dict({k: v for k, v in model4k.state_dict().items() if k != "window_query"})
+    with torch.no_grad():
+        model4k.blocks[0].ls1.zero_()
+        model4k.blocks[0].ls2.zero_()
+    state = model4k.state_dict()
+    model.load_state_dict(
+        {k.replace("local_blocks.", "blocks."): v for k, v in state.items() if not k.startswith(("window_", "blocks."))}
+    )
     images = torch.randn(2, 3, 64, 64)  # 4x4 patches = one 4x4 window
     with torch.no_grad():
         out4k, out = model4k(images), model(images)
@@ -215,7 +260,8 @@ def test_no_weight_decay_names():
     model = _model(SIZES["tiny-4k"])
     names = model.no_weight_decay()
     assert {"cls_token", "registers", "window_query", "norm.weight", "patch_embed.bias"} <= names
-    assert {"blocks.0.ls1", "blocks.0.ls2", "blocks.0.attn.q_norm.weight", "blocks.0.attn.qkv.bias"} <= names
+    for blocks in ("local_blocks", "blocks"):
+        assert {f"{blocks}.0.{n}" for n in ("ls1", "ls2", "attn.q_norm.weight", "attn.qkv.bias")} <= names
     assert not any(n.endswith(".weight") and n.split(".")[-2] in ("qkv", "proj", "w12", "w3") for n in names)
     assert "patch_embed.weight" not in names
 
@@ -256,3 +302,131 @@ def test_tiny_model_learns_a_toy_regression():
         opt.step()
         losses.append(loss.item())
     assert sum(losses[-5:]) / 5 < 0.4 * sum(losses[:5]) / 5
+
+
+# --- the 4K variant in fine-tuning and export -----------------------------------------------------------------------
+
+
+def _labels_of(h: int, w: int) -> LabelInfo:
+    return LabelInfo(parts=("background", "skin", "clothes"), keypoint_names=("a", "b", "c"),
+                     keypoint_sigmas=(0.05, 0.05, 0.05), image_size=(h, w))  # fmt: skip
+
+
+def _finetune_config(*overrides: str) -> FinetuneConfig:
+    return load_config(FinetuneConfig, FINETUNE_TINY, ["head.class_weights=null", "optim.warmup_steps=0", *overrides])
+
+
+def test_output_size_is_half_the_input_for_4k_backbones_only():
+    assert output_size(SIZES["5b-4k"], 4096, 3072) == (2048, 1536)
+    assert output_size(SIZES["5b"], 1024, 768) == (1024, 768)
+    assert feature_stride(SIZES["5b-4k"]) == 32 and feature_stride(SIZES["5b"]) == 16  # output pixels per token
+
+
+@pytest.mark.parametrize("task_name", ["pose", "seg", "pointmap", "normal", "albedo"])
+def test_a_tiny_4k_finetuning_model_outputs_half_size_and_trains_on_resized_labels(task_name):
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (2, 3, 128, 96), dtype=torch.uint8, generator=g)
+    mask = torch.rand(2, 128, 96, generator=g) > 0.3
+    # one batch carries every task's labels; dense targets positive (a depth, an albedo)
+    batch = {"image": images, "keypoints": torch.rand(2, 3, 2, generator=g) * torch.tensor([95.0, 127.0]),
+             "visibility": torch.full((2, 3), 2, dtype=torch.uint8), "area": torch.full((2,), 5000.0),
+             "parts": torch.randint(0, 3, (2, 128, 96), generator=g), "mask": mask,
+             "target": torch.rand(2, 128, 96, 3, generator=g) + 0.1}  # fmt: skip
+    for size, out_hw in (("tiny-4k", (64, 48)), ("tiny", (128, 96))):  # 8-px patches; 4x4 windows in tiny-4k
+        cfg = _finetune_config(f"model.size={size}")
+        task = make_task(task_name, cfg, _labels_of(128, 96), cfg.model.backbone())
+        assert task.image_hw == out_hw
+        model = build_model(cfg, task, None)
+        out = model(images)
+        channels_first = {"pose": (2, 3, out_hw[0] // 4, out_hw[1] // 4), "seg": (2, 3, *out_hw)}
+        assert out.shape == channels_first.get(task_name, (2, *out_hw, 3)), size
+        labels = batch if out_hw == (128, 96) else tasks.resize_targets(batch, task_name, out_hw)
+        loss, _ = task.loss(model.head, out, labels)
+        loss.backward()
+        assert torch.isfinite(loss)
+
+
+def test_resize_targets_is_exact_on_hand_made_labels():
+    image = torch.zeros(1, 3, 4, 4, dtype=torch.uint8)
+    # seg: each output pixel takes the input pixel under its centre, the lower right of its 2x2 block
+    parts = torch.arange(16).view(1, 4, 4)
+    seg = tasks.resize_targets({"image": image, "parts": parts}, "seg", (2, 2))
+    assert seg["image"] is image and seg["parts"].tolist() == [[[5, 7], [13, 15]]]
+    # pose: pixel centres map onto pixel centres; the area scales with both ratios
+    keypoints = torch.tensor([[[0.0, 0.0], [3.0, 3.0], [1.5, 0.5]]])
+    visibility = torch.tensor([[2, 1, 0]], dtype=torch.uint8)
+    pose = {"image": torch.zeros(1, 3, 4, 8, dtype=torch.uint8), "keypoints": keypoints, "visibility": visibility,
+            "area": torch.tensor([64.0])}  # fmt: skip
+    out = tasks.resize_targets(pose, "pose", (2, 2))  # x by 1/4, y by 1/2
+    torch.testing.assert_close(out["keypoints"], torch.tensor([[[-0.375, -0.25], [0.375, 1.25], [0.0, 0.0]]]))
+    torch.testing.assert_close(out["area"], torch.tensor([8.0]))
+    assert out["visibility"] is visibility
+    # dense: the mean over each block's labelled pixels (background holds no label), the mask by the centre rule
+    mask = torch.tensor([[[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]], dtype=torch.bool)
+    z = torch.tensor([[[1.0, 2.0, 9.0, 7.0], [3.0, 4.0, 7.0, 7.0], [7.0, 7.0, 2.0, 7.0], [7.0, 7.0, 7.0, 6.0]]])
+    points = torch.stack([torch.zeros_like(z), torch.zeros_like(z), z], dim=-1)
+    dense = tasks.resize_targets({"image": image, "mask": mask, "target": points}, "pointmap", (2, 2))
+    torch.testing.assert_close(dense["target"][..., 2], torch.tensor([[[2.5, 9.0], [0.0, 4.0]]]))
+    assert dense["mask"].tolist() == [[[True, False], [False, True]]]
+    albedo = tasks.resize_targets({"image": image, "mask": mask, "target": points / 10}, "albedo", (2, 2))
+    torch.testing.assert_close(albedo["target"][..., 2], torch.tensor([[[0.25, 0.9], [0.0, 0.4]]]))
+    # normals: the mean direction, back to unit length
+    normals = torch.zeros(1, 4, 4, 3)
+    normals[0, :2, :2] = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]])
+    normals[0, 2:, 2:] = torch.tensor([0.0, 0.0, 1.0])
+    out = tasks.resize_targets({"image": image, "mask": normals.abs().sum(-1) > 0, "target": normals}, "normal", (2, 2))
+    half = 2**-0.5
+    expected = torch.tensor([[[[half, half, 0.0], [0.0, 0.0, 0.0]], [[0.0, 0.0, 0.0], [0.0, 0.0, 1.0]]]])
+    torch.testing.assert_close(out["target"], expected)
+
+
+def test_4k_layer_decay_puts_windowed_blocks_below_the_global_ones():
+    cfg = _finetune_config("model.size=tiny-4k", "optim.layer_decay=0.5")
+    model = build_model(cfg, make_task("seg", cfg, _labels_of(128, 96), cfg.model.backbone()), None)
+    opt = build_optimizer(model, cfg)
+    set_schedule(opt, cfg, 0, 1)
+    rate = {id(p): group["lr"] for group in opt.param_groups for p in group["params"]}
+    named = dict(model.named_parameters())
+    lr = cfg.optim.lr * cfg.data.batch_size / 256  # the peak at one worker
+    n = SIZES["tiny-4k"].total_depth  # 2 windowed + 4 global blocks
+    expected = {"head.out.weight": lr, "backbone.norm.weight": lr, "backbone.blocks.3.ffn.w3.weight": lr * 0.5,
+                "backbone.blocks.0.attn.qkv.weight": lr * 0.5**4, "backbone.local_blocks.1.ffn.w12.weight": lr * 0.5**5,
+                "backbone.local_blocks.0.norm1.weight": lr * 0.5**n, "backbone.window_query": lr * 0.5 ** (n + 1),
+                "backbone.patch_embed.weight": lr * 0.5 ** (n + 1)}  # fmt: skip
+    assert {k: rate[id(named[k])] for k in expected} == pytest.approx(expected)
+    assert [layer_id(f"backbone.local_blocks.{i}.ls1", 4, 2) for i in range(2)] == [1, 2]
+    assert [layer_id(f"backbone.blocks.{i}.ls1", 4, 2) for i in range(4)] == [3, 4, 5, 6]
+    assert layer_id("backbone.norm.weight", 4, 2) == layer_id("head.out.bias", 4, 2) == 7
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a single-process checkpoint, as meant
+def test_a_4k_backbone_round_trips_through_export_and_is_checked_against_the_size(tmp_path):
+    from pretrain.config import PretrainConfig
+    from pretrain.objective import JointObjective
+    from pretrain.train import build_optimizer as pretrain_optimizer
+
+    overrides = ["model.size=tiny-4k", "objective.views.global_size=[64,64]", "objective.views.local_size=[32,32]"]
+    cfg = load_config(PretrainConfig, FINETUNE_TINY.parents[1] / "pretrain/tiny.yaml", overrides)
+    torch.manual_seed(0)
+    model = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=4)
+    uri = ckpt.step_uri(str(tmp_path / "run"), 1)
+    ckpt.save(uri, model, pretrain_optimizer(model, cfg.optim), {"step": 1, "config": cfg.model_dump(mode="json")})
+    out = str(tmp_path / ckpt.BACKBONE_FILE)
+    meta = ckpt.export_backbone(uri, out)
+    assert json.loads(meta["backbone_config"])["local_depth"] == 2
+    backbone = ckpt.load_backbone(out)  # strict: windowed and global blocks both
+    assert backbone.cfg == cfg.model.backbone() and len(backbone.local_blocks) == 2 and len(backbone.blocks) == 4
+    student = model.student.state_dict()
+    assert all(torch.equal(v, student[k]) for k, v in backbone.state_dict().items())
+    # fine-tuning takes it for model.size=tiny-4k and refuses it for the base size, naming the windowed stage
+    ft = _finetune_config("model.size=tiny-4k")
+    loaded = build_model(ft, make_task("seg", ft, _labels_of(128, 96), ft.model.backbone()), out)
+    assert torch.equal(loaded.backbone.local_blocks[1].ffn.w3.weight, student["local_blocks.1.ffn.w3.weight"])
+    base = _finetune_config()
+    with pytest.raises(ValueError, match=r"depth 4 \+ 2 windowed blocks \(4x4 windows\)"):
+        build_model(base, make_task("seg", base, _labels_of(128, 96), base.model.backbone()), out)
+    plain = tmp_path / "plain.safetensors"
+    state = {k: v.contiguous() for k, v in build(base.model.backbone()).state_dict().items()}
+    save_file(state, str(plain), metadata={"backbone_config": json.dumps(dataclasses.asdict(base.model.backbone()))})
+    with pytest.raises(ValueError, match="model.size"):
+        build_model(ft, make_task("seg", ft, _labels_of(128, 96), ft.model.backbone()), str(plain))

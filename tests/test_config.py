@@ -56,3 +56,75 @@ def test_results_hash_tracks_thresholds_not_resources(repo_root):
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(CurateConfig, tmp_path / "nope.yaml")
+
+
+def test_a_config_extends_its_base_key_by_key(repo_root, tmp_path):
+    from finetune.config import FinetuneConfig
+
+    seg = load_config(FinetuneConfig, repo_root / "configs/finetune/tiny-seg.yaml")
+    base = load_config(FinetuneConfig, repo_root / "configs/finetune/tiny.yaml")
+    assert seg.head.class_weights == "auto" and seg.steps == 300
+    assert seg.head.sigma == base.head.sigma and seg.model == base.model and seg.optim == base.optim
+    (tmp_path / "a.yaml").write_text("_base_: b.yaml\nsteps: 3\n")
+    (tmp_path / "b.yaml").write_text("_base_: a.yaml\n")
+    with pytest.raises(ConfigError, match="its own _base_"):
+        load_config(FinetuneConfig, tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("_base_: missing.yaml\n")
+    with pytest.raises(ConfigError, match="missing.yaml does not exist"):
+        load_config(FinetuneConfig, tmp_path / "c.yaml")
+
+
+# --- the learning-rate rule: optim.lr is the rate of 256 images per optimiser step ------------------------------------
+
+
+def test_peak_lr_scales_with_the_global_batch_and_min_lr_does_not():
+    from pretrain.config import OptimSettings
+    from pretrain.train import lr_at, peak_lr
+
+    o = OptimSettings(lr=1e-3, min_lr=1e-5, warmup_steps=10)
+    assert peak_lr(o, 256) == 1e-3
+    assert peak_lr(o, 64) == pytest.approx(2.5e-4) and peak_lr(o, 1024) == pytest.approx(4e-3)
+    for batch in (64, 1024):
+        lrs = [lr_at(s, o, 100, batch) for s in range(101)]
+        assert max(lrs) == lrs[9] == pytest.approx(peak_lr(o, batch))  # the schedule peaks at the scaled rate
+        assert lrs[0] == pytest.approx(peak_lr(o, batch) / 10) and lrs[100] == pytest.approx(1e-5)
+
+
+def test_global_batch_counts_workers_and_accumulation(repo_root):
+    from pretrain.config import PretrainConfig
+    from pretrain.train import peak_lr
+
+    tiny = repo_root / "configs/pretrain/tiny.yaml"
+    one = load_config(PretrainConfig, tiny, ["data.batch_size=8", "ray.workers=1", "optim.grad_accum=1"])
+    more = load_config(PretrainConfig, tiny, ["data.batch_size=8", "ray.workers=4", "optim.grad_accum=2"])
+    assert (one.samples_per_step(), more.samples_per_step()) == (8, 64)
+    assert peak_lr(more.optim, more.samples_per_step()) == pytest.approx(8 * peak_lr(one.optim, one.samples_per_step()))
+    assert peak_lr(one.optim, one.samples_per_step()) == pytest.approx(one.optim.lr * 8 / 256)
+
+
+def test_finetune_schedule_peaks_at_the_scaled_rate_per_world_size(repo_root):
+    from finetune import tasks
+    from finetune.config import FinetuneConfig
+    from finetune.data import LabelInfo
+    from finetune.train import build_model, build_optimizer, set_schedule
+
+    cfg = load_config(FinetuneConfig, repo_root / "configs/finetune/tiny.yaml",
+                      ["optim.warmup_steps=0", "optim.layer_decay=1.0", "head.class_weights=null"])  # fmt: skip
+    info = LabelInfo(parts=("background", "skin"), keypoint_names=("a",), keypoint_sigmas=(0.05,), image_size=(64, 48))
+    opt = build_optimizer(build_model(cfg, tasks.make("seg", cfg, info), None), cfg)
+    for world in (1, 4):
+        lr, _ = set_schedule(opt, cfg, 0, world)
+        assert lr == pytest.approx(cfg.optim.lr * cfg.data.batch_size * world / 256)
+        assert {g["lr"] for g in opt.param_groups} == {lr}  # layer decay 1: every group at the peak
+
+
+def test_shipped_tiny_configs_keep_their_effective_rates(repo_root):
+    """The tiny configs' rates at their shipped batch and workers, from before optim.lr became the 256-image rate."""
+    from finetune.config import FinetuneConfig
+    from pretrain.config import PretrainConfig
+    from pretrain.train import peak_lr
+
+    pre = load_config(PretrainConfig, repo_root / "configs/pretrain/tiny.yaml")
+    fine = load_config(FinetuneConfig, repo_root / "configs/finetune/tiny.yaml")
+    assert peak_lr(pre.optim, pre.samples_per_step()) == 1e-3  # 2 x 1 x 2 workers
+    assert peak_lr(fine.optim, fine.samples_per_step()) == 2e-3  # 8 x 1 worker

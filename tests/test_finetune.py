@@ -7,6 +7,7 @@ Metrics are checked against cases worked out by hand; the end-to-end run trains 
 from __future__ import annotations
 
 import io
+import os
 import json
 import math
 import tarfile
@@ -23,8 +24,9 @@ from common.config import load_config
 from conftest import tensorboard_scalars
 from finetune import augment, data, heads, losses, metrics, tasks
 from finetune.config import FinetuneConfig
-from finetune.render import COCO_KEYPOINTS, MAX_KEYPOINTS, PARTS, RenderConfig, keypoint_spec, render
-from finetune.train import build_model, build_optimizer, layer_id, load_finetuned, set_schedule
+from finetune.labels import COCO_KEYPOINTS, GROUPS, KEYPOINT_NAMES, KEYPOINTS, MAX_KEYPOINTS, PARTS, keypoints
+from finetune.render import RenderConfig, render
+from finetune.train import build_model, build_optimizer, layer_id, load_finetuned, resolve_class_weights, set_schedule
 from jobs import finetune as job
 from jobs import make_synthetic
 from pretrain.backbone import build
@@ -74,11 +76,24 @@ def test_part_labels_cover_the_figure(renders):
         # every foreground pixel has a surface (point, normal, albedo) and vice versa
         assert (np.linalg.norm(r.normals, axis=-1) > 0.5).tolist() == r.mask.tolist()
         assert 0 <= r.albedo.min() and r.albedo.max() <= 1
-    assert seen == set(range(len(PARTS)))
+
+
+def test_every_part_class_and_keypoint_group_appears_in_renders():
+    """Sapiens2's 29 classes (eyeglasses, teeth and socks included) and its three keypoint groups, 25 / 40 / 243."""
+    assert len(PARTS) == 29 and PARTS[0] == "background" and PARTS[-1] == "eyeglasses"
+    assert [sum(k.group == g for k in KEYPOINTS) for g in GROUPS] == [25, 40, 243]
+    pixels, visible = np.zeros(len(PARTS), np.int64), dict.fromkeys(GROUPS, 0)
+    for seed in range(40):
+        r = render(CFG, np.random.default_rng([11, seed]))
+        pixels += np.bincount(r.parts.ravel(), minlength=len(PARTS))
+        for k, v in zip(KEYPOINTS, r.visibility):
+            visible[k.group] += int(v == 2)
+    assert (pixels > 0).all(), [PARTS[i] for i in np.flatnonzero(pixels == 0)]
+    assert pixels[PARTS.index("upper_clothing")] > 50 * pixels[PARTS.index("tongue")]  # why seg weighs its classes
+    assert all(n > 100 for n in visible.values()), visible
 
 
 def test_keypoints_project_inside_the_image_when_labelled(renders):
-    spec = keypoint_spec(MAX_KEYPOINTS)
     for r in renders:
         c = r.camera
         k3 = r.keypoints_3d.astype(np.float64)
@@ -89,7 +104,7 @@ def test_keypoints_project_inside_the_image_when_labelled(renders):
         assert (r.visibility == 2).sum() > 30 and (r.visibility == 1).sum() > 30  # self-occlusion happens
         # A visible surface landmark is where the pointmap puts the surface (at its pixel or a neighbour: the
         # pixel centre may fall just off a silhouette); an occluded one lies behind what its pixel shows.
-        surface = np.array([a[0] == "surface" for a in spec.anchors])
+        surface = np.array([k.anchor[0] == "surface" for k in KEYPOINTS])
         padded = np.pad(r.points[..., 2], 1)
         for v in (2, 1):
             sel = (r.visibility == v) & surface
@@ -105,8 +120,8 @@ def test_renders_are_deterministic_and_keypoint_sets_nest():
     a, b = render(CFG, 3), render(CFG, 3)
     assert (a.image == b.image).all() and (a.keypoints == b.keypoints).all()
     assert not (render(CFG, 4).image == a.image).all()
-    assert keypoint_spec(40).names == keypoint_spec(MAX_KEYPOINTS).names[:40]
-    assert keypoint_spec(MAX_KEYPOINTS).names[:3] == ("nose", "left_eye", "right_eye")
+    assert keypoints(40) == keypoints(MAX_KEYPOINTS)[:40]
+    assert KEYPOINT_NAMES[:3] == ("nose", "left_eye", "right_eye") and KEYPOINT_NAMES[25] == "left_thumb_third_joint"
     assert len(render(RenderConfig(height=64, width=48, num_keypoints=17), 0).keypoints) == 17
     with pytest.raises(ValueError, match="num_keypoints"):
         RenderConfig(num_keypoints=309)
@@ -114,10 +129,10 @@ def test_renders_are_deterministic_and_keypoint_sets_nest():
 
 def test_max_yaw_keeps_the_face_towards_the_camera():
     nose = COCO_KEYPOINTS.index("nose")
-    frontal = [render(RenderConfig(height=64, width=48, num_keypoints=17, yaw=0.0), s).visibility[nose] for s in range(8)]
-    anyway = [render(RenderConfig(height=64, width=48, num_keypoints=17), s).visibility[nose] for s in range(8)]
-    assert all(v == 2 for v in frontal)
-    assert any(v < 2 for v in anyway)  # back views hide the nose
+    frontal = [render(RenderConfig(height=64, width=48, num_keypoints=17, yaw=0.0), s).visibility[nose] for s in range(16)]
+    anyway = [render(RenderConfig(height=64, width=48, num_keypoints=17), s).visibility[nose] for s in range(16)]
+    assert sum(v == 2 for v in frontal) >= 14  # only an arm raised in front of the face hides it
+    assert sum(v < 2 for v in anyway) >= 5  # back views hide the nose
 
 
 def test_unlabelled_pool_is_jpeg_webdataset_shards_of_renders_no_labelled_split_holds(tmp_path):
@@ -203,47 +218,56 @@ def _as_sample(r, task: str) -> dict[str, np.ndarray]:
     if task == "seg":
         sample["parts"] = r.parts.astype(np.int64)
     else:
-        k = len(COCO_KEYPOINTS)
-        sample.update(keypoints=r.keypoints[:k].copy(), visibility=r.visibility[:k].copy(), area=np.float32(r.mask.sum()))
+        sample.update(keypoints=r.keypoints.copy(), visibility=r.visibility.copy(), area=np.float32(r.mask.sum()))
     return sample
 
 
 def test_mirror_swaps_left_and_right_and_refuses_unpaired_names():
-    order = augment.mirror_order(PARTS)
-    assert [PARTS[i] for i in order[:7]] == ["background", "face_neck", "hair", "torso", "pelvis",
-                                            "right_upper_arm", "left_upper_arm"]  # fmt: skip
-    assert (order[order] == np.arange(len(PARTS))).all()
-    assert augment.mirror_order(keypoint_spec(17).names) is not None
+    for names in (PARTS, KEYPOINT_NAMES):
+        order = augment.mirror_order(names)
+        swapped = [n.replace("left", "\0").replace("right", "left").replace("\0", "right") for n in names]
+        assert [names[i] for i in order] == swapped and (order[order] == np.arange(len(names))).all()
+    assert augment.mirror_order(("nose", "left_eye")) is None  # a left point without its right one
     cfg = augment.AugmentSettings()
-    # Surface landmarks beyond COCO's 17 have no mirror partner: pose gets no flip, everything else stays on.
-    many = augment.Augmenter(cfg, "pose", PARTS, keypoint_spec(40).names)
-    assert many.flip == 0 and many.geometric and many.colour
+    # Every one of the 308 keypoints has a mirror image (midline points are their own): pose may flip.
+    pose = augment.Augmenter(cfg, "pose", PARTS, KEYPOINT_NAMES)
+    assert pose.flip == cfg.flip and pose.geometric and pose.colour
+    assert augment.Augmenter(cfg, "pose", PARTS, ("nose", "left_eye")).flip == 0
     albedo = augment.Augmenter(cfg, "albedo", PARTS, ())
     assert not albedo.active  # its target is the surface colour; a warp would break the camera of the label maps
 
 
+def _home(name: str) -> set[str]:
+    """Body-part labels a visible keypoint may land on (its skin, or what covers it)."""
+    side = name.split("_")[0]
+    if name.endswith("wrist"):
+        return {f"{side}_lower_arm", f"{side}_hand", "upper_clothing"}
+    if name.endswith("knee"):
+        return {f"{side}_upper_leg", f"{side}_lower_leg", "lower_clothing"}
+    if name.endswith(("toe", "heel")):
+        return {f"{side}_foot", f"{side}_shoe", f"{side}_sock"}
+    return {f"{side}_hand"}
+
+
 def test_augmented_labels_stay_on_their_body_parts(renders):
-    """Seg and pose augmenters seeded alike draw the same warp: each visible keypoint must land on the part label
-    it had before (left and right swapped in a mirror image)."""
-    names = COCO_KEYPOINTS
-    home = {"left_wrist": {"left_lower_arm", "left_hand"}, "right_wrist": {"right_lower_arm", "right_hand"},
-            "left_knee": {"left_upper_leg", "left_lower_leg"}, "right_knee": {"right_upper_leg", "right_lower_leg"}}  # fmt: skip
+    """Seg and pose augmenters seeded alike draw the same warp: each visible wrist, knee, foot and hand keypoint
+    must land on a part label it may have (left and right swapped in a mirror image)."""
+    checks = [i for i, k in enumerate(KEYPOINTS) if k.group == "hands" or k.name.endswith(("wrist", "knee", "toe", "heel"))]
     cfg = augment.AugmentSettings(flip=0.5, scale=0.25, shift=0.1, colour=0.0)
-    seg, pose = (augment.Augmenter(cfg, t, PARTS, names) for t in ("seg", "pose"))
+    seg, pose = (augment.Augmenter(cfg, t, PARTS, KEYPOINT_NAMES) for t in ("seg", "pose"))
     checked = 0
     for i, r in enumerate(renders):
         for draw in range(4):
             a = seg(_as_sample(r, "seg"), np.random.default_rng([i, draw]))
             b = pose(_as_sample(r, "pose"), np.random.default_rng([i, draw]))
-            for name, parts in home.items():
-                k = names.index(name)
+            for k in checks:
                 if b["visibility"][k] != 2:
                     continue
                 x, y = np.round(b["keypoints"][k]).astype(int)
                 window = a["parts"][max(y - 1, 0) : y + 2, max(x - 1, 0) : x + 2]
-                assert {PARTS[v] for v in window.ravel()} & parts, (i, draw, name)
+                assert {PARTS[v] for v in window.ravel()} & _home(KEYPOINT_NAMES[k]), (i, draw, KEYPOINT_NAMES[k])
                 checked += 1
-    assert checked >= 40
+    assert checked >= 200
     # The warp moved things: images differ from the render, and some keypoint left the frame or moved.
     original = _as_sample(renders[0], "pose")
     moved = pose(_as_sample(renders[0], "pose"), np.random.default_rng([0, 0]))
@@ -252,10 +276,10 @@ def test_augmented_labels_stay_on_their_body_parts(renders):
 
 
 def test_a_mirror_alone_is_exact_and_its_own_inverse(renders):
-    r, k = renders[1], len(COCO_KEYPOINTS)
+    r = renders[1]
     cfg = augment.AugmentSettings(flip=1.0, scale=0.0, shift=0.0, colour=0.0)
-    seg = augment.Augmenter(cfg, "seg", PARTS, COCO_KEYPOINTS)
-    pose = augment.Augmenter(cfg, "pose", PARTS, COCO_KEYPOINTS)
+    seg = augment.Augmenter(cfg, "seg", PARTS, KEYPOINT_NAMES)
+    pose = augment.Augmenter(cfg, "pose", PARTS, KEYPOINT_NAMES)
     a = seg(_as_sample(r, "seg"), np.random.default_rng(0))
     assert (a["image"] == r.image.transpose(2, 0, 1)[:, :, ::-1]).all()
     assert (a["parts"] == augment.mirror_order(PARTS)[r.parts[:, ::-1]]).all()
@@ -263,11 +287,11 @@ def test_a_mirror_alone_is_exact_and_its_own_inverse(renders):
     unlabelled["parts"][:4, :] = 255  # the ignore index: no class of its own, kept through the mirror
     assert (seg(unlabelled, np.random.default_rng(0))["parts"][:4, :] == 255).all()
     b = pose(_as_sample(r, "pose"), np.random.default_rng(0))
-    order = augment.mirror_order(COCO_KEYPOINTS)
-    np.testing.assert_allclose(b["keypoints"][:, 0], (CFG.width - 1) - r.keypoints[:k][order, 0], atol=1e-4)
+    order = augment.mirror_order(KEYPOINT_NAMES)
+    np.testing.assert_allclose(b["keypoints"][:, 0], (CFG.width - 1) - r.keypoints[order, 0], atol=1e-4)
     back = pose(b, np.random.default_rng(0))
-    np.testing.assert_allclose(back["keypoints"], r.keypoints[:k], atol=1e-4)
-    assert (back["visibility"] == r.visibility[:k]).all() and back["area"] == r.mask.sum()
+    np.testing.assert_allclose(back["keypoints"], r.keypoints, atol=1e-4)
+    assert (back["visibility"] == r.visibility).all() and back["area"] == r.mask.sum()
 
 
 def test_augmented_batches_are_the_same_for_a_seed_and_after_a_resume(shards):
@@ -362,6 +386,37 @@ def test_oks_and_keypoint_ap_match_hand_computed_values():
     assert metrics.keypoint_ap([gts[0], []], [[(gt, 0.9)], [(gt, 0.95)]], sigmas)["AP"] == pytest.approx(0.5)
 
 
+def test_pose_metrics_per_keypoint_group():
+    """Body exact, face far off: AP 1 for the body group, 0 for the face, the whole set in between."""
+    names, groups = ("left_wrist", "right_wrist", "chin", "nose_tip"), ("body", "body", "face", "face")
+    acc = metrics.PoseMetric(np.full(4, 0.05), groups)
+    gt = torch.tensor([[[10.0, 10.0], [30.0, 12.0], [20.0, 5.0], [20.0, 8.0]]] * 3)
+    pred = gt + torch.tensor([0.0, 0.0, 40.0, 40.0]).view(1, 4, 1)
+    acc.update(pred, torch.ones(3, 4), gt, torch.full((3, 4), 2), torch.full((3,), 400.0))
+    out = acc.compute()
+    assert out["AP_body"] == 1 and out["OKS_body"] == 1
+    assert out["AP_face"] == 0 and out["OKS_face"] == pytest.approx(0, abs=1e-6)
+    assert out["OKS"] == pytest.approx(0.5) and len(names) == len(groups)
+    assert "AP_hands" not in out  # no hand keypoints in this label set
+
+
+def test_auto_class_weights_lift_rare_classes(shards):
+    weights = losses.balanced_class_weights(np.array([1000, 0, 10, 100, 1_000_000]))
+    assert weights[1] == 1.0  # absent: no say
+    assert weights[2] > weights[3] > weights[0] > weights[4] and weights[2] <= 10 and weights[4] >= 0.1
+    cfg = load_config(FinetuneConfig, str(REPO / "configs/finetune/tiny-seg.yaml"))
+    spec = {"task": "seg", "train": str(shards / "train")}
+    resolved = resolve_class_weights(cfg, spec).head.class_weights
+    index = DataIndex.scan(spec["train"])
+    counts = data.class_pixel_counts(index, data.read_info(index, spec["train"]))
+    assert len(resolved) == len(PARTS) and counts.sum() == 24 * 64 * 48
+    rare = np.where(counts > 0, counts, counts.max() + 1).argmin()
+    assert resolved[rare] > 1 > resolved[counts.argmax()]
+    assert resolve_class_weights(cfg, {**spec, "task": "normal"}).head.class_weights is None
+    with pytest.raises(ValueError, match="resolved from the data"):
+        tasks.make("seg", cfg, _info()).loss(None, torch.zeros(1, len(PARTS), 4, 4), {"parts": torch.zeros(1, 4, 4).long()})
+
+
 def test_segmentation_miou_and_macc_match_hand_computed_values():
     labels = np.array([[0, 0, 1], [1, 1, 2], [255, 255, 255]])
     pred = np.array([[0, 1, 1], [1, 2, 2], [3, 3, 3]])
@@ -416,21 +471,21 @@ def test_metric_states_merge_like_one_accumulator():
 
 
 def _info(h: int = 64, w: int = 48, k: int = 40) -> data.LabelInfo:
-    spec = keypoint_spec(k)
-    return data.LabelInfo(PARTS, spec.names, tuple(float(s) for s in spec.sigmas), (h, w))
+    points = keypoints(k)
+    return data.LabelInfo(PARTS, *zip(*((p.name, p.sigma) for p in points)), (h, w), tuple(p.group for p in points))
 
 
 def test_layer_wise_lr_decay_and_no_decay_on_1d_params():
     cfg = load_config(FinetuneConfig, TINY, ["optim.layer_decay=0.5", "optim.warmup_steps=0"])
     model = build_model(cfg, tasks.make("seg", cfg, _info()), None)
     opt = build_optimizer(model, cfg)
-    set_schedule(opt, cfg, 0)
+    set_schedule(opt, cfg, 0, 1)
     rate = {}
     for group in opt.param_groups:
         for p in group["params"]:
             rate[id(p)] = (group["lr"], group["weight_decay"])
     named = dict(model.named_parameters())
-    lr = cfg.optim.lr
+    lr = cfg.optim.lr * cfg.data.batch_size / 256  # the peak on one worker (optim.lr is the rate of 256 images)
     assert rate[id(named["head.out.weight"])] == (lr, 0.1)
     assert rate[id(named["head.out.bias"])] == (lr, 0.0)
     assert rate[id(named["backbone.blocks.3.attn.qkv.weight"])] == (lr * 0.5, 0.1)
@@ -467,14 +522,14 @@ def small_batch() -> dict[str, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("task_name", data.TASKS)
 def test_every_head_trains_a_few_steps_and_its_loss_falls(task_name, small_batch):
     torch.set_num_threads(2)
-    cfg = load_config(FinetuneConfig, TINY, ["optim.warmup_steps=0", "steps=12", "optim.lr=3e-3", "optim.min_lr=3e-3"])
+    cfg = load_config(FinetuneConfig, TINY, ["optim.warmup_steps=0", "steps=12", "optim.lr=9.6e-2", "optim.min_lr=3e-3"])
     task = tasks.make(task_name, cfg, _info())
     model = build_model(cfg, task, None)
     opt = build_optimizer(model, cfg)
     batch = small_batch[task_name]
     losses_seen = []
     for step in range(12):
-        set_schedule(opt, cfg, step)
+        set_schedule(opt, cfg, step, 1)  # peak 9.6e-2 x 8 / 256 = 3e-3
         out = model(batch["image"])
         loss, _ = task.loss(model.head, out, batch)
         loss.backward()
@@ -579,3 +634,78 @@ def test_finetune_job_trains_evaluates_and_resumes(shards, tmp_path, ray_local):
     train = [json.loads(line) for f in (run / "metrics").glob("*.jsonl") for line in f.read_text().splitlines()]
     assert [r["step"] for r in train if r["kind"] == "train"] == [2, 4, 6]
     assert job.main([*args, *fast, "model.size=tiny-gqa"]) == 2  # a different run under the same name
+
+
+# Each task's headline metrics, as metrics.json reports them.
+TASK_METRICS = {
+    "pose": ("AP", "OKS", "AP_body", "AP_hands", "AP_face"),
+    "pointmap": ("rel_point", "abs_rel_depth"),
+    "normal": ("mean", "median", "within_11.25"),
+    "albedo": ("mae", "psnr"),
+}
+
+
+def _check_run(run: Path, task_name: str, steps: int) -> None:
+    """metrics.json holds the task's metrics, a picture shows input | target | prediction, the model loads."""
+    report = json.loads((run / "metrics.json").read_text())
+    assert report["task"] == task_name and report["step"] == steps
+    assert all(math.isfinite(report["metrics"][k]) for k in TASK_METRICS[task_name]), report["metrics"]
+    picture = sorted((run / "pictures").glob("*.png"))[0]
+    assert data.decode_image(picture.read_bytes()).shape == (64, 3 * 48, 3)
+    model, task = load_finetuned(str(run / "finetuned.safetensors"))
+    with torch.no_grad():
+        out = model(torch.zeros(1, 3, 64, 48, dtype=torch.uint8))
+    assert task.name == task_name and out.shape[0] == 1
+
+
+@pytest.mark.parametrize("task_name", ["pointmap", "normal", "albedo"])  # seg and pose: the tests around these
+def test_every_task_runs_end_to_end_through_the_job(task_name, shards, tmp_path, ray_local):
+    config = str(REPO / f"configs/finetune/tiny-{task_name}.yaml")
+    args = ["--task", task_name, "--config", config, "--data", str(shards), "--storage", str(tmp_path), "--name", "t"]
+    assert job.main([*args, "steps=3", "log.every=3", "eval.visualise=1", "data.batch_size=4"]) == 0
+    _check_run(tmp_path / "t", task_name, 3)
+
+
+def _finetuned_tensors(run: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run / "finetuned.safetensors")
+
+
+def test_killed_finetuning_job_resumes_to_the_uninterrupted_weights(shards, tmp_path, ray_local):
+    """SIGKILL the driver after its first checkpoint, submit the same command again: the final weights are those
+    of a run that was never interrupted (same seed, same batches, same augmentation draws)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pretrain import checkpoint as ckpt
+
+    address = ray_local.get_runtime_context().gcs_address
+    config = str(REPO / "configs/finetune/tiny-pose.yaml")
+    common = ["--task", "pose", "--config", config, "--data", str(shards), "--storage", str(tmp_path)]
+    settings = ["steps=24", "checkpoint.every=4", "log.every=4", "eval.max_samples=4", "data.batch_size=4"]
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "jobs.finetune", *common, "--name", "killed", *settings, f"ray.address={address}"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and driver.poll() is None and not ckpt.latest_committed(str(tmp_path / "killed")):
+            time.sleep(0.05)
+        assert driver.poll() is None, "the driver finished before it could be killed"
+        killed_at = ckpt.step_of(ckpt.latest_committed(str(tmp_path / "killed")))
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    assert 4 <= killed_at < 24 and not (tmp_path / "killed/finetuned.safetensors").exists()
+    assert job.main([*common, "--name", "killed", *settings]) == 0
+    assert job.main([*common, "--name", "straight", *settings]) == 0
+    resumed, straight = _finetuned_tensors(tmp_path / "killed"), _finetuned_tensors(tmp_path / "straight")
+    assert resumed.keys() == straight.keys()
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0, msg=name)
+    first = json.loads((tmp_path / "killed/metrics.json").read_text())["metrics"]
+    assert first == json.loads((tmp_path / "straight/metrics.json").read_text())["metrics"]
+    _check_run(tmp_path / "killed", "pose", 24)

@@ -443,14 +443,17 @@ def test_koleo_is_minus_log_nearest_distance_and_pushes_the_closest_rows_apart()
 
 def _short_run(cfg, images: torch.Tensor, steps: int, batch: int) -> dict[str, float]:
     """Means of the objective's terms over the last third of a short run at ``batch`` images per step."""
+    from pretrain.train import peak_lr
+
+    lr = peak_lr(cfg.optim, batch)  # optim.lr is the rate of 256 images per step
     torch.manual_seed(0)
     obj = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=steps)
-    opt = torch.optim.AdamW([p for p in obj.parameters() if p.requires_grad], lr=cfg.optim.lr,
+    opt = torch.optim.AdamW([p for p in obj.parameters() if p.requires_grad], lr=lr,
                             weight_decay=cfg.optim.weight_decay)
     gen, history = _gen(), []
     for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = cfg.optim.lr * min(1.0, (step + 1) / cfg.optim.warmup_steps)
+            group["lr"] = lr * min(1.0, (step + 1) / cfg.optim.warmup_steps)
         out = obj(images[torch.randint(len(images), (batch,), generator=gen)], step, gen)
         opt.zero_grad(set_to_none=True)
         out["loss"].backward()
