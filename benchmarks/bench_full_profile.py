@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.config import load_config  # noqa: E402
 from curation.config import CurateConfig  # noqa: E402
-from curation.random_store import build_random_store  # noqa: E402
-from curation.sample_pool import load_photos  # noqa: E402
+from generators.random_models import build_random_store  # noqa: E402
+from generators.sample_pool import load_photos  # noqa: E402
 from curation.stages.clip import ClipStage  # noqa: E402
 from curation.stages.yolo import YoloPersonStage  # noqa: E402
 

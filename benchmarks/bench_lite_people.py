@@ -6,7 +6,7 @@ images.
 The baseline is any checkout of this repository (for instance a worktree of the commit before the lite models
 changed); its own ``curation`` package and ``configs/curate/lite.yaml`` run in a subprocess on the same files:
 
-(a) the person filter on the labelled check of shipped photos (``curation/labelled_photos.py``): precision and
+(a) the person filter on the labelled check of shipped photos (``generators/labelled_photos.py``): precision and
     recall of "at least one prominent person", and the person stage's images per second (one core, in process);
 (b) head pose on the people of that check: the head-pose stage's images per second, and on each photo and its
     mirror image whether the main person's yaw class mirrors (frontal stays frontal, left and right profile swap)
@@ -151,7 +151,7 @@ def worker(images: Path, pool: Path | None, with_ray: bool = False) -> dict:
 def _write_images(folder: Path) -> list[dict]:
     from PIL import Image
 
-    from curation.labelled_photos import person_check
+    from generators.labelled_photos import person_check
 
     labels = []
     for p in person_check():
@@ -173,7 +173,7 @@ def _run_tree(tree: Path, images: Path, pool: Path | None, with_ray: bool) -> di
 
 
 def _person_metrics(labels: list[dict], r: dict) -> dict:
-    from curation.labelled_photos import precision_recall
+    from generators.labelled_photos import precision_recall
 
     truth = [item["person"] for item in labels]
     precision, recall = precision_recall(truth, r["said"])

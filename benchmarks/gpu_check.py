@@ -13,7 +13,7 @@ far, and the next part still runs. The parts:
    YOLO11m detection + YOLO11m-pose and OpenCLIP ViT-L-14 + the aesthetic head on GPU actors, pHash) over a few
    thousand images cycled from the package photos, re-encoded at web sizes (long side 1024-2048 px). The models are
    the real architectures with random weights, saved into a temporary model store and loaded through the store's
-   loading code (``curation.random_store``), with every filter opened so each image does all the work. A sweep over
+   loading code (``generators.random_models``), with every filter opened so each image does all the work. A sweep over
    the model stages' batch size; per point images/s per GPU once the pipeline runs (from the first result to the
    last) and from the start (actor start-up included), and the GPU's utilisation over the running window. Then
    where a batch's time goes, in this process on the GPU: decode, host-to-device copy and each model's forward
@@ -70,7 +70,7 @@ class Sizes:
     batches: tuple[int, ...]  # model stages' batch sizes swept
     yolo: str
     clip: str
-    clip_cfg: dict | None  # None: the tiny OpenCLIP of curation.random_store; {}: the architecture's own
+    clip_cfg: dict | None  # None: the tiny OpenCLIP of generators.random_models; {}: the architecture's own
     imgsz: int
     yolo_actors: tuple[int, float, float]  # actors, CPUs and GPU share of each
     clip_actors: tuple[int, float, float]
@@ -225,7 +225,7 @@ def web_sized_photos(names: tuple[str, ...] | None, long_sides: tuple[int, ...])
     """The package photos (or the named ones) as JPEGs at each long side (0: the shipped bytes)."""
     from PIL import Image
 
-    from curation.sample_pool import load_photos
+    from generators.sample_pool import load_photos
 
     photos = load_photos()
     out = []
@@ -316,7 +316,7 @@ def time_split(cfg, images: list[bytes], batch: int) -> dict[str, float]:
     from PIL import Image
     from ultralytics.data.augment import LetterBox
 
-    from curation.imageio import decode
+    from common.imageio import decode
     from curation.stages.clip import ClipStage, clip_input
     from curation.stages.yolo import YoloPersonStage
 
@@ -371,7 +371,7 @@ def part_curation(sz: Sizes, deadline: Deadline, report: PartReport, context: di
     import torch
 
     from common.ray_utils import init_ray
-    from curation.random_store import build_random_store
+    from generators.random_models import build_random_store
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-curation-") as tmp:
         root = Path(tmp)

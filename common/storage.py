@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import re
+import tarfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -217,3 +218,12 @@ def retry_io_stream(open_stream: Callable[[], Iterator[T]], retries: int) -> Ite
                 raise
             failures += 1
             time.sleep(min(2.0 ** (failures - 1), 30.0))
+
+
+def fixed_tarinfo(name: str, size: int) -> tarfile.TarInfo:
+    """A tar member header with a fixed owner, mode and time: headers otherwise carry the writer's clock and user,
+    and the same members would give other bytes."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, 0, 0o644
+    info.uid, info.gid, info.uname, info.gname = 0, 0, "", ""
+    return info

@@ -12,7 +12,7 @@ Keypoints (``KEYPOINTS``): 308 points in three groups, as Sapiens2's pose head p
 | hands | 40 | per hand, 5 fingers (thumb .. pinky) x 4 points (third joint, second joint, first joint, tip) |
 | face | 243 | jaw contour 33, eyebrows 2 x 9, eye contours 2 x 16, nose 14, outer lips 20, inner lips 12, ears 2 x 6, face mesh 102 |
 
-Each point also says where it sits on the synthetic figure (``finetune/render.py``): a surface point (a primitive
+Each point also says where it sits on the synthetic figure (``generators/humanoids.py``): a surface point (a primitive
 and a unit direction in its local frame) or a joint centre (a bone's end). Left and right points of every group are
 mirror images (``left_*`` at local x, ``right_*`` at -x), so a mirrored image keeps every label by swapping names.
 OKS sigmas: COCO's for its 17, COCO-WholeBody's for the feet, and one sigma per group for the rest (sharp points:

@@ -15,9 +15,9 @@ import sys
 
 from common.config import ConfigError, load_config
 from common.storage import StorageError
-from curation.audit import audit
+from curation.audit.verify import audit
 from curation.config import CurateConfig
-from curation.report import ReportOptions, write_report
+from curation.audit.report import ReportOptions, write_report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -38,6 +38,7 @@ from common.storage import (
     StorageError,
     delete_quietly,
     exists,
+    fixed_tarinfo,
     is_local,
     join,
     list_files,
@@ -48,7 +49,6 @@ from common.storage import (
     write_json_atomic,
 )
 from curation.final_write import UnitRecords, plan_output_shards, run_units
-from curation.sample_pool import fixed_tarinfo
 
 FORMATS = ("webdataset",)
 _EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "TIFF": "tiff", "BMP": "bmp",

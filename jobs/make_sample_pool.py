@@ -3,7 +3,7 @@
     python -m jobs.make_sample_pool --out sample_pool [--n 60] [--seed 0] [--format folder|parquet|webdataset]
 
 The pool is byte-identical for the same --n and --seed. <out>/_manifest.jsonl says, per input, how the pipeline
-names it, where it came from and what curation should do with it (see curation/sample_pool.py).
+names it, where it came from and what curation should do with it (see generators/sample_pool.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from curation.sample_pool import DEFAULT_N, FORMATS, MANIFEST, MIN_N, FixtureMissing, make_sample_pool, summary_lines
+from generators.sample_pool import DEFAULT_N, FORMATS, MANIFEST, MIN_N, FixtureMissing, make_sample_pool, summary_lines
 
 
 def _count(text: str) -> int:

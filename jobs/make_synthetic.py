@@ -28,10 +28,9 @@ from PIL import Image
 
 from common import schema, storage
 from common.config import hash_json
-from curation.sample_pool import fixed_tarinfo
 from finetune.data import encode_row
 from finetune.labels import COCO_KEYPOINTS, PARTS, keypoints
-from finetune.render import RenderConfig, render
+from generators.humanoids import RenderConfig, render
 
 SPLITS = {"train": 0, "val": 1, "pool": 2}
 POOL_JPEG_QUALITY = 90
@@ -103,7 +102,7 @@ def write_pool(out: str, n: int, cfg: RenderConfig, seed: int, args: argparse.Na
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for name, data in members:
-                tar.addfile(fixed_tarinfo(name, len(data)), io.BytesIO(data))  # the same command, the same bytes
+                tar.addfile(storage.fixed_tarinfo(name, len(data)), io.BytesIO(data))  # the same command, the same bytes
         storage.write_bytes_atomic(fs, storage.join(root, f"pool-{k:05d}.tar"), buf.getvalue())
         print(f"[make_synthetic] pool-{k:05d}.tar: {len(members)} renders", flush=True)
     return len(ranges)

@@ -39,7 +39,7 @@ from PIL import Image
 
 from common import storage
 from common.layout import LAYOUT
-from curation.imageio import open_reduced
+from common.imageio import open_reduced
 
 if TYPE_CHECKING:  # not imported at run time: Ray Data's decode tasks import this module and need neither
     import torch

@@ -27,10 +27,10 @@ from PIL import Image
 from common import schema
 from common.layout import LAYOUT
 from common.config import load_config
-from curation.audit import Problem, audit, funnel_key
+from curation.audit.verify import Problem, audit, funnel_key
 from curation.config import CurateConfig
 from curation.ledger import read_ledger, reason_code
-from curation.report import (
+from curation.audit.report import (
     _NOT_REOPENED,
     SCORES,
     ReportOptions,

@@ -281,7 +281,7 @@ def _photos() -> dict[str, Image.Image]:
     from skimage import data
     from sklearn.datasets import load_sample_image
 
-    from curation.sample_pool import ultralytics_assets
+    from generators.sample_pool import ultralytics_assets
 
     assets = ultralytics_assets()
     out = {n: Image.fromarray(getattr(data, n)()).convert("RGB") for n in ("astronaut", "camera", "chelsea")}

@@ -25,7 +25,7 @@ from conftest import tensorboard_scalars
 from finetune import augment, data, heads, losses, metrics, tasks
 from finetune.config import FinetuneConfig
 from finetune.labels import COCO_KEYPOINTS, GROUPS, KEYPOINT_NAMES, KEYPOINTS, MAX_KEYPOINTS, PARTS, keypoints
-from finetune.render import RenderConfig, render
+from generators.humanoids import RenderConfig, render
 from finetune.train import build_model, build_optimizer, layer_id, load_finetuned, resolve_class_weights, set_schedule
 from jobs import finetune as job
 from jobs import make_synthetic

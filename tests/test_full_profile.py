@@ -21,9 +21,9 @@ from common import schema
 from common.config import ConfigError, load_config
 from curation import models
 from curation.config import CurateConfig
-from curation.imageio import decode
+from common.imageio import decode
 from curation.ledger import committed_files, read_ledger, reason_code
-from curation.random_store import TINY_CLIP, build_random_store, store_overrides
+from generators.random_models import TINY_CLIP, build_random_store, store_overrides
 from curation.stage import REJECT, StageRunner
 from curation.stages.clip import ClipStage
 from curation.stages.yolo import (
@@ -58,7 +58,7 @@ def store_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def photos() -> dict[str, bytes]:
-    from curation.sample_pool import load_photos
+    from generators.sample_pool import load_photos
 
     loaded = load_photos()
     return {n: loaded[n].data for n in ("bus", "zidane", "grace_hopper", "astronaut", "china", "coffee", "page")}
@@ -516,7 +516,7 @@ E2E_ITEMS = (
 
 @pytest.mark.slow
 def test_full_profile_curate_job_end_to_end(store_dir, ray_local, tmp_path):
-    from curation.sample_pool import build_pool, write_pool
+    from generators.sample_pool import build_pool, write_pool
     from jobs import curate
 
     pool = tmp_path / "pool"

@@ -379,7 +379,7 @@ def test_hierarchical_backbone_masks_whole_windows() -> None:
 
 
 def _photo_batch(height: int = 128, width: int = 96) -> torch.Tensor:
-    from curation.sample_pool import load_photos
+    from generators.sample_pool import load_photos
 
     batch = []
     for photo in load_photos().values():

@@ -15,7 +15,7 @@ from PIL import Image
 from common import schema
 from curation.config import CurateConfig
 from curation.stage import REJECT
-from curation.labelled_photos import person_check, precision_recall, upscaled_rgb
+from generators.labelled_photos import person_check, precision_recall, upscaled_rgb
 from curation.stages.people import HeadPoseStage, PersonStage, group_skeletons, yaw_class
 
 PEOPLE = ("bus", "zidane", "grace_hopper", "astronaut", "camera")

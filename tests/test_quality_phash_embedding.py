@@ -21,8 +21,8 @@ from sklearn.datasets import load_sample_image
 
 from common import schema
 from curation.config import CurateConfig
-from curation.imageio import decode
-from curation.sample_pool import ultralytics_assets
+from common.imageio import decode
+from generators.sample_pool import ultralytics_assets
 from curation.stage import REJECT
 from curation.stages.embedding import LITE_NAME, EmbeddingStage
 from curation.stages.phash import PhashStage, hamming, hash_to_int

@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from common import schema
-from curation.bad_inputs import write_bad_inputs
+from generators.hostile_inputs import write_bad_inputs
 from curation.ledger import read_ledger, reason_code
-from curation.sample_pool import ultralytics_assets
+from generators.sample_pool import ultralytics_assets
 from jobs import curate
 
 LITE = "configs/curate/lite.yaml"

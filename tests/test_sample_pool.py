@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from curation import sample_pool as sp
+from generators import sample_pool as sp
 from curation.config import CurateConfig, InputSettings
-from curation.imageio import _to_mode, open_image
+from common.imageio import _to_mode, open_image
 from curation.pool import ShardReader, list_shards
 from curation.stage import REJECT
 from curation.stages.decode import DecodeStage

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from curation.imageio import open_reduced
+from common.imageio import open_reduced
 from curation.stage import Row, Stage, Update, reject
 
 _INTERPOLATION = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}

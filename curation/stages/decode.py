@@ -11,7 +11,7 @@ import hashlib
 
 from PIL import Image, UnidentifiedImageError
 
-from curation.imageio import decode, open_image, picture_format, sequence_frames
+from common.imageio import decode, open_image, picture_format, sequence_frames
 from curation.pool import split_read_reason
 from curation.stage import Row, Stage, Update, reject
 

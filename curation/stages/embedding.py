@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from curation.imageio import decode
+from common.imageio import decode
 from curation.stage import Row, Stage, Update
 
 LITE_NAME = "lite-colour-gradient-v1"

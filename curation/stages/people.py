@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from curation.imageio import decode
+from common.imageio import decode
 from curation.stage import Row, Stage, Update, reject
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from curation.imageio import open_reduced
+from common.imageio import open_reduced
 from curation.stage import Row, Stage, Update
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from common.schema import QUALITY_PARTS_TYPE
-from curation.imageio import decode
+from common.imageio import decode
 from curation.stage import Row, Stage, Update, reject
 
 PARTS = tuple(field.name for field in QUALITY_PARTS_TYPE)

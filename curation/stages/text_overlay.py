@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from curation.imageio import decode
+from common.imageio import decode
 from curation.stage import Row, Stage, Update, reject
 
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from curation.imageio import decode
+from common.imageio import decode
 from curation.stage import Row, Stage, Update
 from curation.stages.people import PERSON_COLUMNS, order_main_first, person_update, prominence, yaw_class
 

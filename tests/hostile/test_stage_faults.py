@@ -16,7 +16,7 @@ from PIL import Image
 
 from common import schema
 from curation.config import CurateConfig
-from curation.imageio import decode, open_reduced
+from common.imageio import decode, open_reduced
 from curation.ledger import read_ledger
 from curation.stage import StageRunner
 from curation.stages.faults import FaultInjectionStage

@@ -65,6 +65,8 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageFont, ImageOps
 
+from common import storage
+
 DEFAULT_N = 60
 MIN_N = 40  # the fixed structure (36 inputs) plus one of each of the four near-duplicate kinds
 SHARD_ROWS = 25
@@ -243,7 +245,7 @@ class PoolItem:
 
     def facts(self) -> dict[str, Any]:
         """What decode should find in the header: format, mode, displayed size, frames (nulls for non-images)."""
-        from curation.imageio import open_image  # also lifts PIL's bomb guard, as decode does
+        from common.imageio import open_image  # also lifts PIL's bomb guard, as decode does
 
         out: dict[str, Any] = {"format": None, "mode": None, "width": None, "height": None, "frames": None}
         if not self.data:
@@ -533,15 +535,6 @@ def wds_member(name: str) -> str:
     return f"{key}.{ext}"
 
 
-def fixed_tarinfo(name: str, size: int) -> tarfile.TarInfo:
-    """A tar member header with a fixed owner, mode and time: headers otherwise carry the writer's clock and user,
-    and the same members would give other bytes."""
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = size, 0, 0o644
-    info.uid, info.gid, info.uname, info.gname = 0, 0, "", ""
-    return info
-
-
 def _shards(items: list[PoolItem], seed: int) -> list[list[PoolItem]]:
     storable = [it for it in items if it.data is not None]
     order = np.random.default_rng([seed, 5]).permutation(len(storable))
@@ -591,7 +584,7 @@ def _write_webdataset(items: list[PoolItem], out: Path, seed: int) -> list[tuple
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for it in shard:
                 assert it.data is not None
-                info = fixed_tarinfo(wds_member(it.name), len(it.data))
+                info = storage.fixed_tarinfo(wds_member(it.name), len(it.data))
                 tar.addfile(info, io.BytesIO(it.data))
                 placed.append((f"{fname}#{info.name}", it))
         (out / fname).write_bytes(buf.getvalue())

@@ -34,9 +34,9 @@ from common import schema
 from common.layout import GLOBAL_PHASES, LAYOUT, PHASES
 from common.progress import progress
 from common.storage import exists, join, read_json, resolve, write_bytes_atomic
-from curation.audit import AuditResult
+from curation.audit.verify import AuditResult
 from curation.config import CurateConfig
-from curation.imageio import open_image, open_reduced
+from common.imageio import open_image, open_reduced
 from curation.ledger import funnel_steps, read_ledger, reason_code, stopped_by_stage
 from curation.phases import committed_records
 

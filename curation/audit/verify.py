@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from common import schema
 from common.layout import GLOBAL_PHASES, LAYOUT
 from common.storage import exists, file_sha256, join, list_files, read_json, resolve
-from curation.imageio import open_reduced
+from common.imageio import open_reduced
 from curation.ledger import reason_code
 
 STATUSES = (schema.KEPT, schema.REJECTED, schema.ERROR, schema.DUPLICATE, schema.UNSAMPLED)

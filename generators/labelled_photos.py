@@ -40,7 +40,7 @@ class LabelledPhoto:
 
 
 def _shipped(name: str) -> Image.Image:
-    from curation.sample_pool import load_photos, ultralytics_assets
+    from generators.sample_pool import load_photos, ultralytics_assets
 
     if name in ("bus", "zidane"):
         return Image.open(ultralytics_assets() / f"{name}.jpg")
