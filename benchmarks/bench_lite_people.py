@@ -62,6 +62,17 @@ def _timed_batches(stage, rows: list[dict], size: int) -> tuple[float, list[dict
     return time.perf_counter() - start, out
 
 
+def _runner(stage_name: str, cfg):
+    """A set-up stage runner, in this tree or in a baseline that builds runners from the config's JSON."""
+    try:
+        from curation.score import stage_runner
+    except ImportError:
+        from curation.stage import StageRunner
+
+        return StageRunner(stage_name, cfg.model_dump_json())
+    return stage_runner(stage_name, cfg)
+
+
 def scoring_in_process(cfg, pool: Path) -> dict:
     """Phase 1 in this process, batch by batch, as ``curation.score.score_in_process`` runs it, with the CPU time
     of each stage (its native threads included) and the rows it saw still pending."""
@@ -69,10 +80,8 @@ def scoring_in_process(cfg, pool: Path) -> dict:
 
     from curation.pool import list_shards
     from curation.score import _finalise, _shard_reader
-    from curation.stage import StageRunner
 
-    cfg_json = cfg.model_dump_json()
-    runners = [(name, StageRunner(name, cfg_json), cfg.stages[name].batch_size) for name in cfg.enabled_stages]
+    runners = [(name, _runner(name, cfg), cfg.stages[name].batch_size) for name in cfg.enabled_stages]
     reader = _shard_reader(cfg, str(pool))
     cpu = dict.fromkeys(cfg.enabled_stages, 0.0)
     seen = dict.fromkeys(cfg.enabled_stages, 0)
@@ -111,13 +120,10 @@ def worker(images: Path, pool: Path | None, with_ray: bool = False) -> dict:
     from common.config import load_config
     from curation.config import CurateConfig
     from curation.stage import REJECT
-    from curation.stages import STAGES
 
     root = Path(sys.modules["curation"].__file__).resolve().parents[1]
     cfg = load_config(CurateConfig, root / "configs" / "curate" / "lite.yaml", [])
-    person, head = STAGES["person"](cfg), STAGES["head_pose"](cfg)
-    person.setup()
-    head.setup()
+    person, head = _runner("person", cfg).stage, _runner("head_pose", cfg).stage
     labels, rows = _rows(images)
     person.process_batch(rows[:1])  # warm up outside the clock
     person_s, updates = _timed_batches(person, rows, cfg.stages["person"].batch_size)

@@ -37,7 +37,10 @@ from pretrain import data  # noqa: E402
 from pretrain.backbone import build  # noqa: E402
 from pretrain.config import PretrainConfig  # noqa: E402
 from pretrain.objective import JointObjective  # noqa: E402
-from pretrain.train import build_model, build_optimizer, fit, lr_at, read_metrics, run_uri_for  # noqa: E402
+from pretrain.train import build_model, build_optimizer, fit  # noqa: E402
+from training.metrics import read_metrics  # noqa: E402
+from training.runner import run_uri_for  # noqa: E402
+from training.schedules import lr_at  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs/pretrain/tiny.yaml"
 

@@ -438,7 +438,9 @@ def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadlin
     uint8 images, median of ``steps`` after ``warmup``; throughput, memory and MFU from it."""
     import torch
 
-    from pretrain.train import build_optimizer, lr_at, optimizer_step, peak_flops, train_flops_per_image
+    from pretrain.train import build_optimizer, peak_flops, train_flops_per_image
+    from training.schedules import lr_at
+    from training.sharding import optimizer_step
 
     optimizer = build_optimizer(model, cfg.optim)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -552,7 +554,9 @@ def part_data_wait(sz: Sizes, deadline: Deadline, report: PartReport, context: d
 
     from common.ray_utils import init_ray
     from pretrain import data
-    from pretrain.train import fit, read_metrics, run_uri_for
+    from pretrain.train import fit
+    from training.metrics import read_metrics
+    from training.runner import run_uri_for
 
     setting = context.get("setting") or {"compile": False, "activation_checkpointing": True}
     steps = sz.data_warmup + sz.data_steps

@@ -37,10 +37,10 @@ sys.path.insert(0, str(REPO))
 from common.config import load_config  # noqa: E402
 from common.ray_utils import init_ray  # noqa: E402
 from finetune.config import FinetuneConfig  # noqa: E402
-from pretrain.checkpoint import read_safetensors  # noqa: E402
 from jobs import curate, make_synthetic  # noqa: E402
 from jobs import finetune as finetune_job  # noqa: E402
 from jobs import pretrain as pretrain_job  # noqa: E402
+from training.checkpoint import read_safetensors  # noqa: E402
 
 METRIC = {"seg": "mIoU", "pose": "AP"}  # headline metric per task; higher is better for both
 MODES = {"probe": "true", "full": "false"}  # mode -> optim.freeze_backbone

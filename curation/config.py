@@ -6,30 +6,14 @@ it changes. Thresholds that decide a rejection live under ``filters``; knobs of 
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from common.config import Strict, config_hash, hash_json
-
-
-class StageSettings(Strict):
-    enabled: bool = True
-    batch_size: int = Field(16, ge=1)
-    num_cpus: float = Field(1.0, gt=0)
-    num_gpus: float = Field(0.0, ge=0)
-    # (min, max) actors for model stages; task stages ignore it.
-    actors: tuple[int, int] = (1, 2)
-    # Time limit per image of a stage call (a batch of n rows gets n times this); a row past it is an error row
-    # (stage_timeout). None: no limit. See curation/stage.py.
-    timeout_s: float | None = Field(60.0, gt=0)
-
-    @field_validator("actors")
-    @classmethod
-    def _actors_ordered(cls, v: tuple[int, int]) -> tuple[int, int]:
-        if not 1 <= v[0] <= v[1]:
-            raise ValueError("actors must be [min, max] with 1 <= min <= max")
-        return v
+from curation.stage import StageSettings
+from curation.stages import stage_classes
 
 
 class InputSettings(Strict):
@@ -271,15 +255,9 @@ class ModelSettings(Strict):
 
 
 def _default_stages() -> dict[str, StageSettings]:
-    return {
-        "decode": StageSettings(batch_size=32, num_cpus=0.5),
-        "person": StageSettings(batch_size=8, num_cpus=0.5, actors=(1, 2)),
-        "head_pose": StageSettings(batch_size=16, num_cpus=0.25, actors=(1, 1)),
-        "quality": StageSettings(batch_size=16, num_cpus=0.5),
-        "text_overlay": StageSettings(batch_size=8, num_cpus=0.5, actors=(1, 2)),
-        "phash": StageSettings(batch_size=32, num_cpus=0.25),
-        "embedding": StageSettings(batch_size=32, num_cpus=0.5),
-    }
+    """The stages that declare a ``default_order``, in that order, with their declared settings."""
+    ordered = sorted((s for s in stage_classes().values() if s.default_order is not None), key=lambda s: s.default_order)
+    return {stage.name: stage.default_settings.model_copy() for stage in ordered}
 
 
 class DedupSettings(Strict):
@@ -347,13 +325,25 @@ class CurateConfig(Strict):
     write: WriteSettings = WriteSettings()
     ray: RaySettings = RaySettings()
 
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _stage_defaults_under_entries(cls, stages: object) -> object:
+        """A stage's entry states only what differs from the settings its class declares."""
+        if not isinstance(stages, dict):
+            return stages
+        known = stage_classes()
+        return {
+            name: {**known[name].default_settings.model_dump(), **given}
+            if name in known and isinstance(given, dict) else given
+            for name, given in stages.items()
+        }
+
     @model_validator(mode="after")
     def _known_stages(self) -> CurateConfig:
-        from curation.stages import STAGES
-
-        unknown = [s for s in self.stages if s not in STAGES]
+        known = stage_classes()
+        unknown = [s for s in self.stages if s not in known]
         if unknown:
-            raise ValueError(f"unknown stage(s) {unknown}; known: {sorted(STAGES)}")
+            raise ValueError(f"unknown stage(s) {unknown}; known: {sorted(known)}")
         if next(iter(self.stages), None) != "decode" or not self.stages["decode"].enabled:
             raise ValueError("the first stage must be 'decode' and it cannot be disabled")
         return self
@@ -400,3 +390,10 @@ class CurateConfig(Strict):
         upto = {"dedup": ("dedup",), "sample": ("dedup", "sample"), "write": ("dedup", "sample", "write", "output")}
         sections = {name: getattr(self, name).model_dump(mode="json") for name in upto[phase]}
         return hash_json({"score": self.results_hash(), **sections})
+
+
+@functools.lru_cache(maxsize=8)
+def config_from_json(cfg_json: str) -> CurateConfig:
+    """The config a job hands its Ray tasks as JSON, parsed once per worker process rather than once per batch.
+    Callers share the object: read it, never assign to it."""
+    return CurateConfig.model_validate_json(cfg_json)

@@ -36,7 +36,7 @@ import ray
 from common import schema
 from common.layout import GLOBAL_PHASES, LAYOUT
 from common.storage import encode_parquet, exists, join, read_json, resolve, write_bytes_atomic, write_json_atomic
-from curation.config import CurateConfig
+from curation.config import CurateConfig, config_from_json
 
 
 def dedup_decisions_path(index: int) -> str:
@@ -121,7 +121,7 @@ def _write_output_shards(out_uri: str, first: int, plan: list[list[tuple[int, in
                          scored_files: dict[str, list[str]], cfg_json: str, target: pa.Schema) -> dict:
     """Output shards ``first, first + 1, ...`` (``plan`` gives each one's slices of the partitions' selected rows):
     the selected rows in uid (= shard_id, source) order, with their cluster ids, written with ``target``."""
-    cfg = CurateConfig.model_validate_json(cfg_json)
+    cfg = config_from_json(cfg_json)
     fs, root = resolve(out_uri)
 
     def selected_of(partition: int) -> pa.Table:
@@ -209,7 +209,7 @@ def funnel_of(ledger: pa.Table) -> Counter:
 @ray.remote(num_cpus=0.5)
 def _write_ledger_group(out_uri: str, shards: list[tuple[str, list[str], int | None]], cfg_json: str) -> dict:
     """Final-ledger files for a run of input shards: (shard_id, ledger files, survivor partition or None)."""
-    cfg = CurateConfig.model_validate_json(cfg_json)
+    cfg = config_from_json(cfg_json)
     fs, root = resolve(out_uri)
     target = schema.with_metadata(schema.ledger_schema(), table="final_ledger", config_hash=cfg.results_hash())
     decisions: dict[int, tuple[pa.Table | None, pa.Table | None]] = {}

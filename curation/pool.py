@@ -33,6 +33,7 @@ import tarfile
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -41,7 +42,9 @@ import pyarrow.parquet as pq
 from common import schema
 from common.layout import LAYOUT
 from common.storage import StorageError, display_uri, exists, is_local, join, redact, resolve, safe_name
-from curation.config import InputSettings
+
+if TYPE_CHECKING:  # only: the config imports the stages, and the decode stage imports this module
+    from curation.config import InputSettings
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".jfif", ".mpo")
 

@@ -9,6 +9,7 @@ depend on how Ray happened to split the data into blocks.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections import defaultdict
@@ -36,28 +37,28 @@ from common.storage import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from curation.config import CurateConfig
+from curation.config import CurateConfig, config_from_json
 from curation.pool import InputShard, ShardReader
 from curation.stage import StageRunner
+from curation.stages import stage_classes
 
 
-# Task stages are created once per worker process, like an actor's setup().
-_TASK_RUNNERS: dict[tuple[str, str], StageRunner] = {}
+def stage_runner(stage_name: str, cfg: CurateConfig) -> StageRunner:
+    """The runner of the stage a config names, its models set up."""
+    return StageRunner(stage_classes()[stage_name], cfg)
 
 
-def _run_task_stage(table: pa.Table, stage_name: str, cfg_json: str) -> pa.Table:
-    key = (stage_name, hashlib.sha1(cfg_json.encode()).hexdigest())
-    runner = _TASK_RUNNERS.get(key)
-    if runner is None:
-        runner = _TASK_RUNNERS[key] = StageRunner(stage_name, cfg_json)
-    return runner(table)
+@functools.cache
+def _task_runner(stage_name: str, cfg_json: str) -> StageRunner:
+    """Task stages are set up once per worker process, like an actor's setup()."""
+    return stage_runner(stage_name, config_from_json(cfg_json))
 
 
 def _named_task(stage_name: str) -> Callable[..., pa.Table]:
     """A task function named after its stage, so Ray Data's progress shows stage names."""
 
     def run(table: pa.Table, cfg_json: str) -> pa.Table:
-        return _run_task_stage(table, stage_name, cfg_json)
+        return _task_runner(stage_name, cfg_json)(table)
 
     run.__name__ = run.__qualname__ = stage_name
     return run
@@ -73,7 +74,7 @@ def _shard_reader(cfg: CurateConfig, input_uri: str) -> ShardReader:
 
 def _read_shards(batch: pa.Table, cfg_json: str, input_uri: str) -> Iterator[pa.Table]:
     """Stream each input shard in chunks (a generator: Ray Data never holds a whole shard in one block)."""
-    cfg = CurateConfig.model_validate_json(cfg_json)
+    cfg = config_from_json(cfg_json)
     reader = _shard_reader(cfg, input_uri)
     for row in batch.to_pylist():
         shard = InputShard.from_row(row)
@@ -89,7 +90,7 @@ def _finalise(table: pa.Table) -> pa.Table:
 def _write_parts(batch: pa.Table, out_uri: str, cfg_json: str, results_hash: str) -> pa.Table:
     """Write the batch's rows as one ledger part (and one scored part) per input shard; return receipts. Each write
     is atomic and named by its content, so one retried after an I/O error leaves what one try would."""
-    cfg = CurateConfig.model_validate_json(cfg_json)
+    cfg = config_from_json(cfg_json)
     return retry_io(lambda: _write_parts_once(batch, out_uri, cfg, results_hash), cfg.ray.io_retries)
 
 
@@ -136,8 +137,7 @@ def _write_parts_once(batch: pa.Table, out_uri: str, cfg: CurateConfig, results_
 
 def score_in_process(cfg: CurateConfig, shards: list[InputShard], input_uri: str) -> pa.Table:
     """The same stages in this process, batch by batch, without Ray: the baseline benchmarks compare against."""
-    cfg_json = cfg.model_dump_json()
-    runners = [(StageRunner(name, cfg_json), cfg.stages[name].batch_size) for name in cfg.enabled_stages]
+    runners = [(stage_runner(name, cfg), cfg.stages[name].batch_size) for name in cfg.enabled_stages]
     reader = _shard_reader(cfg, input_uri)
     tables = []
     for shard in shards:
@@ -211,17 +211,16 @@ class ScorePhase:
             fn_kwargs={"cfg_json": cfg_json, "input_uri": self.input_uri},
         )
         for name in self.cfg.enabled_stages:
-            from curation.stages import STAGES
-
+            stage_class = stage_classes()[name]
             settings = self.cfg.stages[name]
             common = dict(batch_size=settings.batch_size, batch_format="pyarrow", num_cpus=settings.num_cpus)
             if settings.num_gpus:
                 common["num_gpus"] = settings.num_gpus
-            if STAGES[name].uses_actors:
+            if stage_class.uses_actors:
                 lo, hi = settings.actors
                 ds = ds.map_batches(
                     _named_actor(name),
-                    fn_constructor_kwargs={"stage_name": name, "cfg_json": cfg_json},
+                    fn_constructor_kwargs={"stage_class": stage_class, "cfg": self.cfg},
                     compute=ActorPoolStrategy(min_size=lo, max_size=hi),
                     **common,
                 )

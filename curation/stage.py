@@ -1,10 +1,11 @@
 """The one Stage abstraction every curation filter and scorer uses.
 
-A stage declares its name, the columns it reads and writes and its resources; ``setup()`` loads models once per
-Ray actor (or once per worker process for task stages) and ``process_batch()`` scores a batch of rows. The
-runner around it (``StageRunner``) is what Ray Data calls: it hands the stage only the rows still pending,
-turns rejections into ledger fields, drops the bytes of rejected images so they stop flowing, and confines a fault
-to the image that caused it.
+A stage declares its name, the columns it reads and writes, its default resources and its place in the default
+stage list; defining it in a module of curation/stages/ registers it. ``setup()`` loads models once per Ray actor
+(or once per worker process for task stages) and ``process_batch()`` scores a batch of rows. The runner around it
+(``StageRunner``) is what Ray Data calls: it hands the stage only the rows still pending, writes their updates into
+the batch's Arrow columns, turns rejections into ledger fields, drops the bytes of rejected images so they stop
+flowing, and confines a fault to the image that caused it.
 
 Faults. A row on which the stage raises becomes an ``error`` row (``stage_error: <exception>``), whatever the batch
 size, and so does a row that runs past ``stages.<name>.timeout_s`` (``stage_timeout``). Only a failing ``setup()``
@@ -38,6 +39,7 @@ import threading
 import time
 import traceback
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -45,8 +47,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray
+from pydantic import Field, field_validator
 
 from common import schema
+from common.config import Strict
 from curation.ledger import reason_code
 
 if TYPE_CHECKING:
@@ -64,14 +68,50 @@ Row = dict[str, Any]
 Update = dict[str, Any]
 
 
+class StageSettings(Strict):
+    enabled: bool = True
+    batch_size: int = Field(16, ge=1)
+    num_cpus: float = Field(1.0, gt=0)
+    num_gpus: float = Field(0.0, ge=0)
+    # (min, max) actors for model stages; task stages ignore it.
+    actors: tuple[int, int] = (1, 2)
+    # Time limit per image of a stage call (a batch of n rows gets n times this); a row past it is an error row
+    # (stage_timeout). None: no limit.
+    timeout_s: float | None = Field(60.0, gt=0)
+
+    @field_validator("actors")
+    @classmethod
+    def _actors_ordered(cls, v: tuple[int, int]) -> tuple[int, int]:
+        if not 1 <= v[0] <= v[1]:
+            raise ValueError("actors must be [min, max] with 1 <= min <= max")
+        return v
+
+
 class Stage:
-    """Base class. Subclasses set the class attributes and implement ``process_batch``."""
+    """Base class. Subclasses set the class attributes and implement ``process_batch``; one that sets ``name``
+    registers itself, so a module in curation/stages/ defining it is all the registry needs."""
 
     name: ClassVar[str]
     reads: ClassVar[tuple[str, ...]] = ("image",)
     writes: ClassVar[tuple[str, ...]] = ()
     # Model stages run in a Ray actor pool (setup once per actor); cheap stateless stages run as tasks.
     uses_actors: ClassVar[bool] = False
+    # Settings where the config names none: the fields a config's entry for the stage leaves out.
+    default_settings: ClassVar[StageSettings] = StageSettings()
+    # Place in the stage list of a config that lists none (the lite profile); None: runs only where a config lists it.
+    default_order: ClassVar[int | None] = None
+    # Every named stage class by name, filled as their modules are imported; curation.stages imports them all.
+    registry: ClassVar[dict[str, type[Stage]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            return  # a base for other stages, not a stage of its own
+        known = Stage.registry.get(cls.name)
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(f"stage name {cls.name!r} of {cls.__module__}.{cls.__qualname__} is taken by "
+                            f"{known.__module__}.{known.__qualname__}")
+        Stage.registry[cls.name] = cls
 
     def __init__(self, cfg: CurateConfig):
         self.cfg = cfg
@@ -191,13 +231,19 @@ def _describe(exc: BaseException) -> str:
 _funnel_metrics: tuple | None = None
 
 
+def _fate(update: Update) -> tuple[str, str] | None:
+    """(ledger status, reason) of a row its update stops; None for a row that flows on."""
+    if _FAULT in update:
+        return schema.ERROR, update[_FAULT]
+    if REJECT in update:
+        return schema.REJECTED, update[REJECT]
+    return None
+
+
 def _outcome(update: Update) -> tuple[str, str]:
     """(outcome, reason code) of one row's update: the ledger's status and the stable part of its reason."""
-    if _FAULT in update:
-        return schema.ERROR, reason_code(update[_FAULT])
-    if REJECT in update:
-        return schema.REJECTED, reason_code(update[REJECT])
-    return "passed", ""
+    fate = _fate(update)
+    return ("passed", "") if fate is None else (fate[0], reason_code(fate[1]))
 
 
 def _record_funnel(stage: str, updates: list[Update], seconds: float) -> None:
@@ -229,20 +275,16 @@ def _record_funnel(stage: str, updates: list[Update], seconds: float) -> None:
 class StageRunner:
     """Ray Data callable around one stage: ``pa.Table -> pa.Table`` over the working schema."""
 
-    def __init__(self, stage_name: str, cfg_json: str):
-        from curation.config import CurateConfig
-        from curation.stages import STAGES
-
-        cfg = CurateConfig.model_validate_json(cfg_json)
-        self.stage: Stage = STAGES[stage_name](cfg)
+    def __init__(self, stage_class: type[Stage], cfg: CurateConfig):
+        self.stage: Stage = stage_class(cfg)
         try:
             self.stage.setup()
         except Exception as exc:
-            exc.add_note(f"stage {stage_name!r} could not set up, so it cannot score any image: the job stops")
+            exc.add_note(f"stage {stage_class.name!r} could not set up, so it cannot score any image: the job stops")
             raise
         self.schema = schema.working_schema(cfg.embedding_dim)
         self.timeout_s = self.stage.settings.timeout_s
-        _load_stuck_rows(stage_name)
+        _load_stuck_rows(stage_class.name)
 
     @property
     def needs_recycle(self) -> bool:
@@ -251,9 +293,9 @@ class StageRunner:
 
     def __call__(self, table: pa.Table) -> pa.Table:
         _exit_if_stuck_from_an_earlier_task()
-        status = table.column("status").to_pylist()
-        pending = [i for i, s in enumerate(status) if s == schema.PENDING]
-        if not pending:
+        is_pending = pc.fill_null(pc.equal(table.column("status"), schema.PENDING), False)
+        pending = np.flatnonzero(is_pending.to_numpy())
+        if not len(pending):
             return table
         picked = table.take(pending)
         columns = {c: picked.column(c).to_pylist() for c in self.stage.reads}
@@ -336,35 +378,34 @@ class StageRunner:
         limit = f"{self.timeout_s:g} s per image (stages.{name}.timeout_s)"
         return f"stage_timeout: stage {name} ran past its limit of {limit}{detail}"
 
-    def _merge(self, table: pa.Table, pending: list[int], updates: list[Update]) -> pa.Table:
-        n = table.num_rows
+    def _merge(self, table: pa.Table, pending: np.ndarray, updates: list[Update]) -> pa.Table:
+        """The table with the updates of its ``pending`` rows in place: only their values become Arrow arrays."""
         for column in self.stage.writes:
-            values = table.column(column).to_pylist()
-            for i, update in zip(pending, updates):
-                if column in update:
-                    values[i] = update[column]
-            table = table.set_column(
-                table.schema.get_field_index(column), self.schema.field(column), pa.array(values, self.schema.field(column).type)
-            )
-        status = table.column("status").to_pylist()
-        stage = table.column("stage").to_pylist()
-        reason = table.column("reason").to_pylist()
-        stopped = np.zeros(n, dtype=bool)
-        for i, update in zip(pending, updates):
-            if _FAULT in update:
-                status[i], reason[i] = schema.ERROR, update[_FAULT]
-            elif REJECT in update:
-                status[i], reason[i] = schema.REJECTED, update[REJECT]
-            else:
-                stage[i] = self.stage.name
-                continue
-            stage[i] = self.stage.name
-            stopped[i] = True
-        for name, values in (("status", status), ("stage", stage), ("reason", reason)):
-            table = table.set_column(table.schema.get_field_index(name), self.schema.field(name), pa.array(values, pa.string()))
-        if stopped.any():
-            # A stopped image stops flowing: drop its bytes (its ledger row keeps scores, stage and reason).
-            image_index = table.schema.get_field_index("image")
-            image = pc.if_else(pa.array(stopped), pa.nulls(n, schema.IMAGE_TYPE), table.column("image"))
-            table = table.set_column(image_index, self.schema.field("image"), image)
+            updated = [j for j, update in enumerate(updates) if column in update]
+            if updated:
+                table = self._scatter(table, pending[updated], {column: [updates[j][column] for j in updated]})
+        table = self._scatter(table, pending, {"stage": [self.stage.name] * len(pending)})
+        fates = [(j, fate) for j, fate in enumerate(map(_fate, updates)) if fate is not None]
+        if fates:
+            stopped = pending[[j for j, _ in fates]]
+            statuses, reasons = zip(*(fate for _, fate in fates))
+            table = self._scatter(table, stopped, {"status": statuses, "reason": reasons})
+            # A stopped image stops flowing: drop its bytes (its ledger row keeps scores, stage and reason). A take
+            # with null indices there copies the other images once.
+            dropped = np.zeros(table.num_rows, dtype=bool)
+            dropped[stopped] = True
+            image = table.column("image").take(pa.array(np.arange(table.num_rows), mask=dropped))
+            table = table.set_column(table.schema.get_field_index("image"), self.schema.field("image"), image)
+        return table
+
+    def _scatter(self, table: pa.Table, rows: np.ndarray, values: dict[str, Sequence[Any]]) -> pa.Table:
+        """``table`` with each named column's ``values`` at ``rows`` (typed as the working schema says), the rest as
+        it was: a take over the old column followed by the new values."""
+        index = np.arange(table.num_rows)
+        index[rows] = table.num_rows + np.arange(len(rows))
+        index = pa.array(index)
+        for column, new in values.items():
+            field = self.schema.field(column)
+            chunks = [*table.column(column).cast(field.type).chunks, pa.array(new, field.type)]
+            table = table.set_column(table.schema.get_field_index(column), field, pa.chunked_array(chunks).take(index))
         return table

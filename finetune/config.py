@@ -2,18 +2,20 @@
 
 Shipped configs live in ``configs/finetune/*.yaml``; every field has a default here so a config only states what
 it changes. Overrides use the same ``key=value`` style as the other jobs (``optim.lr=3e-4``,
-``optim.freeze_backbone=true``). Model, logging and cluster sections are the pretraining ones.
+``optim.freeze_backbone=true``). The model section is pretraining's; optimiser, logging and cluster settings are
+every training run's (``training/config.py``).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from common.config import Strict
 from finetune.augment import AugmentSettings
-from pretrain.config import LogSettings, ModelSettings, OptimSettings, RaySettings
+from pretrain.config import ModelSettings
+from training.config import CheckpointSettings, OptimSettings, TrainingConfig
 
 # Layer-wise LR decay per size: the public Sapiens2 fine-tuning configs (sapiens2 repository).
 LAYER_DECAY = {"0.4b": 0.8, "0.8b": 0.85, "1b": 0.9, "5b": 0.94}
@@ -56,9 +58,6 @@ class FinetuneOptim(OptimSettings):
     layer_decay: float | None = Field(None, gt=0, le=1)  # None: per-size default (LAYER_DECAY)
     freeze_backbone: bool = False  # train the head only (dense probing of the pretrained features)
 
-    def decay_end(self) -> float:
-        return self.weight_decay if self.weight_decay_end is None else self.weight_decay_end
-
 
 class FinetuneData(Strict):
     batch_size: int = Field(8, ge=1)  # per worker
@@ -74,15 +73,12 @@ class EvalSettings(Strict):
     visualise: int = Field(4, ge=0)  # PNGs (input | target | prediction) written after the final evaluation
 
 
-class FinetuneCheckpoint(Strict):
+class FinetuneCheckpoint(CheckpointSettings):
     every: int = Field(0, ge=0)  # steps between checkpoints (0: at the end only)
     keep: int = Field(2, ge=1)
 
 
-class FinetuneConfig(Strict):
-    seed: int = 0
-    steps: int = Field(ge=1)
-    precision: Literal["bf16", "fp32"] = "bf16"  # on GPU: bf16 params/compute, fp32 reduce; CPU runs fp32
+class FinetuneConfig(TrainingConfig):
     model: ModelSettings = ModelSettings()
     head: HeadSettings = HeadSettings()
     loss: LossSettings = LossSettings()
@@ -90,17 +86,8 @@ class FinetuneConfig(Strict):
     data: FinetuneData = FinetuneData()
     eval: EvalSettings = EvalSettings()
     checkpoint: FinetuneCheckpoint = FinetuneCheckpoint()
-    log: LogSettings = LogSettings()
-    ray: RaySettings = RaySettings()
-
-    @model_validator(mode="after")
-    def _grad_accum(self) -> FinetuneConfig:
-        if self.optim.grad_accum != 1:
-            raise ValueError("optim.grad_accum: fine-tuning takes one batch per step; raise data.batch_size instead")
-        return self
 
     def samples_per_step(self, workers: int | None = None) -> int:
-        """Images per optimiser step over all workers (the global batch)."""
         return self.data.batch_size * (workers or self.ray.workers)
 
     def layer_decay(self) -> float:

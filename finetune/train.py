@@ -1,14 +1,14 @@
 """Fine-tuning on Ray Train (V2): backbone + task head, FSDP2, layer-wise LR decay, periodic evaluation.
 
-Same machinery as pretraining (``pretrain/train.py``): a ``TorchTrainer`` worker group (gloo on CPU, NCCL on GPU),
-FSDP2 on every transformer block, the head and the root (bf16 compute with fp32 reduction on GPU), the linear
+The training runtime pretraining uses too (``training/``): a ``TorchTrainer`` worker group (gloo on CPU, NCCL on
+GPU), FSDP2 on every transformer block, the head and the root (bf16 compute with fp32 reduction on GPU), the linear
 warm-up + cosine schedule, gradient clipping on the global norm, JSON-lines metrics under ``<run>/metrics/``, DCP
-checkpoints with a commit record (``pretrain/checkpoint.py``): a rerun of the same command, or Ray Train
-restarting the worker group, continues from the newest committed checkpoint with the same data order.
+checkpoints with a commit record (``training/worker.py``): a rerun of the same command, or Ray Train restarting the
+worker group, continues from the newest committed checkpoint with the same data order.
 
 - Backbone: an exported pretrained backbone (``backbone.safetensors`` of ``jobs.pretrain``, safetensors only) or a
   random initialisation from the run's seed.
-- Optimiser: AdamW at the peak rate ``optim.lr x global batch / 256`` (``pretrain.train.peak_lr``); layer-wise LR
+- Optimiser: AdamW at the peak rate ``optim.lr x global batch / 256`` (``training.schedules.peak_lr``); layer-wise LR
   decay: the head and the final norm get the full rate, block ``i`` of the ``n`` blocks (a 4K backbone's windowed
   blocks first, then the global ones) ``decay ** (n - i)``, the patch embedding and learned tokens
   ``decay ** (n + 1)``; no weight decay on 1-D parameters (norms, biases, layer scales) or the learned tokens.
@@ -41,11 +41,15 @@ from common.progress import Progress
 from finetune import data, losses, tasks
 from finetune.augment import Augmenter
 from finetune.config import FinetuneConfig
-from pretrain import checkpoint as ckpt
 from pretrain.backbone import BackboneConfig, Sapiens2Backbone, build
 from pretrain.data import DataIndex
-from pretrain.train import MetricsLog, launch, lr_at, optimizer_step, peak_lr, progress, run_uri_for, shard, wd_at
+from pretrain.export import load_backbone
 from pretrain.views import IMAGENET_MEAN, IMAGENET_STD
+from training.checkpoint import read_safetensors
+from training.runner import launch, run_uri_for
+from training.schedules import lr_at, peak_lr, wd_at
+from training.sharding import optimizer_step, shard
+from training.worker import Worker, log_line
 
 METRICS_FILE = "metrics.json"
 PICTURES = "pictures"
@@ -133,7 +137,7 @@ def build_backbone(cfg: FinetuneConfig, backbone_uri: str | None) -> Sapiens2Bac
     if backbone_uri is None:
         torch.manual_seed(cfg.seed)
         return build(cfg.model.backbone())
-    backbone = ckpt.load_backbone(backbone_uri, activation_checkpointing=cfg.model.activation_checkpointing)
+    backbone = load_backbone(backbone_uri, activation_checkpointing=cfg.model.activation_checkpointing)
     # Architecture only: how the pretraining initialised LayerScale or whether it recomputed activations is not.
     found, wanted = (
         dataclasses.replace(c, activation_checkpointing=False, layer_scale_init=0.0)
@@ -180,8 +184,7 @@ def set_schedule(
     """Per-group learning rates (the schedule times each group's layer scale) and weight decay at ``step`` of a
     run on ``world`` workers (the peak rate scales with the global batch)."""
     o = cfg.optim
-    lr = lr_at(step, o, cfg.steps, cfg.samples_per_step(world))
-    wd = o.weight_decay if o.weight_decay_end is None else wd_at(step, o, cfg.steps)
+    lr, wd = lr_at(step, o, cfg.steps, cfg.samples_per_step(world)), wd_at(step, o, cfg.steps)
     for group in optimizer.param_groups:
         group["lr"] = lr * group["lr_scale"]
         group["weight_decay"] = wd if group["decays"] else 0.0
@@ -210,20 +213,17 @@ def _image_at(images: Tensor, hw: tuple[int, int]) -> Tensor:
 
 def train_loop(loop_config: dict) -> None:
     """``TorchTrainer``'s ``train_loop_per_worker``: the config (JSON data), the run spec and the run URI."""
-    Worker(FinetuneConfig.model_validate(loop_config["config"]), loop_config["spec"], loop_config["run_uri"]).run()
+    cfg = FinetuneConfig.model_validate(loop_config["config"])
+    FinetuneWorker(cfg, loop_config["spec"], loop_config["run_uri"]).run()
 
 
-class Worker:
+class FinetuneWorker(Worker[FinetuneConfig]):
+    reports_checkpoints = False  # kept and pruned here (checkpoint.keep), not registered with Ray Train
+    hash_covers = "task, model size, head or label set"
+
     def __init__(self, cfg: FinetuneConfig, spec: dict, run_uri: str) -> None:
-        import ray.train
-        import ray.train.torch
-
-        self.cfg, self.spec, self.run_uri = cfg, spec, run_uri
-        if cfg.ray.torch_threads:
-            torch.set_num_threads(cfg.ray.torch_threads)
-        ctx = ray.train.get_context()
-        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.device = ray.train.torch.get_device()
+        super().__init__(cfg, run_uri)
+        self.spec = spec
         self.train_index = DataIndex.scan(spec["train"])
         self.val_index = DataIndex.scan(spec["val"])
         self.info = data.read_info(self.train_index, spec["train"])
@@ -234,48 +234,24 @@ class Worker:
         self.model = build_model(cfg, self.task, spec.get("backbone"), self.device)
         self.optimizer = build_optimizer(self.model, cfg)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.step, self.curve, self.saved_step = 0, [], None
-        self._restore()
-        self.log = MetricsLog.for_run(run_uri, self.step, cfg) if self.rank == 0 else None
+        self.curve: list[dict] = []  # the evaluations so far
+        self.resume()
 
     # --- checkpoints ---
 
-    def _hash(self) -> str:
-        """What the checkpointed tensors depend on: a resume with anything else is refused."""
+    def model_hash(self) -> str:
         c = self.cfg
         return hash_json(
             {"task": self.spec["task"], "size": c.model.size, "head": c.head.model_dump(mode="json"),
              "frozen": c.optim.freeze_backbone, "classes": self.info.num_classes, "keypoints": self.info.num_keypoints}
         )  # fmt: skip
 
-    def _restore(self) -> None:
-        choice = [None]
-        if self.rank == 0:
-            choice[0] = ckpt.latest_committed(self.run_uri)
-            ckpt.remove_stale(self.run_uri, ckpt.step_of(choice[0]) if choice[0] else None)
-        dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
-            return
-        commit = ckpt.load(choice[0], self.model, self.optimizer)
-        if commit["model_hash"] != self._hash():
-            raise ckpt.CheckpointError(
-                f"{choice[0]} holds another task, size, head or label set; use a new run name"
-            )
-        self.step, self.curve = commit["step"], commit["curve"]
-        self.saved_step = self.step
+    def train_state(self) -> dict:
+        return {"curve": self.curve, "spec": self.spec}
 
-    def _save(self) -> None:
-        uri = ckpt.step_uri(self.run_uri, self.step)
-        state = {"step": self.step, "curve": self.curve, "model_hash": self._hash(),
-                 "config": self.cfg.model_dump(mode="json"), "spec": self.spec}  # fmt: skip
-        ckpt.save(uri, self.model, self.optimizer, state)
-        self.saved_step = self.step
-        if self.rank == 0:  # keep the newest ``keep`` (these checkpoints are not registered with Ray Train)
-            fs, _ = storage.resolve(self.run_uri)
-            for _, old, _ in ckpt.list_checkpoints(self.run_uri)[: -self.cfg.checkpoint.keep]:
-                storage.delete_quietly(fs, storage.resolve(old)[1])
-            self.log.write({"kind": "checkpoint", "step": self.step, "uri": uri})
-            self.log.roll(self.step + 1)
+    def restore_state(self, commit: dict) -> dict:
+        self.curve = commit["curve"]
+        return {}
 
     # --- training ---
 
@@ -295,7 +271,7 @@ class Worker:
         c = self.cfg
         if self.log:
             batch = c.samples_per_step(self.world)
-            progress(
+            log_line(
                 f"[finetune] {self.spec['task']} size={c.model.size} "
                 f"backbone={'pretrained' if self.spec.get('backbone') else 'random'} frozen={c.optim.freeze_backbone} "
                 f"steps {self.step}->{c.steps} workers={self.world} batch={batch} "
@@ -327,11 +303,11 @@ class Worker:
             if c.eval.every and self.step % c.eval.every == 0 and self.step < c.steps:
                 self.evaluate()
             if c.checkpoint.every and self.step % c.checkpoint.every == 0 and self.step < c.steps:
-                self._save()
+                self.save()
         done = self.curve and self.curve[-1]["step"] == self.step and self.saved_step == self.step  # a rerun
         final = self.curve[-1] if done else self.evaluate(pictures=c.eval.visualise)
         if self.saved_step != self.step:
-            self._save()
+            self.save()
         self._finish(final)
 
     def _log(self, window: list[Tensor], names: list[str], lr: float, wd: float, seconds: float, wait: float) -> None:
@@ -345,7 +321,7 @@ class Worker:
         if self.log:
             self.log.write(record)
             terms = " ".join(f"{k} {v:.4f}" for k, v in zip(names, stats[2:]))
-            progress(
+            log_line(
                 f"[finetune] step {self.step}/{self.cfg.steps} loss {stats[0]:.4f} ({terms}) lr {lr:.2e} "
                 f"gnorm {stats[1]:.3f} | {record['images_per_s']:.1f} img/s step {record['step_s']:.3f}s"
             )
@@ -359,7 +335,7 @@ class Worker:
         c = self.cfg
         samples = min(c.eval.max_samples or self.val_index.num_samples, self.val_index.num_samples)
         per_worker = math.ceil(math.ceil(samples / self.world) / c.data.eval_batch_size)  # the same on every worker
-        meter = Progress(f"[finetune] eval step {self.step}:", per_worker, progress, "batches") if self.log else None
+        meter = Progress(f"[finetune] eval step {self.step}:", per_worker, log_line, "batches") if self.log else None
         for batch, valid in data.eval_batches(
             self.val_index, self.spec["task"], self.info.image_size, batch_size=c.data.eval_batch_size,
             world=self.world, rank=self.rank, limit=c.eval.max_samples,
@@ -389,7 +365,7 @@ class Worker:
         if self.log:
             self.log.write({"kind": "eval", **result[0]})
             summary = " ".join(f"{k} {v:.4f}" for k, v in result[0].items() if isinstance(v, float))
-            progress(f"[finetune] eval step {self.step}: {summary}")
+            log_line(f"[finetune] eval step {self.step}: {summary}")
             fs, root = storage.resolve(self.run_uri)
             for k, picture in enumerate(shown):
                 path = storage.join(root, PICTURES, f"{self.spec['task']}-{k:02d}.png")
@@ -447,7 +423,7 @@ def _finite(obj):
 def load_finetuned(uri: str) -> tuple[FinetuneModel, tasks.Task]:
     """The model (eval mode, CPU) and its task from ``finetuned.safetensors``; safetensors only, no pickle. The
     task works at the model's output size (``output_size``: half the input's for a 4K backbone)."""
-    tensors, meta = ckpt.read_safetensors(uri)
+    tensors, meta = read_safetensors(uri)
     if "task" not in meta:
         raise ValueError(f"{uri} is not a fine-tuned model (no task in its metadata); it may be a bare backbone")
     cfg = FinetuneConfig.model_validate_json(meta["config"])

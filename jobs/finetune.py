@@ -20,15 +20,15 @@ import time
 from common import storage
 from common.config import ConfigError, load_config
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
-from common.metrics_sinks import describe
 from common.ray_utils import init_ray
 from common.storage import StorageError
 from finetune import data, tasks
 from finetune.config import FinetuneConfig
 from finetune.train import FINETUNED_FILE, METRICS_FILE, PICTURES, fit
-from pretrain import checkpoint as ckpt
 from pretrain.data import DataError, DataIndex
-from pretrain.train import claim_run, run_uri_for
+from training.checkpoint import read_safetensors
+from training.metrics_sinks import describe
+from training.runner import claim_run, run_uri_for
 
 
 
@@ -73,7 +73,7 @@ def check_backbone(uri: str, cfg: FinetuneConfig) -> None:
             f"--backbone {uri} does not exist (jobs.pretrain writes <storage>/<name>/backbone.safetensors)"
         )
     try:
-        _, meta = ckpt.read_safetensors(uri)
+        _, meta = read_safetensors(uri)
     except Exception as exc:  # not a safetensors file at all
         raise StorageError(f"--backbone {uri} is not a safetensors file: {exc}") from None
     if "backbone_config" not in meta:

@@ -20,13 +20,17 @@ import time
 from common import storage
 from common.config import ConfigError, load_config
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
-from common.metrics_sinks import describe
 from common.ray_utils import init_ray
 from common.storage import StorageError
-from pretrain import checkpoint as ckpt
 from pretrain.config import PretrainConfig
 from pretrain.data import DataError, ensure_index
-from pretrain.train import METRICS, claim_run, fit, peak_lr, run_uri_for
+from pretrain.export import BACKBONE_FILE, export_backbone
+from pretrain.train import fit
+from training import checkpoint
+from training.metrics import METRICS
+from training.metrics_sinks import describe
+from training.runner import claim_run, run_uri_for
+from training.schedules import peak_lr
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -75,13 +79,13 @@ def _train(args: argparse.Namespace, cfg: PretrainConfig, run_uri: str, data_uri
     start = time.monotonic()
     fit(cfg, args.storage, args.name, data_uri)
     lease.check()  # the export below is this run's to write only while it holds the run
-    latest = ckpt.latest_committed(run_uri)
+    latest = checkpoint.latest_committed(run_uri)
     print(f"[pretrain] done in {time.monotonic() - start:.0f} s")
-    print(f"[pretrain] checkpoints: {storage.join(run_uri, ckpt.CHECKPOINTS)} (latest: {latest})")
+    print(f"[pretrain] checkpoints: {storage.join(run_uri, checkpoint.CHECKPOINTS)} (latest: {latest})")
     print(f"[pretrain] metrics:     {storage.join(run_uri, METRICS)}/*.jsonl; {describe(cfg.log.backends, run_uri)}")
     if latest is not None:
-        out = storage.join(run_uri, ckpt.BACKBONE_FILE)
-        meta = ckpt.export_backbone(latest, out)
+        out = storage.join(run_uri, BACKBONE_FILE)
+        meta = export_backbone(latest, out)
         print(f"[pretrain] backbone:    {out} (size {meta['size']}, step {meta['step']})")
     return 0
 

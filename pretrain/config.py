@@ -1,20 +1,20 @@
-"""The pretraining config: model size, objective, data ingest, optimiser and schedules, checkpoints, cluster.
+"""The pretraining config: model size, objective, data ingest, gradient accumulation, checkpoints, fault drill.
 
-Shipped configs live in ``configs/pretrain/*.yaml``; every field has a default here so a config only states what
-it changes. Overrides use the same ``key=value`` style as curation (``optim.lr=3e-4``, ``ray.workers=8``).
+The settings every training run has (optimiser, metrics, cluster) are ``training/config.py``'s. Shipped configs
+live in ``configs/pretrain/*.yaml``; every field has a default here so a config only states what it changes.
+Overrides use the same ``key=value`` style as curation (``optim.lr=3e-4``, ``ray.workers=8``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from common.config import Strict, hash_json
-from common.metrics_sinks import Backend, check_backends
 from pretrain.backbone import SIZES, BackboneConfig
 from pretrain.objective import ObjectiveConfig
+from training.config import CheckpointSettings, LogSettings, OptimSettings, TrainingConfig
 
 
 class ModelSettings(Strict):
@@ -59,40 +59,22 @@ class DataSettings(Strict):
     verify_sha256: bool = False
 
 
-class OptimSettings(Strict):
-    # Base rate for 256 images per optimiser step: the peak after warm-up is lr x global batch / 256, global batch =
-    # data.batch_size x grad_accum x workers (pretrain.train.peak_lr; Sapiens v1: 1.5e-4 x batch / 256).
-    lr: float = Field(1.5e-4, gt=0)
-    min_lr: float = Field(1e-6, ge=0)  # end of the cosine decay; absolute, not scaled by the batch
-    warmup_steps: int = Field(0, ge=0)  # linear warm-up, in optimiser steps
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.04, ge=0)  # cosine schedule from this ...
-    weight_decay_end: float = Field(0.2, ge=0)  # ... to this (DINO-style); never on 1-D params and tokens
-    grad_clip: float | None = Field(1.0, gt=0)  # max global grad norm; None: no clipping (the norm is still logged)
-    grad_accum: int = Field(1, ge=1)  # micro-batches per optimiser step
+class PretrainOptim(OptimSettings):
+    # micro-batches per optimiser step: the global batch is data.batch_size x grad_accum x workers
+    grad_accum: int = Field(1, ge=1)
 
 
-class CheckpointSettings(Strict):
+class PretrainCheckpoint(CheckpointSettings):
     every: int = Field(500, ge=1)  # optimiser steps between checkpoints (and one at the end)
-    keep: int = Field(3, ge=1)  # the newest this many stay
     on_preemption: bool = True  # save at once when Ray reports that a node is about to be reclaimed
     preemption_check_every: int = Field(10, ge=1)  # steps between preemption queries (a barrier each)
 
 
-class LogSettings(Strict):
-    every: int = Field(10, ge=1)  # steps per metrics line
+class PretrainLog(LogSettings):
     record_keys: bool = False  # write the sample keys of every step (all ranks) to the metrics log
     peak_tflops: float | None = Field(None, gt=0)  # per-GPU peak for MFU; None: looked up from the GPU name
     # steps a self-distillation collapse (objective.collapse_state), or its end, must last before it is logged
     collapse_patience: int = Field(20, ge=1)
-    # where metrics go besides <run>/metrics/*.jsonl (common/metrics_sinks.py): tensorboard, mlflow, wandb
-    backends: list[Backend] = ["tensorboard"]
-
-    @field_validator("backends")
-    @classmethod
-    def _installed(cls, v: list[str]) -> list[str]:
-        return check_backends(list(dict.fromkeys(v)))
 
 
 class FaultSettings(Strict):
@@ -102,28 +84,14 @@ class FaultSettings(Strict):
     kill_rank: int = Field(0, ge=0)
 
 
-class RaySettings(Strict):
-    address: str | None = None  # None: join RAY_ADDRESS if set, else start a local Ray
-    num_cpus: int | None = None  # local Ray only
-    workers: int = Field(1, ge=1)
-    use_gpu: bool = False
-    cpus_per_worker: float = Field(1.0, ge=0)
-    torch_threads: int | None = Field(None, ge=1)  # intra-op threads per worker (CPU training)
-    max_failures: int = Field(3, ge=-1)  # worker-group restarts before the run fails (-1: unlimited)
-
-
-class PretrainConfig(Strict):
-    seed: int = 0
-    steps: int = Field(ge=1)  # optimiser steps of the whole run (the schedules' length)
-    precision: Literal["bf16", "fp32"] = "bf16"  # on GPU: bf16 params/compute, fp32 reduce; CPU runs fp32
+class PretrainConfig(TrainingConfig):
     model: ModelSettings = ModelSettings()
     objective: ObjectiveConfig = ObjectiveConfig()
     data: DataSettings = DataSettings()
-    optim: OptimSettings = OptimSettings()
-    checkpoint: CheckpointSettings = CheckpointSettings()
-    log: LogSettings = LogSettings()
+    optim: PretrainOptim = PretrainOptim()
+    checkpoint: PretrainCheckpoint = PretrainCheckpoint()
+    log: PretrainLog = PretrainLog()
     fault: FaultSettings = FaultSettings()
-    ray: RaySettings = RaySettings()
 
     @model_validator(mode="after")
     def _sizes_fit_the_model(self) -> PretrainConfig:
@@ -141,7 +109,6 @@ class PretrainConfig(Strict):
         return self.data.image_size or self.objective.views.global_size
 
     def samples_per_step(self, workers: int | None = None) -> int:
-        """Images per optimiser step over all workers (the global batch)."""
         return self.data.batch_size * self.optim.grad_accum * (workers or self.ray.workers)
 
     def model_hash(self) -> str:

@@ -1,18 +1,19 @@
-"""Pretraining on Ray Train (V2): the per-worker loop, FSDP2 sharding, optimiser and schedules, metrics.
+"""Pretraining on Ray Train (V2): the model and its optimiser, the per-worker loop and its metrics.
 
-One code path for CPU (gloo) and GPU (nccl; Ray Train picks the backend from ``use_gpu``):
+One code path for CPU (gloo) and GPU (nccl; Ray Train picks the backend from ``use_gpu``); the worker group,
+sharding, schedules, checkpoints and metrics log are the shared training runtime's (``training/``):
 
 - Model: ``JointObjective`` (student, MAE decoder, projection head, EMA teacher). Built identically on every rank
   from the run's seed, then sharded with FSDP2: ``fully_shard`` on every transformer block (student, teacher,
   decoder) and on both projection heads, then on the root. On GPU with ``precision: bf16`` parameters are gathered
   and computed in bf16 and gradients reduced in fp32. The teacher's EMA update runs on the local shards.
 - Optimiser: AdamW, decay and no-decay groups (1-D params, tokens: the objective's ``no_weight_decay``); linear
-  warm-up to the peak ``optim.lr x global batch / 256`` (``peak_lr``) then cosine learning rate, cosine weight
-  decay, both by optimiser step (so gradient accumulation does not stretch them); gradient clipping on the global
-  norm. Under accumulation only the last micro-batch reduces.
+  warm-up to the peak ``optim.lr x global batch / 256`` (``training.schedules.peak_lr``) then cosine learning
+  rate, cosine weight decay, both by optimiser step (so gradient accumulation does not stretch them); gradient
+  clipping on the global norm. Under accumulation only the last micro-batch reduces.
 - Randomness of views and masks: a generator reseeded from (seed, step, micro-batch, rank) at each micro-batch, so
   a resumed run draws exactly what the uninterrupted run would have.
-- Checkpoints (``pretrain/checkpoint.py``) every ``checkpoint.every`` steps, at the end, and when Ray Train reports
+- Checkpoints (``training/worker.py``) every ``checkpoint.every`` steps, at the end, and when Ray Train reports
   an imminent preemption; each is reported to Ray Train in place, and a restarted worker group (or a rerun of the
   same command) gets the latest back from ``ray.train.get_checkpoint()``. The data position is part of it.
 - Metrics every ``log.every`` steps from rank 0: JSON lines under ``<run>/metrics/`` and a progress line, with the
@@ -23,63 +24,32 @@ One code path for CPU (gloo) and GPU (nccl; Ray Train picks the backend from ``u
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from common import storage
-from common.config import ConfigError
-from common.metrics_sinks import Sinks
-from pretrain import checkpoint as ckpt
 from pretrain import data
 from pretrain.backbone import build, flops
-from pretrain.config import OptimSettings, PretrainConfig, RaySettings
+from pretrain.config import PretrainConfig, PretrainOptim
 from pretrain.masking import num_masked
 from pretrain.objective import DIAGNOSTICS, TERMS, CollapseMonitor, JointObjective, collapse_state
+from training.runner import launch, run_uri_for
+from training.schedules import lr_at, wd_at
+from training.sharding import optimizer_step, shard
+from training.worker import Worker, log_line
 
-METRICS = "metrics"
-RUN_FILE = "run.json"
-# TensorBoard / MLflow / W&B groups of the pretraining scalars beyond the shared ones (common.metrics_sinks.GROUPS)
+# TensorBoard / MLflow / W&B groups of the pretraining scalars beyond the shared ones (training.metrics_sinks.GROUPS)
 SCALAR_GROUPS = {**dict.fromkeys(DIAGNOSTICS, "contrastive"), "samples_seen": "progress"}
 # bf16 dense peak per GPU, for MFU when log.peak_tflops is not set (matched against the device name).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
-
-
-# --- schedules ----------------------------------------------------------------------------------------------------
-
-LR_REFERENCE_BATCH = 256  # ``optim.lr`` is the learning rate of this many images per optimiser step
-
-
-def peak_lr(o: OptimSettings, global_batch: int) -> float:
-    """The linear scaling rule (MAE, Sapiens v1): ``o.lr x global_batch / 256``, ``global_batch`` being the images of
-    one optimiser step over all workers (micro-batches included). ``o.min_lr`` is absolute, as in MAE's code."""
-    return o.lr * global_batch / LR_REFERENCE_BATCH
-
-
-def lr_at(step: int, o: OptimSettings, total: int, global_batch: int) -> float:
-    """Linear warm-up to ``peak_lr`` over ``warmup_steps``, then cosine to ``min_lr`` at ``total`` (optimiser
-    steps)."""
-    peak = peak_lr(o, global_batch)
-    if step < o.warmup_steps:
-        return peak * (step + 1) / o.warmup_steps
-    progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
-    return o.min_lr + (peak - o.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def wd_at(step: int, o: OptimSettings, total: int) -> float:
-    """Cosine from ``weight_decay`` at step 0 to ``weight_decay_end`` at ``total``."""
-    progress = min(1.0, step / max(1, total))
-    return o.weight_decay_end + (o.weight_decay - o.weight_decay_end) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 # --- model and optimiser --------------------------------------------------------------------------------------------
@@ -97,20 +67,7 @@ def build_model(cfg: PretrainConfig, device: torch.device) -> JointObjective:
     return shard(model, units, device, cfg.precision)
 
 
-def shard(model: nn.Module, units: list[nn.Module], device: torch.device, precision: str) -> nn.Module:
-    """FSDP2 over the process group: one ``fully_shard`` per unit, then the root (the parameters left over, and the
-    move to ``device``); bf16 parameters and compute with fp32 gradient reduction on GPUs when asked."""
-    mp = MixedPrecisionPolicy()
-    if device.type == "cuda" and precision == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
-    for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
-
-
-def build_optimizer(model: JointObjective, o: OptimSettings) -> torch.optim.AdamW:
+def build_optimizer(model: JointObjective, o: PretrainOptim) -> torch.optim.AdamW:
     exempt = model.no_weight_decay()
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -122,18 +79,6 @@ def build_optimizer(model: JointObjective, o: OptimSettings) -> torch.optim.Adam
     ]
     # fused: one kernel over all (sharded) parameters; the per-tensor default loop is 10x slower on DTensors
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
-
-
-def optimizer_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grad_clip: float | None) -> Tensor:
-    """Clip the gradients to ``grad_clip`` (global norm over every shard), step, clear; returns the norm before
-    clipping as a plain tensor."""
-    grads = [p.grad for p in params if p.grad is not None]
-    grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if grad_clip is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm, foreach=True)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).detach()
 
 
 def _local(t: Tensor) -> Tensor:
@@ -187,77 +132,11 @@ def peak_flops(cfg: PretrainConfig, device: torch.device) -> float | None:
     return next((tf * 1e12 for key, tf in PEAK_TFLOPS.items() if key in name), None)
 
 
-def progress(line: str) -> None:
-    """One line to the job log (Ray Train's patched ``print`` would log it twice from a worker)."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
 def _seed(*parts: int) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & (2**63 - 1)
 
 
 # --- metrics --------------------------------------------------------------------------------------------------------
-
-
-class MetricsLog:
-    """JSON lines under ``<run>/metrics/``: one part file per attempt and checkpoint interval; the ``train`` and
-    ``eval`` records also go to the run's ``log.backends`` (``common.metrics_sinks``: TensorBoard by default).
-
-    A part is ``part-<attempt start ns>-<first step>.jsonl``; names sort chronologically. Lines are flushed as
-    written (visible at once on a local disk); ``roll`` closes the part at a checkpoint, which is when an object
-    store makes it visible. After a resume, steps past the restored checkpoint appear again in the new attempt's
-    parts: ``read_metrics`` keeps every line, ``latest_per_step`` the newest (TensorBoard readers drop the old ones).
-    """
-
-    def __init__(self, run_uri: str, first_step: int, sinks: Sinks | None = None) -> None:
-        self.fs, root = storage.resolve(run_uri)
-        self.dir = storage.join(root, METRICS)
-        self.fs.create_dir(self.dir, recursive=True)
-        self.attempt = time.time_ns()
-        self.sinks = sinks
-        self._open(first_step)
-
-    @classmethod
-    def for_run(cls, run_uri: str, first_step: int, cfg, groups: dict[str, str] | None = None) -> MetricsLog:
-        """The log of a run whose config has a ``log`` section (pretraining, fine-tuning)."""
-        params = cfg.model_dump(mode="json")
-        return cls(run_uri, first_step, Sinks(cfg.log.backends, run_uri, first_step, params, groups or {}))
-
-    def _open(self, step: int) -> None:
-        self.out = self.fs.open_output_stream(storage.join(self.dir, f"part-{self.attempt}-{step:09d}.jsonl"))
-
-    def write(self, record: dict) -> None:
-        self.out.write((json.dumps({**record, "attempt": self.attempt}) + "\n").encode())
-        self.out.flush()
-        if self.sinks:
-            self.sinks.log(record)
-
-    def roll(self, next_step: int) -> None:
-        self.out.close()
-        self._open(next_step)
-        if self.sinks:
-            self.sinks.checkpoint()
-
-    def close(self) -> None:
-        self.out.close()
-        if self.sinks:
-            self.sinks.close()
-
-
-def read_metrics(run_uri: str, kind: str | None = "train") -> list[dict]:
-    """Every metrics line of the run in the order written (all attempts), optionally of one ``kind``."""
-    fs, root = storage.resolve(run_uri)
-    records = []
-    for path in storage.list_files(fs, storage.join(root, METRICS), ".jsonl"):
-        with fs.open_input_stream(path) as f:
-            records += [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
-    return [r for r in records if kind is None or r.get("kind") == kind]
-
-
-def latest_per_step(records: list[dict]) -> dict[int, dict]:
-    """step -> the record of the newest attempt that reached it."""
-    return {r["step"]: r for r in records}
 
 
 @dataclass
@@ -284,75 +163,47 @@ def train_loop(loop_config: dict) -> None:
     """``TorchTrainer``'s ``train_loop_per_worker``: ``loop_config`` holds the config (as JSON data), the run URI and
     the data folder's URI as given."""
     cfg = PretrainConfig.model_validate(loop_config["config"])
-    Worker(cfg, loop_config["run_uri"], loop_config.get("data_uri")).run()
+    PretrainWorker(cfg, loop_config["run_uri"], loop_config.get("data_uri")).run()
 
 
-class Worker:
+class PretrainWorker(Worker[PretrainConfig]):
+    scalar_groups = SCALAR_GROUPS
+    hash_covers = "model (size, MAE decoder or projection head settings)"
+
     def __init__(self, cfg: PretrainConfig, run_uri: str, data_uri: str | None = None) -> None:
-        import ray.train
-        import ray.train.torch
-
-        self.cfg, self.run_uri = cfg, run_uri
-        if cfg.ray.torch_threads:
-            torch.set_num_threads(cfg.ray.torch_threads)
-        ctx = ray.train.get_context()
-        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.storage = ctx.get_storage()
-        self.device = ray.train.torch.get_device()
+        super().__init__(cfg, run_uri)
         self.model = build_model(cfg, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.generator = torch.Generator(device=self.device)
         self.index = data.load_index(run_uri, data_uri)
-        self.step, self.position, self.samples_seen = 0, data.DataPosition(), 0
+        self.position, self.samples_seen = data.DataPosition(), 0
         self.flops_per_image, self.tokens_per_image = train_flops_per_image(cfg)
         self.peak = peak_flops(cfg, self.device)
-        self.restored: dict | None = None
-        self._restore(ray.train.get_checkpoint())
-        self.log = MetricsLog.for_run(run_uri, self.step, cfg, SCALAR_GROUPS) if self.rank == 0 else None
-        if self.log and self.restored:
-            self.log.write({"kind": "resume", "step": self.step, "world_size": self.world, **self.restored})
+        self.resume()
 
-    def _restore(self, checkpoint) -> None:
-        """Resume from the newest committed checkpoint: Ray Train's latest, or a newer one Ray never registered.
+    # --- checkpoints ---
 
-        Ray registers a checkpoint once it has collected every rank's report; a worker killed right after
-        reporting can take its report with it. Such a checkpoint is complete (it has its commit record), so it is
-        used and reported again ("adopted"), which puts it under Ray's retention like the others.
-        """
-        from_ray = None
-        if checkpoint is not None:
-            from_ray = storage.join(self.run_uri, ckpt.CHECKPOINTS, os.path.basename(checkpoint.path.rstrip("/")))
-        choice = [None]
-        if self.rank == 0:
-            newest = ckpt.latest_committed(self.run_uri)
-            if newest and (from_ray is None or ckpt.step_of(newest) > ckpt.step_of(from_ray)):
-                choice[0] = newest
-            else:
-                choice[0] = from_ray
-            ckpt.remove_stale(self.run_uri, ckpt.step_of(choice[0]) if choice[0] else None)
-        dist.broadcast_object_list(choice, src=0)  # one decision, taken after the clean-up
-        uri = choice[0]
-        if uri is None:
-            return
-        commit = ckpt.load(uri, self.model, self.optimizer)
-        if commit["model_hash"] != self.cfg.model_hash():
-            raise ckpt.CheckpointError(
-                f"{uri} holds a different model (size / decoder / head settings); use a new run name"
-            )
-        self.step = commit["step"]
+    def model_hash(self) -> str:
+        return self.cfg.model_hash()
+
+    def train_state(self) -> dict:
+        return {
+            "data_position": self.position.to_dict(),
+            "samples_seen": self.samples_seen,
+            "fingerprint": fingerprint(self.model, self.optimizer),
+        }
+
+    def restore_state(self, commit: dict) -> dict:
         self.position = data.DataPosition(**commit["data_position"])
         self.samples_seen = commit["samples_seen"]
-        self.restored = {
-            "checkpoint": uri,
-            "adopted": uri != from_ray,
-            "saved_world_size": commit["world_size"],
+        return {
             "saved_fingerprint": commit["fingerprint"],
             "fingerprint": fingerprint(self.model, self.optimizer),
             "data_position": self.position.to_dict(),
         }
-        if uri != from_ray:
-            self._report(os.path.basename(uri), {"step": self.step})
+
+    # --- the loop ---
 
     def run(self) -> None:
         import ray.train
@@ -396,11 +247,11 @@ class Worker:
                 last_metrics = self._log_window(window, lr=lr, wd=wd, momentum=momentum)
                 window = Window()
             if self.step % c.checkpoint.every == 0 or self.step == c.steps:
-                self._save(last_metrics)
+                self.save(last_metrics)
             elif c.checkpoint.on_preemption and self.step % c.checkpoint.preemption_check_every == 0:
                 notice = ray.train.get_preemption_info()  # a barrier: every rank asks at the same steps
                 if notice is not None and not preemption_saved:
-                    self._save(last_metrics, reason="preemption")  # then train on until the node goes
+                    self.save(last_metrics, reason="preemption")  # then train on until the node goes
                     preemption_saved = True
         if self.log:
             self.log.close()
@@ -453,7 +304,7 @@ class Worker:
             mfu = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
             ln_k = math.log(c.objective.cl.prototypes)
             alarm = f" COLLAPSE: {self.collapse.reported}" if self.collapse.reported else ""
-            progress(
+            log_line(
                 f"[pretrain] step {self.step}/{c.steps} ep {record['epoch']} loss {record['loss']:.4f} "
                 f"(mae {record['mae']:.4f} cl {record['cl']:.4f}) lr {record['lr']:.2e} "
                 f"gnorm {record['grad_norm']:.3f} "
@@ -472,44 +323,12 @@ class Worker:
         ended = state is None
         self.log.write({"kind": "collapse", "step": self.step, "state": state, "since": since, "ended": ended})
         if ended:
-            progress(f"[pretrain] collapse ended: healthy since step {since}")
+            log_line(f"[pretrain] collapse ended: healthy since step {since}")
         else:
-            progress(
+            log_line(
                 f"[pretrain] WARNING: self-distillation collapse ({state}) since step {since}: the contrastive "
                 "term teaches nothing while it lasts (see README, Pretraining)"
             )
-
-    def _save(self, metrics: dict, reason: str = "interval") -> None:
-        name = os.path.basename(ckpt.step_uri(self.run_uri, self.step))
-        uri = storage.join(self.run_uri, ckpt.CHECKPOINTS, name)
-        state = {
-            "step": self.step,
-            "data_position": self.position.to_dict(),
-            "samples_seen": self.samples_seen,
-            "model_hash": self.cfg.model_hash(),
-            "config": self.cfg.model_dump(mode="json"),
-            "fingerprint": fingerprint(self.model, self.optimizer),
-            "reason": reason,
-        }
-        ckpt.save(uri, self.model, self.optimizer, state)
-        if self.log:
-            self.log.write({"kind": "checkpoint", "step": self.step, "uri": uri, "reason": reason})
-            self.log.roll(self.step + 1)
-        self._report(name, {**metrics, "step": self.step})
-
-    def _report(self, name: str, metrics: dict) -> None:
-        """Hand a committed checkpoint to Ray Train in place: registered without a copy, evicted past ``keep``."""
-        import ray.train
-        from ray.train import Checkpoint
-        from ray.train.v2.api.report_config import CheckpointUploadMode
-
-        path = storage.join(self.storage.experiment_fs_path, ckpt.CHECKPOINTS, name)
-        ray.train.report(
-            metrics,
-            checkpoint=Checkpoint(path=path, filesystem=self.storage.storage_filesystem),
-            checkpoint_dir_name=name,
-            checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
-        )
 
     def _fault_drill(self) -> None:
         f = self.cfg.fault
@@ -520,18 +339,11 @@ class Worker:
         if storage.exists(fs, marker):
             return
         storage.write_bytes_atomic(fs, marker, b"")
-        progress(f"[pretrain] fault drill: killing rank {self.rank} (pid {os.getpid()}) at step {self.step}")
+        log_line(f"[pretrain] fault drill: killing rank {self.rank} (pid {os.getpid()}) at step {self.step}")
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 # --- the driver side --------------------------------------------------------------------------------------------------
-
-
-def run_uri_for(storage_path: str, name: str) -> str:
-    """Where Ray Train puts the run: ``<storage>/<name>`` (local paths made absolute, as Ray does)."""
-    if "://" in storage_path:
-        return storage.join(storage_path, name)
-    return os.path.join(os.path.abspath(os.path.expanduser(storage_path)), name)
 
 
 def fit(cfg: PretrainConfig, storage_path: str, name: str, data_uri: str | None = None):
@@ -539,47 +351,3 @@ def fit(cfg: PretrainConfig, storage_path: str, name: str, data_uri: str | None 
     opens the data (default: the folder name the run's index recorded, enough unless its URI carries a query)."""
     config = {"config": cfg.model_dump(mode="json"), "run_uri": run_uri_for(storage_path, name), "data_uri": data_uri}
     return launch(train_loop, config, cfg.ray, storage_path, name, keep=cfg.checkpoint.keep)
-
-
-def claim_run(run_uri: str, identity: dict, info: dict | None = None) -> bool:
-    """Record what the run trains in ``<run>/run.json``; a rerun under the same name must give the same ``identity``
-    (``info`` is recorded, not compared). Returns True when resuming."""
-    fs, run = storage.resolve(run_uri)
-    path = storage.join(run, RUN_FILE)
-    if not storage.exists(fs, path):
-        storage.write_json_atomic(fs, path, {**identity, **(info or {}), "created": time.time()})
-        return False
-    earlier = storage.read_json(fs, path)
-    for key, value in identity.items():
-        if earlier.get(key) != value:
-            raise ConfigError(
-                f"run {run_uri} was started with {key}={earlier.get(key)!r}, this command gives {value!r}; "
-                "use a new --name for a different run"
-            )
-    return True
-
-
-def launch(loop, loop_config: dict, settings: RaySettings, storage_path: str, name: str, keep: int | None = None):
-    """``loop(loop_config)`` on a Ray Train worker group sized by ``settings``; Ray Train's run (its checkpoint
-    registry, restarts after failures) lives in ``<storage_path>/<name>``. Shared by pretraining and fine-tuning."""
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    resources = {"CPU": settings.cpus_per_worker} | ({"GPU": 1} if settings.use_gpu else {})
-    trainer = TorchTrainer(
-        loop,
-        train_loop_config=loop_config,
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=settings.workers, use_gpu=settings.use_gpu, resources_per_worker=resources
-        ),
-        run_config=ray.train.RunConfig(
-            name=name,
-            storage_path=storage_path if "://" in storage_path else os.path.abspath(os.path.expanduser(storage_path)),
-            failure_config=ray.train.FailureConfig(max_failures=settings.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
-            # Ray Train's own INFO lines (every rank's whole report at each checkpoint, worker-group start-up) stay
-            # in its log files; the console gets rank 0's progress lines and Ray Train's warnings and errors
-            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-        ),
-    )
-    return trainer.fit()

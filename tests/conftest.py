@@ -41,7 +41,7 @@ def tensorboard_scalars(run: Path) -> dict[str, dict[int, float]]:
     tag -> step -> value; a step seen twice for a tag fails."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from common.metrics_sinks import TENSORBOARD
+    from training.metrics_sinks import TENSORBOARD
 
     events = EventAccumulator(str(run / TENSORBOARD), size_guidance={"scalars": 0})
     events.Reload()

@@ -20,7 +20,6 @@ from finetune.train import (
     output_size,
     set_schedule,
 )
-from pretrain import checkpoint as ckpt
 from pretrain.backbone import (
     CARD,
     LOCAL_DEPTH,
@@ -34,6 +33,8 @@ from pretrain.backbone import (
     grid_coords,
     rope_tables,
 )
+from pretrain.export import BACKBONE_FILE, export_backbone, load_backbone
+from training import checkpoint as ckpt
 
 TINY = SIZES["tiny"]
 FINETUNE_TINY = Path(__file__).resolve().parents[1] / "configs/finetune/tiny.yaml"
@@ -411,10 +412,10 @@ def test_a_4k_backbone_round_trips_through_export_and_is_checked_against_the_siz
     model = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=4)
     uri = ckpt.step_uri(str(tmp_path / "run"), 1)
     ckpt.save(uri, model, pretrain_optimizer(model, cfg.optim), {"step": 1, "config": cfg.model_dump(mode="json")})
-    out = str(tmp_path / ckpt.BACKBONE_FILE)
-    meta = ckpt.export_backbone(uri, out)
+    out = str(tmp_path / BACKBONE_FILE)
+    meta = export_backbone(uri, out)
     assert json.loads(meta["backbone_config"])["local_depth"] == 2
-    backbone = ckpt.load_backbone(out)  # strict: windowed and global blocks both
+    backbone = load_backbone(out)  # strict: windowed and global blocks both
     assert backbone.cfg == cfg.model.backbone() and len(backbone.local_blocks) == 2 and len(backbone.blocks) == 4
     student = model.student.state_dict()
     assert all(torch.equal(v, student[k]) for k, v in backbone.state_dict().items())

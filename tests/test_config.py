@@ -78,8 +78,8 @@ def test_a_config_extends_its_base_key_by_key(repo_root, tmp_path):
 
 
 def test_peak_lr_scales_with_the_global_batch_and_min_lr_does_not():
-    from pretrain.config import OptimSettings
-    from pretrain.train import lr_at, peak_lr
+    from training.config import OptimSettings
+    from training.schedules import lr_at, peak_lr
 
     o = OptimSettings(lr=1e-3, min_lr=1e-5, warmup_steps=10)
     assert peak_lr(o, 256) == 1e-3
@@ -92,7 +92,7 @@ def test_peak_lr_scales_with_the_global_batch_and_min_lr_does_not():
 
 def test_global_batch_counts_workers_and_accumulation(repo_root):
     from pretrain.config import PretrainConfig
-    from pretrain.train import peak_lr
+    from training.schedules import peak_lr
 
     tiny = repo_root / "configs/pretrain/tiny.yaml"
     one = load_config(PretrainConfig, tiny, ["data.batch_size=8", "ray.workers=1", "optim.grad_accum=1"])
@@ -122,7 +122,7 @@ def test_shipped_tiny_configs_keep_their_effective_rates(repo_root):
     """The tiny configs' rates at their shipped batch and workers, from before optim.lr became the 256-image rate."""
     from finetune.config import FinetuneConfig
     from pretrain.config import PretrainConfig
-    from pretrain.train import peak_lr
+    from training.schedules import peak_lr
 
     pre = load_config(PretrainConfig, repo_root / "configs/pretrain/tiny.yaml")
     fine = load_config(FinetuneConfig, repo_root / "configs/finetune/tiny.yaml")

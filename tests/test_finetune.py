@@ -680,7 +680,7 @@ def test_killed_finetuning_job_resumes_to_the_uninterrupted_weights(shards, tmp_
     import sys
     import time
 
-    from pretrain import checkpoint as ckpt
+    from training import checkpoint as ckpt
 
     address = ray_local.get_runtime_context().gcs_address
     config = str(REPO / "configs/finetune/tiny-pose.yaml")

@@ -24,7 +24,8 @@ from curation.config import CurateConfig
 from common.imageio import decode
 from curation.ledger import committed_files, read_ledger, reason_code
 from generators.random_models import TINY_CLIP, build_random_store, store_overrides
-from curation.stage import REJECT, StageRunner
+from curation.score import stage_runner
+from curation.stage import REJECT
 from curation.stages.clip import ClipStage
 from curation.stages.yolo import (
     HEAD_MODEL,
@@ -483,7 +484,7 @@ def test_single_file_checkpoint_with_an_open_clip_arch(store_dir, photos, tmp_pa
 def test_mis_sized_embedding_fails_at_actor_start(store_dir):
     cfg = _full_cfg(store_dir, "models.embedding.dim=768")
     with pytest.raises(ValueError, match=r"models\.embedding\.dim is 768 .* gives 32-dimensional"):
-        StageRunner("clip", cfg.model_dump_json())  # what each Ray actor constructs before its first batch
+        stage_runner("clip", cfg)  # what each Ray actor constructs before its first batch
 
 
 def test_aesthetic_head_of_another_embedding_size_fails_at_start(store_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""Metrics backends (common/metrics_sinks.py): TensorBoard event files read back with TensorBoard's own reader."""
+"""Metrics backends (training/metrics_sinks.py): TensorBoard event files read back with TensorBoard's own reader."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from conftest import tensorboard_scalars
 
 from common.config import ConfigError, load_config
-from common.metrics_sinks import Sinks, scalars
 from pretrain.config import PretrainConfig
+from training.metrics_sinks import Sinks, scalars
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -443,7 +443,7 @@ def test_koleo_is_minus_log_nearest_distance_and_pushes_the_closest_rows_apart()
 
 def _short_run(cfg, images: torch.Tensor, steps: int, batch: int) -> dict[str, float]:
     """Means of the objective's terms over the last third of a short run at ``batch`` images per step."""
-    from pretrain.train import peak_lr
+    from training.schedules import peak_lr
 
     lr = peak_lr(cfg.optim, batch)  # optim.lr is the rate of 256 images per step
     torch.manual_seed(0)

@@ -28,12 +28,16 @@ from common import storage as fs_storage
 from common.config import ConfigError, load_config
 from conftest import tensorboard_scalars
 from jobs import pretrain as job
-from pretrain import checkpoint as ckpt
 from pretrain import data
 from pretrain.backbone import SIZES, build
-from pretrain.config import OptimSettings, PretrainConfig
+from pretrain.config import PretrainConfig
+from pretrain.export import BACKBONE_FILE, export_backbone, load_backbone
 from pretrain.objective import TERMS, JointObjective, collapse_state
-from pretrain.train import build_model, build_optimizer, fingerprint, latest_per_step, lr_at, read_metrics, wd_at
+from pretrain.train import build_model, build_optimizer, fingerprint
+from training import checkpoint as ckpt
+from training.config import OptimSettings
+from training.metrics import latest_per_step, read_metrics
+from training.schedules import lr_at, wd_at
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs/pretrain/tiny.yaml")
@@ -169,9 +173,9 @@ def test_workers_read_disjoint_slices_in_the_planned_order(reference):
 def test_export_writes_a_backbone_that_loads(reference, tmp_path):
     latest = ckpt.latest_committed(str(reference))
     out = tmp_path / "backbone.safetensors"
-    meta = ckpt.export_backbone(latest, str(out))
+    meta = export_backbone(latest, str(out))
     assert meta["size"] == "tiny" and meta["step"] == str(STEPS)
-    backbone = ckpt.load_backbone(str(out))  # strict: exactly the backbone's keys
+    backbone = load_backbone(str(out))  # strict: exactly the backbone's keys
     # The same tensors through a different path: the whole objective, unsharded, from the DCP checkpoint.
     cfg = load_config(PretrainConfig, TINY, FAST)
     assert backbone.cfg.patch_size == cfg.model.patch_size == 8  # the run's model settings, not the size's default
@@ -184,7 +188,7 @@ def test_export_writes_a_backbone_that_loads(reference, tmp_path):
     assert not torch.equal(fresh["blocks.0.attn.qkv.weight"], backbone.state_dict()["blocks.0.attn.qkv.weight"])
     out_tokens = backbone(torch.randn(1, 3, 64, 48)).patches
     assert out_tokens.shape == (1, 8 * 6, SIZES["tiny"].width) and torch.isfinite(out_tokens).all()
-    job_export = ckpt.read_safetensors(str(reference / ckpt.BACKBONE_FILE))[0]  # the job's own export
+    job_export = ckpt.read_safetensors(str(reference / BACKBONE_FILE))[0]  # the job's own export
     assert all(torch.equal(job_export[k], v) for k, v in backbone.state_dict().items())
 
 
@@ -437,8 +441,8 @@ def test_checkpoint_and_export_on_an_object_store(monkeypatch):
         p = next(iter(optimizer.state))
         q = dict(zip(model.parameters(), other.parameters()))[p]
         assert torch.equal(optimizer.state[p]["exp_avg_sq"], other_opt.state[q]["exp_avg_sq"])
-        ckpt.export_backbone(uri, f"{run}/{ckpt.BACKBONE_FILE}")
-        backbone = ckpt.load_backbone(f"{run}/{ckpt.BACKBONE_FILE}")
+        export_backbone(uri, f"{run}/{BACKBONE_FILE}")
+        backbone = load_backbone(f"{run}/{BACKBONE_FILE}")
         assert all(torch.equal(v, model.student.state_dict()[k]) for k, v in backbone.state_dict().items())
     finally:
         server.stop()

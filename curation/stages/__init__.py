@@ -1,27 +1,15 @@
-"""Registry of curation stages by name (the names configs use)."""
+"""Registry of curation stages by name (the names configs use): every module of this package that defines a ``Stage``
+subclass with a ``name`` registers it (``Stage.__init_subclass__``), so a new stage is a new module here plus its
+entry under ``stages`` in a config."""
 
-from curation.stages.clip import ClipStage
-from curation.stages.decode import DecodeStage
-from curation.stages.embedding import EmbeddingStage
-from curation.stages.faults import FaultInjectionStage
-from curation.stages.people import HeadPoseStage, PersonStage
-from curation.stages.phash import PhashStage
-from curation.stages.quality import QualityStage
-from curation.stages.text_overlay import TextOverlayStage
-from curation.stages.yolo import YoloPersonStage
+import importlib
+import pkgutil
 
-STAGES = {
-    stage.name: stage
-    for stage in (
-        DecodeStage,
-        PersonStage,
-        HeadPoseStage,
-        QualityStage,
-        TextOverlayStage,
-        PhashStage,
-        EmbeddingStage,
-        YoloPersonStage,  # full profile
-        ClipStage,  # full profile
-        FaultInjectionStage,  # tests only
-    )
-}
+from curation.stage import Stage
+
+
+def stage_classes() -> dict[str, type[Stage]]:
+    """Every stage class by name. Imports each module of this package; a module already imported costs a lookup."""
+    for module in pkgutil.iter_modules(__path__, f"{__name__}."):
+        importlib.import_module(module.name)
+    return dict(Stage.registry)

@@ -13,7 +13,7 @@ from PIL import Image, UnidentifiedImageError
 
 from common.imageio import decode, open_image, picture_format, sequence_frames
 from curation.pool import split_read_reason
-from curation.stage import Row, Stage, Update, reject
+from curation.stage import Row, Stage, StageSettings, Update, reject
 
 _EXIF_ORIENTATION = 0x0112
 _SWAPS_AXES = {5, 6, 7, 8}  # EXIF orientations that rotate by 90 degrees
@@ -23,6 +23,8 @@ class DecodeStage(Stage):
     name = "decode"
     reads = ("image", "reason")
     writes = ("key", "file_size", "format", "mode", "width", "height", "orientation")
+    default_settings = StageSettings(batch_size=32, num_cpus=0.5)
+    default_order = 0
 
     def process_batch(self, rows: list[Row]) -> list[Update]:
         return [self._one(row) for row in rows]

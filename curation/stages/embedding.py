@@ -23,7 +23,7 @@ from functools import lru_cache
 import numpy as np
 
 from common.imageio import decode
-from curation.stage import Row, Stage, Update
+from curation.stage import Row, Stage, StageSettings, Update
 
 LITE_NAME = "lite-colour-gradient-v1"
 NATIVE_DIM = 384
@@ -116,6 +116,8 @@ class EmbeddingStage(Stage):
     name = "embedding"
     reads = ("image",)
     writes = ("embedding",)
+    default_settings = StageSettings(batch_size=32, num_cpus=0.5)
+    default_order = 60
 
     def setup(self) -> None:
         import cv2

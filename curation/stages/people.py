@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from common.imageio import decode
-from curation.stage import Row, Stage, Update, reject
+from curation.stage import Row, Stage, StageSettings, Update, reject
 
 if TYPE_CHECKING:
     from curation.config import Filters
@@ -248,6 +248,8 @@ class PersonStage(Stage):
     reads = ("image", "width", "height")
     writes = PERSON_COLUMNS
     uses_actors = True
+    default_settings = StageSettings(batch_size=8, num_cpus=0.5, actors=(1, 2))
+    default_order = 10
 
     def setup(self) -> None:
         import cv2
@@ -433,6 +435,8 @@ class HeadPoseStage(Stage):
     reads = ("image", "width", "height", "persons")
     writes = ("persons", "faces", "head_yaw_class", "head_confidence")
     uses_actors = True
+    default_settings = StageSettings(batch_size=16, num_cpus=0.25, actors=(1, 1))
+    default_order = 20
 
     def setup(self) -> None:
         import cv2

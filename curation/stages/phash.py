@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image
 
 from common.imageio import open_reduced
-from curation.stage import Row, Stage, Update
+from curation.stage import Row, Stage, StageSettings, Update
 
 
 def hash_to_int(hash_bits: np.ndarray) -> int:
@@ -41,6 +41,8 @@ class PhashStage(Stage):
     name = "phash"
     reads = ("image",)
     writes = ("phash",)
+    default_settings = StageSettings(batch_size=32, num_cpus=0.25)
+    default_order = 50
 
     def setup(self) -> None:
         import imagehash  # noqa: F401 - import (and its scipy) once per worker, not on the first image

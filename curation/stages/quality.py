@@ -32,7 +32,7 @@ import numpy as np
 
 from common.schema import QUALITY_PARTS_TYPE
 from common.imageio import decode
-from curation.stage import Row, Stage, Update, reject
+from curation.stage import Row, Stage, StageSettings, Update, reject
 
 PARTS = tuple(field.name for field in QUALITY_PARTS_TYPE)
 _FLOOR = 0.01
@@ -134,6 +134,8 @@ class QualityStage(Stage):
     name = "quality"
     reads = ("image",)
     writes = ("quality", "quality_parts")
+    default_settings = StageSettings(batch_size=16, num_cpus=0.5)
+    default_order = 30
 
     def setup(self) -> None:
         import cv2

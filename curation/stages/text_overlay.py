@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from common.imageio import decode
-from curation.stage import Row, Stage, Update, reject
+from curation.stage import Row, Stage, StageSettings, Update, reject
 
 
 def text_area_fraction(boxes: list[np.ndarray], height: int, width: int) -> float:
@@ -76,6 +76,8 @@ class TextOverlayStage(Stage):
     reads = ("image",)
     writes = ("text_area_frac", "text_boxes")
     uses_actors = True
+    default_settings = StageSettings(batch_size=8, num_cpus=0.5, actors=(1, 2))
+    default_order = 40
 
     def setup(self) -> None:
         import rapidocr

@@ -18,7 +18,7 @@ from common import schema
 from curation.config import CurateConfig
 from common.imageio import decode, open_reduced
 from curation.ledger import read_ledger
-from curation.stage import StageRunner
+from curation.score import stage_runner
 from curation.stages.faults import FaultInjectionStage
 from jobs import curate
 
@@ -79,7 +79,7 @@ def _fates(table: pa.Table) -> dict[str, dict]:
 @pytest.mark.parametrize("timeout_s", [None, 5.0], ids=["no-time-limit", "time-limited"])
 def test_a_single_pending_row_that_raises_becomes_an_error_row(timeout_s):
     images = {"bad.jpg": _jpeg(1), "small-a.jpg": _jpeg(2), "small-b.jpg": _jpeg(3)}
-    runner = StageRunner(FAULTS, _config(timeout_s, raise_on=[_key(images["bad.jpg"])]).model_dump_json())
+    runner = stage_runner(FAULTS, _config(timeout_s, raise_on=[_key(images["bad.jpg"])]))
 
     fates = _fates(runner(_table(images, rejected=("small-a.jpg", "small-b.jpg"))))
 
@@ -93,7 +93,7 @@ def test_a_single_pending_row_that_raises_becomes_an_error_row(timeout_s):
 def test_a_python_level_hang_is_stopped_and_the_rest_of_the_batch_is_scored():
     images = {f"img{i}.jpg": _jpeg(10 + i) for i in range(4)}
     plan = dict(hang_on=[_key(images["img2.jpg"])], hang="python", hang_s=600)
-    runner = StageRunner(FAULTS, _config(0.5, **plan).model_dump_json())
+    runner = stage_runner(FAULTS, _config(0.5, **plan))
 
     start = time.monotonic()
     fates = _fates(runner(_table(images)))
@@ -114,8 +114,8 @@ def test_a_native_hang_is_an_error_row_and_marks_the_process_for_recycling():
     images = {"native-ok.jpg": _jpeg(20), "native-hang.jpg": _jpeg(21)}
     # time.sleep is one C call: the exception the runner raises into its thread waits until it returns
     plan = dict(hang_on=[_key(images["native-hang.jpg"])], hang="native", hang_s=4)
-    cfg_json = _config(0.5, **plan).model_dump_json()
-    runner = StageRunner(FAULTS, cfg_json)
+    cfg = _config(0.5, **plan)
+    runner = stage_runner(FAULTS, cfg)
 
     fates = _fates(runner(_table(images)))
 
@@ -128,7 +128,7 @@ def test_a_native_hang_is_an_error_row_and_marks_the_process_for_recycling():
 
     # A runner built later (a restarted worker re-running the batch) does not run the hanging row again.
     start = time.monotonic()
-    again = _fates(StageRunner(FAULTS, cfg_json)(_table(images)))
+    again = _fates(stage_runner(FAULTS, cfg)(_table(images)))
     assert time.monotonic() - start < 1.0
     assert again["native-hang.jpg"]["status"] == schema.ERROR
     assert again["native-hang.jpg"]["reason"].endswith("stuck in native code earlier in this job, not run again")
@@ -146,7 +146,7 @@ def test_a_stage_that_cannot_set_up_stops_with_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(FaultInjectionStage, "setup", setup)
     with pytest.raises(FileNotFoundError, match="weights.pt") as failure:
-        StageRunner(FAULTS, _config().model_dump_json())
+        stage_runner(FAULTS, _config())
     (note,) = failure.value.__notes__
     assert note == "stage 'fault_injection' could not set up, so it cannot score any image: the job stops"
 
@@ -171,7 +171,7 @@ def test_decode_keeps_a_multi_picture_jpeg_and_rejects_real_animations():
     table = _table(images)
     key = table.schema.get_field_index("key")
     table = table.set_column(key, table.schema.field(key), pa.nulls(len(images), pa.string()))  # decode sets it
-    runner = StageRunner("decode", _config().model_dump_json())
+    runner = stage_runner("decode", _config())
 
     rows = {r["source"]: r for r in runner(table).to_pylist()}
 

@@ -1,6 +1,6 @@
 """Training metrics in the tools people already read them with: TensorBoard event files (the default), MLflow, W&B.
 
-Both training loops hand every metrics record to ``Sinks`` (through ``pretrain.train.MetricsLog``, on rank 0):
+Both training loops hand every metrics record to ``Sinks`` (through ``training.metrics.MetricsLog``, on rank 0):
 its numeric fields become scalars tagged ``<group>/<name>`` (``loss/mae``, ``optim/lr``, ``perf/images_per_s``,
 ``contrastive/teacher_entropy``, ``eval/mIoU``) at the record's step. The JSON lines under ``<run>/metrics/`` stay
 the full record.

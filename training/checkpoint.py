@@ -1,22 +1,22 @@
-"""Sharded training checkpoints (torch distributed checkpoint) and the plain backbone export.
+"""Sharded training checkpoints (torch distributed checkpoint), shared by pretraining and fine-tuning.
 
 Layout of a run directory (local path or object store)::
 
-    <run>/checkpoints/step_000001000/   .metadata + __<rank>_0.distcp   DCP shards of model (student, decoder, head,
-                                                                        teacher, centre) and optimiser
+    <run>/checkpoints/step_000001000/   .metadata + __<rank>_0.distcp   DCP shards of model and optimiser
                                         rng/rank-00000.pt               each rank's RNG states
-                                        commit.json                     written last: step, data position, config
+                                        commit.json                     written last: step, the loop's state, config
 
 A checkpoint counts only once ``commit.json`` exists. It is written by rank 0 after ``dcp.save`` returned, and
 ``dcp.save`` returns on every rank only after the coordinator wrote ``.metadata``, i.e. after every shard is
 complete; ``write_json_atomic`` moves it into place from a temporary name. Directories without it (a save that a
 preemption cut short) are removed before training resumes. A committed checkpoint newer than the one Ray Train
 hands back (Ray lost a killed worker's report, or the driver died, before registering it) is complete: the
-worker resumes from it and reports it again (``pretrain/train.py``).
+worker resumes from it and reports it again (``training/worker.py``).
 
-Retention (the last K) is Ray Train's ``CheckpointConfig(num_to_keep=K)``: the checkpoints are reported to Ray
-Train in place (``CheckpointUploadMode.NO_UPLOAD``) and Ray deletes the ones it evicts. Deleting them here as well
-would leave Ray's run snapshot pointing at missing folders, which Ray refuses to restore from.
+Retention (the last K): checkpoints reported to Ray Train in place (``CheckpointUploadMode.NO_UPLOAD``, pretraining)
+are Ray's to delete (``CheckpointConfig(num_to_keep=K)``); deleting them here as well would leave Ray's run snapshot
+pointing at missing folders, which Ray refuses to restore from. Checkpoints never reported (fine-tuning) are pruned
+with ``keep_newest``.
 
 Loading is ``weights_only`` throughout: DCP reads tensors that way, and ``SafeLoadPlanner`` makes the non-tensor
 entries (optimiser hyper-parameters) load that way too instead of DCP's default full unpickling. DCP reshards on
@@ -28,14 +28,12 @@ buffered so that small tensors do not cost a request each.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
 import random
 import struct
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -50,11 +48,9 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from common import storage
-from pretrain.backbone import BackboneConfig, Sapiens2Backbone
 
 CHECKPOINTS = "checkpoints"
 COMMIT_FILE = "commit.json"
-BACKBONE_FILE = "backbone.safetensors"
 READ_BUFFER = 16 << 20  # bytes per ranged read from an object store
 
 
@@ -126,7 +122,8 @@ def _writer(uri: str) -> dcp.StorageWriter:
     return writer
 
 
-def _reader(uri: str) -> dcp.StorageReader:
+def storage_reader(uri: str) -> dcp.StorageReader:
+    """DCP's reader of the checkpoint at ``uri``, on the filesystem ``_writer`` wrote it with."""
     if "://" not in uri:
         return dcp.FileSystemReader(storage.resolve(uri)[1])
     reader = dcp.FileSystemReader(uri)
@@ -199,7 +196,7 @@ def load(uri: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     commit = read_commit(uri)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, storage_reader=_reader(uri), planner=SafeLoadPlanner())
+    dcp.load(state, storage_reader=storage_reader(uri), planner=SafeLoadPlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank, world = _rank_world()
     if commit["world_size"] == world:  # other world sizes draw fresh streams (the data order does not depend on it)
@@ -243,42 +240,14 @@ def remove_stale(run_uri: str, resumed_step: int | None) -> list[str]:
     return stale
 
 
-# --- export -------------------------------------------------------------------------------------------------------
+def keep_newest(run_uri: str, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoint folders (only for checkpoints Ray Train does not track)."""
+    fs, _ = storage.resolve(run_uri)
+    for _, uri, _ in list_checkpoints(run_uri)[:-keep]:
+        storage.delete_quietly(fs, storage.resolve(uri)[1])
 
 
-def export_backbone(ckpt_uri: str, out_uri: str) -> dict:
-    """Write the student backbone of a checkpoint as a plain safetensors state dict (keys of Sapiens2Backbone).
-
-    Reads only the backbone's tensors (no optimiser, no teacher), without a process group. The backbone config
-    travels in the file's metadata, so ``load_backbone`` needs nothing else.
-    """
-    from safetensors.torch import save as st_save
-
-    from pretrain.config import ModelSettings  # the run's model settings, overrides (patch size...) included
-
-    commit = read_commit(ckpt_uri)
-    cfg = ModelSettings.model_validate(commit["config"]["model"]).backbone()
-    shapes = build_meta(cfg).state_dict()
-    state = {"model": {f"student.{k}": torch.empty(v.shape, dtype=v.dtype) for k, v in shapes.items()}}
-    with warnings.catch_warnings():  # no_dist is what this single-process read means to do; torch warns anyway
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        planner = SafeLoadPlanner(allow_partial_load=True)
-        dcp.load(state, storage_reader=_reader(ckpt_uri), planner=planner, no_dist=True)
-    tensors = {k.removeprefix("student."): v.contiguous() for k, v in state["model"].items()}
-    meta = {
-        "format": "pt",
-        "backbone_config": json.dumps(dataclasses.asdict(dataclasses.replace(cfg, activation_checkpointing=False))),
-        "size": commit["config"]["model"]["size"],
-        "step": str(commit["step"]),
-    }
-    fs, path = storage.resolve(out_uri)
-    storage.write_bytes_atomic(fs, path, st_save(tensors, metadata=meta))
-    return meta
-
-
-def build_meta(cfg: BackboneConfig) -> Sapiens2Backbone:
-    with torch.device("meta"):
-        return Sapiens2Backbone(cfg)
+# --- safetensors ----------------------------------------------------------------------------------------------
 
 
 def read_safetensors(uri: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -291,14 +260,3 @@ def read_safetensors(uri: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]
     (header_len,) = struct.unpack("<Q", data[:8])
     meta = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
     return st_load(data), meta
-
-
-def load_backbone(uri: str, **overrides) -> Sapiens2Backbone:
-    """A Sapiens2Backbone with the exported weights (``overrides`` change non-shape fields, e.g.
-    ``activation_checkpointing=True``)."""
-    tensors, meta = read_safetensors(uri)
-    fields = json.loads(meta["backbone_config"])
-    cfg = BackboneConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
-    model = Sapiens2Backbone(dataclasses.replace(cfg, **overrides))
-    model.load_state_dict(tensors, strict=True)
-    return model

@@ -1,0 +1,67 @@
+"""The settings of every training run, whatever it trains: optimiser, checkpoint retention, metrics, cluster.
+
+Pretraining (``pretrain/config.py``) and fine-tuning (``finetune/config.py``) extend them with their model, data and
+loop settings; the shipped configs are ``configs/{pretrain,finetune}/*.yaml``.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from common.config import Strict
+from training.metrics_sinks import Backend, check_backends
+
+
+class OptimSettings(Strict):
+    # Base rate for 256 images per optimiser step: the peak after warm-up is lr x global batch / 256
+    # (training.schedules.peak_lr; Sapiens v1: 1.5e-4 x batch / 256).
+    lr: float = Field(1.5e-4, gt=0)
+    min_lr: float = Field(1e-6, ge=0)  # end of the cosine decay; absolute, not scaled by the batch
+    warmup_steps: int = Field(0, ge=0)  # linear warm-up, in optimiser steps
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.04, ge=0)  # cosine schedule from this ...
+    # ... to this (DINO-style); None: constant. Never on 1-D params and tokens.
+    weight_decay_end: float | None = Field(0.2, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0)  # max global grad norm; None: no clipping (the norm is still logged)
+
+
+class CheckpointSettings(Strict):
+    keep: int = Field(3, ge=1)  # the newest this many stay
+
+
+class LogSettings(Strict):
+    every: int = Field(10, ge=1)  # steps per metrics line
+    # where metrics go besides <run>/metrics/*.jsonl (training/metrics_sinks.py): tensorboard, mlflow, wandb
+    backends: list[Backend] = ["tensorboard"]
+
+    @field_validator("backends")
+    @classmethod
+    def _installed(cls, v: list[str]) -> list[str]:
+        return check_backends(list(dict.fromkeys(v)))
+
+
+class RaySettings(Strict):
+    address: str | None = None  # None: join RAY_ADDRESS if set, else start a local Ray
+    num_cpus: int | None = None  # local Ray only
+    workers: int = Field(1, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, ge=0)
+    torch_threads: int | None = Field(None, ge=1)  # intra-op threads per worker (CPU training)
+    max_failures: int = Field(3, ge=-1)  # worker-group restarts before the run fails (-1: unlimited)
+
+
+class TrainingConfig(Strict):
+    seed: int = 0
+    steps: int = Field(ge=1)  # optimiser steps of the whole run (the schedules' length)
+    precision: Literal["bf16", "fp32"] = "bf16"  # on GPU: bf16 params/compute, fp32 reduce; CPU runs fp32
+    checkpoint: CheckpointSettings = CheckpointSettings()
+    log: LogSettings = LogSettings()
+    ray: RaySettings = RaySettings()
+
+    @abstractmethod
+    def samples_per_step(self, workers: int | None = None) -> int:
+        """Images per optimiser step over all workers (the global batch); ``None``: ``ray.workers``."""

@@ -1,0 +1,72 @@
+"""The driver side of a training run: where it lives, what it trains, and its Ray Train worker group.
+
+A run is ``<storage>/<name>``: Ray Train's run (checkpoint registry, restarts after failures) and the project's
+files (``run.json``, checkpoints, metrics) side by side. The same command again resumes it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from common import storage
+from common.config import ConfigError
+from training.config import RaySettings
+
+RUN_FILE = "run.json"
+
+
+def run_uri_for(storage_path: str, name: str) -> str:
+    """Where Ray Train puts the run: ``<storage>/<name>`` (local paths made absolute, as Ray does)."""
+    if "://" in storage_path:
+        return storage.join(storage_path, name)
+    return os.path.join(os.path.abspath(os.path.expanduser(storage_path)), name)
+
+
+def claim_run(run_uri: str, identity: dict, info: dict | None = None) -> bool:
+    """Record what the run trains in ``<run>/run.json``; a rerun under the same name must give the same ``identity``
+    (``info`` is recorded, not compared). Returns True when resuming."""
+    fs, run = storage.resolve(run_uri)
+    path = storage.join(run, RUN_FILE)
+    if not storage.exists(fs, path):
+        storage.write_json_atomic(fs, path, {**identity, **(info or {}), "created": time.time()})
+        return False
+    earlier = storage.read_json(fs, path)
+    for key, value in identity.items():
+        if earlier.get(key) != value:
+            raise ConfigError(
+                f"run {run_uri} was started with {key}={earlier.get(key)!r}, this command gives {value!r}; "
+                "use a new --name for a different run"
+            )
+    return True
+
+
+def launch(
+    loop: Callable[[dict], None], loop_config: dict, settings: RaySettings, storage_path: str, name: str,
+    keep: int | None = None,
+):  # fmt: skip
+    """``loop(loop_config)`` on a Ray Train worker group sized by ``settings``; Ray Train's run (its checkpoint
+    registry, restarts after failures) lives in ``<storage_path>/<name>`` and keeps the newest ``keep`` checkpoints
+    reported to it."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    resources = {"CPU": settings.cpus_per_worker} | ({"GPU": 1} if settings.use_gpu else {})
+    trainer = TorchTrainer(
+        loop,
+        train_loop_config=loop_config,
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=settings.workers, use_gpu=settings.use_gpu, resources_per_worker=resources
+        ),
+        run_config=ray.train.RunConfig(
+            name=name,
+            storage_path=storage_path if "://" in storage_path else os.path.abspath(os.path.expanduser(storage_path)),
+            failure_config=ray.train.FailureConfig(max_failures=settings.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
+            # Ray Train's own INFO lines (every rank's whole report at each checkpoint, worker-group start-up) stay
+            # in its log files; the console gets rank 0's progress lines and Ray Train's warnings and errors
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+        ),
+    )
+    return trainer.fit()
