@@ -28,11 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.config import load_config  # noqa: E402
-from pretrain.backbone import build, count_params, flops  # noqa: E402
-from pretrain.masking import generate_masks  # noqa: E402
-from pretrain.config import PretrainConfig  # noqa: E402
-from pretrain.objective import JointObjective  # noqa: E402
+from common.config import load_config
+from pretrain.backbone import build, count_params, flops
+from pretrain.config import PretrainConfig
+from pretrain.masking import generate_masks
+from pretrain.objective import JointObjective
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "pretrain" / "tiny.yaml"
 
@@ -62,8 +62,10 @@ def main() -> None:
     images = torch.rand(b, 3, h, w)
     keep = generate_masks(b, grid, generator=torch.Generator().manual_seed(0)).keep
     print(f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"size {args.size} ({count_params(model.cfg) / 1e6:.2f}M parameters), image {h}x{w} "
-          f"({n_tokens} patches, {keep.shape[1]} visible at ratio 0.75), batch {b}")
+    print(
+        f"size {args.size} ({count_params(model.cfg) / 1e6:.2f}M parameters), image {h}x{w} "
+        f"({n_tokens} patches, {keep.shape[1]} visible at ratio 0.75), batch {b}"
+    )
 
     def fwd_bwd(keep_idx: torch.Tensor | None):
         def run() -> None:
@@ -95,8 +97,12 @@ def main() -> None:
         extra = f", {b * tokens / secs:,.0f} tokens/s" if tokens else ""
         print(f"{name:<28} {1000 * secs:8.1f} ms/batch  {b / secs:7.1f} images/s{extra}")
     achieved = 2 * 3 * fwd_flops * b / full_s / 1e9
-    print(f"all tokens: {achieved:.1f} GFLOP/s (fwd + bwd = 3x the forward's {2 * fwd_flops / 1e9:.2f} GFLOP per image)")
-    print(f"visible-only encoder speed-up over all tokens: {full_s / visible_s:.2f}x (token ratio {n_tokens / keep.shape[1]:.1f}x)")
+    print(
+        f"all tokens: {achieved:.1f} GFLOP/s (fwd + bwd = 3x the forward's {2 * fwd_flops / 1e9:.2f} GFLOP per image)"
+    )
+    print(
+        f"visible-only encoder speed-up over all tokens: {full_s / visible_s:.2f}x (token ratio {n_tokens / keep.shape[1]:.1f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import pyarrow.compute as pc
 from PIL import Image
 
 from common import schema
-
 from common.config import load_config
 from common.ray_utils import init_ray
 from curation.config import CurateConfig
@@ -64,7 +63,9 @@ def build_pools(work: Path, n: int) -> tuple[Path, Path, Path]:
     """A pool of realistic images, and one of the same size whose second half is tiny thumbnails."""
     source = work / "sample"
     make_sample_pool.main(["--out", str(source), "--n", str(max(n, 60)), "--seed", "0"])
-    photos = person_photos(source) + sorted((source / "no_person").glob("*.jpg")) + sorted((source / "text").glob("*.jpg"))
+    photos = (
+        person_photos(source) + sorted((source / "no_person").glob("*.jpg")) + sorted((source / "text").glob("*.jpg"))
+    )
     normal, half_tiny = work / "normal", work / "half_tiny"
     normal.mkdir()
     half_tiny.mkdir()
@@ -94,7 +95,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-curation-"))
     try:
         source, normal, half_tiny = build_pools(work, args.n)
-        print(f"machine: {platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}; pool of {args.n}")
+        print(
+            f"machine: {platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}; pool of {args.n}"
+        )
 
         # (b) runs first, before Ray's processes share the machine
         if "b" in parts:
@@ -107,8 +110,10 @@ def main() -> None:
             loop_s, table = timed(lambda: score_in_process(cfg, shards, str(normal)))
             ray_s = ray_score(cfg, normal, work / "out_a")
             kept = sum(s == "kept" for s in table.column("status").to_pylist())
-            print(f"(a) one-core loop {loop_s:.1f} s ({args.n / loop_s:.2f} img/s), Ray 2 CPUs {ray_s:.1f} s "
-                  f"({args.n / ray_s:.2f} img/s): {loop_s / ray_s:.2f}x  [goal >= 1.8x; {kept} kept]")
+            print(
+                f"(a) one-core loop {loop_s:.1f} s ({args.n / loop_s:.2f} img/s), Ray 2 CPUs {ray_s:.1f} s "
+                f"({args.n / ray_s:.2f} img/s): {loop_s / ray_s:.2f}x  [goal >= 1.8x; {kept} kept]"
+            )
         if "c" in parts:
             # (c) cheap-first: the same Ray pipeline on a pool with half tiny images vs none
             normal_s = ray_score(cfg, normal, work / "out_c0")
@@ -126,9 +131,11 @@ def bench_phash(cfg: CurateConfig, source: Path) -> None:
     naive_s, naive = timed(lambda: [imagehash.phash(Image.open(f)) for f in files])
     ours_s, ours = timed(lambda: phash_stage.process_batch(rows))
     dist = [h - imagehash.hex_to_hash(f"{u['phash']:016x}") for h, u in zip(naive, ours)]
-    print(f"(b) naive phash loop {naive_s * 1e3 / len(files):.1f} ms/img, phash stage {ours_s * 1e3 / len(files):.1f}"
-          f" ms/img: {naive_s / ours_s:.2f}x, max distance {max(dist)} bits, mean {np.mean(dist):.2f}"
-          f"  [goal >= 2.5x within 2 bits]")
+    print(
+        f"(b) naive phash loop {naive_s * 1e3 / len(files):.1f} ms/img, phash stage {ours_s * 1e3 / len(files):.1f}"
+        f" ms/img: {naive_s / ours_s:.2f}x, max distance {max(dist)} bits, mean {np.mean(dist):.2f}"
+        f"  [goal >= 2.5x within 2 bits]"
+    )
 
 
 def merge_by_lists(runner: StageRunner, table: pa.Table, pending: list[int], updates: list[Update]) -> pa.Table:
@@ -140,7 +147,9 @@ def merge_by_lists(runner: StageRunner, table: pa.Table, pending: list[int], upd
             if column in update:
                 values[i] = update[column]
         table = table.set_column(
-            table.schema.get_field_index(column), runner.schema.field(column), pa.array(values, runner.schema.field(column).type)
+            table.schema.get_field_index(column),
+            runner.schema.field(column),
+            pa.array(values, runner.schema.field(column).type),
         )
     status = table.column("status").to_pylist()
     stage = table.column("stage").to_pylist()
@@ -157,7 +166,9 @@ def merge_by_lists(runner: StageRunner, table: pa.Table, pending: list[int], upd
         stage[i] = runner.stage.name
         stopped[i] = True
     for name, values in (("status", status), ("stage", stage), ("reason", reason)):
-        table = table.set_column(table.schema.get_field_index(name), runner.schema.field(name), pa.array(values, pa.string()))
+        table = table.set_column(
+            table.schema.get_field_index(name), runner.schema.field(name), pa.array(values, pa.string())
+        )
     if stopped.any():
         image_index = table.schema.get_field_index("image")
         image = pc.if_else(pa.array(stopped), pa.nulls(n, schema.IMAGE_TYPE), table.column("image"))
@@ -198,8 +209,10 @@ def bench_merge(cfg: CurateConfig, rows: int, pending_share: float, repeats: int
 
     lists_s = best_s(lambda: merge_by_lists(runner, table, pending.tolist(), updates))
     arrow_s = best_s(lambda: runner._merge(table, pending, updates))
-    print(f"(d) merge of {len(pending)} pending of {rows} rows, 2 written columns: Python lists {lists_s * 1e3:.2f} ms,"
-          f" Arrow {arrow_s * 1e3:.2f} ms: {lists_s / arrow_s:.1f}x  [best of {repeats}; same table out]")
+    print(
+        f"(d) merge of {len(pending)} pending of {rows} rows, 2 written columns: Python lists {lists_s * 1e3:.2f} ms,"
+        f" Arrow {arrow_s * 1e3:.2f} ms: {lists_s / arrow_s:.1f}x  [best of {repeats}; same table out]"
+    )
 
 
 if __name__ == "__main__":

@@ -206,8 +206,10 @@ def main(argv: list[str] | None = None) -> None:
     k1 = args.k1 if not args.quick else args.k1 // 4
 
     faiss.omp_set_num_threads(args.threads)
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, faiss {faiss.__version__}, "
-          f"numpy {np.__version__}, threads {args.threads}")
+    print(
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, faiss {faiss.__version__}, "
+        f"numpy {np.__version__}, threads {args.threads}"
+    )
     rng = np.random.default_rng(args.seed)
     parts = args.only or ["phash", "embedding", "kmeans"]
     if "phash" in parts:

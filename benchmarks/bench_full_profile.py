@@ -29,18 +29,23 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.config import load_config  # noqa: E402
-from curation.config import CurateConfig  # noqa: E402
-from generators.random_models import build_random_store  # noqa: E402
-from generators.sample_pool import load_photos  # noqa: E402
-from curation.stages.clip import ClipStage  # noqa: E402
-from curation.stages.yolo import YoloPersonStage  # noqa: E402
+from common.config import load_config
+from curation.config import CurateConfig
+from curation.stages.clip import ClipStage
+from curation.stages.yolo import YoloPersonStage
+from generators.random_models import build_random_store
+from generators.sample_pool import load_photos
 
 FULL = Path(__file__).resolve().parents[1] / "configs" / "curate" / "full.yaml"
 OPEN_FILTERS = [
-    "models.yolo.min_candidate_score=0.25", "filters.person_min_score=0", "filters.person_min_height_frac=0",
-    "filters.person_min_area_frac=0", "filters.min_aesthetic=null", "filters.min_realism=null",
-    "filters.prompt_filters.not_a_person.max_reject=1", "filters.prompt_filters.collage.max_reject=1",
+    "models.yolo.min_candidate_score=0.25",
+    "filters.person_min_score=0",
+    "filters.person_min_height_frac=0",
+    "filters.person_min_area_frac=0",
+    "filters.min_aesthetic=null",
+    "filters.min_realism=null",
+    "filters.prompt_filters.not_a_person.max_reject=1",
+    "filters.prompt_filters.collage.max_reject=1",
 ]
 
 
@@ -80,21 +85,33 @@ def main() -> None:
     print(f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {device}")
     with tempfile.TemporaryDirectory() as tmp:
         store = build_random_store(Path(tmp), yolo=args.yolo, clip_arch=args.clip, clip_cfg={})
-        cfg = load_config(CurateConfig, FULL, [*store, *OPEN_FILTERS, f"models.yolo.imgsz={args.imgsz}",
-                                               f"stages.yolo_person.num_cpus={args.threads}",
-                                               f"stages.clip.num_cpus={args.threads}"])
+        cfg = load_config(
+            CurateConfig,
+            FULL,
+            [
+                *store,
+                *OPEN_FILTERS,
+                f"models.yolo.imgsz={args.imgsz}",
+                f"stages.yolo_person.num_cpus={args.threads}",
+                f"stages.clip.num_cpus={args.threads}",
+            ],
+        )
         stages = [YoloPersonStage(cfg), ClipStage(cfg)]
         for stage in stages:
             stage.setup()
-        print(f"models: {args.yolo} detector + {args.yolo}-pose at {args.imgsz}, OpenCLIP {args.clip} + aesthetic "
-              f"MLP; {args.n} images (the sample photos, cycled)")
+        print(
+            f"models: {args.yolo} detector + {args.yolo}-pose at {args.imgsz}, OpenCLIP {args.clip} + aesthetic "
+            f"MLP; {args.n} images (the sample photos, cycled)"
+        )
         results = {}
         for batch in (1, args.batch):
             per_stage = [images_per_s(stage, rows, batch) for stage in stages]
             both = 1 / sum(1 / r for r in per_stage)  # one image through both stages, one after the other
             results[batch] = both
-            print(f"batch {batch:>3}: person+pose {per_stage[0]:7.1f} img/s | clip+heads {per_stage[1]:7.1f} img/s "
-                  f"| both {both:7.1f} img/s")
+            print(
+                f"batch {batch:>3}: person+pose {per_stage[0]:7.1f} img/s | clip+heads {per_stage[1]:7.1f} img/s "
+                f"| both {both:7.1f} img/s"
+            )
         print(f"batched / one image per call: {results[args.batch] / results[1]:.2f}x (goal >= 3x)")
 
 

@@ -35,8 +35,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MIRROR = {"frontal": "frontal", "left_profile": "right_profile", "right_profile": "left_profile",
-          "not_visible": "not_visible"}
+MIRROR = {
+    "frontal": "frontal",
+    "left_profile": "right_profile",
+    "right_profile": "left_profile",
+    "not_visible": "not_visible",
+}
 
 
 # -- the side that runs in each tree -------------------------------------------------------------------------------
@@ -58,7 +62,7 @@ def _timed_batches(stage, rows: list[dict], size: int) -> tuple[float, list[dict
     out: list[dict] = []
     start = time.perf_counter()
     for i in range(0, len(rows), size):
-        out += stage.process_batch(rows[i:i + size])
+        out += stage.process_batch(rows[i : i + size])
     return time.perf_counter() - start, out
 
 
@@ -138,11 +142,17 @@ def worker(images: Path, pool: Path | None, with_ray: bool = False) -> dict:
         "person_s": person_s,
         "head_s": head_s,
         "head_n": len(head_rows),
-        "heads": {n: {k: p.get(k) for k in ("head_yaw_class", "head_yaw", "head_pitch", "head_roll")}
-                  for n, p in heads.items()},
+        "heads": {
+            n: {k: p.get(k) for k in ("head_yaw_class", "head_yaw", "head_pitch", "head_roll")}
+            for n, p in heads.items()
+        },
         # prominent persons with degrees and keypoints: (photo, yaw, their 17 COCO keypoints)
-        "yaws": [(labels[i]["name"], p["head_yaw"], p["keypoints"]) for i, h in zip(kept, head_updates)
-                 for p in h["persons"] if p["prominent"] and p.get("head_yaw") is not None and p.get("keypoints")],
+        "yaws": [
+            (labels[i]["name"], p["head_yaw"], p["keypoints"])
+            for i, h in zip(kept, head_updates)
+            for p in h["persons"]
+            if p["prominent"] and p.get("head_yaw") is not None and p.get("keypoints")
+        ],
     }
     if pool is not None:
         result |= scoring_in_process(cfg, pool)
@@ -191,13 +201,22 @@ def _mirror_metrics(r: dict) -> dict:
     heads = r["heads"]
     pairs = [(n, n + "_mirrored") for n in heads if n + "_mirrored" in heads]
     classes = sum(MIRROR[heads[a]["head_yaw_class"]] == heads[b]["head_yaw_class"] for a, b in pairs)
-    signed = [(heads[a]["head_yaw"], heads[b]["head_yaw"]) for a, b in pairs
-              if heads[a]["head_yaw"] is not None and heads[b]["head_yaw"] is not None]
+    signed = [
+        (heads[a]["head_yaw"], heads[b]["head_yaw"])
+        for a, b in pairs
+        if heads[a]["head_yaw"] is not None and heads[b]["head_yaw"] is not None
+    ]
     signed = [(ya, yb) for ya, yb in signed if max(abs(ya), abs(yb)) >= 5]  # a sign only means something off zero
     flips = sum((ya > 0) != (yb > 0) for ya, yb in signed)
     gap = max((abs(ya + yb) for ya, yb in signed), default=None)
-    return {"pairs": len(pairs), "class_ok": classes, "with_degrees": len(signed), "sign_flips": flips,
-            "max_abs_yaw_sum": gap, "img_s": r["head_n"] / r["head_s"] if r["head_s"] else None}
+    return {
+        "pairs": len(pairs),
+        "class_ok": classes,
+        "with_degrees": len(signed),
+        "sign_flips": flips,
+        "max_abs_yaw_sum": gap,
+        "img_s": r["head_n"] / r["head_s"] if r["head_s"] else None,
+    }
 
 
 def _yaw_agreement(r: dict) -> dict | None:
@@ -211,7 +230,11 @@ def _yaw_agreement(r: dict) -> dict | None:
     fit = estimate_head_pose(kp[:, :5, :2], kp[:, :5, 2], min_conf=0.3)
     pairs = [(y, f) for (_, y, _), f, ok in zip(r["yaws"], fit.yaw, fit.valid) if ok]
     diffs = np.array([abs(y - f) for y, f in pairs])
-    return {"n": len(pairs), "within_15": int((diffs <= 15).sum()), "median": float(np.median(diffs)) if len(diffs) else None}
+    return {
+        "n": len(pairs),
+        "within_15": int((diffs <= 15).sum()),
+        "median": float(np.median(diffs)) if len(diffs) else None,
+    }
 
 
 def _e2e_metrics(manifest: dict[str, dict], r: dict) -> dict:
@@ -232,9 +255,15 @@ def _e2e_metrics(manifest: dict[str, dict], r: dict) -> dict:
         elif entry["expect"] == "any" and not survived and row["stage"] not in entry["stage_any"]:
             wrong += 1
     n = len(r["e2e_rows"])
-    out = {"n": n, "kept": kept, "not_as_expected": wrong, "img_s": n / r["e2e_s"],
-           "cpu_per_input": sum(r["stage_cpu_s"].values()) / n, "stage_cpu_s": r["stage_cpu_s"],
-           "stage_rows": r["stage_rows"]}
+    out = {
+        "n": n,
+        "kept": kept,
+        "not_as_expected": wrong,
+        "img_s": n / r["e2e_s"],
+        "cpu_per_input": sum(r["stage_cpu_s"].values()) / n,
+        "stage_cpu_s": r["stage_cpu_s"],
+        "stage_rows": r["stage_rows"],
+    }
     if "ray_s" in r:
         out["ray_img_s"] = n / r["ray_s"]
     return out
@@ -270,9 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         trees = [("new", REPO)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
         results = {name: _run_tree(tree, images, pool, args.ray) for name, tree in trees}
 
-    print(f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-          f"load average {os.getloadavg()[0]:.1f}; {len(labels)} labelled photos "
-          f"({sum(x['person'] for x in labels)} with a prominent person)")
+    print(
+        f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"load average {os.getloadavg()[0]:.1f}; {len(labels)} labelled photos "
+        f"({sum(x['person'] for x in labels)} with a prominent person)"
+    )
     rows = []
     metrics = {}
     for name, r in results.items():
@@ -281,24 +312,35 @@ def main(argv: list[str] | None = None) -> int:
             metrics[name]["e2e"] = _e2e_metrics(manifest, r)
     for name, m in metrics.items():
         p, h = m["person"], m["head"]
-        line = (f"{name:9s} person: {p['img_s']:.2f} img/s, precision {p['precision']:.3f}, recall {p['recall']:.3f}"
-                f" (wrong: {', '.join(p['wrong']) or 'none'}); head pose: {h['img_s'] or 0:.2f} img/s, yaw class "
-                f"mirrors on {h['class_ok']}/{h['pairs']} pairs")
+        line = (
+            f"{name:9s} person: {p['img_s']:.2f} img/s, precision {p['precision']:.3f}, recall {p['recall']:.3f}"
+            f" (wrong: {', '.join(p['wrong']) or 'none'}); head pose: {h['img_s'] or 0:.2f} img/s, yaw class "
+            f"mirrors on {h['class_ok']}/{h['pairs']} pairs"
+        )
         if h["with_degrees"]:
-            line += (f", yaw sign flips on {h['sign_flips']}/{h['with_degrees']}"
-                     f" (max |yaw + mirrored yaw| {h['max_abs_yaw_sum']:.1f} deg)")
+            line += (
+                f", yaw sign flips on {h['sign_flips']}/{h['with_degrees']}"
+                f" (max |yaw + mirrored yaw| {h['max_abs_yaw_sum']:.1f} deg)"
+            )
         if m["yaw"]:
             y = m["yaw"]
-            line += (f"; yaw within 15 deg of the full profile's fit on the same face keypoints for {y['within_15']}/{y['n']}"
-                     f" prominent persons (median difference {y['median']:.1f} deg)")
+            line += (
+                f"; yaw within 15 deg of the full profile's fit on the same face keypoints for {y['within_15']}/{y['n']}"
+                f" prominent persons (median difference {y['median']:.1f} deg)"
+            )
         if "e2e" in m:
             e = m["e2e"]
-            line += (f"; end to end: {e['img_s']:.2f} img/s in one process ({e['kept']} of {e['n']} kept,"
-                     f" {e['not_as_expected']} not as the manifest expects)")
+            line += (
+                f"; end to end: {e['img_s']:.2f} img/s in one process ({e['kept']} of {e['n']} kept,"
+                f" {e['not_as_expected']} not as the manifest expects)"
+            )
             if "ray_img_s" in e:
                 line += f", {e['ray_img_s']:.2f} img/s on a local Ray with 2 CPUs"
-            line += f"; CPU per input {e['cpu_per_input']:.3f} s (" + ", ".join(
-                f"{k} {v / max(e['stage_rows'][k], 1):.3f}" for k, v in e["stage_cpu_s"].items()) + " s per image it saw)"
+            line += (
+                f"; CPU per input {e['cpu_per_input']:.3f} s ("
+                + ", ".join(f"{k} {v / max(e['stage_rows'][k], 1):.3f}" for k, v in e["stage_cpu_s"].items())
+                + " s per image it saw)"
+            )
         rows.append(line)
     print("\n".join(rows))
     if "baseline" in metrics:
@@ -311,13 +353,19 @@ def main(argv: list[str] | None = None) -> int:
             ratios.append(f"CPU per input {old['e2e']['cpu_per_input'] / new['e2e']['cpu_per_input']:.2f}x less")
             if "ray_img_s" in new["e2e"]:
                 ratios.append(f"end to end on Ray {new['e2e']['ray_img_s'] / old['e2e']['ray_img_s']:.2f}x img/s")
-        ratios.append(f"precision {old['person']['precision']:.3f} -> {new['person']['precision']:.3f}, "
-                      f"recall {old['person']['recall']:.3f} -> {new['person']['recall']:.3f}")
+        ratios.append(
+            f"precision {old['person']['precision']:.3f} -> {new['person']['precision']:.3f}, "
+            f"recall {old['person']['recall']:.3f} -> {new['person']['recall']:.3f}"
+        )
         print("new vs baseline: " + "; ".join(ratios))
     for name, r in results.items():
-        print(f"{name} heads: " + ", ".join(
-            f"{n}={h['head_yaw_class']}" + (f"({h['head_yaw']:.0f})" if h["head_yaw"] is not None else "")
-            for n, h in r["heads"].items()))
+        print(
+            f"{name} heads: "
+            + ", ".join(
+                f"{n}={h['head_yaw_class']}" + (f"({h['head_yaw']:.0f})" if h["head_yaw"] is not None else "")
+                for n, h in r["heads"].items()
+            )
+        )
     return 0
 
 

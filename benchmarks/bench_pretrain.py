@@ -31,16 +31,16 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.config import load_config  # noqa: E402
-from common.ray_utils import init_ray  # noqa: E402
-from pretrain import data  # noqa: E402
-from pretrain.backbone import build  # noqa: E402
-from pretrain.config import PretrainConfig  # noqa: E402
-from pretrain.objective import JointObjective  # noqa: E402
-from pretrain.train import build_model, build_optimizer, fit  # noqa: E402
-from training.metrics import read_metrics  # noqa: E402
-from training.runner import run_uri_for  # noqa: E402
-from training.schedules import lr_at  # noqa: E402
+from common.config import load_config
+from common.ray_utils import init_ray
+from pretrain import data
+from pretrain.backbone import build
+from pretrain.config import PretrainConfig
+from pretrain.objective import JointObjective
+from pretrain.train import build_model, build_optimizer, fit
+from training.metrics import read_metrics
+from training.runner import run_uri_for
+from training.schedules import lr_at
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs/pretrain/tiny.yaml"
 
@@ -56,9 +56,7 @@ def in_memory_batches(cfg: PretrainConfig, shards: str, batch: int) -> list[torc
     return [stacked[i : i + batch] for i in range(0, len(stacked) - batch + 1, batch)]
 
 
-def local_loop(
-    cfg: PretrainConfig, batches: list[torch.Tensor], steps: int, warmup: int, fsdp: bool
-) -> list[float]:
+def local_loop(cfg: PretrainConfig, batches: list[torch.Tensor], steps: int, warmup: int, fsdp: bool) -> list[float]:
     """Step times of the same step as the worker's, in this process: the plain model or its FSDP2 form (world 1)."""
     torch.manual_seed(cfg.seed)
     if fsdp:
@@ -123,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     per_step = cfg.data.batch_size * args.workers  # the plain loop takes the global batch in one process
     batches = in_memory_batches(cfg, args.data, per_step)
     ray_steps: list[float] = []
-    print(f"config: tiny, images {cfg.image_size}, global batch {cfg.samples_per_step()}, {args.steps} timed steps "
-          f"after {args.warmup}, {args.threads} thread(s) per process")
+    print(
+        f"config: tiny, images {cfg.image_size}, global batch {cfg.samples_per_step()}, {args.steps} timed steps "
+        f"after {args.warmup}, {args.threads} thread(s) per process"
+    )
 
     # The local loops run before and after the Ray run: on a shared machine the load drifts; the two bracket it.
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -17,6 +17,7 @@ sizes and one closing line to compare run to run:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -61,16 +62,33 @@ def _embeddings(n: int, dim: int, rng: np.random.Generator, centres: np.ndarray)
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
-def synthesise(out: Path, n: int, rows_per_shard: int, cfg: CurateConfig, seed: int = 0, dup_rate: float = 0.02,
-               processes: int | None = None) -> dict:
+def synthesise(
+    out: Path,
+    n: int,
+    rows_per_shard: int,
+    cfg: CurateConfig,
+    seed: int = 0,
+    dup_rate: float = 0.02,
+    processes: int | None = None,
+) -> dict:
     """A committed phase-1 output of ``n`` survivors; returns how many duplicates of each kind were planted. Input
     shards are made in parallel processes, each from its own seed, so the output does not depend on how many."""
     rng = np.random.default_rng(seed)
     centres = rng.normal(0, 1, (256, cfg.embedding_dim)).astype(np.float32)
     centres /= np.linalg.norm(centres, axis=1, keepdims=True)
     n_shards = math.ceil(n / rows_per_shard)
-    jobs = [(str(out), f"files-{s:06d}", min(rows_per_shard, n - s * rows_per_shard), cfg.model_dump_json(), centres,
-             (seed, s), dup_rate) for s in range(n_shards)]
+    jobs = [
+        (
+            str(out),
+            f"files-{s:06d}",
+            min(rows_per_shard, n - s * rows_per_shard),
+            cfg.model_dump_json(),
+            centres,
+            (seed, s),
+            dup_rate,
+        )
+        for s in range(n_shards)
+    ]
     with ProcessPoolExecutor(processes or os.cpu_count()) as pool:
         counts = list(pool.map(_synthesise_shard, jobs))
     fs, root = resolve(str(out))
@@ -87,13 +105,16 @@ def _synthesise_shard(job: tuple) -> int:
     dim = cfg.embedding_dim
     fs, root = resolve(out)
     scored_schema = schema.with_metadata(
-        schema.scored_schema(dim), table="scored", config_hash=cfg.results_hash(),
+        schema.scored_schema(dim),
+        table="scored",
+        config_hash=cfg.results_hash(),
         extra={"embedding_model": cfg.models.embedding.name, "embedding_dim": dim},
     )
     ledger_schema = schema.with_metadata(schema.ledger_schema(), table="ledger", config_hash=cfg.results_hash())
     emb = _embeddings(rows, dim, rng, centres)
     phash = rng.integers(0, 2**63, rows, dtype=np.int64).astype(np.uint64) * np.uint64(2) + rng.integers(
-        0, 2, rows, dtype=np.int64).astype(np.uint64)
+        0, 2, rows, dtype=np.int64
+    ).astype(np.uint64)
     # planted copies inside the shard: a pHash within radius 0..8, or an embedding at cosine ~0.97-0.99
     m = int(rows * dup_rate)
     dst = rng.choice(rows, 2 * m, replace=False)
@@ -116,25 +137,37 @@ def _synthesise_shard(job: tuple) -> int:
         "width": pa.array(rng.integers(384, 2048, rows).astype(np.int32)),
         "height": pa.array(rng.integers(384, 2048, rows).astype(np.int32)),
         "orientation": pa.array(np.ones(rows, np.int8)),
-        "image": pa.array([{"bytes": k[:16].encode(), "path": f"{i:07d}.jpg"} for i, k in enumerate(keys)],
-                          schema.IMAGE_TYPE),
+        "image": pa.array(
+            [{"bytes": k[:16].encode(), "path": f"{i:07d}.jpg"} for i, k in enumerate(keys)], schema.IMAGE_TYPE
+        ),
         "quality": pa.array(rng.random(rows).astype(np.float32)),
         "head_yaw_class": pa.array(rng.choice(list(schema.HEAD_YAW_CLASSES), rows).tolist(), pa.string()),
         "phash": pa.array(phash, pa.uint64()),
         "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), dim),
     }
     scored = pa.table({f.name: columns.get(f.name, pa.nulls(rows, f.type)) for f in scored_schema}, scored_schema)
-    ledger_cols = {**columns, "status": pa.array([schema.KEPT] * rows, pa.string()),
-                   "stage": pa.array(["embedding"] * rows, pa.string())}
+    ledger_cols = {
+        **columns,
+        "status": pa.array([schema.KEPT] * rows, pa.string()),
+        "stage": pa.array(["embedding"] * rows, pa.string()),
+    }
     ledger = pa.table({f.name: ledger_cols.get(f.name, pa.nulls(rows, f.type)) for f in ledger_schema}, ledger_schema)
     part = f"{shard_id}/part-0000000000000000.parquet"
     scored_file, ledger_file = f"{LAYOUT.scored}/{part}", f"{LAYOUT.ledger}/{part}"
     write_parquet_atomic(fs, join(root, scored_file), scored, row_group_size=cfg.output.row_group_size)
     write_parquet_atomic(fs, join(root, ledger_file), ledger, row_group_size=cfg.output.ledger_row_group_size)
-    write_json_atomic(fs, join(root, LAYOUT.score_commit(shard_id)), {
-        "shard_id": shard_id, "rows": rows, "kept": rows, "ledger_files": [ledger_file],
-        "scored_files": [scored_file], "results_hash": cfg.results_hash(),
-    })
+    write_json_atomic(
+        fs,
+        join(root, LAYOUT.score_commit(shard_id)),
+        {
+            "shard_id": shard_id,
+            "rows": rows,
+            "kept": rows,
+            "ledger_files": [ledger_file],
+            "scored_files": [scored_file],
+            "results_hash": cfg.results_hash(),
+        },
+    )
     return m
 
 
@@ -213,16 +246,20 @@ def main() -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-scale-"))
     cfg = config(args.overrides)
-    print(f"global phases on synthetic scored outputs; lite profile, {cfg.embedding_dim}-d embeddings, "
-          f"{args.cpus} CPUs for Ray, {os.cpu_count()} on the machine; overrides {args.overrides or 'none'}")
+    print(
+        f"global phases on synthetic scored outputs; lite profile, {cfg.embedding_dim}-d embeddings, "
+        f"{args.cpus} CPUs for Ray, {os.cpu_count()} on the machine; overrides {args.overrides or 'none'}"
+    )
     results = {}
     for n in sizes:
         out = work / f"n{n}"
         shutil.rmtree(out, ignore_errors=True)
         start = time.monotonic()
         planted = synthesise(out, n, args.rows_per_shard, cfg)
-        print(f"\nN = {n:,}: synthesised in {time.monotonic() - start:.0f} s "
-              f"({planted['phash']:,} pHash and {planted['embedding']:,} embedding copies planted)")
+        print(
+            f"\nN = {n:,}: synthesised in {time.monotonic() - start:.0f} s "
+            f"({planted['phash']:,} pHash and {planted['embedding']:,} embedding copies planted)"
+        )
         cmd = [sys.executable, __file__, "--run-phases", str(out), "--cpus", str(args.cpus), *args.overrides]
         done = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
         if done.returncode != 0:
@@ -232,17 +269,23 @@ def main() -> int:
         results[n] = report
         for phase in PHASES:
             r = report[phase]
-            print(f"  {phase:<7} {r['seconds']:8.1f} s   driver peak RSS {r['rss'] / GIB:6.2f} GiB   "
-                  f"object store peak {r['shm'] / GIB:6.2f} GiB")
+            print(
+                f"  {phase:<7} {r['seconds']:8.1f} s   driver peak RSS {r['rss'] / GIB:6.2f} GiB   "
+                f"object store peak {r['shm'] / GIB:6.2f} GiB"
+            )
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)
     totals = {n: sum(results[n][p]["seconds"] for p in PHASES) for n in sizes}
     peaks = {n: max(results[n][p]["rss"] for p in PHASES) for n in sizes}
-    for a, b in zip(sizes, sizes[1:]):
+    for a, b in itertools.pairwise(sizes):
         slope = math.log(totals[b] / totals[a]) / math.log(b / a)
         print(f"time slope {a:,} -> {b:,}: N^{slope:.2f} (N log N would be ~N^1.0x)")
-    print("driver peak RSS " + ", ".join(f"{peaks[n] / GIB:.2f} GiB at {n}" for n in sizes)
-          + "; global phases " + ", ".join(f"{totals[n]:.0f} s" for n in sizes))
+    print(
+        "driver peak RSS "
+        + ", ".join(f"{peaks[n] / GIB:.2f} GiB at {n}" for n in sizes)
+        + "; global phases "
+        + ", ".join(f"{totals[n]:.0f} s" for n in sizes)
+    )
     return 0
 
 

@@ -91,23 +91,57 @@ class Sizes:
 
 
 GPU = Sizes(
-    images=2048, long_sides=(1024, 1536, 2048), batches=(32, 64, 16), yolo="yolo11m", clip="ViT-L-14", clip_cfg={},
+    images=2048,
+    long_sides=(1024, 1536, 2048),
+    batches=(32, 64, 16),
+    yolo="yolo11m",
+    clip="ViT-L-14",
+    clip_cfg={},
     # one GPU's worth of actors (GPU shares sum to 1), each decoding its batch on its CPUs; 3 CPUs left for the
     # read, decode-check, pHash and write tasks
-    imgsz=640, yolo_actors=(3, 3, 0.2), clip_actors=(2, 2, 0.2), ray_cpus=None, receipt_rows=64,
-    config="configs/pretrain/sapiens2_0.4b.yaml", overrides=(), warmup=3, steps=6, compile=True,
-    data_photos=4, data_sizes=(1280, 1408, 1536, 1664, 1792, 1920, 2048, 2176),
-    data_overrides=("ray.cpus_per_worker=4", "log.every=5"), data_warmup=5, data_steps=15,
+    imgsz=640,
+    yolo_actors=(3, 3, 0.2),
+    clip_actors=(2, 2, 0.2),
+    ray_cpus=None,
+    receipt_rows=64,
+    config="configs/pretrain/sapiens2_0.4b.yaml",
+    overrides=(),
+    warmup=3,
+    steps=6,
+    compile=True,
+    data_photos=4,
+    data_sizes=(1280, 1408, 1536, 1664, 1792, 1920, 2048, 2176),
+    data_overrides=("ray.cpus_per_worker=4", "log.every=5"),
+    data_warmup=5,
+    data_steps=15,
 )
 SMOKE = Sizes(
-    images=8, long_sides=(0,), batches=(4,), yolo="yolo11n", clip="ViT-S-32", clip_cfg=None,
-    imgsz=64, yolo_actors=(1, 0.5, 0.0), clip_actors=(1, 0.5, 0.0), ray_cpus=2, receipt_rows=2,
+    images=8,
+    long_sides=(0,),
+    batches=(4,),
+    yolo="yolo11n",
+    clip="ViT-S-32",
+    clip_cfg=None,
+    imgsz=64,
+    yolo_actors=(1, 0.5, 0.0),
+    clip_actors=(1, 0.5, 0.0),
+    ray_cpus=2,
+    receipt_rows=2,
     config="configs/pretrain/tiny.yaml",
-    overrides=("objective.views.global_size=[64,48]", "objective.views.local_size=[32,32]", "data.batch_size=2",
-               "ray.torch_threads=1"),
-    warmup=1, steps=2, compile=False,
-    data_photos=4, data_sizes=(0,),
-    data_overrides=("ray.cpus_per_worker=0.5", "log.every=1", "data.read_cpus=0.5"), data_warmup=1, data_steps=2,
+    overrides=(
+        "objective.views.global_size=[64,48]",
+        "objective.views.local_size=[32,32]",
+        "data.batch_size=2",
+        "ray.torch_threads=1",
+    ),
+    warmup=1,
+    steps=2,
+    compile=False,
+    data_photos=4,
+    data_sizes=(0,),
+    data_overrides=("ray.cpus_per_worker=0.5", "log.every=1", "data.read_cpus=0.5"),
+    data_warmup=1,
+    data_steps=2,
 )
 PERSON_PHOTOS = ("bus", "zidane", "grace_hopper", "astronaut")  # kept by the lite profile
 
@@ -183,7 +217,9 @@ class GpuSampler:
         if shutil.which("nvidia-smi"):
             out = subprocess.run(
                 ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                capture_output=True, text=True, timeout=5,
+                capture_output=True,
+                text=True,
+                timeout=5,
             )
             if out.returncode == 0 and out.stdout.strip():
                 util, mem = out.stdout.strip().splitlines()[0].split(",")
@@ -239,7 +275,9 @@ def web_sized_photos(names: tuple[str, ...] | None, long_sides: tuple[int, ...])
             img = photo.image.convert("RGB")
             s = side / max(img.size)
             buf = io.BytesIO()
-            img.resize((round(img.width * s), round(img.height * s)), Image.Resampling.BICUBIC).save(buf, "JPEG", quality=90)
+            img.resize((round(img.width * s), round(img.height * s)), Image.Resampling.BICUBIC).save(
+                buf, "JPEG", quality=90
+            )
             out.append(buf.getvalue())
     return out
 
@@ -252,8 +290,10 @@ def write_parquet_pool(out: Path, images: list[bytes], n: int, rows_per_file: in
     out.mkdir(parents=True)
     cycled = [images[i % len(images)] for i in range(n)]
     for k, start in enumerate(range(0, n, rows_per_file)):
-        pq.write_table(pa.table({"image": pa.array(cycled[start : start + rows_per_file], pa.binary())}),
-                       out / f"pool-{k:05d}.parquet")
+        pq.write_table(
+            pa.table({"image": pa.array(cycled[start : start + rows_per_file], pa.binary())}),
+            out / f"pool-{k:05d}.parquet",
+        )
 
 
 def curation_config(store: list[str], sz: Sizes, batch: int):
@@ -264,15 +304,25 @@ def curation_config(store: list[str], sz: Sizes, batch: int):
 
     def stage(name: str, actors: tuple[int, float, float]) -> list[str]:
         n, cpus, gpus = actors
-        return [f"stages.{name}.batch_size={batch}", f"stages.{name}.actors=[{n},{n}]",
-                f"stages.{name}.num_cpus={cpus}", f"stages.{name}.num_gpus={gpus}"]
+        return [
+            f"stages.{name}.batch_size={batch}",
+            f"stages.{name}.actors=[{n},{n}]",
+            f"stages.{name}.num_cpus={cpus}",
+            f"stages.{name}.num_gpus={gpus}",
+        ]
 
     overrides = [
         # random detectors score every box low: candidates from any score on, a few per image as in real photos
-        *store, *OPEN_FILTERS, "models.yolo.min_candidate_score=0.00001", "models.yolo.max_det=10",
-        f"models.yolo.imgsz={sz.imgsz}", "stages.text_overlay.enabled=false",
-        "input.format=parquet", f"input.files_per_shard={sz.receipt_rows}",
-        *stage("yolo_person", sz.yolo_actors), *stage("clip", sz.clip_actors),
+        *store,
+        *OPEN_FILTERS,
+        "models.yolo.min_candidate_score=0.00001",
+        "models.yolo.max_det=10",
+        f"models.yolo.imgsz={sz.imgsz}",
+        "stages.text_overlay.enabled=false",
+        "input.format=parquet",
+        f"input.files_per_shard={sz.receipt_rows}",
+        *stage("yolo_person", sz.yolo_actors),
+        *stage("clip", sz.clip_actors),
     ]
     if sz.ray_cpus:
         overrides.append(f"ray.num_cpus={sz.ray_cpus}")
@@ -299,7 +349,9 @@ def run_score_phase(cfg, pool: Path, out: Path, sampler: GpuSampler) -> dict:
     t1, n1 = next(a for a in arrivals if a[1] >= 3 * rows / 4)
     steady = t1 - t0 >= wall / 4
     return {
-        "images": rows, "kept": kept, "wall_s": round(wall, 2),
+        "images": rows,
+        "kept": kept,
+        "wall_s": round(wall, 2),
         "images_per_s_running": round((n1 - n0) / (t1 - t0), 1) if steady else None,
         "images_per_s_from_start": round(rows / wall, 1),
         "gpu_util_pct": sampler.mean_between(t0, t1) if steady else sampler.mean_between(start, start + wall),
@@ -336,16 +388,23 @@ def time_split(cfg, images: list[bytes], batch: int) -> dict[str, float]:
     yolo_in = yolo_host.to(yolo.device).permute(0, 3, 1, 2).to(yolo.dtype).div_(255)
 
     def clip_decode() -> list:
-        return list(pool.map(lambda r: clip_input(r["image"]["bytes"], r["width"], r["height"], clip.size,
-                                                  clip.resize_mode, clip.interpolation), rows))
+        return list(
+            pool.map(
+                lambda r: clip_input(
+                    r["image"]["bytes"], r["width"], r["height"], clip.size, clip.resize_mode, clip.interpolation
+                ),
+                rows,
+            )
+        )
 
     clip_host = torch.from_numpy(np.stack(clip_decode()))
     with torch.inference_mode():
         clip_in = ((clip_host.to(clip.device).permute(0, 3, 1, 2).float() - clip.mean) / clip.std).to(clip.dtype)
         emb = torch.nn.functional.normalize(clip.clip.model.encode_image(clip_in).float(), dim=-1)
         parts = {
-            "yolo: decode (CPU threads)": timed(lambda: list(pool.map(
-                lambda r: decode(r["image"]["bytes"], max_side=m.imgsz), rows)), repeats),
+            "yolo: decode (CPU threads)": timed(
+                lambda: list(pool.map(lambda r: decode(r["image"]["bytes"], max_side=m.imgsz), rows)), repeats
+            ),
             "yolo: host-to-device copy": timed(lambda: yolo_host.to(yolo.device), repeats),
             **({"yolo: detector forward": timed(lambda: yolo.det(yolo_in), repeats)} if yolo.det is not None else {}),
             "yolo: pose forward": timed(lambda: yolo.pose(yolo_in), repeats),
@@ -359,7 +418,9 @@ def time_split(cfg, images: list[bytes], batch: int) -> dict[str, float]:
         if torch.cuda.is_available():  # what pinned host buffers would save on the copies
             for name, host, device in (("yolo", yolo_host, yolo.device), ("clip", clip_host, clip.device)):
                 pinned = host.pin_memory()
-                parts[f"{name}: host-to-device copy, pinned"] = timed(lambda: pinned.to(device, non_blocking=True), repeats)
+                parts[f"{name}: host-to-device copy, pinned"] = timed(
+                    lambda pinned=pinned, device=device: pinned.to(device, non_blocking=True), repeats
+                )
     return {name: round(1000 * s / batch, 3) for name, s in parts.items()}
 
 
@@ -378,11 +439,13 @@ def part_curation(sz: Sizes, deadline: Deadline, report: PartReport, context: di
         images = web_sized_photos(None, sz.long_sides)
         write_parquet_pool(root / "pool", images, sz.images)
         store = build_random_store(root / "store", yolo=sz.yolo, clip_arch=sz.clip, clip_cfg=sz.clip_cfg)
-        report.set(pool=f"{sz.images} images cycled from {len(images)} package photos at long sides {sz.long_sides}",
-                   models=f"{sz.yolo} + {sz.yolo}-pose at {sz.imgsz}, OpenCLIP {sz.clip} + aesthetic MLP (random init)",
-                   actors=f"yolo_person {sz.yolo_actors[0]} x ({sz.yolo_actors[1]} CPU, {sz.yolo_actors[2]} GPU), "
-                          f"clip {sz.clip_actors[0]} x ({sz.clip_actors[1]} CPU, {sz.clip_actors[2]} GPU)",
-                   gpus=torch.cuda.device_count())
+        report.set(
+            pool=f"{sz.images} images cycled from {len(images)} package photos at long sides {sz.long_sides}",
+            models=f"{sz.yolo} + {sz.yolo}-pose at {sz.imgsz}, OpenCLIP {sz.clip} + aesthetic MLP (random init)",
+            actors=f"yolo_person {sz.yolo_actors[0]} x ({sz.yolo_actors[1]} CPU, {sz.yolo_actors[2]} GPU), "
+            f"clip {sz.clip_actors[0]} x ({sz.clip_actors[1]} CPU, {sz.clip_actors[2]} GPU)",
+            gpus=torch.cuda.device_count(),
+        )
         init_ray(None, sz.ray_cpus)
         best, per_point_s = None, 0.0
         for batch in sz.batches:
@@ -391,7 +454,9 @@ def part_curation(sz: Sizes, deadline: Deadline, report: PartReport, context: di
                 continue
             started = time.monotonic()
             with GpuSampler() as sampler:
-                point = run_score_phase(curation_config(store, sz, batch), root / "pool", root / f"out-{batch}", sampler)
+                point = run_score_phase(
+                    curation_config(store, sz, batch), root / "pool", root / f"out-{batch}", sampler
+                )
             per_point_s = time.monotonic() - started
             report.append("sweep", {"batch": batch, **point})
             if best is None or rate(point) > rate(best):
@@ -468,8 +533,11 @@ def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadlin
     images_per_s = cfg.data.batch_size / step_s
     peak = peak_flops(cfg, device)
     return {
-        "step_s": round(step_s, 4), "first_step_s": round(times[0], 2), "timed_steps": len(timed_steps),
-        "images_per_s": round(images_per_s, 2), "tokens_per_s": round(images_per_s * tokens_per_image),
+        "step_s": round(step_s, 4),
+        "first_step_s": round(times[0], 2),
+        "timed_steps": len(timed_steps),
+        "images_per_s": round(images_per_s, 2),
+        "tokens_per_s": round(images_per_s * tokens_per_image),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         "mfu": round(images_per_s * flops_per_image / peak, 4) if peak else None,
     }
@@ -486,12 +554,17 @@ def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: di
     peak = peak_flops(cfg, device)
     flops_per_image, tokens_per_image = train_flops_per_image(cfg)
     report.set(
-        device=name, size=cfg.model.size, image=list(cfg.image_size), batch=cfg.data.batch_size,
+        device=name,
+        size=cfg.model.size,
+        image=list(cfg.image_size),
+        batch=cfg.data.batch_size,
         precision=cfg.precision if device.type == "cuda" else "fp32 (CPU)",
-        train_tflop_per_image=round(flops_per_image / 1e12, 4), tokens_per_image=tokens_per_image,
+        train_tflop_per_image=round(flops_per_image / 1e12, 4),
+        tokens_per_image=tokens_per_image,
         peak_tflops=peak / 1e12 if peak else None,
         peak_source=("--peak-tflops" if cfg.log.peak_tflops else f"pretrain.train.PEAK_TFLOPS for {name!r}")
-        if peak else f"none for {name!r} (known: {sorted(PEAK_TFLOPS)}; pass --peak-tflops): no MFU",
+        if peak
+        else f"none for {name!r} (known: {sorted(PEAK_TFLOPS)}; pass --peak-tflops): no MFU",
     )
     # Eager first: a figure even if compiling outlasts the budget. Under compile, checkpointing on first (the
     # 0.4B config's setting). Checkpointing is a flag read at each forward, so one model serves both settings.
@@ -540,8 +613,16 @@ def curate_for_training(root: Path, sz: Sizes) -> Path:
     for i, data in enumerate(web_sized_photos(PERSON_PHOTOS[: sz.data_photos], sz.data_sizes)):
         (pool / f"{i:05d}.jpg").write_bytes(data)
     out = root / "curated"
-    args = ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(pool), "--output", str(out),
-            "dedup.signals=[]", "stages.text_overlay.enabled=false"]
+    args = [
+        "--config",
+        str(REPO / "configs/curate/lite.yaml"),
+        "--input",
+        str(pool),
+        "--output",
+        str(out),
+        "dedup.signals=[]",
+        "stages.text_overlay.enabled=false",
+    ]
     if sz.ray_cpus:
         args.append(f"ray.num_cpus={sz.ray_cpus}")
     if curate.main(args) != 0:
@@ -562,9 +643,15 @@ def part_data_wait(sz: Sizes, deadline: Deadline, report: PartReport, context: d
     steps = sz.data_warmup + sz.data_steps
     gpu = torch.cuda.is_available()
     cfg = pretrain_config(
-        sz, context, f"steps={steps}", f"checkpoint.every={steps}", "checkpoint.on_preemption=false",
-        f"ray.use_gpu={str(gpu).lower()}", f"model.compile={str(setting['compile']).lower()}",
-        f"model.activation_checkpointing={str(setting['activation_checkpointing']).lower()}", *sz.data_overrides,
+        sz,
+        context,
+        f"steps={steps}",
+        f"checkpoint.every={steps}",
+        "checkpoint.on_preemption=false",
+        f"ray.use_gpu={str(gpu).lower()}",
+        f"model.compile={str(setting['compile']).lower()}",
+        f"model.activation_checkpointing={str(setting['activation_checkpointing']).lower()}",
+        *sz.data_overrides,
         *([f"ray.num_cpus={sz.ray_cpus}"] if sz.ray_cpus else []),
     )
     root = Path(tempfile.mkdtemp(prefix="gpu-check-data-"))
@@ -574,8 +661,13 @@ def part_data_wait(sz: Sizes, deadline: Deadline, report: PartReport, context: d
         run_uri = run_uri_for(str(root / "runs"), "gpu-check")
         Path(run_uri).mkdir(parents=True)
         index = data.ensure_index(str(shards), run_uri)
-        report.set(setting=setting, shards_images=index.num_samples, batch=cfg.data.batch_size,
-                   image=list(cfg.image_size), warmup_steps=sz.data_warmup)
+        report.set(
+            setting=setting,
+            shards_images=index.num_samples,
+            batch=cfg.data.batch_size,
+            image=list(cfg.image_size),
+            warmup_steps=sz.data_warmup,
+        )
 
         def measured() -> bool:
             try:
@@ -586,10 +678,13 @@ def part_data_wait(sz: Sizes, deadline: Deadline, report: PartReport, context: d
                 return False
             frac = [r["data_wait_frac"] for r in records]
             report.set(
-                data_wait_frac_mean=round(statistics.mean(frac), 4), data_wait_frac_max=round(max(frac), 4),
+                data_wait_frac_mean=round(statistics.mean(frac), 4),
+                data_wait_frac_max=round(max(frac), 4),
                 step_s=round(statistics.median(r["step_s"] for r in records), 4),
                 images_per_s=round(statistics.median(r["images_per_s"] for r in records), 2),
-                mfu=round(statistics.median(r["mfu"] for r in records), 4) if all("mfu" in r for r in records) else None,
+                mfu=round(statistics.median(r["mfu"] for r in records), 4)
+                if all("mfu" in r for r in records)
+                else None,
                 windows=len(records),
             )
             return True
@@ -656,8 +751,18 @@ def stop_group(proc: subprocess.Popen) -> None:
 def run_part(part: str, budget_s: float, args: argparse.Namespace, context: dict, logs: Path) -> dict:
     result = logs / f"{part}.json"
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--part", part, "--result", str(result),
-           "--budget-s", f"{budget_s:.1f}", "--context", json.dumps(context)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--part",
+        part,
+        "--result",
+        str(result),
+        "--budget-s",
+        f"{budget_s:.1f}",
+        "--context",
+        json.dumps(context),
+    ]
     cmd += ["--cpu-smoke"] if args.cpu_smoke else []
     for f in args.fail:
         cmd += ["--fail", f]
@@ -676,7 +781,9 @@ def run_part(part: str, budget_s: float, args: argparse.Namespace, context: dict
     if out["status"] != "ok":
         out["status"] = "error"
         if stopped:
-            out["error"] = f"stopped at its time budget ({budget_s:.0f} s)" + (f"; {out['error']}" if "error" in out else "")
+            out["error"] = f"stopped at its time budget ({budget_s:.0f} s)" + (
+                f"; {out['error']}" if "error" in out else ""
+            )
         elif "error" not in out:
             out["error"] = f"the part's process exited with code {proc.returncode} (log: {logs / f'{part}.log'})"
     out["log"] = str(logs / f"{part}.log")
@@ -699,28 +806,50 @@ def table_rows(parts: dict) -> list[tuple[str, str, str]]:
             rows.append((part, "ERROR", r.get("error", "")))
         if part == "curation":
             for p in r.get("sweep", []):
-                rows.append((part, f"batch {p['batch']}: images/s running | from start | GPU util %",
-                             f"{p['images_per_s_running']} | {p['images_per_s_from_start']} | {p['gpu_util_pct']}"))
+                rows.append(
+                    (
+                        part,
+                        f"batch {p['batch']}: images/s running | from start | GPU util %",
+                        f"{p['images_per_s_running']} | {p['images_per_s_from_start']} | {p['gpu_util_pct']}",
+                    )
+                )
             if r.get("images_per_s_per_gpu") is not None:
                 how = "running" if r["best"]["images_per_s_running"] else "from the start"
-                rows.append((part, f"images/s per GPU (batch {r['best']['batch']}, {how})", str(r["images_per_s_per_gpu"])))
+                rows.append(
+                    (part, f"images/s per GPU (batch {r['best']['batch']}, {how})", str(r["images_per_s_per_gpu"]))
+                )
             for name, ms in r.get("ms_per_image", {}).items():
                 rows.append((part, f"ms/image, {name}", f"{ms:.3f}"))
         elif part == "pretrain":
             if r.get("device"):
-                peak = f"{r['peak_tflops']:g} TFLOPS ({r['peak_source']})" if r.get("peak_tflops") else r.get("peak_source")
-                rows.append((part, f"{r.get('size')} at {r.get('image')}, batch {r.get('batch')}, {r.get('device')}",
-                             f"peak {peak}"))
+                peak = (
+                    f"{r['peak_tflops']:g} TFLOPS ({r['peak_source']})"
+                    if r.get("peak_tflops")
+                    else r.get("peak_source")
+                )
+                rows.append(
+                    (
+                        part,
+                        f"{r.get('size')} at {r.get('image')}, batch {r.get('batch')}, {r.get('device')}",
+                        f"peak {peak}",
+                    )
+                )
             for run in r.get("runs", []):
                 name = setting_name(run)
                 value = run.get("error") or (
                     f"step {run['step_s']:.3f} s, {run['images_per_s']} img/s, {run['tokens_per_s']:,} tok/s, "
-                    f"peak mem {run['peak_mem_gib'] or 'n/a'} GiB, MFU {percent(run['mfu'])}")
+                    f"peak mem {run['peak_mem_gib'] or 'n/a'} GiB, MFU {percent(run['mfu'])}"
+                )
                 rows.append((part, name, value))
         elif part == "data_wait" and "data_wait_frac_mean" in r:
-            rows.append((part, f"{setting_name(r['setting'])}, {r['shards_images']} curated images",
-                         f"data wait {r['data_wait_frac_mean']:.2%} of the step (max {r['data_wait_frac_max']:.2%}), "
-                         f"step {r['step_s']:.3f} s, MFU {percent(r['mfu'])}"))
+            rows.append(
+                (
+                    part,
+                    f"{setting_name(r['setting'])}, {r['shards_images']} curated images",
+                    f"data wait {r['data_wait_frac_mean']:.2%} of the step (max {r['data_wait_frac_max']:.2%}), "
+                    f"step {r['step_s']:.3f} s, MFU {percent(r['mfu'])}",
+                )
+            )
         rows.append((part, "seconds (budget)", f"{r['seconds']} ({r['budget_s']})"))
     return rows
 
@@ -737,7 +866,9 @@ def print_table(results: dict) -> None:
 
 def device_name() -> str:
     if shutil.which("nvidia-smi"):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        )
         if out.returncode == 0 and out.stdout.strip():
             names = out.stdout.strip().splitlines()
             return f"{len(names)} x {names[0]}"
@@ -752,8 +883,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", choices=PARTS, default=[], help="run only these parts")
     ap.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS", help="fix a part's time budget")
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU (default: by device name)")
-    ap.add_argument("--fail", action="append", default=[], metavar="PART=raise|hang",
-                    help="make a part fail (raise at once, or hang until its hard stop): checks the reporting")
+    ap.add_argument(
+        "--fail",
+        action="append",
+        default=[],
+        metavar="PART=raise|hang",
+        help="make a part fail (raise at once, or hang until its hard stop): checks the reporting",
+    )
     # one part in a child process (the driver's own use)
     ap.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -774,20 +910,28 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     logs = out.with_name(out.stem + "-logs")
     logs.mkdir(parents=True, exist_ok=True)
-    results = {"mode": "cpu-smoke" if args.cpu_smoke else "gpu", "device": device_name(), "torch": torch.__version__,
-               "total_s": total, "goals": GOALS, "parts": {}}
+    results = {
+        "mode": "cpu-smoke" if args.cpu_smoke else "gpu",
+        "device": device_name(),
+        "torch": torch.__version__,
+        "total_s": total,
+        "goals": GOALS,
+        "parts": {},
+    }
     start, context = time.monotonic(), {"peak_tflops": args.peak_tflops}
     todo = [p for p in PARTS if not args.only or p in args.only]
     for i, part in enumerate(todo):
         left = total - (time.monotonic() - start)
         shares = sum(SHARE[p] for p in todo[i:] if p not in fixed)
-        budget = fixed.get(part) or max(0.0, left - sum(fixed.get(p, 0) for p in todo[i + 1:])) * SHARE[part] / shares
+        budget = fixed.get(part) or max(0.0, left - sum(fixed.get(p, 0) for p in todo[i + 1 :])) * SHARE[part] / shares
         print(f"[gpu_check] {part}: {budget:.0f} s (log {logs / f'{part}.log'})", flush=True)
         results["parts"][part] = r = run_part(part, budget, args, context, logs)
         if part == "pretrain" and r.get("best"):
             context["setting"] = {k: r["best"][k] for k in ("compile", "activation_checkpointing")}
-        print(f"[gpu_check] {part}: {r['status']} in {r['seconds']} s" + (f": {r['error']}" if "error" in r else ""),
-              flush=True)
+        print(
+            f"[gpu_check] {part}: {r['status']} in {r['seconds']} s" + (f": {r['error']}" if "error" in r else ""),
+            flush=True,
+        )
         out.write_text(json.dumps(results, indent=1))
     print_table(results)
     print(f"\nwritten: {out}")

@@ -35,7 +35,6 @@ from collections.abc import Callable
 from common.layout import LAYOUT
 from common.storage import delete_quietly, is_local, join, read_json, redact, resolve, write_json_atomic
 
-
 HEARTBEAT_S = 30.0
 STALE_S = 300.0
 # The wait between writing a claim and reading it back; it must exceed a contender's read-to-write time.
@@ -205,7 +204,9 @@ class Lease:
         if winner is None or winner.get("token") != self.token:
             self.record = None
             if winner is None:
-                raise LeaseHeld(f"{self.uri}: the lease record vanished while this run was taking it; rerun the command")
+                raise LeaseHeld(
+                    f"{self.uri}: the lease record vanished while this run was taking it; rerun the command"
+                )
             raise self._refusal(winner, " (it claimed the output at the same time as this one)")
         self._beats = threading.Thread(target=self._beat_until_stopped, name="lease-heartbeat", daemon=True)
         self._beats.start()

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterable, Iterator
 
 import ray
 
-
 # Ray log lines that tell a user nothing to act on, by the logger that writes them: the start of each message. Ray's
 # warnings about resources and failures, and its progress bars, are kept.
 QUIET = {
@@ -27,7 +26,9 @@ QUIET = {
     "ray.data._internal.execution.streaming_executor": ("Starting execution of Dataset", "Execution plan of Dataset"),
     # how progress is shown, once per process
     "ray.data._internal.progress": (
-        "Progress will be logged because", "Progress bars disabled", "[dataset]: A new progress UI",
+        "Progress will be logged because",
+        "Progress bars disabled",
+        "[dataset]: A new progress UI",
     ),
 }
 

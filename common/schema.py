@@ -135,7 +135,9 @@ def working_schema(embedding_dim: int) -> pa.Schema:
     return pa.schema(
         [
             *_IDENTITY,
-            pa.field("shard_size", pa.int32()),  # rows of the shard, on its last chunk only: tells the driver it is complete
+            pa.field(
+                "shard_size", pa.int32()
+            ),  # rows of the shard, on its last chunk only: tells the driver it is complete
             image_field(),
             *_SCORES,
             pa.field("embedding", embedding_type(embedding_dim)),

@@ -16,13 +16,12 @@ import tarfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import TypeVar
 from hashlib import sha256
+from typing import TypeVar
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-
 
 T = TypeVar("T")
 

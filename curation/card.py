@@ -18,9 +18,18 @@ from curation.final_write import final_shard_schema
 from curation.ledger import funnel_steps, stopped_in_funnel
 
 # The Hub's size categories: (upper bound, label), the first bound above the row count wins.
-_SIZE_CATEGORIES = [(10**3, "n<1K"), (10**4, "1K<n<10K"), (10**5, "10K<n<100K"), (10**6, "100K<n<1M"),
-                    (10**7, "1M<n<10M"), (10**8, "10M<n<100M"), (10**9, "100M<n<1B"), (10**10, "1B<n<10B"),
-                    (10**11, "10B<n<100B"), (10**12, "100B<n<1T")]
+_SIZE_CATEGORIES = [
+    (10**3, "n<1K"),
+    (10**4, "1K<n<10K"),
+    (10**5, "10K<n<100K"),
+    (10**6, "100K<n<1M"),
+    (10**7, "1M<n<10M"),
+    (10**8, "10M<n<100M"),
+    (10**9, "100M<n<1B"),
+    (10**10, "1B<n<10B"),
+    (10**11, "10B<n<100B"),
+    (10**12, "100B<n<1T"),
+]
 
 
 def size_category(rows: int) -> str:
@@ -52,8 +61,11 @@ def funnel_markdown(cfg: CurateConfig, funnel: dict[str, int]) -> str:
     """The manifest's funnel as a table: images reaching each stage, what stopped there, what was kept."""
     total = sum(funnel.values())
     kept = sum(n for name, n in funnel.items() if name.split("/")[2] == schema.KEPT)
-    lines = ["| phase | stage | outcome | images | % of inputs |", "|---|---|---|---:|---:|",
-             f"| | inputs | | {total} | {_pct(total, total)} |"]
+    lines = [
+        "| phase | stage | outcome | images | % of inputs |",
+        "|---|---|---|---:|---:|",
+        f"| | inputs | | {total} | {_pct(total, total)} |",
+    ]
     for step in funnel_steps(stopped_in_funnel(funnel), total, cfg.enabled_stages):
         lines.append(f"| {step.phase} | {step.stage} | reached | {step.reached} | {_pct(step.reached, total)} |")
         for status, code, n in step.outcomes:
@@ -71,9 +83,9 @@ def card_text(cfg: CurateConfig, manifest: dict) -> str:
 
 # Humans-1B curated images
 
-{totals['rows']} human-centric images (at least one prominent person, short side >= {cfg.filters.min_short_side} px)
-in {totals['shards']} Parquet shards, curated by Humans-1B with the `{cfg.profile}` profile (config hash
-`{manifest['config_hash']}`, embedding model `{manifest['embedding_model']}`).
+{totals["rows"]} human-centric images (at least one prominent person, short side >= {cfg.filters.min_short_side} px)
+in {totals["shards"]} Parquet shards, curated by Humans-1B with the `{cfg.profile}` profile (config hash
+`{manifest["config_hash"]}`, embedding model `{manifest["embedding_model"]}`).
 
 ```python
 from datasets import load_dataset
@@ -96,7 +108,7 @@ names each one); set the licence that applies before publishing.
 
 Each input stops at the first stage that rejects it; the counts are the run's final ledger.
 
-{funnel_markdown(cfg, manifest['funnel'])}
+{funnel_markdown(cfg, manifest["funnel"])}
 """
 
 

@@ -114,7 +114,7 @@ def cluster_counts(n: int, clusters: Sequence[int] | None) -> list[int]:
         return [max(1, min(k, n)) for k in clusters]
     if n < 8:
         return [1]
-    k1 = max(2, int(round(np.sqrt(n))))
+    k1 = max(2, round(np.sqrt(n)))
     return [k1, max(2, k1 // 10)]
 
 
@@ -372,8 +372,15 @@ def _value_ranks(values: pa.ChunkedArray) -> np.ndarray:
 
 @ray.remote(num_cpus=1)
 def _select_task(
-    out_uri: str, bucket: int, n_files: int, budget: np.ndarray, route_min: np.ndarray, route_index: np.ndarray,
-    mode: str, balance: bool, seed: int,
+    out_uri: str,
+    bucket: int,
+    n_files: int,
+    budget: np.ndarray,
+    route_min: np.ndarray,
+    route_index: np.ndarray,
+    mode: str,
+    balance: bool,
+    seed: int,
 ) -> bool:
     """Selects inside the bucket's leaves and routes (uid, leaf, selected) back to the survivors files; returns
     whether it was done before."""
@@ -391,8 +398,9 @@ def _select_task(
     if not np.array_equal(np.bincount(leaf[mask], minlength=budget.size)[present], budget[present]):
         raise AssertionError(f"bucket {bucket}: the selection differs from the leaf budgets")
     owner = route_index[np.searchsorted(route_min, uid, side="right") - 1]
-    routed.write_routed(fs, path, pa.table({"uid": uid, "leaf": leaf, "selected": mask}, schema=_SELECTED_SCHEMA),
-                        owner, n_files)
+    routed.write_routed(
+        fs, path, pa.table({"uid": uid, "leaf": leaf, "selected": mask}, schema=_SELECTED_SCHEMA), owner, n_files
+    )
     return False
 
 
@@ -463,8 +471,15 @@ def _fingerprint(
     settings: SampleSettings, buckets: int, sample_size: int, facts: list[_FileFacts | None], paths: list[str]
 ) -> str:
     inputs = [[p, f.size, f.mtime_ns] if f else [p, None, None] for p, f in zip(paths, facts)]
-    text = json.dumps({"settings": settings.model_dump(mode="json"), "buckets": buckets, "sample_size": sample_size,
-                       "inputs": inputs}, sort_keys=True)
+    text = json.dumps(
+        {
+            "settings": settings.model_dump(mode="json"),
+            "buckets": buckets,
+            "sample_size": sample_size,
+            "inputs": inputs,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -481,8 +496,15 @@ def _reset_if_changed(fs: pafs.FileSystem, root: str, fingerprint: str, log: Cal
 
 @ray.remote(num_cpus=1)
 def _train(
-    out_uri: str, survivor_files: list[str], decision_files: list[str], alive: int, clusters: list[int],
-    sample_size: int, dim: int, seed: int, window: int,
+    out_uri: str,
+    survivor_files: list[str],
+    decision_files: list[str],
+    alive: int,
+    clusters: list[int],
+    sample_size: int,
+    dim: int,
+    seed: int,
+    window: int,
 ) -> list[str]:
     """Trains the hierarchy on the ``sample_size`` alive survivors of lowest hash (all when fewer) and writes it;
     returns its log lines. A Ray task, so that the driver never holds the training sample.
@@ -497,7 +519,8 @@ def _train(
     x, keys, at = np.empty((capacity, dim), np.float32), np.empty(capacity), 0
     for key, piece in _in_order(
         lambda i: _training_sample_task.remote(out_uri, survivor_files[i], decision_files[i], fraction, seed),
-        len(survivor_files), window,
+        len(survivor_files),
+        window,
     ):
         if at + len(piece) > x.shape[0]:  # beyond 8 sigma: grow rather than fail
             x = np.concatenate([x[:at], np.empty((max(x.shape[0], len(piece)), dim), np.float32)])
@@ -573,8 +596,11 @@ def run_sample(
     # 1. train
     if not exists(fs, join(root, HIERARCHY_FILE)):
         dim = pq.read_schema(join(root, survivor_files[0]), filesystem=fs).field("embedding").type.list_size
-        for line in ray.get(_train.remote(out_uri, survivor_files, decision_files, alive, clusters, sample_size, dim,
-                                          settings.seed, window)):
+        for line in ray.get(
+            _train.remote(
+                out_uri, survivor_files, decision_files, alive, clusters, sample_size, dim, settings.seed, window
+            )
+        ):
             log(line)
         laps()
     centroids, parents = _hierarchy_from_table(pq.read_table(join(root, HIERARCHY_FILE), filesystem=fs))
@@ -587,45 +613,78 @@ def run_sample(
         # 2. assign
         centroids_ref = ray.put(centroids[0])
         counts, reused = np.zeros(n_leaves, np.int64), 0
-        for leaves, n, done in progress(_in_order(
-            lambda i: _assign_task.remote(
-                out_uri, i, survivor_files[i], decision_files[i], centroids_ref, buckets, balance
+        for leaves, n, done in progress(
+            _in_order(
+                lambda i: _assign_task.remote(
+                    out_uri, i, survivor_files[i], decision_files[i], centroids_ref, buckets, balance
+                ),
+                n_files,
+                window,
             ),
-            n_files, window,
-        ), "[sample] assign", n_files, log, unit="files"):
+            "[sample] assign",
+            n_files,
+            log,
+            unit="files",
+        ):
             counts[leaves] += n
             reused += done
         if counts.sum() != alive:
-            raise ValueError(f"{counts.sum()} alive survivors, but the files' row counts say {alive}: "
-                             "a decisions file lists a uid more than once")
-        log(f"[sample] assigned {alive} survivors to {n_leaves} leaves "
-            f"({reused} of {n_files} files done before) in {laps()}")
+            raise ValueError(
+                f"{counts.sum()} alive survivors, but the files' row counts say {alive}: "
+                "a decisions file lists a uid more than once"
+            )
+        log(
+            f"[sample] assigned {alive} survivors to {n_leaves} leaves "
+            f"({reused} of {n_files} files done before) in {laps()}"
+        )
 
         # 3. budget
         hierarchy = LeafCountHierarchy(
-            assignments=cluster_ids, centroids=tuple(centroids), parents=tuple(parents),
-            leaf_distance=np.zeros(0, np.float32), leaf_counts=counts,
+            assignments=cluster_ids,
+            centroids=tuple(centroids),
+            parents=tuple(parents),
+            leaf_distance=np.zeros(0, np.float32),
+            leaf_counts=counts,
         )
         budget = sampling.leaf_budgets(hierarchy, target_count(alive, settings), np.random.default_rng(settings.seed))
 
         # 4. select
         args = [ray.put(a) for a in (budget, route_min, np.asarray(nonempty, np.int64))]
-        reused = sum(progress(
-            _in_order(
-                lambda b: _select_task.remote(out_uri, b, n_files, *args, settings.mode, balance, settings.seed),
-                buckets, window,
-            ),
-            "[sample] select", buckets, log, unit="buckets",
-        ))
+        reused = sum(
+            progress(
+                _in_order(
+                    lambda b: _select_task.remote(out_uri, b, n_files, *args, settings.mode, balance, settings.seed),
+                    buckets,
+                    window,
+                ),
+                "[sample] select",
+                buckets,
+                log,
+                unit="buckets",
+            )
+        )
         log(f"[sample] selected {int(budget.sum())} in {buckets} buckets ({reused} done before) in {laps()}")
 
     # 5. assemble
     rows = selected = reused = 0
-    for r, s, done in progress(_in_order(
-        lambda i: _assemble_task.remote(out_uri, i, survivor_files[i], buckets, cluster_ids_ref), n_files, window
-    ), "[sample] assemble", n_files, log, unit="files"):
+    for r, s, done in progress(
+        _in_order(
+            lambda i: _assemble_task.remote(out_uri, i, survivor_files[i], buckets, cluster_ids_ref), n_files, window
+        ),
+        "[sample] assemble",
+        n_files,
+        log,
+        unit="files",
+    ):
         rows, selected, reused = rows + r, selected + s, reused + done
-    log(f"[sample] {rows} after dedup, {selected} selected, {rows - selected} unsampled "
-        f"({len(per_level)} cluster levels {per_level}; {reused} of {n_files} decision files done before) in {laps()}")
-    return {"inputs": rows, "selected": selected, "unsampled": rows - selected, "levels": len(per_level),
-            "clusters_per_level": per_level}
+    log(
+        f"[sample] {rows} after dedup, {selected} selected, {rows - selected} unsampled "
+        f"({len(per_level)} cluster levels {per_level}; {reused} of {n_files} decision files done before) in {laps()}"
+    )
+    return {
+        "inputs": rows,
+        "selected": selected,
+        "unsampled": rows - selected,
+        "levels": len(per_level),
+        "clusters_per_level": per_level,
+    }

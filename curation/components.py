@@ -282,7 +282,14 @@ def _read_adjacency(fs, root: str, paths: list[str], part: int | None) -> tuple[
 
 @ray.remote(num_cpus=1)
 def _hook_task(
-    out_uri: str, layout: Layout, round_number: int, adjacency: list[str], routed: bool, part: int, hooks_out: str, messages_out: str
+    out_uri: str,
+    layout: Layout,
+    round_number: int,
+    adjacency: list[str],
+    routed: bool,
+    part: int,
+    hooks_out: str,
+    messages_out: str,
 ) -> dict:
     """Every node of the partition hooks to the lowest-priority node of its closed neighbourhood; each neighbour
     is told the hook (it needs it to rewrite the edge from its side)."""
@@ -321,7 +328,9 @@ def _contract_task(
     dst = _column(m, "neighbour_hook")
     link = src != dst
     src, dst = _distinct_pairs(src[link], dst[link])
-    write_routed(fs, join(root, adjacency_out), pa.table([src, dst], schema=ADJACENCY), layout.part_of(src), layout.n_parts)
+    write_routed(
+        fs, join(root, adjacency_out), pa.table([src, dst], schema=ADJACENCY), layout.part_of(src), layout.n_parts
+    )
     receipt = {"edges": int(src.size)}
     write_routed(fs, join(root, children_out), h, layout.part_of(hook), layout.n_parts, receipt)
     return receipt
@@ -344,7 +353,9 @@ def _finish_task(out_uri: str, layout: Layout, adjacency: list[str], out: str) -
     _, first = np.unique(component, return_index=True)  # nodes are sorted: the first member is the smallest
     label = node[first][component]
     receipt = {"nodes": int(node.size), "components": int(n_components)}
-    write_routed(fs, join(root, out), pa.table([node, label], schema=LABELS), layout.part_of(node), layout.n_parts, receipt)
+    write_routed(
+        fs, join(root, out), pa.table([node, label], schema=LABELS), layout.part_of(node), layout.n_parts, receipt
+    )
     return receipt
 
 
@@ -361,7 +372,9 @@ def _label_task(out_uri: str, layout: Layout, children: list[str], next_labels: 
     next_label, found = _lookup(_column(nxt, "node"), _column(nxt, "label"), hook)
     label = np.where(found, next_label, hook)
     receipt = {"nodes": int(node.size)}
-    write_routed(fs, join(root, out), pa.table([node, label], schema=LABELS), layout.part_of(node), layout.n_parts, receipt)
+    write_routed(
+        fs, join(root, out), pa.table([node, label], schema=LABELS), layout.part_of(node), layout.n_parts, receipt
+    )
     return receipt
 
 
@@ -400,7 +413,9 @@ def _members_task(
         with fs.open_input_file(join(root, survivor_file)) as f:
             for batch in pq.ParquetFile(f).iter_batches(batch_size=batch_rows, columns=SURVIVOR_COLUMNS):
                 _, in_pairs = _lookup(node, node, batch.column("uid").to_numpy())
-                found.append(pa.Table.from_batches([batch]).filter(pa.array(in_pairs)).select(MEMBERS.names).cast(MEMBERS))
+                found.append(
+                    pa.Table.from_batches([batch]).filter(pa.array(in_pairs)).select(MEMBERS.names).cast(MEMBERS)
+                )
     members = pa.concat_tables(found).sort_by("uid")
     if not np.array_equal(_column(members, "uid"), node):
         missing = np.setdiff1d(node, _column(members, "uid"))
@@ -419,7 +434,13 @@ class _Links(NamedTuple):
 
 @ray.remote(num_cpus=1)
 def _keep_task(
-    out_uri: str, layout: Layout, signals: tuple[str, ...], members: list[str], group_edges: list[str], part: int, out: str
+    out_uri: str,
+    layout: Layout,
+    signals: tuple[str, ...],
+    members: list[str],
+    group_edges: list[str],
+    part: int,
+    out: str,
 ) -> dict:
     """``dedup.resolve_duplicates`` on whole components. Members are indexed in uid order (the global order),
     so keep order, key ranks and breadth-first parents are those of the single-process run."""
@@ -431,7 +452,9 @@ def _keep_task(
     uid = _column(m, "uid")
     i, j, code = np.searchsorted(uid, _column(e, "lo")), np.searchsorted(uid, _column(e, "hi")), _column(e, "code")
     links = {name: _Links(i[code == c], j[code == c]) for c, name in enumerate(signals)}
-    keys = np.asarray([f"{k}\x00{s}" for k, s in zip(m.column("key").to_pylist(), m.column("source").to_pylist())], object)
+    keys = np.asarray(
+        [f"{k}\x00{s}" for k, s in zip(m.column("key").to_pylist(), m.column("source").to_pylist())], object
+    )
     result = dd.resolve_duplicates(
         m.num_rows,
         links,
@@ -519,13 +542,28 @@ def _label_components(
         run(
             [
                 # round 1 reads its own edges file; later rounds their rows of every routed edges file
-                (_hook_task, (out_uri, layout, rounds, adjacency if routed else [adjacency[p]], routed, p, hooks[p], messages[p]))
+                (
+                    _hook_task,
+                    (
+                        out_uri,
+                        layout,
+                        rounds,
+                        adjacency if routed else [adjacency[p]],
+                        routed,
+                        p,
+                        hooks[p],
+                        messages[p],
+                    ),
+                )
                 for p in range(n_parts)
             ]
         )
         adjacency, children = _parts(f"{step}/edges", n_parts), _parts(f"{step}/children", n_parts)
         receipts = run(
-            [(_contract_task, (out_uri, layout, hooks[p], messages, p, adjacency[p], children[p])) for p in range(n_parts)]
+            [
+                (_contract_task, (out_uri, layout, hooks[p], messages, p, adjacency[p], children[p]))
+                for p in range(n_parts)
+            ]
         )
         routed, remaining = True, sum(r["edges"] for r in receipts)
         log(f"[components] round {rounds}: {remaining} directed edges left")
@@ -633,7 +671,10 @@ def run_components(
     members = _parts("keep/members", len(groups))
     run(
         [
-            (_members_task, (out_uri, layout, file_labels, g, [survivor_files[i] for i in files], survivor_batch_rows, members[g]))
+            (
+                _members_task,
+                (out_uri, layout, file_labels, g, [survivor_files[i] for i in files], survivor_batch_rows, members[g]),
+            )
             for g, files in enumerate(groups)
         ]
     )

@@ -206,8 +206,16 @@ def _default_prompt_sets() -> dict[str, list[str]]:
     return {
         "photo": ["a photo", "a photograph of a person", "a candid photo", "a snapshot taken with a phone camera"],
         "not_photo": [
-            "a painting", "a drawing", "a sketch", "a cartoon", "an anime illustration", "a 3D render",
-            "a video game screenshot", "a screenshot of a computer screen", "a digital illustration", "a comic",
+            "a painting",
+            "a drawing",
+            "a sketch",
+            "a cartoon",
+            "an anime illustration",
+            "a 3D render",
+            "a video game screenshot",
+            "a screenshot of a computer screen",
+            "a digital illustration",
+            "a comic",
         ],
     }
 
@@ -256,7 +264,9 @@ class ModelSettings(Strict):
 
 def _default_stages() -> dict[str, StageSettings]:
     """The stages that declare a ``default_order``, in that order, with their declared settings."""
-    ordered = sorted((s for s in stage_classes().values() if s.default_order is not None), key=lambda s: s.default_order)
+    ordered = sorted(
+        (s for s in stage_classes().values() if s.default_order is not None), key=lambda s: s.default_order
+    )
     return {stage.name: stage.default_settings.model_copy() for stage in ordered}
 
 
@@ -334,7 +344,8 @@ class CurateConfig(Strict):
         known = stage_classes()
         return {
             name: {**known[name].default_settings.model_dump(), **given}
-            if name in known and isinstance(given, dict) else given
+            if name in known and isinstance(given, dict)
+            else given
             for name, given in stages.items()
         }
 
@@ -352,13 +363,20 @@ class CurateConfig(Strict):
     def _full_profile_consistent(self) -> CurateConfig:
         # Checked when the config loads, so a typo fails the job at start rather than in a stage actor mid-run.
         sets = self.models.clip.prompt_sets
-        named = {f"filters.prompt_filters.{n}.{side}": getattr(pf, side)
-                 for n, pf in self.filters.prompt_filters.items() for side in ("keep", "reject")}
-        named |= {f"models.clip.realism.{side}": getattr(self.models.clip.realism, side) for side in ("photo", "not_photo")}
+        named = {
+            f"filters.prompt_filters.{n}.{side}": getattr(pf, side)
+            for n, pf in self.filters.prompt_filters.items()
+            for side in ("keep", "reject")
+        }
+        named |= {
+            f"models.clip.realism.{side}": getattr(self.models.clip.realism, side) for side in ("photo", "not_photo")
+        }
         for where, name in named.items():
             if not sets.get(name):
-                raise ValueError(f"{where} names prompt set {name!r}, which models.clip.prompt_sets does not define "
-                                 f"(or defines empty); defined: {sorted(sets)}")
+                raise ValueError(
+                    f"{where} names prompt set {name!r}, which models.clip.prompt_sets does not define "
+                    f"(or defines empty); defined: {sorted(sets)}"
+                )
         bad = [n for n in self.filters.prompt_filters if not n.isidentifier()]
         if bad:
             raise ValueError(f"filters.prompt_filters names must be identifiers (they become reason codes): {bad}")

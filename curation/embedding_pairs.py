@@ -64,6 +64,8 @@ import pyarrow.parquet as pq
 import ray
 
 from common.layout import LAYOUT
+from common.progress import progress
+from common.ray_utils import as_completed
 from common.storage import (
     delete_quietly,
     exists,
@@ -75,8 +77,6 @@ from common.storage import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from common.progress import progress
-from common.ray_utils import as_completed
 from curation import dedup as dd
 
 PAIRS_DIR, BUCKETS_DIR = LAYOUT.embedding_pairs, LAYOUT.embedding_buckets
@@ -197,7 +197,11 @@ def _kmeans(x: np.ndarray, k: int, seed: int) -> np.ndarray:
     import faiss
 
     km = faiss.Kmeans(
-        x.shape[1], k, niter=KMEANS_ITERATIONS, seed=seed, max_points_per_centroid=POINTS_PER_CENTROID,
+        x.shape[1],
+        k,
+        niter=KMEANS_ITERATIONS,
+        seed=seed,
+        max_points_per_centroid=POINTS_PER_CENTROID,
         min_points_per_centroid=1,  # clusters of few sample rows are fine; silences faiss's warning
     )
     km.train(np.ascontiguousarray(x, dtype=np.float32))
@@ -278,8 +282,9 @@ def _draw_sample(out_uri: str, files: list[str], counts: np.ndarray, size: int, 
     return sample
 
 
-def _split_oversized(sample: np.ndarray, held_out: np.ndarray, centroids: np.ndarray, n: int, layout: Layout
-                     ) -> tuple[np.ndarray, int]:
+def _split_oversized(
+    sample: np.ndarray, held_out: np.ndarray, centroids: np.ndarray, n: int, layout: Layout
+) -> tuple[np.ndarray, int]:
     """Centroids whose share of the held-out rows predicts more than ``max_cluster`` members, replaced by a
     k-means of their sample rows into clusters of about ``cluster_size``; returns the centroids and how many were
     split."""
@@ -328,19 +333,29 @@ def _make_plan(out_uri: str, files: list[str], counts: np.ndarray, layout: Layou
     predicted_rows = np.bincount(ranked[ranked >= 0], minlength=len(centroids)) * (n / len(ranked))
     n_buckets = layout.buckets or max(len(files), math.ceil(n * rows_per_survivor / layout.bucket_rows))
     bucket_of = balance_buckets(predicted_rows, max(1, min(n_buckets, len(centroids))))
-    log(f"[embedding pairs] {n} survivors: {len(centroids)} clusters ({split} split by the plan) from a sample of "
-        f"{len(sample)}, {rows_per_survivor:.2f} rows per survivor predicted, {int(bucket_of.max()) + 1} buckets")
+    log(
+        f"[embedding pairs] {n} survivors: {len(centroids)} clusters ({split} split by the plan) from a sample of "
+        f"{len(sample)}, {rows_per_survivor:.2f} rows per survivor predicted, {int(bucket_of.max()) + 1} buckets"
+    )
     if saturated > SATURATED_WARNING:
-        log(f"[embedding pairs] warning: {saturated:.0%} of the survivors probe {probes.max_probes} clusters and "
+        log(
+            f"[embedding pairs] warning: {saturated:.0%} of the survivors probe {probes.max_probes} clusters and "
             "would probe more: the clusters are small against the near-duplicate radius and recall suffers; raise "
-            "cluster_size (or max_probes)")
+            "cluster_size (or max_probes)"
+        )
     fs, root = resolve(out_uri)
     buf = io.BytesIO()
     np.save(buf, centroids)
     write_bytes_atomic(fs, join(root, CENTROIDS_FILE), buf.getvalue())
-    return {"clusters": len(centroids), "bucket_of": bucket_of.tolist(), "sample": len(sample),
-            "split_by_plan": split, "rows_per_survivor": round(rows_per_survivor, 3), "saturated": round(saturated, 4),
-            "log": lines}
+    return {
+        "clusters": len(centroids),
+        "bucket_of": bucket_of.tolist(),
+        "sample": len(sample),
+        "split_by_plan": split,
+        "rows_per_survivor": round(rows_per_survivor, 3),
+        "saturated": round(saturated, 4),
+        "log": lines,
+    }
 
 
 def _load_centroids(fs, root: str) -> np.ndarray:
@@ -352,8 +367,9 @@ def _load_centroids(fs, root: str) -> np.ndarray:
 
 
 @ray.remote(num_cpus=1)
-def _assign_file(out_uri: str, path: str, file_index: int, shared: tuple[Centroids, np.ndarray], probes: ProbeRule,
-                 needed: list[int]) -> dict:
+def _assign_file(
+    out_uri: str, path: str, file_index: int, shared: tuple[Centroids, np.ndarray], probes: ProbeRule, needed: list[int]
+) -> dict:
     """Write this file's rows to the buckets in ``needed`` (ascending), in that order; returns rows written.
 
     Skipped when the last one exists: an earlier attempt wrote it after the others, and buckets only ever leave
@@ -371,13 +387,15 @@ def _assign_file(out_uri: str, path: str, file_index: int, shared: tuple[Centroi
     order = np.lexsort((uid[item], cluster, bucket_of[cluster]))
     item, rank, cluster = item[order], rank[order], cluster[order]
     bounds = np.searchsorted(bucket_of[cluster], np.arange(int(bucket_of.max()) + 2))
-    rows = pa.table({
-        "cluster": pa.array(cluster, pa.int32()),
-        "uid": pa.array(uid[item], pa.int64()),
-        "home": pa.array(rank == 0),
-        "ranked": pa.FixedSizeListArray.from_arrays(pa.array(ranked[item].ravel()), ranked.shape[1]),
-        "embedding": table.column("embedding").take(pa.array(item, pa.int64())),
-    })
+    rows = pa.table(
+        {
+            "cluster": pa.array(cluster, pa.int32()),
+            "uid": pa.array(uid[item], pa.int64()),
+            "home": pa.array(rank == 0),
+            "ranked": pa.FixedSizeListArray.from_arrays(pa.array(ranked[item].ravel()), ranked.shape[1]),
+            "embedding": table.column("embedding").take(pa.array(item, pa.int64())),
+        }
+    )
     for b in needed:  # bucket b holds rows [bounds[b], bounds[b + 1])
         _write_arrow(fs, join(root, bucket_path(b, file_index)), rows.slice(bounds[b], bounds[b + 1] - bounds[b]))
     return {"rows": int(sum(bounds[b + 1] - bounds[b] for b in needed)), "cpu_s": time.process_time() - start}
@@ -386,8 +404,9 @@ def _assign_file(out_uri: str, path: str, file_index: int, shared: tuple[Centroi
 # --- search ---------------------------------------------------------------------------------------------------------
 
 
-def _search(x: np.ndarray, rows: np.ndarray, is_home: np.ndarray, s: SearchSettings, depth: int = 0
-            ) -> tuple[np.ndarray, ...]:
+def _search(
+    x: np.ndarray, rows: np.ndarray, is_home: np.ndarray, s: SearchSettings, depth: int = 0
+) -> tuple[np.ndarray, ...]:
     """Pairs (positions lo < hi into ``x``, similarity) among each of ``rows``' k nearest home rows at >= threshold.
 
     Above ``max_cluster`` home rows, a local k-means splits the home rows into sub-clusters of about
@@ -408,17 +427,20 @@ def _search(x: np.ndarray, rows: np.ndarray, is_home: np.ndarray, s: SearchSetti
             order = np.argsort(sub, kind="stable")
             member, sub = member[order], sub[order]
             edges = np.flatnonzero(np.diff(sub)) + 1
-            return _concat([
-                _search(x, rows[g], is_home[g] & (sub_home[g] == sub[lo]), s, depth + 1)
-                for lo, g in zip([0, *edges.tolist()], np.split(member, edges))
-            ])
+            return _concat(
+                [
+                    _search(x, rows[g], is_home[g] & (sub_home[g] == sub[lo]), s, depth + 1)
+                    for lo, g in zip([0, *edges.tolist()], np.split(member, edges))
+                ]
+            )
     sims, pos = faiss.knn(x[rows], x[home], min(s.k + 1, home.size), metric=faiss.METRIC_INNER_PRODUCT)
     ids = np.where(pos >= 0, home[np.maximum(pos, 0)], -1)
     return dd.threshold_neighbours(rows, sims, ids, s.k, s.threshold)
 
 
-def cluster_pairs(x: np.ndarray, uid: np.ndarray, home: np.ndarray, ranked: np.ndarray, s: SearchSettings
-                  ) -> tuple[np.ndarray, ...]:
+def cluster_pairs(
+    x: np.ndarray, uid: np.ndarray, home: np.ndarray, ranked: np.ndarray, s: SearchSettings
+) -> tuple[np.ndarray, ...]:
     """The pairs one cluster owns: (a < b uids, similarity), each once.
 
     ``home`` tells the cluster's home rows from its probe rows; ``ranked`` is each row's home cluster, then its
@@ -476,8 +498,13 @@ def _search_bucket(out_uri: str, bucket: int, n_files: int, s: SearchSettings) -
     pairs = pa.table({"a": a[order], "b": b[order], "similarity": sim[order]}, schema=PAIRS_SCHEMA)
     write_parquet_atomic(fs, out, pairs, row_group_size=1 << 20)
     delete_quietly(fs, join(root, BUCKETS_DIR, f"b{bucket:05d}"))
-    return {"pairs": pairs.num_rows, "skipped": False, "rows": len(x), "largest_cluster": largest,
-            "cpu_s": time.process_time() - start}
+    return {
+        "pairs": pairs.num_rows,
+        "skipped": False,
+        "rows": len(x),
+        "largest_cluster": largest,
+        "cpu_s": time.process_time() - start,
+    }
 
 
 # --- driver ---------------------------------------------------------------------------------------------------------
@@ -515,11 +542,16 @@ def run_embedding_pairs(
         )
     n = int(counts.sum())
     cluster_size = cluster_size or default_cluster_size(n)
-    layout = Layout(cluster_size, max(max_cluster or 4 * cluster_size, cluster_size), sample_size, buckets,
-                    bucket_rows, seed)
+    layout = Layout(
+        cluster_size, max(max_cluster or 4 * cluster_size, cluster_size), sample_size, buckets, bucket_rows, seed
+    )
     probes = ProbeRule(max_probes, probe_z, threshold)
-    fingerprint = sha256(json.dumps({"files": list(survivor_files), "counts": counts.tolist(), "k": k,
-                                     **asdict(layout), **asdict(probes)}, sort_keys=True).encode()).hexdigest()
+    fingerprint = sha256(
+        json.dumps(
+            {"files": list(survivor_files), "counts": counts.tolist(), "k": k, **asdict(layout), **asdict(probes)},
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()
     plan = read_json(fs, join(root, PLAN_FILE)) if exists(fs, join(root, PLAN_FILE)) else None
     if plan is None or plan["fingerprint"] != fingerprint:
         for path in (PAIRS_DIR, BUCKETS_DIR, CENTROIDS_FILE, PLAN_FILE):  # never mix with other inputs' outputs
@@ -527,7 +559,10 @@ def run_embedding_pairs(
         if n < 2:
             write_parquet_atomic(fs, join(root, pairs_path(0)), PAIRS_SCHEMA.empty_table(), row_group_size=1)
             return {"survivors": n, "clusters": 0, "buckets": 1, "pairs": 0}
-        plan = {"fingerprint": fingerprint, **ray.get(_make_plan.remote(out_uri, survivor_files, counts, layout, probes))}
+        plan = {
+            "fingerprint": fingerprint,
+            **ray.get(_make_plan.remote(out_uri, survivor_files, counts, layout, probes)),
+        }
         for line in plan.pop("log"):
             log(line)
         write_json_atomic(fs, join(root, PLAN_FILE), plan)  # the plan's commit point: the centroids come first
@@ -538,27 +573,59 @@ def run_embedding_pairs(
     assigned: list[dict] = []
     if missing:
         shared = ray.put((probes.centroids(_load_centroids(fs, root)), bucket_of))
-        assigned = list(progress(as_completed(
-            ((lambda i=i, f=f: _assign_file.remote(out_uri, f, i, shared, probes, missing))
-             for i, f in enumerate(survivor_files)), TASK_WINDOW,
-        ), "[embedding pairs] assign", len(survivor_files), log, unit="survivor files"))
-        log(f"[embedding pairs] {sum(r['rows'] for r in assigned)} (survivor, cluster) rows written to "
-            f"{len(missing)} buckets")
+        assigned = list(
+            progress(
+                as_completed(
+                    (
+                        (lambda i=i, f=f: _assign_file.remote(out_uri, f, i, shared, probes, missing))
+                        for i, f in enumerate(survivor_files)
+                    ),
+                    TASK_WINDOW,
+                ),
+                "[embedding pairs] assign",
+                len(survivor_files),
+                log,
+                unit="survivor files",
+            )
+        )
+        log(
+            f"[embedding pairs] {sum(r['rows'] for r in assigned)} (survivor, cluster) rows written to "
+            f"{len(missing)} buckets"
+        )
     settings = SearchSettings(k, threshold, probes, layout)
-    receipts = list(progress(as_completed(
-        ((lambda b=b: _search_bucket.remote(out_uri, b, len(survivor_files), settings)) for b in range(n_buckets)),
-        TASK_WINDOW,
-    ), "[embedding pairs] search", n_buckets, log, unit="buckets"))
+    receipts = list(
+        progress(
+            as_completed(
+                (
+                    (lambda b=b: _search_bucket.remote(out_uri, b, len(survivor_files), settings))
+                    for b in range(n_buckets)
+                ),
+                TASK_WINDOW,
+            ),
+            "[embedding pairs] search",
+            n_buckets,
+            log,
+            unit="buckets",
+        )
+    )
     delete_quietly(fs, join(root, BUCKETS_DIR))
     searched = [r for r in receipts if not r["skipped"]]
     pairs = sum(r["pairs"] for r in receipts)
     log(f"[embedding pairs] {pairs} pairs at >= {threshold} in {n_buckets} buckets ({len(searched)} searched now)")
     return {
-        "survivors": n, "clusters": plan["clusters"], "buckets": n_buckets, "sample": plan["sample"],
-        "split_by_plan": plan["split_by_plan"], "rows_per_survivor": plan["rows_per_survivor"],
-        "saturated": plan["saturated"], "pairs": pairs, "buckets_searched": len(searched),
+        "survivors": n,
+        "clusters": plan["clusters"],
+        "buckets": n_buckets,
+        "sample": plan["sample"],
+        "split_by_plan": plan["split_by_plan"],
+        "rows_per_survivor": plan["rows_per_survivor"],
+        "saturated": plan["saturated"],
+        "pairs": pairs,
+        "buckets_searched": len(searched),
         "rows_assigned": sum(r["rows"] for r in assigned),
         "largest_cluster": max((r["largest_cluster"] for r in searched), default=None),
-        "cpu_s": {"assign": round(sum(r["cpu_s"] for r in assigned), 1),
-                  "search": round(sum(r["cpu_s"] for r in searched), 1)},
+        "cpu_s": {
+            "assign": round(sum(r["cpu_s"] for r in assigned), 1),
+            "search": round(sum(r["cpu_s"] for r in searched), 1),
+        },
     }

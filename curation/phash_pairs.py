@@ -67,6 +67,8 @@ import pyarrow.parquet as pq
 import ray
 
 from common.layout import LAYOUT
+from common.progress import progress
+from common.ray_utils import as_completed
 from common.storage import (
     delete_quietly,
     exists,
@@ -77,8 +79,6 @@ from common.storage import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from common.progress import progress
-from common.ray_utils import as_completed
 from curation import dedup as dd
 
 SHUFFLE_DIR = "_shuffle"  # "_" names are skipped by readers listing the pair files
@@ -415,14 +415,40 @@ def run_phash_pairs(
     window = max_in_flight or max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
     maps, reduces = [], []
     if missing:
-        maps = list(progress(as_completed(
-            ((lambda m=m, f=f: _map_task.remote(out_uri, out_dir, f, m, plan, missing))
-             for m, f in enumerate(survivor_files)), window,
-        ), "[phash pairs] map", len(survivor_files), log, unit="survivor files"))
-        reduces = list(progress(as_completed(
-            ((lambda p=p: _reduce_task.remote(out_uri, out_dir, p, len(survivor_files), plan, max_kernel_hashes))
-             for p in missing), window,
-        ), "[phash pairs] reduce", len(missing), log, unit="partitions"))
+        maps = list(
+            progress(
+                as_completed(
+                    (
+                        (lambda m=m, f=f: _map_task.remote(out_uri, out_dir, f, m, plan, missing))
+                        for m, f in enumerate(survivor_files)
+                    ),
+                    window,
+                ),
+                "[phash pairs] map",
+                len(survivor_files),
+                log,
+                unit="survivor files",
+            )
+        )
+        reduces = list(
+            progress(
+                as_completed(
+                    (
+                        (
+                            lambda p=p: _reduce_task.remote(
+                                out_uri, out_dir, p, len(survivor_files), plan, max_kernel_hashes
+                            )
+                        )
+                        for p in missing
+                    ),
+                    window,
+                ),
+                "[phash pairs] reduce",
+                len(missing),
+                log,
+                unit="partitions",
+            )
+        )
     delete_quietly(fs, join(folder, SHUFFLE_DIR))
     done = [r for r in reduces if not r["skipped"]]
     n_pairs = _count_rows(fs, [join(folder, _part_name(p)) for p in range(plan.partitions)])

@@ -75,8 +75,12 @@ class InputShard:
 
     def to_row(self) -> dict:
         """An Arrow-safe row: paths as raw bytes, since a local name need not be UTF-8."""
-        return {"shard_id": self.shard_id, "kind": self.kind, "paths": [path_bytes(p) for p in self.paths],
-                "sizes": list(self.sizes)}
+        return {
+            "shard_id": self.shard_id,
+            "kind": self.kind,
+            "paths": [path_bytes(p) for p in self.paths],
+            "sizes": list(self.sizes),
+        }
 
     @classmethod
     def from_row(cls, row: dict) -> InputShard:
@@ -166,13 +170,15 @@ def list_shards(input_uri: str, settings: InputSettings) -> list[InputShard]:
     own = [(p, s) for p, s in files if kind != "files" and _kind_of(p) == kind]
     loose = [(p, s) for p, s in files if kind == "files" or _kind_of(p) != kind]
     shards = [
-        InputShard(safe_name(f"{kind}-{printable(p[len(base):]).lstrip('/').rsplit('.', 1)[0]}"), kind, (p,), (s,))
+        InputShard(safe_name(f"{kind}-{printable(p[len(base) :]).lstrip('/').rsplit('.', 1)[0]}"), kind, (p,), (s,))
         for p, s in own
     ]
     step = settings.files_per_shard
     for i in range(0, len(loose), step):
         chunk = loose[i : i + step]
-        shards.append(InputShard(f"files-{i // step:06d}", "files", tuple(p for p, _ in chunk), tuple(s for _, s in chunk)))
+        shards.append(
+            InputShard(f"files-{i // step:06d}", "files", tuple(p for p, _ in chunk), tuple(s for _, s in chunk))
+        )
     return shards
 
 
@@ -193,8 +199,12 @@ def pin_listing(out_uri: str, shards: list[InputShard], settings: InputSettings)
     rows = [(s.shard_id, s.kind, path_bytes(p), size) for s in shards for p, size in zip(s.paths, s.sizes)]
     shard_id, kind, path, size = (list(col) for col in zip(*rows)) if rows else ([], [], [], [])
     table = pa.table(
-        {"shard_id": pa.array(shard_id, pa.string()), "kind": pa.array(kind, pa.string()),
-         "path": pa.array(path, pa.binary()), "size": pa.array(size, pa.int64())}
+        {
+            "shard_id": pa.array(shard_id, pa.string()),
+            "kind": pa.array(kind, pa.string()),
+            "path": pa.array(path, pa.binary()),
+            "size": pa.array(size, pa.int64()),
+        }
     ).replace_schema_metadata({f"input.{k}": v for k, v in _layout(settings).items()})
     write_parquet_atomic(fs, join(root, LAYOUT.listing), table, row_group_size=100_000)
 
@@ -207,8 +217,11 @@ def pinned_listing(out_uri: str, settings: InputSettings) -> list[InputShard] | 
     if not exists(fs, path):
         return None
     table = pq.read_table(path, filesystem=fs)
-    pinned = {k.decode()[len("input.") :]: v.decode() for k, v in (table.schema.metadata or {}).items()
-              if k.startswith(b"input.")}
+    pinned = {
+        k.decode()[len("input.") :]: v.decode()
+        for k, v in (table.schema.metadata or {}).items()
+        if k.startswith(b"input.")
+    }
     changed = {k: (pinned.get(k), v) for k, v in _layout(settings).items() if pinned.get(k) != v}
     if changed:
         was = ", ".join(f"input.{k}={old} (this command: {new})" for k, (old, new) in changed.items())
@@ -283,8 +296,11 @@ class ShardReader:
             chunk_bytes += _nbytes(row)
             total += 1
         if total == 0:
-            what = {"parquet": "the Parquet file holds no rows", "webdataset": "the tar holds no image members",
-                    "files": "the shard lists no files"}[shard.kind]
+            what = {
+                "parquet": "the Parquet file holds no rows",
+                "webdataset": "the tar holds no image members",
+                "files": "the shard lists no files",
+            }[shard.kind]
             chunk = [_row(self.name(shard.paths[0]) if shard.paths else shard.shard_id, None, f"empty_shard: {what}")]
             total = 1
         yield self._table(chunk, shard.shard_id, total)
@@ -387,19 +403,26 @@ class ShardReader:
                     members += 1
                     source = f"{uri}#{printable(member.name)}"
                     if member.size > self.max_file_bytes:
-                        yield _row(source, None, f"file_too_large: {member.size} bytes > {self.max_file_bytes}, not read")
+                        yield _row(
+                            source, None, f"file_too_large: {member.size} bytes > {self.max_file_bytes}, not read"
+                        )
                         continue  # the stream skips the member's data without keeping it
                     data = tar.extractfile(member).read()
                     if len(data) < member.size:
-                        raise tarfile.ReadError(f"member {printable(member.name)} truncated at {len(data)} of {member.size} bytes")
+                        raise tarfile.ReadError(
+                            f"member {printable(member.name)} truncated at {len(data)} of {member.size} bytes"
+                        )
                     yield _row(source, data)
                 # tarfile ends quietly at a cut-off header; a complete archive ends with two zero blocks.
                 size = self._size(path)
                 if size is not None and size - tar.offset < 2 * tarfile.BLOCKSIZE:
                     raise tarfile.ReadError(f"archive cut off at byte {size} (no end-of-archive marker)")
         except Exception as exc:  # noqa: BLE001 - a damaged tar keeps what was read plus one row for the rest
-            yield _row(f"{uri}#<after {members} members>", None,
-                       f"unreadable: tar shard unreadable from here: {type(exc).__name__}: {exc}")
+            yield _row(
+                f"{uri}#<after {members} members>",
+                None,
+                f"unreadable: tar shard unreadable from here: {type(exc).__name__}: {exc}",
+            )
 
 
 def _layout_problem(file_schema: pa.Schema, settings: InputSettings) -> str | None:
@@ -411,8 +434,10 @@ def _layout_problem(file_schema: pa.Schema, settings: InputSettings) -> str | No
     if pa.types.is_struct(image_type) and image_type.get_field_index("bytes") >= 0:
         image_type = image_type.field("bytes").type
     if not (pa.types.is_binary(image_type) or pa.types.is_large_binary(image_type)):
-        return (f"column {column!r} holds {image_type}, not image bytes (binary, or a struct with a binary 'bytes' "
-                "field); set input.image_column")
+        return (
+            f"column {column!r} holds {image_type}, not image bytes (binary, or a struct with a binary 'bytes' "
+            "field); set input.image_column"
+        )
     if source_column and source_column not in names:
         return f"no column {source_column!r} (columns: {names}); set input.source_column"
     return None

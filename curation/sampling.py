@@ -295,7 +295,7 @@ def balanced_sample(
     n = x.shape[0]
     count = target_size(n, size, fraction)
     if n_clusters is None:
-        k1 = max(2, int(round(np.sqrt(n))))
+        k1 = max(2, round(np.sqrt(n)))
         n_clusters = (k1, max(2, k1 // 10))
     hierarchy = hierarchical_kmeans(x, n_clusters, seed=seed, **kmeans_kwargs)
     return Selection(balanced_select(hierarchy, count, mode=mode, balance_key=balance_key, seed=seed), hierarchy)

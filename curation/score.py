@@ -78,7 +78,7 @@ def _read_shards(batch: pa.Table, cfg_json: str, input_uri: str) -> Iterator[pa.
     reader = _shard_reader(cfg, input_uri)
     for row in batch.to_pylist():
         shard = InputShard.from_row(row)
-        yield from retry_io_stream(lambda: reader.read(shard), cfg.ray.io_retries)
+        yield from retry_io_stream(lambda shard=shard: reader.read(shard), cfg.ray.io_retries)
 
 
 def _finalise(table: pa.Table) -> pa.Table:
@@ -111,7 +111,10 @@ def _write_parts_once(batch: pa.Table, out_uri: str, cfg: CurateConfig, results_
         part = "part-" + hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16] + ".parquet"
         ledger_file = f"{LAYOUT.ledger}/{shard_id}/{part}"
         write_parquet_atomic(
-            fs, join(root, ledger_file), rows.select(ledger_schema.names).cast(ledger_schema), row_group_size=cfg.output.ledger_row_group_size,
+            fs,
+            join(root, ledger_file),
+            rows.select(ledger_schema.names).cast(ledger_schema),
+            row_group_size=cfg.output.ledger_row_group_size,
             compression=cfg.output.compression,
         )
         kept = rows.filter(pc.equal(rows.column("status"), schema.KEPT))
@@ -119,8 +122,11 @@ def _write_parts_once(batch: pa.Table, out_uri: str, cfg: CurateConfig, results_
         if kept.num_rows:
             scored_file = f"{LAYOUT.scored}/{shard_id}/{part}"
             write_parquet_atomic(
-                fs, join(root, scored_file), kept.select(scored_schema.names).cast(scored_schema),
-                row_group_size=cfg.output.row_group_size, compression=cfg.output.compression,
+                fs,
+                join(root, scored_file),
+                kept.select(scored_schema.names).cast(scored_schema),
+                row_group_size=cfg.output.row_group_size,
+                compression=cfg.output.compression,
             )
         receipts.append(
             {
@@ -207,7 +213,10 @@ class ScorePhase:
         # I/O errors are retried inside the read and write functions (ray.io_retries); Ray Data retries the tasks
         # of lost workers and nodes itself
         ds = ds.map_batches(
-            _read_shards, batch_size=1, batch_format="pyarrow", num_cpus=0.25,
+            _read_shards,
+            batch_size=1,
+            batch_format="pyarrow",
+            num_cpus=0.25,
             fn_kwargs={"cfg_json": cfg_json, "input_uri": self.input_uri},
         )
         for name in self.cfg.enabled_stages:
@@ -225,9 +234,7 @@ class ScorePhase:
                     **common,
                 )
             else:
-                ds = ds.map_batches(
-                    _named_task(name), fn_kwargs={"cfg_json": cfg_json}, **common
-                )
+                ds = ds.map_batches(_named_task(name), fn_kwargs={"cfg_json": cfg_json}, **common)
         return ds.map_batches(
             _write_parts,
             batch_size=self.cfg.input.files_per_shard,
@@ -269,7 +276,9 @@ class ScorePhase:
                 raise RuntimeError(f"[score] shards not complete after the pipeline finished: {missing[:5]}")
         elapsed = time.monotonic() - start
         summary = {"shards": len(shards), "inputs_this_run": done_rows, "seconds": round(elapsed, 2)}
-        write_json_atomic(self.fs, join(self.root, LAYOUT.done("score")), {**summary, "results_hash": self.results_hash})
+        write_json_atomic(
+            self.fs, join(self.root, LAYOUT.done("score")), {**summary, "results_hash": self.results_hash}
+        )
         return summary
 
     def _commit(self, shard_id: str, receipts: list[dict]) -> None:

@@ -109,8 +109,10 @@ class Stage:
             return  # a base for other stages, not a stage of its own
         known = Stage.registry.get(cls.name)
         if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise TypeError(f"stage name {cls.name!r} of {cls.__module__}.{cls.__qualname__} is taken by "
-                            f"{known.__module__}.{known.__qualname__}")
+            raise TypeError(
+                f"stage name {cls.name!r} of {cls.__module__}.{cls.__qualname__} is taken by "
+                f"{known.__module__}.{known.__qualname__}"
+            )
         Stage.registry[cls.name] = cls
 
     def __init__(self, cfg: CurateConfig):
@@ -127,7 +129,7 @@ class Stage:
     @property
     def threads(self) -> int:
         """Threads a stage's native libraries may use: its CPU share, at least one."""
-        return max(1, int(round(self.settings.num_cpus)))
+        return max(1, round(self.settings.num_cpus))
 
 
 def reject(code: str, detail: str = "") -> Update:
@@ -219,7 +221,7 @@ def _load_stuck_rows(stage: str) -> None:
 
         prefix = _stuck_rows_prefix()
         keys = internal_kv._internal_kv_list(f"{prefix}{stage}/", namespace=_STUCK_ROWS_NAMESPACE)
-        _stuck_rows.update(key.decode()[len(prefix):] for key in keys)
+        _stuck_rows.update(key.decode()[len(prefix) :] for key in keys)
 
 
 def _describe(exc: BaseException) -> str:

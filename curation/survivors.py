@@ -91,28 +91,33 @@ def survey_partition(
     from common.storage import join, resolve, write_parquet_atomic
 
     fs, root = resolve(out_uri)
-    columns = sorted({"source", "key", "shard_id", "phash", "width", "height", "embedding", *keep_score}
-                     | ({balance_key} if balance_key else set()))
+    columns = sorted(
+        {"source", "key", "shard_id", "phash", "width", "height", "embedding", *keep_score}
+        | ({balance_key} if balance_key else set())
+    )
     pieces, missing_embedding = [], 0
     for ordinal, record in shards:
         parts = [pq.read_table(join(root, f), columns=columns, filesystem=fs) for f in record["scored_files"]]
         t = pa.concat_tables(parts)
         t = t.take(pc.sort_indices(t, [("source", "ascending")]))
         missing_embedding += t.column("embedding").null_count
-        balance = (pc.cast(t.column(balance_key), pa.string()) if balance_key
-                   else pa.nulls(t.num_rows, pa.string()))
-        pieces.append(pa.table({
-            "uid": pa.array(make_uid(np.int64(ordinal), np.arange(t.num_rows, dtype=np.int64))),
-            "shard_id": t.column("shard_id"),
-            "source": t.column("source"),
-            "key": t.column("key"),
-            "phash": t.column("phash"),
-            "score": pa.array(_keep_score(t, keep_score)),
-            "width": t.column("width"),
-            "height": t.column("height"),
-            "balance": balance,
-            "embedding": t.column("embedding"),
-        }))
+        balance = pc.cast(t.column(balance_key), pa.string()) if balance_key else pa.nulls(t.num_rows, pa.string())
+        pieces.append(
+            pa.table(
+                {
+                    "uid": pa.array(make_uid(np.int64(ordinal), np.arange(t.num_rows, dtype=np.int64))),
+                    "shard_id": t.column("shard_id"),
+                    "source": t.column("source"),
+                    "key": t.column("key"),
+                    "phash": t.column("phash"),
+                    "score": pa.array(_keep_score(t, keep_score)),
+                    "width": t.column("width"),
+                    "height": t.column("height"),
+                    "balance": balance,
+                    "embedding": t.column("embedding"),
+                }
+            )
+        )
     target = survivors_schema(dim)
     table = pa.concat_tables([p.cast(target) for p in pieces]) if pieces else target.empty_table()
     if not missing_embedding:

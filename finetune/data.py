@@ -208,7 +208,7 @@ def _prefetch(items: Iterator, depth: int) -> Iterator:
         try:
             for item in items:
                 q.put(item)
-        except BaseException as exc:  # handed to the consumer
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             q.put(exc)
         q.put(done)
 
@@ -312,7 +312,6 @@ def eval_batches(
             yield collate(padded[b * batch_size : (b + 1) * batch_size]), valid
 
     return _prefetch(batches(), 2)
-
 
 
 def class_pixel_counts(index: DataIndex, info: LabelInfo, limit: int = 256) -> np.ndarray:

@@ -175,7 +175,7 @@ def udp_heatmaps(
 
 
 def _gaussian_blur(x: Tensor, sigma: float) -> Tensor:
-    radius = max(1, int(math.ceil(3 * sigma)))
+    radius = max(1, math.ceil(3 * sigma))
     t = torch.arange(-radius, radius + 1, device=x.device, dtype=x.dtype)
     k = torch.exp(-(t**2) / (2 * sigma**2))
     k = k / k.sum()
@@ -204,7 +204,7 @@ def _pad_quadratic(x: Tensor) -> Tensor:
 def decode_heatmaps(heatmaps: Tensor, image_hw: tuple[int, int], blur: float = 1.0) -> tuple[Tensor, Tensor]:
     """Heatmaps [B, K, h, w] -> keypoints [B, K, 2] (image pixels) and scores [B, K] (the heatmap maxima)."""
     hm = heatmaps.float()
-    B, K, h, w = hm.shape
+    _B, _K, h, w = hm.shape
     scores, idx = hm.flatten(2).max(-1)
     y, x = idx // w, idx % w
     smooth = _gaussian_blur(hm, blur) if blur > 0 else hm

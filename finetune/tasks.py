@@ -98,7 +98,9 @@ class Seg(Task):
     def loss(self, head, out, batch):
         w = self.cfg.head.class_weights
         if w == "auto":
-            raise ValueError('head.class_weights="auto" is resolved from the data when a run starts (finetune.train.fit)')
+            raise ValueError(
+                'head.class_weights="auto" is resolved from the data when a run starts (finetune.train.fit)'
+            )
         weights = None if w is None else out.new_tensor(w, dtype=torch.float32)
         return losses.seg_loss(
             out, batch["parts"], class_weights=weights, ignore_index=self.cfg.head.ignore_index,

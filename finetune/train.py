@@ -178,9 +178,7 @@ def build_optimizer(model: FinetuneModel, cfg: FinetuneConfig) -> torch.optim.Ad
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
 
 
-def set_schedule(
-    optimizer: torch.optim.Optimizer, cfg: FinetuneConfig, step: int, world: int
-) -> tuple[float, float]:
+def set_schedule(optimizer: torch.optim.Optimizer, cfg: FinetuneConfig, step: int, world: int) -> tuple[float, float]:
     """Per-group learning rates (the schedule times each group's layer scale) and weight decay at ``step`` of a
     run on ``world`` workers (the peak rate scales with the global batch)."""
     o = cfg.optim

@@ -36,7 +36,6 @@ from common.config import Strict
 from finetune.labels import COCO_KEYPOINTS, HEAD_POINTS, MAX_KEYPOINTS, PART, keypoints
 
 
-
 class RenderConfig(Strict):
     height: int = Field(128, ge=16)
     width: int = Field(96, ge=16)
@@ -371,7 +370,9 @@ def render(cfg: RenderConfig, rng: np.random.Generator | int) -> Render:
 
     # Camera: body frame (y up, z facing) -> OpenCV camera frame (y down, z forward) after a random yaw (any
     # direction, back views included), a little pitch and roll.
-    rot = _rx(np.pi) @ _rz(rng.uniform(-0.15, 0.15)) @ _rx(rng.uniform(-0.25, 0.25)) @ _ry(rng.uniform(-cfg.yaw, cfg.yaw))
+    rot = (
+        _rx(np.pi) @ _rz(rng.uniform(-0.15, 0.15)) @ _rx(rng.uniform(-0.25, 0.25)) @ _ry(rng.uniform(-cfg.yaw, cfg.yaw))
+    )
     extent = np.array([rot @ p.point(p.radii * d) for p in body for d in np.eye(3).tolist() + (-np.eye(3)).tolist()])
     lo, hi = extent.min(0), extent.max(0)
     f = rng.uniform(*cfg.focal) * max(H, W)

@@ -59,8 +59,9 @@ def upscaled_rgb(img: Image.Image, min_side: int) -> np.ndarray:
     img = img.convert("RGB")
     if min(img.size) < min_side:
         s = min_side / min(img.size)
-        img = img.resize((max(min_side, round(img.width * s)), max(min_side, round(img.height * s))),
-                         Image.Resampling.LANCZOS)
+        img = img.resize(
+            (max(min_side, round(img.width * s)), max(min_side, round(img.height * s))), Image.Resampling.LANCZOS
+        )
     return np.asarray(img)
 
 
@@ -90,7 +91,7 @@ def crowd(photos: list[np.ndarray], cells: int, side: int = 960, fill: float = 0
         img.thumbnail((inner, inner), Image.Resampling.LANCZOS)
         y = (i // cells) * cell + (cell - img.height) // 2
         x = (i % cells) * cell + (cell - img.width) // 2
-        out[y:y + img.height, x:x + img.width] = np.asarray(img)
+        out[y : y + img.height, x : x + img.width] = np.asarray(img)
     return out
 
 

@@ -24,8 +24,9 @@ TINY_CLIP = {
 OPENAI_NORM = {"mean": [0.48145466, 0.4578275, 0.40821073], "std": [0.26862954, 0.26130258, 0.27577711]}
 
 
-def build_random_store(out: Path, yolo: str = "yolo11n", clip_arch: str = "ViT-S-32",
-                       clip_cfg: dict | None = None, seed: int = 0) -> list[str]:
+def build_random_store(
+    out: Path, yolo: str = "yolo11n", clip_arch: str = "ViT-S-32", clip_cfg: dict | None = None, seed: int = 0
+) -> list[str]:
     """Save a YOLO detector and pose model (``yolo``: an ultralytics model name such as yolo11n or yolo11m), an
     OpenCLIP model (``clip_arch``, with ``clip_cfg`` overriding its architecture; ``TINY_CLIP`` by default) and an
     aesthetic MLP head under ``out``; returns the config overrides that point the full profile at them."""

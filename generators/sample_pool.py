@@ -438,23 +438,48 @@ def _bad_items(photos: dict[str, Photo], seed: int) -> list[PoolItem]:
     frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:], duration=120, loop=0, optimize=False)
     bad = [
         ("empty.jpg", b"", None, "empty", _rejected("decode", "empty_file"), {}),
-        ("truncated.jpg", zidane.data[: len(zidane.data) // 2], "zidane", "truncated", _rejected("decode", "corrupt"),
-         {"kept_bytes": len(zidane.data) // 2, "of": len(zidane.data)}),
+        (
+            "truncated.jpg",
+            zidane.data[: len(zidane.data) // 2],
+            "zidane",
+            "truncated",
+            _rejected("decode", "corrupt"),
+            {"kept_bytes": len(zidane.data) // 2, "of": len(zidane.data)},
+        ),
         ("notes.jpg", _NOT_AN_IMAGE_TEXT, None, "text_file", _rejected("decode", "not_an_image"), {}),
         ("random.png", _rng(seed, 4).bytes(4096), None, "random_bytes", _rejected("decode", "not_an_image"), {}),
         ("error_page.jpg", _HTML_PAGE, None, "html_page", _rejected("decode", "not_an_image"), {}),
-        ("huge_header.png", huge_png(), None, "huge_header", _rejected("decode", "decompression_bomb"),
-         {"declared": [100_000, 100_000]}),
-        ("animated.gif", buf.getvalue(), "zidane", "animated", _rejected("decode", "animated"),
-         {"frames": len(frames)}),
+        (
+            "huge_header.png",
+            huge_png(),
+            None,
+            "huge_header",
+            _rejected("decode", "decompression_bomb"),
+            {"declared": [100_000, 100_000]},
+        ),
+        (
+            "animated.gif",
+            buf.getvalue(),
+            "zidane",
+            "animated",
+            _rejected("decode", "animated"),
+            {"frames": len(frames)},
+        ),
     ]
     items = [
         PoolItem(f"bad/{name}", data, "bad", origin, variant, expect, params)
         for name, data, origin, variant, expect, params in bad
     ]
     items.append(
-        PoolItem("bad/broken_link.jpg", None, "bad", None, "broken_symlink", _rejected("decode", "unreadable"),
-                 link_target="does-not-exist/photo.jpg")
+        PoolItem(
+            "bad/broken_link.jpg",
+            None,
+            "bad",
+            None,
+            "broken_symlink",
+            _rejected("decode", "unreadable"),
+            link_target="does-not-exist/photo.jpg",
+        )
     )
     return items
 
@@ -478,10 +503,20 @@ def _odd_items(photos: dict[str, Photo]) -> list[PoolItem]:
         ("grace_hopper_jpeg.png", _jpeg(grace.image, 85), grace, "jpeg_named_png", {"quality": 85}),
         ("zidane_cmyk.jpg", _jpeg(zidane.image.convert("CMYK"), 90), zidane, "cmyk", {}),
         ("camera_gray16.png", _png(gray16), camera, "gray16", {"bit_depth": 16}),
-        ("astronaut_palette.png", _png(palette_img, transparency=255), astronaut, "palette_transparency",
-         {"colors": 255, "transparent_index": 255, "frame_px": 24}),
-        ("bus_exif6.jpg", _jpeg(stored, 92, exif=exif.tobytes()), bus, "exif_orientation_6",
-         {"orientation": 6, "stored_size": list(stored.size)}),
+        (
+            "astronaut_palette.png",
+            _png(palette_img, transparency=255),
+            astronaut,
+            "palette_transparency",
+            {"colors": 255, "transparent_index": 255, "frame_px": 24},
+        ),
+        (
+            "bus_exif6.jpg",
+            _jpeg(stored, 92, exif=exif.tobytes()),
+            bus,
+            "exif_orientation_6",
+            {"orientation": 6, "stored_size": list(stored.size)},
+        ),
     ]
     items = []
     for name, data, photo, variant, params in odd:
@@ -508,8 +543,16 @@ def build_pool(n: int = DEFAULT_N, seed: int = 0) -> list[PoolItem]:
         path = f"{category}/{name}.jpg"
         items.append(PoolItem(path, photo.data, category, name, "original", expect, params, dup_group=name))
     items.append(
-        PoolItem("people/zidane_copy.jpg", photos["zidane"].data, "people", "zidane", "exact_copy", _kept(),
-                 dup_group="zidane", exact_copy_of="people/zidane.jpg")
+        PoolItem(
+            "people/zidane_copy.jpg",
+            photos["zidane"].data,
+            "people",
+            "zidane",
+            "exact_copy",
+            _kept(),
+            dup_group="zidane",
+            exact_copy_of="people/zidane.jpg",
+        )
     )
     items += _text_items(photos, font)
     items += _low_quality_items(photos, seed)

@@ -15,19 +15,22 @@ import sys
 
 from common.config import ConfigError, load_config
 from common.storage import StorageError
+from curation.audit.report import ReportOptions, write_report
 from curation.audit.verify import audit
 from curation.config import CurateConfig
-from curation.audit.report import ReportOptions, write_report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jobs.audit", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.audit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("output", help="curated output root (local or s3://), as given to jobs.curate --output")
     p.add_argument("--report", action="store_true", help="also write <out>/report/index.html")
     p.add_argument("--config", help="the run's YAML config, for the report's thresholds (default: built-in defaults)")
     p.add_argument("--no-decode", action="store_true", help="skip decoding every image (hashes are still checked)")
-    p.add_argument("--workers", type=int, default=None, help="threads reading shards and images (default: min(8, CPUs))")
+    p.add_argument(
+        "--workers", type=int, default=None, help="threads reading shards and images (default: min(8, CPUs))"
+    )
     p.add_argument("--seed", type=int, default=0, help="which random images the report's contact sheets show")
     p.add_argument("--per-sheet", type=int, default=ReportOptions.per_sheet, help="thumbnails per contact sheet")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as given to jobs.curate")
@@ -48,10 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         options = ReportOptions(seed=args.seed, per_sheet=args.per_sheet, workers=args.workers or ReportOptions.workers)
         try:
             write_report(args.output, cfg, result, config_source=source, options=options)
-        except Exception as exc:  # noqa: BLE001 - damage the audit listed can stop the report; say so, keep the list
+        except Exception as exc:
             if result.ok:
                 raise
-            print(f"report not written: the output is too damaged to read: {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(
+                f"report not written: the output is too damaged to read: {type(exc).__name__}: {exc}", file=sys.stderr
+            )
     return 0 if result.ok else 1
 
 

@@ -13,27 +13,35 @@ import argparse
 import sys
 import time
 
-from common.layout import GLOBAL_PHASES, PHASES
 from common.config import ConfigError, load_config
+from common.layout import GLOBAL_PHASES, PHASES
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import StorageError
 from curation.config import CurateConfig
 from curation.ledger import read_ledger, summary_table
-from curation.pool import PoolError, list_shards, pin_listing, pinned_listing
 from curation.phases import GlobalPhases, PhaseOrderError
+from curation.pool import PoolError, list_shards, pin_listing, pinned_listing
 from curation.score import RunMismatch, ScorePhase, claim_output
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jobs.curate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.curate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", required=True, help="YAML config, e.g. configs/curate/lite.yaml")
-    p.add_argument("--input", required=True, help="pool: folder of images, Parquet files or WebDataset tars (local or s3://)")
+    p.add_argument(
+        "--input", required=True, help="pool: folder of images, Parquet files or WebDataset tars (local or s3://)"
+    )
     p.add_argument("--output", required=True, help="output root (local or s3://)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
     p.add_argument("--new-run", action="store_true", help="discard results of a different earlier run in --output")
-    p.add_argument("--break-lease", action="store_true", help="take --output over from another run that holds its lease")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. filters.min_short_side=512")
+    p.add_argument(
+        "--break-lease", action="store_true", help="take --output over from another run that holds its lease"
+    )
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. filters.min_short_side=512"
+    )
     return p.parse_args(argv)
 
 
@@ -66,11 +74,15 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
     start = time.monotonic()
     if "score" in phases:
         if pinned is not None:
-            print(f"[score] resuming on the input listing pinned by the first run ({len(shards)} shards); "
-                  "files added to the pool since are not part of this run")
+            print(
+                f"[score] resuming on the input listing pinned by the first run ({len(shards)} shards); "
+                "files added to the pool since are not part of this run"
+            )
         summary = ScorePhase(cfg, args.output, args.input).run(shards)
         rate = summary["inputs_this_run"] / max(summary["seconds"], 1e-9)
-        print(f"[score] done: {summary['inputs_this_run']} inputs scored this run in {summary['seconds']} s ({rate:.2f} img/s)")
+        print(
+            f"[score] done: {summary['inputs_this_run']} inputs scored this run in {summary['seconds']} s ({rate:.2f} img/s)"
+        )
     try:
         for phase in (p for p in GLOBAL_PHASES if p in phases):
             GlobalPhases(cfg, args.output, guard=lease.check).run(phase)

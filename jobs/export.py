@@ -51,8 +51,18 @@ from common.storage import (
 from curation.final_write import UnitRecords, plan_output_shards, run_units
 
 FORMATS = ("webdataset",)
-_EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "TIFF": "tiff", "BMP": "bmp",
-               "HEIF": "heic", "AVIF": "avif", "JPEG2000": "jp2"}  # MPO: a JPEG stream with a second picture after it
+_EXTENSIONS = {
+    "JPEG": "jpg",
+    "MPO": "jpg",
+    "PNG": "png",
+    "WEBP": "webp",
+    "GIF": "gif",
+    "TIFF": "tiff",
+    "BMP": "bmp",
+    "HEIF": "heic",
+    "AVIF": "avif",
+    "JPEG2000": "jp2",
+}  # MPO: a JPEG stream with a second picture after it
 _NOT_IN_KEY = re.compile(r"[^A-Za-z0-9_-]+")
 
 
@@ -139,8 +149,10 @@ def _write_tar(shards_uri: str, files: list[str], pieces: list[tuple[int, int, i
                             key = f"{key}-dup{samples}"
                         seen.add(key)
                         meta = json.dumps(row, default=str).encode()
-                        for member, data in ((f"{key}.{image_extension(row.get('format'), image)}", image),
-                                             (f"{key}.json", meta)):
+                        for member, data in (
+                            (f"{key}.{image_extension(row.get('format'), image)}", image),
+                            (f"{key}.json", meta),
+                        ):
                             tar.addfile(fixed_tarinfo(member, len(data)), io.BytesIO(data))
                         samples += 1
     return {"file": name, "samples": samples, "skipped": skipped, "bytes": sink.size, "sha256": sink.digest.hexdigest()}
@@ -171,21 +183,30 @@ def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None
     out_uri = out_root if is_local(out_fs) else out_uri
     manifest_path = join(in_root, LAYOUT.manifest_name)
     if not exists(in_fs, manifest_path):
-        raise ExportError(f"{shards_uri}: no {LAYOUT.manifest_name}; point --shards at a curated output's shards folder")
+        raise ExportError(
+            f"{shards_uri}: no {LAYOUT.manifest_name}; point --shards at a curated output's shards folder"
+        )
     source = read_json(in_fs, manifest_path)
     files = [s["file"] for s in source["shards"]]
     plan = plan_tars([s["rows"] for s in source["shards"]], samples_per_tar)
-    settings = {"format": "webdataset", "samples_per_tar": samples_per_tar,
-                "shards": [[s["file"], s["sha256"]] for s in source["shards"]]}
+    settings = {
+        "format": "webdataset",
+        "samples_per_tar": samples_per_tar,
+        "shards": [[s["file"], s["sha256"]] for s in source["shards"]],
+    }
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     remove_temporaries(out_fs, out_root)  # tars a killed export left half-written
     records = _TarRecords(out_fs, out_root, "export", settings_hash)
     names = [tar_name(k) for k in range(len(plan))]
     already = sum(records.get(name) is not None for name in names)
-    log(f"[export] {sum(s['rows'] for s in source['shards'])} samples of {len(files)} shards into {len(plan)} tars; "
-        f"{already} already written, skipped")
-    units = {name: lambda pieces=pieces, name=name: _write_tar.remote(shards_uri, files, pieces, out_uri, name)
-             for name, pieces in zip(names, plan)}
+    log(
+        f"[export] {sum(s['rows'] for s in source['shards'])} samples of {len(files)} shards into {len(plan)} tars; "
+        f"{already} already written, skipped"
+    )
+    units = {
+        name: lambda pieces=pieces, name=name: _write_tar.remote(shards_uri, files, pieces, out_uri, name)
+        for name, pieces in zip(names, plan)
+    }
     window = max(2, 4 * int(ray.cluster_resources().get("CPU", 2)))
     started, tars, step = time.monotonic(), {}, max(1, len(plan) // 20)
     for name, receipt in run_units(records, units, window):
@@ -193,10 +214,18 @@ def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None
         if len(tars) % step == 0 or len(tars) == len(plan):
             log(f"[export] {len(tars)}/{len(plan)} tars ({time.monotonic() - started:.1f} s)")
     entries = [tars[name] for name in names]
-    manifest = {"format": "webdataset", "settings_hash": settings_hash, "source_config_hash": source.get("config_hash"),
-                "tars": entries, "totals": {"tars": len(entries), "samples": sum(t["samples"] for t in entries),
-                                            "skipped": sum(t["skipped"] for t in entries),
-                                            "bytes": sum(t["bytes"] for t in entries)}}
+    manifest = {
+        "format": "webdataset",
+        "settings_hash": settings_hash,
+        "source_config_hash": source.get("config_hash"),
+        "tars": entries,
+        "totals": {
+            "tars": len(entries),
+            "samples": sum(t["samples"] for t in entries),
+            "skipped": sum(t["skipped"] for t in entries),
+            "bytes": sum(t["bytes"] for t in entries),
+        },
+    }
     write_json_atomic(out_fs, join(out_root, "manifest.json"), manifest)
     listed = {join(out_root, name) for name in names}
     for path in list_files(out_fs, out_root, ".tar"):  # an earlier export's tars beyond this one's
@@ -206,13 +235,17 @@ def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jobs.export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shards", required=True, help="a curated output's shards folder, with its manifest.json (local or s3://)")
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--shards", required=True, help="a curated output's shards folder, with its manifest.json (local or s3://)"
+    )
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("--output", required=True, help="folder for the tars (local or s3://)")
-    p.add_argument("--samples-per-tar", type=int, default=None,
-                   help="samples per tar (default: one tar per curated shard)")
+    p.add_argument(
+        "--samples-per-tar", type=int, default=None, help="samples per tar (default: one tar per curated shard)"
+    )
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: RAY_ADDRESS, else a local Ray)")
     return p.parse_args(argv)
 
@@ -233,8 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}\nthe tars written so far are kept; run the same command again to finish", file=sys.stderr)
         return 1
     totals = manifest["totals"]
-    print(f"[export] {totals['samples']} samples in {totals['tars']} tars ({totals['bytes']} bytes) at {args.output}"
-          + (f"; {totals['skipped']} rows without image bytes skipped" if totals["skipped"] else ""))
+    print(
+        f"[export] {totals['samples']} samples in {totals['tars']} tars ({totals['bytes']} bytes) at {args.output}"
+        + (f"; {totals['skipped']} rows without image bytes skipped" if totals["skipped"] else "")
+    )
     return 0
 
 

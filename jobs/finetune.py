@@ -31,7 +31,6 @@ from training.metrics_sinks import describe
 from training.runner import claim_run, run_uri_for
 
 
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jobs.finetune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -74,7 +73,7 @@ def check_backbone(uri: str, cfg: FinetuneConfig) -> None:
         )
     try:
         _, meta = read_safetensors(uri)
-    except Exception as exc:  # not a safetensors file at all
+    except Exception as exc:  # noqa: BLE001 - any failure to parse means it is not a safetensors file
         raise StorageError(f"--backbone {uri} is not a safetensors file: {exc}") from None
     if "backbone_config" not in meta:
         raise StorageError(f"--backbone {uri} carries no backbone_config metadata: not an exported backbone")

@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, help="output folder (created; must be empty or hold an earlier sample pool)")
     p.add_argument(
-        "--n", type=_count, default=DEFAULT_N,
+        "--n",
+        type=_count,
+        default=DEFAULT_N,
         help=f"number of inputs, minimum {MIN_N} (default {DEFAULT_N}); more adds near-duplicates of the photos",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for crops, noise and random bytes (default 0)")

@@ -45,7 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--val", type=int, default=None, help="validation samples (default: n / 5, at least 8)")
     p.add_argument("--height", type=int, default=128)
     p.add_argument("--width", type=int, default=96)
-    p.add_argument("--keypoints", type=int, default=308, help="the first K of the 308 keypoints (finetune.labels: 17 COCO, 25 body, 65 with hands, 308 all)")
+    p.add_argument(
+        "--keypoints",
+        type=int,
+        default=308,
+        help="the first K of the 308 keypoints (finetune.labels: 17 COCO, 25 body, 65 with hands, 308 all)",
+    )
     p.add_argument(
         "--max-yaw", type=float, default=None,
         help="largest |yaw| of the view in radians (default: any direction; 1.2 keeps the face in view)",
@@ -102,7 +107,9 @@ def write_pool(out: str, n: int, cfg: RenderConfig, seed: int, args: argparse.Na
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for name, data in members:
-                tar.addfile(storage.fixed_tarinfo(name, len(data)), io.BytesIO(data))  # the same command, the same bytes
+                tar.addfile(
+                    storage.fixed_tarinfo(name, len(data)), io.BytesIO(data)
+                )  # the same command, the same bytes
         storage.write_bytes_atomic(fs, storage.join(root, f"pool-{k:05d}.tar"), buf.getvalue())
         print(f"[make_synthetic] pool-{k:05d}.tar: {len(members)} renders", flush=True)
     return len(ranges)

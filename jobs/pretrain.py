@@ -32,6 +32,7 @@ from training.metrics_sinks import describe
 from training.runner import claim_run, run_uri_for
 from training.schedules import peak_lr
 
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jobs.pretrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -60,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(args: argparse.Namespace, cfg: PretrainConfig, run_uri: str, data_uri: str, lease: Lease) -> int:
     try:
-        resuming = claim_run(run_uri, {"data": storage.redact(data_uri), "model_hash": cfg.model_hash()}, {"size": cfg.model.size})
+        resuming = claim_run(
+            run_uri, {"data": storage.redact(data_uri), "model_hash": cfg.model_hash()}, {"size": cfg.model.size}
+        )
         index = ensure_index(data_uri, run_uri, verify_sha256=cfg.data.verify_sha256)
     except (ConfigError, DataError, StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -121,9 +121,7 @@ def grid_coords(gh: int, gw: int, device: torch.device | str | None = None) -> T
     return torch.stack(torch.meshgrid(rows, cols, indexing="ij"), dim=-1).reshape(-1, 2)
 
 
-def rope_tables(
-    coords: Tensor, head_dim: int, base: float, prefix: int, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
+def rope_tables(coords: Tensor, head_dim: int, base: float, prefix: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos, sin of shape [..., 1, prefix + n, head_dim] for coords [..., n, 2] (the 1 broadcasts over heads)."""
     quarter = head_dim // 4
     periods = base ** (torch.arange(quarter, device=coords.device, dtype=torch.float32) / quarter)

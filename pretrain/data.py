@@ -38,8 +38,8 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from common import storage
-from common.layout import LAYOUT
 from common.imageio import open_reduced
+from common.layout import LAYOUT
 
 if TYPE_CHECKING:  # not imported at run time: Ray Data's decode tasks import this module and need neither
     import torch
@@ -104,7 +104,11 @@ class DataIndex:
 
         with ThreadPoolExecutor(threads) as pool:
             found = list(pool.map(actual, self.files))
-        bad = [f"{name} (sha256 {a[:16]}, the manifest says {w[:16]})" for name, a, w in zip(self.files, found, self.sha256) if a != w]
+        bad = [
+            f"{name} (sha256 {a[:16]}, the manifest says {w[:16]})"
+            for name, a, w in zip(self.files, found, self.sha256)
+            if a != w
+        ]
         if bad:
             raise DataError(
                 f"{len(bad)} shard(s) under {shown} are not the bytes the manifest lists: {'; '.join(bad[:5])}. "
@@ -131,7 +135,9 @@ class DataIndex:
         meta = table.schema.metadata or {}
         version = int(meta.get(_META_VERSION, b"1"))
         if version > INDEX_VERSION:
-            raise DataError(f"the run's {INDEX_FILE} has version {version}; this code reads up to {INDEX_VERSION}: update it")
+            raise DataError(
+                f"the run's {INDEX_FILE} has version {version}; this code reads up to {INDEX_VERSION}: update it"
+            )
         names = table.column("file").to_pylist()
         digests = table.column("sha256").to_pylist() if "sha256" in table.column_names else [None] * len(names)
         if version == 1:
@@ -210,7 +216,9 @@ def _relative_to_folder(paths: list[str], data_uri: str | None) -> tuple[str, li
     bare = [p.split("://", 1)[-1] for p in paths]
     folder = storage.resolve(data_uri)[1] if data_uri else posixpath.commonpath([posixpath.dirname(p) for p in bare])
     if any(not p.startswith(folder.rstrip("/") + "/") for p in bare):
-        raise DataError(f"the run's {INDEX_FILE} lists files outside {storage.redact(data_uri or folder)}: pass the run's --data")
+        raise DataError(
+            f"the run's {INDEX_FILE} lists files outside {storage.redact(data_uri or folder)}: pass the run's --data"
+        )
     return data_uri or scheme + folder, [p[len(folder.rstrip("/")) + 1 :] for p in bare]
 
 
@@ -388,7 +396,7 @@ def read_segments(batch: pa.Table, data_uri: str, out_hw: tuple[int, int], perso
 
 @dataclass
 class Batch:
-    images: "torch.Tensor"  # [B, 3, H, W] uint8 (a view of the NHWC array Ray Data delivered)
+    images: torch.Tensor  # [B, 3, H, W] uint8 (a view of the NHWC array Ray Data delivered)
     keys: list[str]
 
 
@@ -412,8 +420,14 @@ def stream(
     while done < steps:
         chunk = min(d.plan_steps, steps - done)
         segments, position = worker_plan(
-            index, seed=cfg.seed, shuffle=d.shuffle, position=position, steps=chunk,
-            per_worker=d.batch_size * cfg.optim.grad_accum, world=world, rank=rank,
+            index,
+            seed=cfg.seed,
+            shuffle=d.shuffle,
+            position=position,
+            steps=chunk,
+            per_worker=d.batch_size * cfg.optim.grad_accum,
+            world=world,
+            rank=rank,
         )
         ds = ray.data.from_items(segments, override_num_blocks=max(1, math.ceil(len(segments) / d.read_segments)))
         ds = ds.map_batches(
@@ -430,4 +444,3 @@ def stream(
                 images = torch.from_numpy(batch["image"])
             yield Batch(images=images.permute(0, 3, 1, 2), keys=list(batch["key"]))
         done += chunk
-

@@ -19,6 +19,7 @@ its parameters have ``requires_grad=False``; only ``update_teacher`` changes it.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from typing import Literal
 
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 
 from common.config import Strict
 from pretrain.backbone import BackboneOutput, Sapiens2Backbone
-from pretrain.masking import Masks, MaskingConfig, generate_masks
+from pretrain.masking import MaskingConfig, Masks, generate_masks
 from pretrain.views import Views, ViewsConfig, make_views
 
 
@@ -184,7 +185,7 @@ class DINOHead(nn.Module):
         super().__init__()
         dims = [in_dim] + [cfg.hidden] * (cfg.layers - 1) + [cfg.bottleneck]
         layers: list[nn.Module] = []
-        for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+        for i, (a, b) in enumerate(itertools.pairwise(dims)):
             layers += [nn.Linear(a, b)] + ([nn.GELU()] if i < len(dims) - 2 else [])
         self.mlp = nn.Sequential(*layers)
         for m in self.mlp:

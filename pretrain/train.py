@@ -97,8 +97,10 @@ def fingerprint(model: JointObjective, optimizer: torch.optim.Optimizer) -> dict
     }
     device = trainable[0].device
     sums = torch.stack(
-        [sum(((_local(t).double() ** 2).sum() for t in ts), torch.zeros((), dtype=torch.float64, device=device))
-         for ts in groups.values()]
+        [
+            sum(((_local(t).double() ** 2).sum() for t in ts), torch.zeros((), dtype=torch.float64, device=device))
+            for ts in groups.values()
+        ]
     )
     dist.all_reduce(sums)  # every tensor here is a sharded DTensor: local sums add up to the global one
     return dict(zip(groups, sums.tolist()))

@@ -81,7 +81,6 @@ def curated_run(sample_pool, ray_local, tmp_path_factory) -> Path:
     return out
 
 
-
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny tensors: one thread is fastest, and OpenMP workers spin badly on a shared two-core machine."""

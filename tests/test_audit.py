@@ -25,11 +25,8 @@ import pytest
 from PIL import Image
 
 from common import schema
-from common.layout import LAYOUT
 from common.config import load_config
-from curation.audit.verify import Problem, audit, funnel_key
-from curation.config import CurateConfig
-from curation.ledger import read_ledger, reason_code
+from common.layout import LAYOUT
 from curation.audit.report import (
     _NOT_REOPENED,
     SCORES,
@@ -41,6 +38,9 @@ from curation.audit.report import (
     score_histogram,
     write_report,
 )
+from curation.audit.verify import Problem, audit, funnel_key
+from curation.config import CurateConfig
+from curation.ledger import read_ledger, reason_code
 from jobs import audit as audit_job
 
 LITE = "configs/curate/lite.yaml"
@@ -90,9 +90,14 @@ def _refresh_manifest(out: Path) -> None:
     manifest = _manifest(out)
     for entry in manifest["shards"]:
         data = (out / "shards" / entry["file"]).read_bytes()
-        entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
-                     rows=pq.ParquetFile(out / "shards" / entry["file"]).metadata.num_rows)
-    manifest["totals"].update(rows=sum(e["rows"] for e in manifest["shards"]), bytes=sum(e["bytes"] for e in manifest["shards"]))
+        entry.update(
+            bytes=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+            rows=pq.ParquetFile(out / "shards" / entry["file"]).metadata.num_rows,
+        )
+    manifest["totals"].update(
+        rows=sum(e["rows"] for e in manifest["shards"]), bytes=sum(e["bytes"] for e in manifest["shards"])
+    )
     (out / LAYOUT.manifest).write_text(json.dumps(manifest))
 
 
@@ -167,8 +172,12 @@ def test_damaged_image_is_located_by_row(out):
     table = pq.read_table(path)
     images = table.column("image").to_pylist()
     images[2] = {**images[2], "bytes": images[2]["bytes"][: len(images[2]["bytes"]) // 3]}
-    _rewrite(path, table.set_column(table.schema.get_field_index("image"), table.schema.field("image"),
-                                    pa.array(images, schema.IMAGE_TYPE)))
+    _rewrite(
+        path,
+        table.set_column(
+            table.schema.get_field_index("image"), table.schema.field("image"), pa.array(images, schema.IMAGE_TYPE)
+        ),
+    )
     _refresh_manifest(out)
     problems = audit(str(out)).problems
     assert {p.row for p in problems} == {2} and {p.file for p in problems} == {rel}
@@ -244,13 +253,23 @@ def test_audit_and_report_on_s3(curated_run, lite, monkeypatch):
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:
-        for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        for k, v in {
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
             monkeypatch.setenv(k, v)
-        s3 = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1",
-                               allow_bucket_creation=True)
+        s3 = pafs.S3FileSystem(
+            endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1", allow_bucket_creation=True
+        )
         s3.create_dir("curated")
-        pafs.copy_files(str(curated_run), "curated/out", source_filesystem=pafs.LocalFileSystem(), destination_filesystem=s3,
-                       use_threads=False)
+        pafs.copy_files(
+            str(curated_run),
+            "curated/out",
+            source_filesystem=pafs.LocalFileSystem(),
+            destination_filesystem=s3,
+            use_threads=False,
+        )
         uri = f"s3://curated/out?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
         result = audit(uri)
         assert result.ok, result.summary()
@@ -285,8 +304,15 @@ class _Page(HTMLParser):
         if tag == "section":
             self.sections.append(a["id"])
         if tag == "figure" and "tile" in a.get("class", ""):
-            self.tiles.append({"class": a["class"], "source": a["title"], "section": self.sections[-1], "img": None,
-                               "placeholder": None})
+            self.tiles.append(
+                {
+                    "class": a["class"],
+                    "source": a["title"],
+                    "section": self.sections[-1],
+                    "img": None,
+                    "placeholder": None,
+                }
+            )
         if tag == "img" and self.tiles and self.tiles[-1]["img"] is None and self._open_tile():
             self.tiles[-1]["img"] = a["src"]
         self._stack.append({"tag": tag, "class": a.get("class", "")})
@@ -316,7 +342,9 @@ def test_report_is_self_contained_and_shows_every_section(reported, lite):
     page = _Page()
     page.feed((reported / "report" / "index.html").read_text())
     assert page.sections == list(SECTIONS)
-    assert page.imgs and all(not re.match(r"^[a-z]+:|^/", src) for src in page.imgs + page.hrefs if not src.startswith("#"))
+    assert page.imgs and all(
+        not re.match(r"^[a-z]+:|^/", src) for src in page.imgs + page.hrefs if not src.startswith("#")
+    )
     for src in page.imgs:
         assert (reported / "report" / src).is_file(), src
     thumbs = {src for src in page.imgs if src.startswith("thumbs/")}
@@ -344,8 +372,11 @@ def test_report_is_self_contained_and_shows_every_section(reported, lite):
     dups = {d["source"]: d for d in pq.read_table(reported / "dedup" / "decisions").to_pylist()}
     group_tiles = [t for t in page.tiles if t["section"] == "duplicates"]
     keepers = [t for t in group_tiles if "kept" in t["class"].split()]
-    assert len(keepers) == html_text.count('<div class="group">') == min(
-        ReportOptions.dup_groups, len({d["duplicate_of"] for d in dups.values()}))
+    assert (
+        len(keepers)
+        == html_text.count('<div class="group">')
+        == min(ReportOptions.dup_groups, len({d["duplicate_of"] for d in dups.values()}))
+    )
     keeper = None
     for t in group_tiles:
         if "kept" in t["class"].split():
@@ -406,8 +437,11 @@ def _photo_bytes() -> list[bytes]:
 def test_source_reader_reads_files_parquet_rows_and_tar_members(tmp_path):
     a, b = _photo_bytes()
     (tmp_path / "a.jpg").write_bytes(a)
-    pq.write_table(pa.table({"image": pa.array([{"bytes": b, "path": "b"}, {"bytes": a, "path": "a"}], schema.IMAGE_TYPE)}),
-                   tmp_path / "pool.parquet", row_group_size=1)
+    pq.write_table(
+        pa.table({"image": pa.array([{"bytes": b, "path": "b"}, {"bytes": a, "path": "a"}], schema.IMAGE_TYPE)}),
+        tmp_path / "pool.parquet",
+        row_group_size=1,
+    )
     with tarfile.open(tmp_path / "pool.tar", "w") as tar:
         for name, data in (("x/b.jpg", b), ("x/a.jpg", a)):
             info = tarfile.TarInfo(name)
@@ -418,8 +452,12 @@ def test_source_reader_reads_files_parquet_rows_and_tar_members(tmp_path):
     assert reader.read(f"{tmp_path}/pool.parquet#row=0") == b
     assert reader.read(f"{tmp_path}/pool.parquet#row=1") == a
     assert reader.read(f"{tmp_path}/pool.tar#x/b.jpg") == b
-    for source, why in ((str(tmp_path / "gone.jpg"), "missing"), (f"{tmp_path}/pool.parquet#row=7", "no row 7"),
-                        (f"{tmp_path}/pool.parquet#photo-12", "source_column"), (f"{tmp_path}/pool.tar#nope.jpg", "KeyError")):
+    for source, why in (
+        (str(tmp_path / "gone.jpg"), "missing"),
+        (f"{tmp_path}/pool.parquet#row=7", "no row 7"),
+        (f"{tmp_path}/pool.parquet#photo-12", "source_column"),
+        (f"{tmp_path}/pool.tar#nope.jpg", "KeyError"),
+    ):
         with pytest.raises(SourceUnreadable, match=why):
             reader.read(source)
     with pytest.raises(SourceUnreadable, match="max_file_bytes"):
@@ -462,10 +500,20 @@ class _Chromium:
             os.dup2(a, 3)
             os.dup2(b, 4)
 
-        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
-                 f"--user-data-dir={user_data}", "--remote-debugging-pipe", "--window-size=1400,1000", "about:blank"]
-        self.proc = subprocess.Popen([exe, *flags], preexec_fn=wire, close_fds=False,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        flags = [
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--no-first-run",
+            f"--user-data-dir={user_data}",
+            "--remote-debugging-pipe",
+            "--window-size=1400,1000",
+            "about:blank",
+        ]
+        self.proc = subprocess.Popen(
+            [exe, *flags], preexec_fn=wire, close_fds=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         os.close(cmd_r)
         os.close(evt_w)
         self._buf, self._id, self.events = b"", 0, []
@@ -510,9 +558,15 @@ class _Chromium:
         import base64
 
         size = self.call("Page.getLayoutMetrics", session=True)["cssContentSize"]
-        shot = self.call("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True,
-                                                    "clip": {"x": 0, "y": 0, "width": size["width"], "height": size["height"],
-                                                             "scale": 1}}, session=True)
+        shot = self.call(
+            "Page.captureScreenshot",
+            {
+                "format": "png",
+                "captureBeyondViewport": True,
+                "clip": {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1},
+            },
+            session=True,
+        )
         return Image.open(io.BytesIO(base64.b64decode(shot["data"]))).convert("RGB")
 
     def close(self) -> None:
@@ -538,11 +592,14 @@ def test_report_renders_in_headless_chromium(reported, tmp_path):
     browser = _Chromium(exe, tempfile.mkdtemp(dir=tmp_path))
     try:
         browser.load(index.as_uri())
-        images = browser.evaluate("[...document.images].map(i => [i.getAttribute('src'), i.complete && i.naturalWidth])")
+        images = browser.evaluate(
+            "[...document.images].map(i => [i.getAttribute('src'), i.complete && i.naturalWidth])"
+        )
         headings = browser.evaluate(
             "[...document.querySelectorAll('section > h2')].map(h => { const r = document.createRange();"
             " r.selectNodeContents(h); const b = r.getBoundingClientRect();"
-            " return [h.parentElement.id, h.textContent, b.left + scrollX, b.top + scrollY, b.width, b.height]; })")
+            " return [h.parentElement.id, h.textContent, b.left + scrollX, b.top + scrollY, b.width, b.height]; })"
+        )
         shot = browser.screenshot()
     finally:
         browser.close()
@@ -550,10 +607,13 @@ def test_report_renders_in_headless_chromium(reported, tmp_path):
     methods = Counter(e.get("method") for e in browser.events)
     failed = [e["params"] for e in browser.events if e.get("method") == "Network.loadingFailed"]
     assert not failed, failed
-    errors = [e["params"] for e in browser.events
-              if e.get("method") in ("Runtime.exceptionThrown",)
-              or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "warning", "assert"))
-              or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] in ("error", "warning"))]
+    errors = [
+        e["params"]
+        for e in browser.events
+        if e.get("method") in ("Runtime.exceptionThrown",)
+        or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "warning", "assert"))
+        or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] in ("error", "warning"))
+    ]
     assert not errors, errors
     urls = [e["params"]["request"]["url"] for e in browser.events if e.get("method") == "Network.requestWillBeSent"]
     report_dir = index.parent.as_uri()
@@ -604,12 +664,22 @@ print(json.dumps({
 }))
 """
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", _readme_examples() + check], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _readme_examples() + check],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    truth = pa.concat_tables([pq.read_table(p, columns=["key", "head_yaw_class", "image"])
-                              for p in sorted((curated_run / "shards").glob("*.parquet"))])
+    truth = pa.concat_tables(
+        [
+            pq.read_table(p, columns=["key", "head_yaw_class", "image"])
+            for p in sorted((curated_run / "shards").glob("*.parquet"))
+        ]
+    )
     keys = truth.column("key").to_pylist()
     assert got["hf_rows"] == got["arrow_rows"] == len(keys) == _manifest(curated_run)["totals"]["rows"]
     assert sorted(got["hf_keys"]) == sorted(got["arrow_keys"]) == sorted(keys)

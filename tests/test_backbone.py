@@ -228,8 +228,12 @@ def test_4k_dropped_windows_and_masked_patches_do_not_reach_the_output():
     torch.manual_seed(2)
     images = torch.randn(2, 3, 128, 128)  # 8x8 patches = 2x2 windows
     # image 0: window 0 whole + one patch of window 3; image 1: windows 1 and 2 partly
-    keep = torch.tensor([[0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 63],
-                         [4, 5, 12, 13, 32, 33, 40, 41, 48, 49, 56, 57, 6, 7, 14, 15]])
+    keep = torch.tensor(
+        [
+            [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 63],
+            [4, 5, 12, 13, 32, 33, 40, 41, 48, 49, 56, 57, 6, 7, 14, 15],
+        ]
+    )
     with torch.no_grad():
         out = model(images, keep)
         other = model(_perturb_outside(images, keep, 16), keep)
@@ -429,5 +433,5 @@ def test_a_4k_backbone_round_trips_through_export_and_is_checked_against_the_siz
     plain = tmp_path / "plain.safetensors"
     state = {k: v.contiguous() for k, v in build(base.model.backbone()).state_dict().items()}
     save_file(state, str(plain), metadata={"backbone_config": json.dumps(dataclasses.asdict(base.model.backbone()))})
-    with pytest.raises(ValueError, match="model.size"):
+    with pytest.raises(ValueError, match=r"model.size"):
         build_model(ft, make_task("seg", ft, _labels_of(128, 96), ft.model.backbone()), str(plain))

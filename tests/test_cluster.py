@@ -7,10 +7,10 @@ import time
 
 import psutil
 import pytest
+from conftest import start_local_ray
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from curation.ledger import read_ledger
-from conftest import start_local_ray
 
 pytestmark = pytest.mark.slow
 
@@ -20,16 +20,26 @@ HEAD_PORT, DASHBOARD_PORT = 6391, 8271
 def _ports(base: int) -> list[str]:
     """A node's own ports: two nodes share this machine, and neither may collide with a local Ray of another test
     (whose dashboard agent would otherwise hold the default port, leaving the job server without an agent)."""
-    names = ["--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
-             "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port"]
+    names = [
+        "--node-manager-port",
+        "--object-manager-port",
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--runtime-env-agent-port",
+        "--metrics-export-port",
+    ]
     ports = [arg for i, name in enumerate(names) for arg in (name, str(base + i))]
     return [*ports, "--min-worker-port", str(base + 100), "--max-worker-port", str(base + 199)]
 
 
 HEAD_PORTS, WORKER_PORTS = _ports(7000), _ports(7300)  # the worker's node manager port (7300) identifies it
 # small actors, so work lands on both nodes and the head's two CPUs carry on alone
-SMALL = ["stages.person.actors=[1,1]", "stages.person.num_cpus=0.25", "stages.text_overlay.num_cpus=0.25",
-         "stages.head_pose.num_cpus=0.25"]
+SMALL = [
+    "stages.person.actors=[1,1]",
+    "stages.person.num_cpus=0.25",
+    "stages.text_overlay.num_cpus=0.25",
+    "stages.head_pose.num_cpus=0.25",
+]
 
 
 def _ray(*args: str, env: dict) -> subprocess.CompletedProcess:
@@ -41,8 +51,23 @@ def two_node_cluster(ray_local):
     ray_local.shutdown()  # the session's in-process Ray must not share this machine's ports
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     common = ["--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
-    head = _ray("start", "--head", "--port", str(HEAD_PORT), "--dashboard-host", "127.0.0.1", "--dashboard-port",
-                str(DASHBOARD_PORT), "--include-dashboard", "true", "--num-cpus", "2", *common, *HEAD_PORTS, env=env)
+    head = _ray(
+        "start",
+        "--head",
+        "--port",
+        str(HEAD_PORT),
+        "--dashboard-host",
+        "127.0.0.1",
+        "--dashboard-port",
+        str(DASHBOARD_PORT),
+        "--include-dashboard",
+        "true",
+        "--num-cpus",
+        "2",
+        *common,
+        *HEAD_PORTS,
+        env=env,
+    )
     assert head.returncode == 0, head.stderr
     worker = _ray("start", "--address", f"127.0.0.1:{HEAD_PORT}", "--num-cpus", "1", *common, *WORKER_PORTS, env=env)
     assert worker.returncode == 0, worker.stderr
@@ -93,8 +118,24 @@ def _submit(env: dict, argv: list[str]) -> str:
 def test_submitted_job_survives_losing_a_worker_node(two_node_cluster, sample_pool, repo_root, tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # for the job client in this process, as for the CLI
     out = tmp_path / "out"
-    job_id = _submit(two_node_cluster, ["--working-dir", str(repo_root), "--", "python", "-m", "jobs.curate", "--config",
-                                        "configs/curate/lite.yaml", "--input", str(sample_pool), "--output", str(out), *SMALL])
+    job_id = _submit(
+        two_node_cluster,
+        [
+            "--working-dir",
+            str(repo_root),
+            "--",
+            "python",
+            "-m",
+            "jobs.curate",
+            "--config",
+            "configs/curate/lite.yaml",
+            "--input",
+            str(sample_pool),
+            "--output",
+            str(out),
+            *SMALL,
+        ],
+    )
     deadline = time.monotonic() + 600
     while not list((out / "_state" / "score").glob("*.json")) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -70,7 +70,7 @@ def test_a_config_extends_its_base_key_by_key(repo_root, tmp_path):
     with pytest.raises(ConfigError, match="its own _base_"):
         load_config(FinetuneConfig, tmp_path / "a.yaml")
     (tmp_path / "c.yaml").write_text("_base_: missing.yaml\n")
-    with pytest.raises(ConfigError, match="missing.yaml does not exist"):
+    with pytest.raises(ConfigError, match=r"missing.yaml does not exist"):
         load_config(FinetuneConfig, tmp_path / "c.yaml")
 
 

@@ -71,12 +71,16 @@ def test_outcomes_match_what_the_pool_was_built_to_test(ledger, manifest):
         elif expect == "rejected":
             stages = [entry["stage"]] if "stage" in entry else entry["stage_any"]
             reasons = [entry["reason"]] if "reason" in entry else entry.get("reason_any")
-            if row["status"] != schema.REJECTED or row["stage"] not in stages or (
-                reasons and reason_code(row["reason"]) not in reasons
+            if (
+                row["status"] != schema.REJECTED
+                or row["stage"] not in stages
+                or (reasons and reason_code(row["reason"]) not in reasons)
             ):
                 wrong.append((entry["path"], f"expected rejected by {stages} {reasons}", row["stage"], row["reason"]))
         elif expect == "any" and row["status"] not in SURVIVED_SCORING and row["stage"] not in entry["stage_any"]:
-            wrong.append((entry["path"], f"expected kept or rejected by {entry['stage_any']}", row["stage"], row["reason"]))
+            wrong.append(
+                (entry["path"], f"expected kept or rejected by {entry['stage_any']}", row["stage"], row["reason"])
+            )
     assert not wrong, "\n".join(map(str, wrong))
 
 
@@ -138,7 +142,17 @@ def test_parquet_and_webdataset_pools_give_the_same_decode_fates(fmt, ray_local,
     assert make_sample_pool.main(["--out", str(pool), "--seed", "0", "--format", fmt]) == 0
     out = tmp_path / "out"
     only_cheap = [f"stages.{s}.enabled=false" for s in ("person", "head_pose", "quality", "text_overlay", "embedding")]
-    args = ["--config", str(repo_root / LITE), "--input", str(pool), "--output", str(out), "--phases", "score", *only_cheap]
+    args = [
+        "--config",
+        str(repo_root / LITE),
+        "--input",
+        str(pool),
+        "--output",
+        str(out),
+        "--phases",
+        "score",
+        *only_cheap,
+    ]
     assert curate.main(args) == 0
     by_name = {e["name"]: e for e in map(json.loads, (pool / "_manifest.jsonl").read_text().splitlines())}
     folder_rows = {manifest[s]["name"]: r for s, r in ledger.items()}
@@ -148,7 +162,9 @@ def test_parquet_and_webdataset_pools_give_the_same_decode_fates(fmt, ray_local,
         name = next(n for n, e in by_name.items() if str(pool / e["path"]) == row["source"])
         folder = folder_rows[name]
         if folder["stage"] == "decode":  # the same decode verdict, whatever the container
-            assert (row["status"], reason_code(row["reason"])) == (folder["status"], reason_code(folder["reason"])), name
+            assert (row["status"], reason_code(row["reason"])) == (folder["status"], reason_code(folder["reason"])), (
+                name
+            )
         else:
             assert row["status"] == schema.KEPT and row["key"] == folder["key"], name
             assert folder["phash"] is None or row["phash"] == folder["phash"], name
@@ -156,21 +172,28 @@ def test_parquet_and_webdataset_pools_give_the_same_decode_fates(fmt, ray_local,
 
 def test_near_duplicate_variants_collapse_to_the_best_one(ledger, manifest):
     """Recompressed, resized and byte-identical copies of a photo end in one group whose best image is kept."""
-    by_key = {r["key"]: r for r in ledger.values() if r["status"] in SURVIVED_SCORING and r["status"] != schema.DUPLICATE}
+    by_key = {
+        r["key"]: r for r in ledger.values() if r["status"] in SURVIVED_SCORING and r["status"] != schema.DUPLICATE
+    }
     checked = 0
     for origin in {e["origin"] for e in manifest.values() if e["category"] == "people"}:
         variants = {
-            s: ledger[s] for s, e in manifest.items()
+            s: ledger[s]
+            for s, e in manifest.items()
             if e["category"] == "people" and e["origin"] == origin and ledger[s]["status"] in SURVIVED_SCORING
         }
-        close = [r for s, r in variants.items() if manifest[s]["variant"] in ("original", "q40", "resize", "exact_copy")]
+        close = [
+            r for s, r in variants.items() if manifest[s]["variant"] in ("original", "q40", "resize", "exact_copy")
+        ]
         if len(close) < 2:
             continue
         winners = {r["key"] if r["status"] != schema.DUPLICATE else r["duplicate_of"] for r in close}
         assert len(winners) == 1, (origin, [(r["source"], r["status"], r["duplicate_of"]) for r in close])
         best = by_key[winners.pop()]
         assert manifest[best["source"]]["origin"] == origin  # kept: one of this photo's copies (any category)
-        for dup in (r for r in variants.values() if r["status"] == schema.DUPLICATE and r["duplicate_of"] == best["key"]):
+        for dup in (
+            r for r in variants.values() if r["status"] == schema.DUPLICATE and r["duplicate_of"] == best["key"]
+        ):
             assert dup["stage"] == "dedup" and dup["duplicate_signal"] in ("phash", "embedding")
             assert best["key"] in dup["reason"]
             # keep rule: highest quality, then larger resolution
@@ -206,7 +229,16 @@ def test_manifest_describes_the_final_shards(curated, ledger):
 def test_rewriting_gives_byte_identical_shards_and_manifest(curated, sample_pool, repo_root):
     before = {p.name: p.read_bytes() for p in (curated / "shards").iterdir()}
     (curated / "_state" / "write.done.json").unlink()
-    args = ["--config", str(repo_root / LITE), "--input", str(sample_pool), "--output", str(curated), "--phases", "write"]
+    args = [
+        "--config",
+        str(repo_root / LITE),
+        "--input",
+        str(sample_pool),
+        "--output",
+        str(curated),
+        "--phases",
+        "write",
+    ]
     assert curate.main(args) == 0
     assert {p.name: p.read_bytes() for p in (curated / "shards").iterdir()} == before
 

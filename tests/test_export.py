@@ -94,7 +94,9 @@ def test_card_header_and_funnel_match_the_run(curated_run, repo_root):
     header, body = _card(curated_run)
     manifest = _manifest(curated_run)
     cfg = load_config(CurateConfig, str(repo_root / LITE), ["write.rows_per_shard=4"])  # conftest's curated_run
-    assert header["configs"] == [{"config_name": "default", "data_files": [{"split": "train", "path": "shards/part-*.parquet"}]}]
+    assert header["configs"] == [
+        {"config_name": "default", "data_files": [{"split": "train", "path": "shards/part-*.parquet"}]}
+    ]
     assert header["dataset_info"]["features"] == schema.hf_card_features(final_shard_schema(cfg))
     assert header["dataset_info"]["splits"] == [{"name": "train", "num_examples": manifest["totals"]["rows"]}]
     assert header["license"] == "other" and "placeholder" in body
@@ -114,8 +116,15 @@ def test_card_header_and_funnel_match_the_run(curated_run, repo_root):
             numbers[name] = n
         else:
             stopped[(stage, outcome)] += n
-    expected = Counter((r["stage"], r["status"] + (f": {reason_code(r['reason'])}" if reason_code(r["reason"]) not in ("", r["status"]) else ""))
-                       for r in ledger if r["status"] != schema.KEPT)
+    expected = Counter(
+        (
+            r["stage"],
+            r["status"]
+            + (f": {reason_code(r['reason'])}" if reason_code(r["reason"]) not in ("", r["status"]) else ""),
+        )
+        for r in ledger
+        if r["status"] != schema.KEPT
+    )
     assert stopped == expected
     assert numbers == {"inputs": len(ledger), "final shards": sum(r["status"] == schema.KEPT for r in ledger)}
     assert reached["decode"] == len(ledger) and reached["write"] == numbers["final shards"]
@@ -179,7 +188,8 @@ def test_webdataset_export_round_trips(curated_run, tmp_path, per_tar, capsys):
     assert export.main(argv) == 0
     assert f"{len(tars) - 1} already written, skipped" in capsys.readouterr().out
     assert {t.name: t.stat().st_mtime_ns for t in sorted(out.glob("part-*.tar")) if t != lost} == {
-        n: m for n, m in written.items() if n != lost.name}
+        n: m for n, m in written.items() if n != lost.name
+    }
     assert json.loads((out / "manifest.json").read_text()) == listing
 
 
@@ -220,7 +230,9 @@ print(json.dumps({"rows": len(ds), "image": type(ds[0]["image"]).__module__.spli
 """
     code = "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.S)) + check
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     truth = _shard_rows(curated_run)

@@ -7,9 +7,9 @@ Metrics are checked against cases worked out by hand; the end-to-end run trains 
 from __future__ import annotations
 
 import io
-import os
 import json
 import math
+import os
 import tarfile
 from pathlib import Path
 
@@ -17,16 +17,16 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import tensorboard_scalars
 from PIL import Image
 from safetensors.torch import save_file
 
 from common.config import load_config
-from conftest import tensorboard_scalars
 from finetune import augment, data, heads, losses, metrics, tasks
 from finetune.config import FinetuneConfig
 from finetune.labels import COCO_KEYPOINTS, GROUPS, KEYPOINT_NAMES, KEYPOINTS, MAX_KEYPOINTS, PARTS, keypoints
-from generators.humanoids import RenderConfig, render
 from finetune.train import build_model, build_optimizer, layer_id, load_finetuned, resolve_class_weights, set_schedule
+from generators.humanoids import RenderConfig, render
 from jobs import finetune as job
 from jobs import make_synthetic
 from pretrain.backbone import build
@@ -129,7 +129,9 @@ def test_renders_are_deterministic_and_keypoint_sets_nest():
 
 def test_max_yaw_keeps_the_face_towards_the_camera():
     nose = COCO_KEYPOINTS.index("nose")
-    frontal = [render(RenderConfig(height=64, width=48, num_keypoints=17, yaw=0.0), s).visibility[nose] for s in range(16)]
+    frontal = [
+        render(RenderConfig(height=64, width=48, num_keypoints=17, yaw=0.0), s).visibility[nose] for s in range(16)
+    ]
     anyway = [render(RenderConfig(height=64, width=48, num_keypoints=17), s).visibility[nose] for s in range(16)]
     assert sum(v == 2 for v in frontal) >= 14  # only an arm raised in front of the face hides it
     assert sum(v < 2 for v in anyway) >= 5  # back views hide the nose
@@ -252,7 +254,9 @@ def _home(name: str) -> set[str]:
 def test_augmented_labels_stay_on_their_body_parts(renders):
     """Seg and pose augmenters seeded alike draw the same warp: each visible wrist, knee, foot and hand keypoint
     must land on a part label it may have (left and right swapped in a mirror image)."""
-    checks = [i for i, k in enumerate(KEYPOINTS) if k.group == "hands" or k.name.endswith(("wrist", "knee", "toe", "heel"))]
+    checks = [
+        i for i, k in enumerate(KEYPOINTS) if k.group == "hands" or k.name.endswith(("wrist", "knee", "toe", "heel"))
+    ]
     cfg = augment.AugmentSettings(flip=0.5, scale=0.25, shift=0.1, colour=0.0)
     seg, pose = (augment.Augmenter(cfg, t, PARTS, KEYPOINT_NAMES) for t in ("seg", "pose"))
     checked = 0
@@ -368,7 +372,7 @@ def test_oks_and_keypoint_ap_match_hand_computed_values():
     sigmas, area = np.array([0.05, 0.05]), 400.0
     gt, vis = np.array([[10.0, 10.0], [30.0, 30.0]]), np.array([2, 0])  # the second is unlabelled
     d = _one_keypoint_at_oks(0.62, 0.05, area)
-    off = gt + [[d, 0.0], [99.0, 99.0]]
+    off = [*gt, [d, 0.0], [99.0, 99.0]]
     assert metrics.oks(off, gt, vis, area, sigmas) == pytest.approx(0.62)
     assert metrics.oks(gt, gt, vis, area, sigmas) == 1.0
     gts = [[(gt, vis, area)], [(gt, vis, area)]]
@@ -414,7 +418,9 @@ def test_auto_class_weights_lift_rare_classes(shards):
     assert resolved[rare] > 1 > resolved[counts.argmax()]
     assert resolve_class_weights(cfg, {**spec, "task": "normal"}).head.class_weights is None
     with pytest.raises(ValueError, match="resolved from the data"):
-        tasks.make("seg", cfg, _info()).loss(None, torch.zeros(1, len(PARTS), 4, 4), {"parts": torch.zeros(1, 4, 4).long()})
+        tasks.make("seg", cfg, _info()).loss(
+            None, torch.zeros(1, len(PARTS), 4, 4), {"parts": torch.zeros(1, 4, 4).long()}
+        )
 
 
 def test_segmentation_miou_and_macc_match_hand_computed_values():
@@ -522,7 +528,9 @@ def small_batch() -> dict[str, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("task_name", data.TASKS)
 def test_every_head_trains_a_few_steps_and_its_loss_falls(task_name, small_batch):
     torch.set_num_threads(2)
-    cfg = load_config(FinetuneConfig, TINY, ["optim.warmup_steps=0", "steps=12", "optim.lr=9.6e-2", "optim.min_lr=3e-3"])
+    cfg = load_config(
+        FinetuneConfig, TINY, ["optim.warmup_steps=0", "steps=12", "optim.lr=9.6e-2", "optim.min_lr=3e-3"]
+    )
     task = tasks.make(task_name, cfg, _info())
     model = build_model(cfg, task, None)
     opt = build_optimizer(model, cfg)
@@ -579,7 +587,9 @@ def test_pretrained_backbone_is_loaded_and_a_wrong_size_refused(tmp_path):
 
     torch.manual_seed(5)
     cfg = load_config(FinetuneConfig, TINY)
-    backbone = build(dataclasses.replace(cfg.model.backbone(), layer_scale_init=0.1))  # how it was initialised is no matter
+    backbone = build(
+        dataclasses.replace(cfg.model.backbone(), layer_scale_init=0.1)
+    )  # how it was initialised is no matter
     meta = {"format": "pt", "size": "tiny", "step": "1",
             "backbone_config": json.dumps(dataclasses.asdict(backbone.cfg))}  # fmt: skip
     path = tmp_path / "backbone.safetensors"
@@ -587,7 +597,7 @@ def test_pretrained_backbone_is_loaded_and_a_wrong_size_refused(tmp_path):
     model = build_model(cfg, tasks.make("normal", cfg, _info()), str(path))
     torch.testing.assert_close(model.backbone.blocks[2].ffn.w3.weight, backbone.blocks[2].ffn.w3.weight)
     wrong = load_config(FinetuneConfig, TINY, ["model.size=tiny-gqa"])
-    with pytest.raises(ValueError, match="model.size"):
+    with pytest.raises(ValueError, match=r"model.size"):
         build_model(wrong, tasks.make("normal", wrong, _info()), str(path))
     coarse = load_config(FinetuneConfig, TINY, ["model.patch_size=16"])
     with pytest.raises(ValueError, match="patch 8"):
@@ -692,7 +702,11 @@ def test_killed_finetuning_job_resumes_to_the_uninterrupted_weights(shards, tmp_
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and driver.poll() is None and not ckpt.latest_committed(str(tmp_path / "killed")):
+        while (
+            time.monotonic() < deadline
+            and driver.poll() is None
+            and not ckpt.latest_committed(str(tmp_path / "killed"))
+        ):
             time.sleep(0.05)
         assert driver.poll() is None, "the driver finished before it could be killed"
         killed_at = ckpt.step_of(ckpt.latest_committed(str(tmp_path / "killed")))

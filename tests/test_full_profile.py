@@ -19,11 +19,10 @@ from PIL import Image
 
 from common import schema
 from common.config import ConfigError, load_config
+from common.imageio import decode
 from curation import models
 from curation.config import CurateConfig
-from common.imageio import decode
 from curation.ledger import committed_files, read_ledger, reason_code
-from generators.random_models import TINY_CLIP, build_random_store, store_overrides
 from curation.score import stage_runner
 from curation.stage import REJECT
 from curation.stages.clip import ClipStage
@@ -40,6 +39,7 @@ from curation.stages.yolo import (
     project_head,
     yaw_class,
 )
+from generators.random_models import TINY_CLIP, build_random_store, store_overrides
 
 FULL = Path(__file__).resolve().parents[1] / "configs" / "curate" / "full.yaml"
 CLIP_DIM = TINY_CLIP["embed_dim"]
@@ -143,7 +143,10 @@ def test_known_poses_are_recovered_from_projected_keypoints(yaw, pitch, roll):
 
 
 def test_profiles_are_signed_by_where_the_nose_points():
-    for yaw, expected, hidden in ((-70, "left_profile", (RIGHT_EYE, RIGHT_EAR)), (70, "right_profile", (LEFT_EYE, LEFT_EAR))):
+    for yaw, expected, hidden in (
+        (-70, "left_profile", (RIGHT_EYE, RIGHT_EAR)),
+        (70, "right_profile", (LEFT_EYE, LEFT_EAR)),
+    ):
         xy = project_head(yaw, 0, 0, scale=2.0, offset=(500.0, 300.0))
         eyes_mid = xy[[LEFT_EYE, RIGHT_EYE]].mean(0)
         # the convention in pixels: left_profile means the nose points to the image's left
@@ -254,7 +257,10 @@ def test_store_copies_an_s3_object_once_per_node_and_refreshes_a_changed_one(s3_
     assert sorted(p.name for p in folder.iterdir()) == ["open_clip_config.json", "open_clip_model.safetensors"]
     # a bare name under an s3 root
     rooted = models.ModelStore(cache_dir=str(tmp_path / "cache"), roots=(prefix,))
-    assert rooted.fetch("aesthetic-mlp.pth", "models.clip.aesthetic_head").read_bytes() == (store_dir / "aesthetic-mlp.pth").read_bytes()
+    assert (
+        rooted.fetch("aesthetic-mlp.pth", "models.clip.aesthetic_head").read_bytes()
+        == (store_dir / "aesthetic-mlp.pth").read_bytes()
+    )
     # the object changes under the same name: the node's copy is refreshed
     client.put_object(Bucket="models", Key="humans/yolo-pose.safetensors", Body=b"new weights")
     assert first.fetch(pose_uri, "models.yolo.pose").read_bytes() == b"new weights"
@@ -265,7 +271,9 @@ def test_store_copies_an_s3_object_once_per_node_and_refreshes_a_changed_one(s3_
 def test_store_copies_file_uris_into_the_cache(store_dir, tmp_path):
     store = models.ModelStore(cache_dir=str(tmp_path / "cache"))
     got = store.fetch((store_dir / "aesthetic-mlp.pth").as_uri(), "models.clip.aesthetic_head")
-    assert got.parent.parent == tmp_path / "cache" and got.read_bytes() == (store_dir / "aesthetic-mlp.pth").read_bytes()
+    assert (
+        got.parent.parent == tmp_path / "cache" and got.read_bytes() == (store_dir / "aesthetic-mlp.pth").read_bytes()
+    )
 
 
 def test_ultralytics_pt_loads_without_unpickling_code(tmp_path):
@@ -301,8 +309,14 @@ def test_importing_ultralytics_through_the_store_keeps_pil_open():
 @pytest.fixture(scope="session")
 def yolo_stage(store_dir):
     # Random weights score ~1e-4: accept every box and every keypoint so all code paths run.
-    cfg = _full_cfg(store_dir, "models.yolo.min_candidate_score=0.00001", "models.yolo.keypoint_min_conf=0",
-                    "filters.person_min_score=0", "filters.person_min_height_frac=0", "filters.person_min_area_frac=0")
+    cfg = _full_cfg(
+        store_dir,
+        "models.yolo.min_candidate_score=0.00001",
+        "models.yolo.keypoint_min_conf=0",
+        "filters.person_min_score=0",
+        "filters.person_min_height_frac=0",
+        "filters.person_min_area_frac=0",
+    )
     stage = YoloPersonStage(cfg)
     stage.setup()
     return stage
@@ -353,8 +367,14 @@ def test_yolo_stage_rejects_with_the_lite_reason_codes(store_dir, photos):
 
 
 def test_yolo_pose_model_alone_gives_the_persons(store_dir, photos):
-    cfg = _full_cfg(store_dir, "models.yolo.detector=null", "models.yolo.min_candidate_score=0.00001",
-                    "filters.person_min_score=0", "filters.person_min_height_frac=0", "filters.person_min_area_frac=0")
+    cfg = _full_cfg(
+        store_dir,
+        "models.yolo.detector=null",
+        "models.yolo.min_candidate_score=0.00001",
+        "filters.person_min_score=0",
+        "filters.person_min_height_frac=0",
+        "filters.person_min_area_frac=0",
+    )
     stage = YoloPersonStage(cfg)
     stage.setup()
     assert stage.det is None
@@ -379,8 +399,13 @@ def test_yolo_pose_model_alone_gives_the_persons(store_dir, photos):
 @pytest.fixture(scope="session")
 def clip_scores(store_dir, photos):
     """Scores of the tiny CLIP with every filter open, and the rows they came from."""
-    cfg = _full_cfg(store_dir, "filters.min_aesthetic=null", "filters.min_realism=null",
-                    "filters.prompt_filters.not_a_person.max_reject=1", "filters.prompt_filters.collage.max_reject=1")
+    cfg = _full_cfg(
+        store_dir,
+        "filters.min_aesthetic=null",
+        "filters.min_realism=null",
+        "filters.prompt_filters.not_a_person.max_reject=1",
+        "filters.prompt_filters.collage.max_reject=1",
+    )
     stage = ClipStage(cfg)
     stage.setup()
     rows = _rows(photos, ["bus", "zidane", "grace_hopper", "astronaut", "china", "coffee"])
@@ -408,11 +433,18 @@ def test_clip_stage_embeds_once_per_batch_and_scores_each_image(clip_scores):
 def test_aesthetic_head_scores_the_normalised_embedding(store_dir, clip_scores, tmp_path):
     import torch
 
-    _, rows, updates, _ = clip_scores
+    _, rows, _updates, _ = clip_scores
     w = torch.linspace(-1, 1, CLIP_DIM)[None]
     torch.save({"weight": w, "bias": torch.tensor([5.0])}, tmp_path / "linear.pth")  # LAION's first, linear head
-    stage = ClipStage(_full_cfg(store_dir, f"models.clip.aesthetic_head={tmp_path / 'linear.pth'}",
-                                "filters.min_aesthetic=null", "filters.min_realism=null", "filters.prompt_filters={}"))
+    stage = ClipStage(
+        _full_cfg(
+            store_dir,
+            f"models.clip.aesthetic_head={tmp_path / 'linear.pth'}",
+            "filters.min_aesthetic=null",
+            "filters.min_realism=null",
+            "filters.prompt_filters={}",
+        )
+    )
     stage.setup()
     for u in stage.process_batch(rows):
         assert u["aesthetic"] == pytest.approx(float(np.dot(u["embedding"], w[0].numpy())) + 5.0, abs=1e-4)
@@ -422,7 +454,9 @@ def test_aesthetic_realism_and_prompt_thresholds_reject_with_reason_codes(store_
     _, rows, open_updates, _ = clip_scores
     aesthetic = np.array([u["aesthetic"] for u in open_updates])
     cut = float(np.median(aesthetic))
-    stage = ClipStage(_full_cfg(store_dir, f"filters.min_aesthetic={cut}", "filters.min_realism=null", "filters.prompt_filters={}"))
+    stage = ClipStage(
+        _full_cfg(store_dir, f"filters.min_aesthetic={cut}", "filters.min_realism=null", "filters.prompt_filters={}")
+    )
     stage.setup()
     updates = stage.process_batch(rows)
     for score, u in zip(aesthetic, updates):
@@ -433,7 +467,9 @@ def test_aesthetic_realism_and_prompt_thresholds_reject_with_reason_codes(store_
 
     realism = np.array([u["realism"] for u in open_updates])
     cut = float(np.median(realism))
-    stage = ClipStage(_full_cfg(store_dir, "filters.min_aesthetic=null", f"filters.min_realism={cut}", "filters.prompt_filters={}"))
+    stage = ClipStage(
+        _full_cfg(store_dir, "filters.min_aesthetic=null", f"filters.min_realism={cut}", "filters.prompt_filters={}")
+    )
     stage.setup()
     for score, u in zip(realism, stage.process_batch(rows)):
         assert (REJECT in u) == (score < cut)
@@ -449,9 +485,15 @@ def test_aesthetic_realism_and_prompt_thresholds_reject_with_reason_codes(store_
         emb = torch.tensor([u["embedding"] for u in open_updates])
         p_reject, _ = probe._set_probability(emb, "figure", "person")
     cut = float(np.median(p_reject))
-    stage = ClipStage(_full_cfg(store_dir, "filters.min_aesthetic=null", "filters.min_realism=null",
-                                "filters.prompt_filters.collage.max_reject=1",
-                                f"filters.prompt_filters.not_a_person.max_reject={cut}"))
+    stage = ClipStage(
+        _full_cfg(
+            store_dir,
+            "filters.min_aesthetic=null",
+            "filters.min_realism=null",
+            "filters.prompt_filters.collage.max_reject=1",
+            f"filters.prompt_filters.not_a_person.max_reject={cut}",
+        )
+    )
     stage.setup()
     for p, u in zip(p_reject, stage.process_batch(rows)):
         assert (REJECT in u) == (p > cut)
@@ -461,8 +503,15 @@ def test_aesthetic_realism_and_prompt_thresholds_reject_with_reason_codes(store_
 
 def test_realism_is_one_half_when_both_prompt_sets_are_the_same(store_dir, clip_scores):
     _, rows, _, _ = clip_scores
-    stage = ClipStage(_full_cfg(store_dir, "models.clip.realism.not_photo=photo", "filters.min_realism=null",
-                                "filters.min_aesthetic=null", "filters.prompt_filters={}"))
+    stage = ClipStage(
+        _full_cfg(
+            store_dir,
+            "models.clip.realism.not_photo=photo",
+            "filters.min_realism=null",
+            "filters.min_aesthetic=null",
+            "filters.prompt_filters={}",
+        )
+    )
     stage.setup()
     assert [u["realism"] for u in stage.process_batch(rows)] == pytest.approx([0.5] * len(rows))
 
@@ -473,9 +522,14 @@ def test_single_file_checkpoint_with_an_open_clip_arch(store_dir, photos, tmp_pa
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "humans1b-tiny.json").write_text(json.dumps(TINY_CLIP))
     open_clip.add_model_config(tmp_path / "configs")
-    cfg = _full_cfg(store_dir, "models.clip.arch=humans1b-tiny",
-                    f"models.clip.checkpoint={store_dir / 'clip' / 'open_clip_model.safetensors'}",
-                    "filters.min_aesthetic=null", "filters.min_realism=null", "filters.prompt_filters={}")
+    cfg = _full_cfg(
+        store_dir,
+        "models.clip.arch=humans1b-tiny",
+        f"models.clip.checkpoint={store_dir / 'clip' / 'open_clip_model.safetensors'}",
+        "filters.min_aesthetic=null",
+        "filters.min_realism=null",
+        "filters.prompt_filters={}",
+    )
     stage = ClipStage(cfg)
     stage.setup()
     assert len(stage.process_batch(_rows(photos, ["bus"]))[0]["embedding"]) == CLIP_DIM
@@ -500,8 +554,15 @@ def test_missing_prompt_set_fails_when_the_config_loads(store_dir, tmp_path, cap
         _full_cfg(store_dir, "filters.prompt_filters.watermark={keep: photo, reject: watermarked}")
     from jobs import curate
 
-    args = ["--config", str(FULL), "--input", str(tmp_path), "--output", str(tmp_path / "out"),
-            "models.clip.realism.photo=photos"]
+    args = [
+        "--config",
+        str(FULL),
+        "--input",
+        str(tmp_path),
+        "--output",
+        str(tmp_path / "out"),
+        "models.clip.realism.photo=photos",
+    ]
     assert curate.main(args) == 2  # before Ray starts or any input is read
     assert "models.clip.realism.photo names prompt set 'photos'" in capsys.readouterr().err
 
@@ -509,9 +570,18 @@ def test_missing_prompt_set_fails_when_the_config_loads(store_dir, tmp_path, cap
 # --- the curate job end to end ----------------------------------------------------------------------------------------
 
 E2E_ITEMS = (
-    "people/zidane.jpg", "people/zidane_copy.jpg", "people/zidane_q40.jpg", "people/astronaut.jpg",
-    "people/astronaut_resize.jpg", "people/bus.jpg", "people/grace_hopper.jpg", "no_person/china.jpg",
-    "text/zidane_caption.jpg", "tiny/zidane_thumb.jpg", "bad/truncated.jpg", "odd/bus_exif6.jpg",
+    "people/zidane.jpg",
+    "people/zidane_copy.jpg",
+    "people/zidane_q40.jpg",
+    "people/astronaut.jpg",
+    "people/astronaut_resize.jpg",
+    "people/bus.jpg",
+    "people/grace_hopper.jpg",
+    "no_person/china.jpg",
+    "text/zidane_caption.jpg",
+    "tiny/zidane_thumb.jpg",
+    "bad/truncated.jpg",
+    "odd/bus_exif6.jpg",
 )
 
 
@@ -529,15 +599,22 @@ def test_full_profile_curate_job_end_to_end(store_dir, ray_local, tmp_path):
         # YOLO weights as bare names under a file:// root: copied into the node cache by the actor
         f"models.store.roots=[{store_dir.as_uri()}]",
         f"models.store.cache_dir={tmp_path / 'cache'}",
-        "models.yolo.detector=yolo-det.safetensors", "models.yolo.pose=yolo-pose.safetensors",
-        "models.yolo.imgsz=320", "models.yolo.min_candidate_score=0.00001",
+        "models.yolo.detector=yolo-det.safetensors",
+        "models.yolo.pose=yolo-pose.safetensors",
+        "models.yolo.imgsz=320",
+        "models.yolo.min_candidate_score=0.00001",
         f"models.clip.checkpoint={store_dir / 'clip'}",
         f"models.clip.aesthetic_head={store_dir / 'aesthetic-mlp.pth'}",
-        f"models.embedding.dim={CLIP_DIM}", "models.embedding.name=test-tiny-clip",
+        f"models.embedding.dim={CLIP_DIM}",
+        "models.embedding.name=test-tiny-clip",
         # random weights: open every model threshold; decode and the OCR stage still decide for real
-        "filters.person_min_score=0", "filters.person_min_height_frac=0", "filters.person_min_area_frac=0",
-        "filters.min_aesthetic=null", "filters.min_realism=null",
-        "filters.prompt_filters.not_a_person.max_reject=1", "filters.prompt_filters.collage.max_reject=1",
+        "filters.person_min_score=0",
+        "filters.person_min_height_frac=0",
+        "filters.person_min_area_frac=0",
+        "filters.min_aesthetic=null",
+        "filters.min_realism=null",
+        "filters.prompt_filters.not_a_person.max_reject=1",
+        "filters.prompt_filters.collage.max_reject=1",
         # a 2-CPU machine without GPUs
         "stages.decode={batch_size: 4, num_cpus: 0.25}",
         "stages.yolo_person={batch_size: 4, num_cpus: 0.5, num_gpus: 0, actors: [1, 1]}",
@@ -558,7 +635,10 @@ def test_full_profile_curate_job_end_to_end(store_dir, ray_local, tmp_path):
     for r in scored_through:  # past decode, the YOLO stage scored every image the way lite does
         assert r["person_count"] >= 1 and r["persons"][0]["detector"] == "yolo"
         assert r["head_yaw_class"] in schema.HEAD_YAW_CLASSES
-    assert ledger["people/zidane_copy.jpg"]["status"] == schema.DUPLICATE or ledger["people/zidane.jpg"]["status"] == schema.DUPLICATE
+    assert (
+        ledger["people/zidane_copy.jpg"]["status"] == schema.DUPLICATE
+        or ledger["people/zidane.jpg"]["status"] == schema.DUPLICATE
+    )
 
     files = committed_files(str(out), "scored")
     assert files
@@ -566,7 +646,10 @@ def test_full_profile_curate_job_end_to_end(store_dir, ray_local, tmp_path):
     for f in files:
         table = pq.read_table(out / f)
         assert table.schema.equals(schema.scored_schema(CLIP_DIM))
-        assert schema.read_metadata(table.schema)["extra"] == {"embedding_model": "test-tiny-clip", "embedding_dim": CLIP_DIM}
+        assert schema.read_metadata(table.schema)["extra"] == {
+            "embedding_model": "test-tiny-clip",
+            "embedding_dim": CLIP_DIM,
+        }
         for field in lite_shared:  # identical to lite for every shared column
             if field.name != "embedding":
                 assert table.schema.field(field.name).equals(field)

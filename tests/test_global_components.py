@@ -93,7 +93,10 @@ def random_graph(n: int, seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     a, b = rng.choice(pool, 150), rng.choice(pool, 150)  # random links: some merge groups, some are loops
     links["phash"].append((a[:75], b[:75]))
     links["embedding"].append((a[75:], b[75:]))
-    return {name: (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])) for name, parts in links.items()}
+    return {
+        name: (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+        for name, parts in links.items()
+    }
 
 
 def write_pairs(root: Path, survivors: Survivors, graph: dict, files_per_signal: int) -> dict[str, list[str]]:
@@ -104,7 +107,10 @@ def write_pairs(root: Path, survivors: Survivors, graph: dict, files_per_signal:
         for k, rows in enumerate(np.array_split(np.arange(i.size), files_per_signal)):
             rel = f"dedup/pairs/{name}/part-{k:06d}.parquet"
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            pq.write_table(pa.table({"a": uid[i[rows]], "b": uid[j[rows]], "distance": np.zeros(rows.size, np.float32)}), root / rel)
+            pq.write_table(
+                pa.table({"a": uid[i[rows]], "b": uid[j[rows]], "distance": np.zeros(rows.size, np.float32)}),
+                root / rel,
+            )
             out[name].append(rel)
     return out
 
@@ -112,7 +118,9 @@ def write_pairs(root: Path, survivors: Survivors, graph: dict, files_per_signal:
 def reference(survivors: Survivors, graph: dict) -> dict[int, tuple[str, str]]:
     """uid -> (duplicate_of key, signal) for every dropped survivor, from the single-process kernel."""
     t = survivors.table
-    keys = np.asarray([f"{k}\x00{s}" for k, s in zip(t.column("key").to_pylist(), t.column("source").to_pylist())], object)
+    keys = np.asarray(
+        [f"{k}\x00{s}" for k, s in zip(t.column("key").to_pylist(), t.column("source").to_pylist())], object
+    )
     result = dd.resolve_duplicates(
         t.num_rows,
         {name: Links(i, j) for name, (i, j) in graph.items()},
@@ -160,7 +168,13 @@ def test_decisions_match_single_process(ray_local, case, tmp_path, partitions, l
     root, survivors, graph, pairs = case
     out = copy_inputs(root, tmp_path / "out", survivors, pairs)
     summary = run_components(
-        str(out), pairs, survivors.files, partitions, local_edges=local_edges, files_per_task=files_per_task, log=lambda m: None
+        str(out),
+        pairs,
+        survivors.files,
+        partitions,
+        local_edges=local_edges,
+        files_per_task=files_per_task,
+        log=lambda m: None,
     )
     want = reference(survivors, graph)
     got = decisions(out, survivors)
@@ -179,14 +193,16 @@ def test_long_chain_converges_and_max_rounds_stops(ray_local, tmp_path):
     graph = {"phash": (order[:-1], order[1:]), "embedding": (np.empty(0, np.int64), np.empty(0, np.int64))}
     pairs = write_pairs(tmp_path, survivors, graph, files_per_signal=2)
     with pytest.raises(ComponentsError, match="max_rounds=2"):
-        run_components(str(tmp_path), pairs, survivors.files, partitions=2, max_rounds=2, local_edges=0, log=lambda m: None)
+        run_components(
+            str(tmp_path), pairs, survivors.files, partitions=2, max_rounds=2, local_edges=0, log=lambda m: None
+        )
     summary = run_components(str(tmp_path), pairs, survivors.files, partitions=2, local_edges=0, log=lambda m: None)
     assert 2 < summary["rounds"] <= 25 and summary["components"] == 1 and summary["dropped"] == n - 1
     assert decisions(tmp_path, survivors) == reference(survivors, graph)
 
 
 def test_rerun_skips_finished_work_and_is_byte_identical(ray_local, case, tmp_path):
-    root, survivors, graph, pairs = case
+    root, survivors, _graph, pairs = case
     out = copy_inputs(root, tmp_path / "out", survivors, pairs)
     args = dict(partitions=3, local_edges=0, keep_work=True, log=lambda m: None)
     first = run_components(str(out), pairs, survivors.files, **args)
@@ -210,7 +226,9 @@ def test_rerun_skips_finished_work_and_is_byte_identical(ray_local, case, tmp_pa
     # other partitioning: same decisions, earlier work thrown away
     again = run_components(str(out), pairs, survivors.files, **{**args, "partitions": 4})
     assert {p: p.read_bytes() for p in written} == written
-    assert {k: again[k] for k in ("dropped", "by_signal", "components")} == {k: first[k] for k in ("dropped", "by_signal", "components")}
+    assert {k: again[k] for k in ("dropped", "by_signal", "components")} == {
+        k: first[k] for k in ("dropped", "by_signal", "components")
+    }
 
 
 def test_no_pairs_keeps_everyone_and_unknown_uids_are_refused(ray_local, tmp_path):

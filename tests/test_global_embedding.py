@@ -164,7 +164,7 @@ def test_an_oversized_cluster_is_split_in_its_task_with_little_loss():
 def test_a_cluster_kmeans_cannot_split_is_searched_whole():
     x = np.tile(np.eye(1, 16, dtype=np.float32), (300, 1))  # 300 identical embeddings
     uid = np.arange(300, dtype=np.int64)
-    a, b, sim = ep.cluster_pairs(x, uid, np.ones(300, bool), np.zeros((300, 1), np.int32), _settings(max_probes=0))
+    a, _b, sim = ep.cluster_pairs(x, uid, np.ones(300, bool), np.zeros((300, 1), np.int32), _settings(max_probes=0))
     assert a.size >= 300 * K // 2 and np.allclose(sim, 1.0)
 
 
@@ -199,6 +199,8 @@ def test_buckets_are_balanced_by_predicted_rows():
 
 @pytest.mark.parametrize("n", [0, 1])
 def test_fewer_than_two_survivors_give_an_empty_pair_file(ray_local, tmp_path, n):
-    files, _ = _write_survivors(tmp_path, _embeddings(max(n, 2), 16, seed=4)[:n].reshape(n, 16), 10) if n else ([], None)
+    files, _ = (
+        _write_survivors(tmp_path, _embeddings(max(n, 2), 16, seed=4)[:n].reshape(n, 16), 10) if n else ([], None)
+    )
     summary = ep.run_embedding_pairs(str(tmp_path), files, THRESHOLD, K, log=lambda _: None)
     assert summary["pairs"] == 0 and pq.read_table(tmp_path / ep.pairs_path(0)).num_rows == 0

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from common.storage import write_parquet_atomic, resolve
+from common.storage import resolve, write_parquet_atomic
 from curation import dedup as dd
 from curation.phash_pairs import PAIR_SCHEMA, SHUFFLE_DIR, plan_pairs, run_phash_pairs
 from curation.survivors import make_uid, partition_path, survivors_schema

@@ -101,8 +101,13 @@ def test_trained_on_everything_it_selects_what_the_single_process_kernel_selects
     alive = np.setdiff1d(np.arange(x.shape[0]), dropped)
     single = sampling.balanced_sample(x[alive], size=1500, n_clusters=[60, 8], mode="closest", seed=4)
     got = read_decisions(tmp_path, 3)
-    assert summary == {"inputs": alive.size, "selected": 1500, "unsampled": alive.size - 1500, "levels": 2,
-                       "clusters_per_level": [60, 8]}
+    assert summary == {
+        "inputs": alive.size,
+        "selected": 1500,
+        "unsampled": alive.size - 1500,
+        "levels": 2,
+        "clusters_per_level": [60, 8],
+    }
     assert got.column("source").to_pylist() == [f"pool/{j:07d}.jpg" for j in alive]
     assert np.array_equal(np.flatnonzero(got.column("selected").to_numpy()), single.indices)
     assert np.array_equal(np.asarray(got.column("cluster_ids").to_pylist()), single.cluster_ids)

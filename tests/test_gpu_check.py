@@ -34,12 +34,21 @@ def test_every_part_measures(tmp_path):
 
     curation = parts["curation"]
     # every filter open: each image passes both model stages, so the rate is one of the whole work
-    assert curation["sweep"] and all(p["images"] == p["kept"] == 8 and p["images_per_s_from_start"] > 0
-                                     for p in curation["sweep"])
+    assert curation["sweep"] and all(
+        p["images"] == p["kept"] == 8 and p["images_per_s_from_start"] > 0 for p in curation["sweep"]
+    )
     assert curation["images_per_s_per_gpu"] > 0
     split = curation["ms_per_image"]
-    assert all(split[k] > 0 for k in ("yolo: detector forward", "yolo: pose forward", "clip: image tower forward",
-                                      "clip: decode + resize (CPU threads)", "yolo: whole stage call"))
+    assert all(
+        split[k] > 0
+        for k in (
+            "yolo: detector forward",
+            "yolo: pose forward",
+            "clip: image tower forward",
+            "clip: decode + resize (CPU threads)",
+            "yolo: whole stage call",
+        )
+    )
     assert split["yolo: whole stage call"] >= split["yolo: pose forward"]
 
     pretrain = parts["pretrain"]
@@ -64,7 +73,13 @@ def test_every_part_measures(tmp_path):
 
 def test_a_failing_part_is_reported_and_the_others_run(tmp_path):
     results, printed = run_check(
-        tmp_path, "--fail", "curation=raise", "--fail", "data_wait=hang", "--budget", "data_wait=10",
+        tmp_path,
+        "--fail",
+        "curation=raise",
+        "--fail",
+        "data_wait=hang",
+        "--budget",
+        "data_wait=10",
     )
     parts = results["parts"]
     assert parts["curation"]["status"] == "error"

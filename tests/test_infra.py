@@ -17,7 +17,7 @@ import shlex
 import subprocess
 import sys
 import zipfile
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import jsonschema
@@ -128,14 +128,33 @@ def test_dockerfile_dependency_layer_builds_from_pyproject_alone(tmp_path):
     (tmp_path / "pyproject.toml").write_bytes((REPO / "pyproject.toml").read_bytes())
     (tmp_path / "README.md").touch()
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", "wheel", "."],
-        cwd=tmp_path, check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            "wheel",
+            ".",
+        ],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     (wheel,) = (tmp_path / "wheel").glob("humans1b-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         meta = zf.read(next(n for n in zf.namelist() if n.endswith("METADATA"))).decode()
         assert not [n for n in zf.namelist() if n.endswith(".py")]  # no code in the dependency layer
-    requires = {Requirement(line.split(":", 1)[1].strip()).name for line in meta.splitlines() if line.startswith("Requires-Dist:")}
+    requires = {
+        Requirement(line.split(":", 1)[1].strip()).name
+        for line in meta.splitlines()
+        if line.startswith("Requires-Dist:")
+    }
     declared = {Requirement(r).name for r in PYPROJECT["project"]["dependencies"]}
     for extra in EXTRAS.split(","):
         declared |= {Requirement(r).name for r in PYPROJECT["project"]["optional-dependencies"][extra]}
@@ -444,9 +463,15 @@ def test_runtime_env_ships_code_and_configs_but_not_data(tmp_path):
     RuntimeEnv(**env)
     tree = tmp_path / "checkout"
     files = {
-        "jobs/curate.py": "", "configs/curate/lite.yaml": "", "curation/stage.py": "", "pyproject.toml": "",
-        "sample_pool/files/a.jpg": "x", "out/curated/shards/part-00000.parquet": "x", ".git/HEAD": "x",
-        "curation/__pycache__/stage.cpython-311.pyc": "x", "humans1b.egg-info/PKG-INFO": "x",
+        "jobs/curate.py": "",
+        "configs/curate/lite.yaml": "",
+        "curation/stage.py": "",
+        "pyproject.toml": "",
+        "sample_pool/files/a.jpg": "x",
+        "out/curated/shards/part-00000.parquet": "x",
+        ".git/HEAD": "x",
+        "curation/__pycache__/stage.cpython-311.pyc": "x",
+        "humans1b.egg-info/PKG-INFO": "x",
         "curation/out_of_range.py": "",  # a name that only starts like an excluded folder stays
     }
     for rel, content in files.items():
@@ -456,7 +481,13 @@ def test_runtime_env_ships_code_and_configs_but_not_data(tmp_path):
     # The packaging code `ray job submit --working-dir` uses, with .gitignore off: the excludes alone must do it.
     create_package(str(tree), package, include_gitignore=False, excludes=env["excludes"])
     shipped = {n for n in zipfile.ZipFile(package).namelist() if not n.endswith("/")}
-    assert shipped == {"jobs/curate.py", "configs/curate/lite.yaml", "curation/stage.py", "pyproject.toml", "curation/out_of_range.py"}
+    assert shipped == {
+        "jobs/curate.py",
+        "configs/curate/lite.yaml",
+        "curation/stage.py",
+        "pyproject.toml",
+        "curation/out_of_range.py",
+    }
 
 
 def test_runtime_env_upload_of_this_checkout_is_small(tmp_path):
@@ -466,7 +497,9 @@ def test_runtime_env_upload_of_this_checkout_is_small(tmp_path):
     package = tmp_path / "repo.zip"
     create_package(str(REPO), package, include_gitignore=False, excludes=env["excludes"])
     names = zipfile.ZipFile(package).namelist()
-    assert "jobs/curate.py" in names and "configs/curate/lite.yaml" in names and "infra/preemption/drain_node.py" in names
+    assert (
+        "jobs/curate.py" in names and "configs/curate/lite.yaml" in names and "infra/preemption/drain_node.py" in names
+    )
     assert not [n for n in names if n.split("/")[0] in {"sample_pool", "out", ".git"}]
     assert package.stat().st_size < 50 * 2**20  # far below Ray's 500 MiB working_dir limit
 
@@ -481,7 +514,10 @@ def test_token_auth_is_not_disabled_anywhere():
     for path in REPO.rglob("*"):
         if path == Path(__file__).resolve() or not path.is_file() or skip_dirs & set(path.relative_to(REPO).parts):
             continue
-        if path.suffix not in {".py", ".yaml", ".yml", ".json", ".md", ".sh", ".toml", ".cfg", ".ini", ""} and path.name != "Dockerfile":
+        if (
+            path.suffix not in {".py", ".yaml", ".yml", ".json", ".md", ".sh", ".toml", ".cfg", ".ini", ""}
+            and path.name != "Dockerfile"
+        ):
             continue
         text = path.read_text(errors="ignore")
         if disabling.search(text):
@@ -510,7 +546,7 @@ def test_drain_command_is_accepted_by_rays_drain_node_cli():
 
 
 def test_aws_instance_action_parsing():
-    now = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc)
+    now = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
     assert spot_watcher.aws_seconds_left(404, "", now) is None
     at = (now + timedelta(seconds=118)).strftime("%Y-%m-%dT%H:%M:%SZ")
     assert spot_watcher.aws_seconds_left(200, json.dumps({"action": "terminate", "time": at}), now) == 118
@@ -531,7 +567,7 @@ def test_aws_source_uses_imdsv2_tokens():
         gets = sum(c[0] == "GET" for c in calls)
         return (404, "") if gets == 1 else (200, json.dumps({"action": "terminate", "time": at}))
 
-    source = spot_watcher.AwsSource(fetch, now=lambda: datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc))
+    source = spot_watcher.AwsSource(fetch, now=lambda: datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC))
     assert source.seconds_left() is None
     assert source.seconds_left() == 120
     assert [c[0] for c in calls] == ["PUT", "GET", "GET"]  # one token, reused

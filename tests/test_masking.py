@@ -8,7 +8,6 @@ from torch.overrides import TorchFunctionMode
 
 from pretrain.masking import MaskingConfig, block_scores, generate_masks, num_masked
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -110,7 +109,7 @@ class _CountCalls(TorchFunctionMode):
         super().__init__()
         self.calls = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         self.calls += 1
         return func(*args, **(kwargs or {}))
 

@@ -48,6 +48,6 @@ def test_records_become_grouped_scalars_and_a_resume_replaces_the_steps_after_it
 def test_a_backend_that_is_not_installed_is_refused_when_the_config_is_read():
     with pytest.raises(ConfigError, match="pip install mlflow"):
         load_config(PretrainConfig, REPO / "configs/pretrain/tiny.yaml", ["log.backends=[tensorboard,mlflow]"])
-    with pytest.raises(ConfigError, match="log.backends"):
+    with pytest.raises(ConfigError, match=r"log.backends"):
         load_config(PretrainConfig, REPO / "configs/pretrain/tiny.yaml", ["log.backends=[neptune]"])
     assert load_config(PretrainConfig, REPO / "configs/pretrain/tiny.yaml").log.backends == ["tensorboard"]

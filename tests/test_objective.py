@@ -448,8 +448,9 @@ def _short_run(cfg, images: torch.Tensor, steps: int, batch: int) -> dict[str, f
     lr = peak_lr(cfg.optim, batch)  # optim.lr is the rate of 256 images per step
     torch.manual_seed(0)
     obj = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=steps)
-    opt = torch.optim.AdamW([p for p in obj.parameters() if p.requires_grad], lr=lr,
-                            weight_decay=cfg.optim.weight_decay)
+    opt = torch.optim.AdamW(
+        [p for p in obj.parameters() if p.requires_grad], lr=lr, weight_decay=cfg.optim.weight_decay
+    )
     gen, history = _gen(), []
     for step in range(steps):
         for group in opt.param_groups:
@@ -477,10 +478,19 @@ def test_the_shipped_tiny_objective_leaves_ln_k_where_the_former_one_stays(repo_
     learned = _short_run(shipped, images, shipped.steps, batch=4)
     assert learned["cl"] < math.log(k) - 0.5, learned
     assert collapse_state(learned, k) is None, learned
-    former = load_config(PretrainConfig, str(repo_root / "configs/pretrain/tiny.yaml"), [
-        "model.layer_scale_init=0.0001", "objective.cl.normalize=sinkhorn", "objective.cl.prototypes=256",
-        "objective.cl.teacher_temp=0.07", "objective.cl.momentum=0.996", "objective.cl.momentum_end=1.0",
-        "objective.cl.koleo=0"])
+    former = load_config(
+        PretrainConfig,
+        str(repo_root / "configs/pretrain/tiny.yaml"),
+        [
+            "model.layer_scale_init=0.0001",
+            "objective.cl.normalize=sinkhorn",
+            "objective.cl.prototypes=256",
+            "objective.cl.teacher_temp=0.07",
+            "objective.cl.momentum=0.996",
+            "objective.cl.momentum_end=1.0",
+            "objective.cl.koleo=0",
+        ],
+    )
     stuck = _short_run(former, images, former.steps, batch=4)
     assert abs(stuck["cl"] - math.log(256)) < 0.05, stuck
     assert "uniform targets" in collapse_state(stuck, 256), stuck

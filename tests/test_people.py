@@ -15,8 +15,8 @@ from PIL import Image
 from common import schema
 from curation.config import CurateConfig
 from curation.stage import REJECT
-from generators.labelled_photos import person_check, precision_recall, upscaled_rgb
 from curation.stages.people import HeadPoseStage, PersonStage, group_skeletons, yaw_class
+from generators.labelled_photos import person_check, precision_recall, upscaled_rgb
 
 PEOPLE = ("bus", "zidane", "grace_hopper", "astronaut", "camera")
 NO_PERSON = ("china", "flower", "coffee", "rocket", "chelsea", "text", "page")
@@ -123,8 +123,10 @@ def test_person_photos_and_their_variants_are_kept(results, name, variant):
     main = u["persons"][0]
     assert main["prominent"]
     assert main["score"] >= cfg.filters.person_min_score
-    assert (main["height_frac"] >= cfg.filters.person_min_height_frac
-            or main["area_frac"] >= cfg.filters.person_min_area_frac)
+    assert (
+        main["height_frac"] >= cfg.filters.person_min_height_frac
+        or main["area_frac"] >= cfg.filters.person_min_area_frac
+    )
     assert (u["main_person_score"], u["main_person_height_frac"], u["main_person_area_frac"]) == pytest.approx(
         (main["score"], main["height_frac"], main["area_frac"])
     )
@@ -146,8 +148,11 @@ def test_photos_without_people_are_rejected(results, name):
 def test_no_prominent_person_detail_names_the_best_candidate_against_the_thresholds(photos):
     # Thresholds no box can meet: bus still has candidates, so the reason is no_prominent_person.
     cfg = CurateConfig()
-    cfg = cfg.model_copy(update={"filters": cfg.filters.model_copy(
-        update={"person_min_height_frac": 0.99, "person_min_area_frac": 0.99})})
+    cfg = cfg.model_copy(
+        update={
+            "filters": cfg.filters.model_copy(update={"person_min_height_frac": 0.99, "person_min_area_frac": 0.99})
+        }
+    )
     u = _stage(PersonStage, cfg).process_batch([_row(photos["bus"], "bus")])[0]
     assert u[REJECT].startswith("no_prominent_person: ")
     main = u["persons"][0]
@@ -257,7 +262,7 @@ def test_grouping_joins_parts_along_their_affinity_fields():
 @pytest.mark.parametrize("name", ["grace_hopper", "astronaut"])
 def test_portraits_face_the_camera(results, head_results, name):
     for variant in VARIANTS:
-        _, u = results[(name, variant)]
+        _, _u = results[(name, variant)]
         hu = head_results[(name, variant)]
         assert any(f["view"] == "frontal" and f["score"] >= 0.5 for f in hu["faces"]), variant
         main = hu["persons"][0]
@@ -318,7 +323,9 @@ def test_head_pose_annotates_every_prominent_person_and_rejects_nothing(results,
         for fc in hu["faces"]:
             assert fc["view"] in ("frontal", "left_profile", "right_profile") and 0 <= fc["score"] <= 1
         assert (hu["head_yaw_class"], hu["head_confidence"]) == (
-            hu["persons"][0]["head_yaw_class"], hu["persons"][0]["head_confidence"])
+            hu["persons"][0]["head_yaw_class"],
+            hu["persons"][0]["head_confidence"],
+        )
 
 
 def test_a_body_without_a_face_is_not_visible(head_stage, results):
@@ -339,12 +346,32 @@ def test_a_head_crop_without_a_face_is_not_visible(head_stage, photos):
     # A person whose head keypoints sit on a textureless patch: the face detector finds nothing there.
     rgb = np.full((480, 640, 3), 200, np.uint8)
     kp = np.zeros((17, 3))
-    kp[:7] = [[320, 100, 0.9], [330, 90, 0.9], [310, 90, 0.9], [340, 95, 0.8], [300, 95, 0.8],
-              [360, 160, 0.9], [280, 160, 0.9]]
-    person = {"x0": 250.0, "y0": 50.0, "x1": 390.0, "y1": 470.0, "score": 0.9, "detector": "openpose",
-              "height_frac": 0.875, "area_frac": 0.19, "prominent": True, "head_yaw_class": None,
-              "head_confidence": None, "head_yaw": None, "head_pitch": None, "head_roll": None,
-              "keypoints": kp.reshape(-1).tolist()}
+    kp[:7] = [
+        [320, 100, 0.9],
+        [330, 90, 0.9],
+        [310, 90, 0.9],
+        [340, 95, 0.8],
+        [300, 95, 0.8],
+        [360, 160, 0.9],
+        [280, 160, 0.9],
+    ]
+    person = {
+        "x0": 250.0,
+        "y0": 50.0,
+        "x1": 390.0,
+        "y1": 470.0,
+        "score": 0.9,
+        "detector": "openpose",
+        "height_frac": 0.875,
+        "area_frac": 0.19,
+        "prominent": True,
+        "head_yaw_class": None,
+        "head_confidence": None,
+        "head_yaw": None,
+        "head_pitch": None,
+        "head_roll": None,
+        "keypoints": kp.reshape(-1).tolist(),
+    }
     hu = head_stage.process_batch([{**_row(rgb, "blank"), "persons": [person]}])[0]
     assert hu["head_yaw_class"] == "not_visible" and hu["persons"][0]["head_yaw"] is None
 
@@ -363,4 +390,3 @@ def test_head_roll_follows_a_rotation_of_the_photo(person_stage, head_stage, pho
     # Counter-clockwise rotation raises the eye on the image's right: negative roll; clockwise: positive.
     assert rolls[15] < 0 < rolls[-15]
     assert rolls[-15] - rolls[15] == pytest.approx(30, abs=10)
-

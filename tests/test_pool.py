@@ -12,8 +12,8 @@ from curation.config import InputSettings
 from curation.pool import PoolError, ShardReader, list_shards
 
 
-def read_shard(root, shard, settings=InputSettings()):
-    return ShardReader(str(root), settings, 8, max_file_bytes=64 * 2**20).read_table(shard)
+def read_shard(root, shard, settings: InputSettings | None = None):
+    return ShardReader(str(root), settings or InputSettings(), 8, max_file_bytes=64 * 2**20).read_table(shard)
 
 
 def _jpeg(color=(200, 10, 10), size=(400, 500)) -> bytes:
@@ -75,7 +75,7 @@ def test_parquet_pool_with_struct_and_binary_columns(tmp_path):
     images = [_jpeg((i, 0, 0)) for i in range(4)]
     struct = pa.array([{"bytes": b, "path": f"{i}.jpg"} for i, b in enumerate(images)], schema.IMAGE_TYPE)
     pq.write_table(pa.table({"image": struct}), root / "a.parquet")
-    pq.write_table(pa.table({"jpg": pa.array(images + [None], pa.binary())}), root / "b.parquet")
+    pq.write_table(pa.table({"jpg": pa.array([*images, None], pa.binary())}), root / "b.parquet")
     shards = list_shards(str(root), InputSettings())
     assert [s.kind for s in shards] == ["parquet", "parquet"]
     a = read_shard(root, shards[0])
@@ -85,7 +85,9 @@ def test_parquet_pool_with_struct_and_binary_columns(tmp_path):
     assert b.num_rows == 5 and "null" in b.column("reason").to_pylist()[4]
     missing_column = read_shard(root, shards[0], InputSettings(image_column="nope"))
     assert missing_column.num_rows == 4  # one row per image the footer promises, each saying what to do
-    assert all("no column 'nope'" in r and "input.image_column" in r for r in missing_column.column("reason").to_pylist())
+    assert all(
+        "no column 'nope'" in r and "input.image_column" in r for r in missing_column.column("reason").to_pylist()
+    )
 
 
 def test_webdataset_tars_and_a_truncated_tar(tmp_path):

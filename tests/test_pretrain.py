@@ -8,6 +8,7 @@ and losses per step, and a 2-worker checkpoint must continue on 1 worker with th
 
 from __future__ import annotations
 
+import itertools
 import math
 import pickle
 import shutil
@@ -22,11 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from conftest import tensorboard_scalars
 from torch.distributed.checkpoint.api import CheckpointException
 
 from common import storage as fs_storage
 from common.config import ConfigError, load_config
-from conftest import tensorboard_scalars
 from jobs import pretrain as job
 from pretrain import data
 from pretrain.backbone import SIZES, build
@@ -130,9 +131,16 @@ def test_short_fsdp_run_finishes_and_its_loss_falls(reference):
         assert r["collapse"] == collapse_state(r, prototypes)
     # TensorBoard shows the same numbers, grouped
     board = tensorboard_scalars(reference)
-    for tag, key in [("loss/loss", "loss"), ("loss/cl", "cl"), ("optim/lr", "lr"), ("optim/grad_norm", "grad_norm"),
-                     ("perf/images_per_s", "images_per_s"), ("perf/data_wait_frac", "data_wait_frac"),
-                     ("contrastive/teacher_entropy", "teacher_entropy"), ("contrastive/proto_used", "proto_used")]:
+    for tag, key in [
+        ("loss/loss", "loss"),
+        ("loss/cl", "cl"),
+        ("optim/lr", "lr"),
+        ("optim/grad_norm", "grad_norm"),
+        ("perf/images_per_s", "images_per_s"),
+        ("perf/data_wait_frac", "data_wait_frac"),
+        ("contrastive/teacher_entropy", "teacher_entropy"),
+        ("contrastive/proto_used", "proto_used"),
+    ]:
         assert board[tag] == pytest.approx({s: r[key] for s, r in train.items()}, rel=1e-6), tag
     assert "perf/mfu" not in board  # CPU: no peak to divide by
     reported = None
@@ -274,7 +282,9 @@ def test_killed_driver_rerun_resumes_with_the_same_samples(shards, storage, refe
     args = ["--config", TINY, "--data", str(shards), "--storage", str(storage), "--name", name, *FAST]
     driver = subprocess.Popen(
         [sys.executable, "-m", "jobs.pretrain", *args, f"ray.address={address}"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 300
@@ -346,7 +356,7 @@ def test_schedules_warm_up_then_decay_per_optimiser_step():
     o = OptimSettings(lr=1e-3, min_lr=1e-5, warmup_steps=10, weight_decay=0.04, weight_decay_end=0.4)
     lrs = [lr_at(s, o, 100, 256) for s in range(100)]  # at 256 images per step the peak is optim.lr itself
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lr_at(100, o, 100, 256) == pytest.approx(1e-5)
+    assert all(a >= b for a, b in itertools.pairwise(lrs)) and lr_at(100, o, 100, 256) == pytest.approx(1e-5)
     assert wd_at(0, o, 100) == pytest.approx(0.04) and wd_at(100, o, 100) == pytest.approx(0.4)
 
 
@@ -419,7 +429,9 @@ def test_checkpoint_and_export_on_an_object_store(monkeypatch):
         s3.create_dir("runs")
         # s3:// URIs resolve to the moto endpoint (on AWS, pyarrow's from_uri finds the real one).
         resolve = fs_storage.resolve
-        monkeypatch.setattr(fs_storage, "resolve", lambda uri: (s3, uri[5:]) if uri.startswith("s3://") else resolve(uri))
+        monkeypatch.setattr(
+            fs_storage, "resolve", lambda uri: (s3, uri[5:]) if uri.startswith("s3://") else resolve(uri)
+        )
         cfg = load_config(PretrainConfig, TINY, FAST)
         torch.manual_seed(0)
         model = JointObjective(build(cfg.model.backbone()), cfg.objective, STEPS)

@@ -6,6 +6,7 @@ Timings are printed (run with ``-s`` to see them), never asserted.
 from __future__ import annotations
 
 import io
+import itertools
 import time
 from pathlib import Path
 
@@ -20,13 +21,13 @@ from PIL import Image
 from sklearn.datasets import load_sample_image
 
 from common import schema
-from curation.config import CurateConfig
 from common.imageio import decode
-from generators.sample_pool import ultralytics_assets
+from curation.config import CurateConfig
 from curation.stage import REJECT
 from curation.stages.embedding import LITE_NAME, EmbeddingStage
 from curation.stages.phash import PhashStage, hamming, hash_to_int
 from curation.stages.quality import PARTS, QualityStage
+from generators.sample_pool import ultralytics_assets
 
 MIN_SHORT_SIDE = 384  # rows reaching these stages have passed decode's size gate
 
@@ -102,7 +103,17 @@ def _stage(cls, **overrides):
 # text() is a 172-px crop of a sign that has to be upscaled 2.2x to reach 384 px: genuinely soft, and a text
 # image the text-overlay stage decides on. Every other package photo must be kept.
 KEEP = (
-    "bus", "zidane", "grace_hopper", "astronaut", "camera", "chelsea", "coffee", "rocket", "china", "flower", "page"
+    "bus",
+    "zidane",
+    "grace_hopper",
+    "astronaut",
+    "camera",
+    "chelsea",
+    "coffee",
+    "rocket",
+    "china",
+    "flower",
+    "page",
 )
 
 
@@ -184,8 +195,8 @@ def test_quality_parts_fall_monotonically_with_blur_and_noise(photos):
         clean = [u["quality_parts"]["noise"] for u in stage.process_batch(_rows([_jpeg(b, 90) for b in noisy]))]
         by_blur, by_noise = (" ".join(f"{v:.2f}" for v in vs) for vs in (sharp, clean))
         print(f"\n{name}: sharpness part by blur {by_blur}; noise part by noise sigma {by_noise}")
-        assert all(b <= a + 0.02 for a, b in zip(sharp, sharp[1:])), sharp
-        assert all(b <= a + 0.02 for a, b in zip(clean, clean[1:])), clean
+        assert all(b <= a + 0.02 for a, b in itertools.pairwise(sharp)), sharp
+        assert all(b <= a + 0.02 for a, b in itertools.pairwise(clean)), clean
         assert sharp[0] - sharp[-1] > 0.5 and clean[0] - clean[-1] > 0.5
 
 
@@ -239,11 +250,12 @@ def test_phash_near_duplicates_close_and_different_photos_far(photos):
             img = photos[n]
             h, w = img.shape[:2]
             c = int(0.02 * min(h, w))  # a slight crop: 2 % off every side
-            copy = {
-                "recompressed": lambda: _jpeg(img, 50),
-                "resized": lambda: _jpeg(cv2.resize(img, (w * 2 // 3, h * 2 // 3), interpolation=cv2.INTER_AREA), 90),
-                "cropped": lambda: _jpeg(np.ascontiguousarray(img[c : h - c, c : w - c]), 90),
-            }[kind]()
+            if kind == "recompressed":
+                copy = _jpeg(img, 50)
+            elif kind == "resized":
+                copy = _jpeg(cv2.resize(img, (w * 2 // 3, h * 2 // 3), interpolation=cv2.INTER_AREA), 90)
+            else:
+                copy = _jpeg(np.ascontiguousarray(img[c : h - c, c : w - c]), 90)
             copies.append(copy)
         hashes = [u["phash"] for u in stage.process_batch(_rows(copies))]
         dup_dist[kind] = [hamming(a, b) for a, b in zip(originals, hashes)]

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from common import schema
-from generators.hostile_inputs import write_bad_inputs
 from curation.ledger import read_ledger, reason_code
+from generators.hostile_inputs import write_bad_inputs
 from generators.sample_pool import ultralytics_assets
 from jobs import curate
 
@@ -26,8 +26,20 @@ pytestmark = pytest.mark.slow
 
 def _run_job(repo: Path, pool: Path, out: Path, kill_on: str | None = None) -> tuple[int, str]:
     """Run the curate job as its own process; SIGKILL it when a line starting with ``kill_on`` appears."""
-    cmd = [sys.executable, "-m", "jobs.curate", "--config", str(repo / LITE), "--input", str(pool), "--output", str(out)]
-    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "jobs.curate",
+        "--config",
+        str(repo / LITE),
+        "--input",
+        str(pool),
+        "--output",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -41,7 +53,9 @@ def _run_job(repo: Path, pool: Path, out: Path, kill_on: str | None = None) -> t
 def _fates(out: Path) -> dict[str, tuple]:
     rows = read_ledger(str(out), ["source", "status", "stage", "key"]).to_pylist()
     assert len(rows) == len({r["source"] for r in rows}), "a source appears twice in the ledger"
-    return {Path(r["source"]).name + "|" + Path(r["source"]).parent.name: (r["status"], r["stage"], r["key"]) for r in rows}
+    return {
+        Path(r["source"]).name + "|" + Path(r["source"]).parent.name: (r["status"], r["stage"], r["key"]) for r in rows
+    }
 
 
 def _shards(out: Path) -> dict[str, bytes]:
@@ -70,7 +84,9 @@ def test_killed_driver_resumes_to_the_uninterrupted_result(kill_on, reference, s
     committed_before = len([p for p in (out / "_state" / "score").glob("*.json") if not p.name.startswith("_")])
     code, log = _run_job(repo_root, sample_pool, out)
     assert code == 0, log
-    total, skipped, scored = map(int, re.search(r"\[score\] (\d+) input shards, (\d+) already committed, (\d+) to score", log).groups())
+    total, skipped, scored = map(
+        int, re.search(r"\[score\] (\d+) input shards, (\d+) already committed, (\d+) to score", log).groups()
+    )
     assert skipped == committed_before and scored == total - committed_before  # committed shards are not rescored
     if kill_on != "[score] committed 1/":
         assert scored == 0
@@ -112,8 +128,17 @@ def test_parquet_rows_with_hostile_names_and_null_bytes(repo_root, tmp_path, ray
     pq.write_table(table, pool / "part.parquet")
     out = tmp_path / "out"
     before = {p for p in tmp_path.rglob("*")}
-    args = ["--config", str(repo_root / LITE), "--input", str(pool), "--output", str(out), "input.source_column=source",
-            "--phases", "score"]
+    args = [
+        "--config",
+        str(repo_root / LITE),
+        "--input",
+        str(pool),
+        "--output",
+        str(out),
+        "input.source_column=source",
+        "--phases",
+        "score",
+    ]
     assert curate.main(args) == 0
     assert not ({p for p in tmp_path.rglob("*") if out not in p.parents and p != out} - before)
     rows = {r["source"].split("#", 1)[1]: r for r in read_ledger(str(out)).to_pylist()}

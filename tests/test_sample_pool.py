@@ -18,17 +18,24 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from generators import sample_pool as sp
-from curation.config import CurateConfig, InputSettings
 from common.imageio import _to_mode, open_image
+from curation.config import CurateConfig, InputSettings
 from curation.pool import ShardReader, list_shards
 from curation.stage import REJECT
 from curation.stages.decode import DecodeStage
+from generators import sample_pool as sp
 from jobs import make_sample_pool as cli
 
 DECODE_REASONS = {
-    "unreadable", "empty_file", "file_too_large", "not_an_image", "corrupt", "decompression_bomb", "animated",
-    "too_small", "extreme_aspect",
+    "unreadable",
+    "empty_file",
+    "file_too_large",
+    "not_an_image",
+    "corrupt",
+    "decompression_bomb",
+    "animated",
+    "too_small",
+    "extreme_aspect",
 }
 LATER_REASONS = {
     "person": {"no_person", "no_prominent_person"},
@@ -284,7 +291,10 @@ def test_reader_and_decode_stage_agree_with_the_manifest(pools, rows, decode_sta
         else:
             assert REJECT not in update, (path, update[REJECT])
             assert (update["width"], update["height"], update["mode"], update["format"]) == (
-                m["width"], m["height"], m["mode"], m["format"]
+                m["width"],
+                m["height"],
+                m["mode"],
+                m["format"],
             ), path
 
 

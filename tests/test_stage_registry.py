@@ -14,7 +14,7 @@ from curation.pool import list_shards
 from curation.score import score_in_process
 from curation.stage import Stage
 
-PORTRAIT_FILTER = '''
+PORTRAIT_FILTER = """
 from curation.stage import Row, Stage, StageSettings, Update, reject
 
 
@@ -25,7 +25,7 @@ class PortraitFilterStage(Stage):
 
     def process_batch(self, rows: list[Row]) -> list[Update]:
         return [reject("portrait", f"{r['height']} > {r['width']}") if r["height"] > r["width"] else {} for r in rows]
-'''
+"""
 
 CONFIG = """
 stages:
@@ -55,7 +55,15 @@ def _pool(folder, sizes: dict[str, tuple[int, int]]) -> None:
 
 
 def test_default_stage_order_is_the_lite_profiles():
-    assert list(CurateConfig().stages) == ["decode", "person", "head_pose", "quality", "text_overlay", "phash", "embedding"]
+    assert list(CurateConfig().stages) == [
+        "decode",
+        "person",
+        "head_pose",
+        "quality",
+        "text_overlay",
+        "phash",
+        "embedding",
+    ]
 
 
 def test_a_stage_module_alone_makes_a_stage_the_config_accepts_and_the_runner_runs(tmp_path, request):
@@ -71,7 +79,9 @@ def test_a_stage_module_alone_makes_a_stage_the_config_accepts_and_the_runner_ru
     assert (settings.batch_size, settings.num_cpus) == (2, 0.25)  # the entry's field, then the class's defaults
     _pool(tmp_path / "pool", {"wide.jpg": (480, 400), "square.jpg": (400, 400), "tall.jpg": (400, 480)})
     table = score_in_process(cfg, list_shards(str(tmp_path / "pool"), cfg.input), str(tmp_path / "pool"))
-    fates = {r["source"].rsplit("/", 1)[-1]: r for r in table.select(["source", "status", "stage", "reason"]).to_pylist()}
+    fates = {
+        r["source"].rsplit("/", 1)[-1]: r for r in table.select(["source", "status", "stage", "reason"]).to_pylist()
+    }
     assert {name: (r["status"], r["stage"]) for name, r in fates.items()} == {
         "wide.jpg": (schema.KEPT, "portrait_filter"),
         "square.jpg": (schema.KEPT, "portrait_filter"),

@@ -42,8 +42,16 @@ MLFLOW_RUN_FILE = "mlflow_run.json"
 GROUPS = {
     **dict.fromkeys(("lr", "wd", "momentum", "grad_norm"), "optim"),
     **dict.fromkeys(
-        ("images_per_s", "tokens_per_s", "step_s", "data_wait_s", "data_wait_max_s", "compute_s", "data_wait_frac",
-         "mfu"),
+        (
+            "images_per_s",
+            "tokens_per_s",
+            "step_s",
+            "data_wait_s",
+            "data_wait_max_s",
+            "compute_s",
+            "data_wait_frac",
+            "mfu",
+        ),
         "perf",
     ),
 }
@@ -97,7 +105,9 @@ class TensorBoardSink:
         # The file name holds the second it was opened and the host; the suffix keeps two attempts within one
         # second apart, in the order they started (readers take files in name order).
         self.writer = SummaryWriter(
-            logdir, purge_step=first_step + 1 if first_step else None, flush_secs=30,
+            logdir,
+            purge_step=first_step + 1 if first_step else None,
+            flush_secs=30,
             filename_suffix=f".{time.time_ns()}",
         )
 

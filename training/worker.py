@@ -114,9 +114,7 @@ class Worker(ABC, Generic[C]):
             return None
         commit = checkpoint.load(uri, self.model, self.optimizer)
         if commit["model_hash"] != self.model_hash():
-            raise checkpoint.CheckpointError(
-                f"{uri} was saved for another {self.hash_covers}; use a new run name"
-            )
+            raise checkpoint.CheckpointError(f"{uri} was saved for another {self.hash_covers}; use a new run name")
         self.step = self.saved_step = commit["step"]
         restored = {"checkpoint": uri, "saved_world_size": commit["world_size"], **self.restore_state(commit)}
         if self.reports_checkpoints:

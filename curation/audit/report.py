@@ -31,19 +31,38 @@ import yaml
 from PIL import Image, UnidentifiedImageError
 
 from common import schema
+from common.imageio import open_image, open_reduced
 from common.layout import GLOBAL_PHASES, LAYOUT, PHASES
 from common.progress import progress
 from common.storage import exists, join, read_json, resolve, write_bytes_atomic
 from curation.audit.verify import AuditResult
 from curation.config import CurateConfig
-from common.imageio import open_image, open_reduced
 from curation.ledger import funnel_steps, read_ledger, reason_code, stopped_by_stage
 from curation.phases import committed_records
 
 LEDGER_COLUMNS = [
-    "source", "shard_id", "key", "status", "stage", "reason", "width", "height", "file_size", "person_count",
-    "prominent_count", "main_person_score", "main_person_height_frac", "main_person_area_frac", "head_yaw_class",
-    "head_confidence", "quality", "aesthetic", "realism", "text_area_frac", "duplicate_of", "duplicate_signal",
+    "source",
+    "shard_id",
+    "key",
+    "status",
+    "stage",
+    "reason",
+    "width",
+    "height",
+    "file_size",
+    "person_count",
+    "prominent_count",
+    "main_person_score",
+    "main_person_height_frac",
+    "main_person_area_frac",
+    "head_yaw_class",
+    "head_confidence",
+    "quality",
+    "aesthetic",
+    "realism",
+    "text_area_frac",
+    "duplicate_of",
+    "duplicate_signal",
 ]
 SURVIVED_SCORING = (schema.KEPT, schema.DUPLICATE, schema.UNSAMPLED)
 # Decode rejections whose bytes are not read again: there is no picture in them, or they are too big to open safely.
@@ -137,7 +156,9 @@ class SourceReader:
 
     def _parquet_row(self, uri: str, member: str) -> bytes:
         if not (member.startswith("row=") and member[4:].isdigit()):
-            raise SourceUnreadable(f"source not read: {member!r} names the row by input.source_column, not by its index")
+            raise SourceUnreadable(
+                f"source not read: {member!r} names the row by input.source_column, not by its index"
+            )
         index = int(member[4:])
         fs, path = resolve(uri)
         pf = pq.ParquetFile(fs.open_input_file(path))
@@ -181,8 +202,14 @@ class Tile:
 class Thumbnails:
     """Makes each thumbnail once (named by key), reading survivors from the scored files and others from source."""
 
-    def __init__(self, out_uri: str, cfg: CurateConfig, options: ReportOptions, reader: SourceReader | None = None,
-                 log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        out_uri: str,
+        cfg: CurateConfig,
+        options: ReportOptions,
+        reader: SourceReader | None = None,
+        log: Callable[[str], None] = print,
+    ):
         self.out_uri, self.cfg, self.options, self.log = out_uri, cfg, options, log
         self.fs, self.root = resolve(out_uri)
         self.reader = reader or SourceReader(cfg.input.image_column, cfg.filters.max_file_bytes)
@@ -238,8 +265,12 @@ class Thumbnails:
         found: dict[str, bytes] = {}
         for shard_id, sources in by_shard.items():
             for rel in records.get(shard_id, {}).get("scored_files", []):
-                table = pq.read_table(join(self.root, rel), columns=["source", "image"], filesystem=self.fs,
-                                      filters=pc.field("source").isin(sorted(sources)))
+                table = pq.read_table(
+                    join(self.root, rel),
+                    columns=["source", "image"],
+                    filesystem=self.fs,
+                    filters=pc.field("source").isin(sorted(sources)),
+                )
                 for source, image in zip(table.column("source").to_pylist(), table.column("image").to_pylist()):
                     found[source] = image["bytes"]
         return found
@@ -288,8 +319,15 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def score_histogram(values: np.ndarray, rejected: np.ndarray, threshold: float | None, *, title: str,
-                    threshold_label: str = "", bins: int = 30):
+def score_histogram(
+    values: np.ndarray,
+    rejected: np.ndarray,
+    threshold: float | None,
+    *,
+    title: str,
+    threshold_label: str = "",
+    bins: int = 30,
+):
     """Histogram of one score, stacked by whether the score's stage rejected the image; the threshold drawn."""
     fig = _figure()
     ax = fig.add_subplot()
@@ -304,10 +342,17 @@ def score_histogram(values: np.ndarray, rejected: np.ndarray, threshold: float |
     if hi <= lo:
         lo, hi = lo - 0.5, hi + 0.5
     edges = np.linspace(lo, hi, bins + 1)
-    ax.hist([values[~rejected], values[rejected]], bins=edges, stacked=True, color=["#4c9a6a", "#c8553d"],
-            label=["passed this stage", "rejected by this stage"])
+    ax.hist(
+        [values[~rejected], values[rejected]],
+        bins=edges,
+        stacked=True,
+        color=["#4c9a6a", "#c8553d"],
+        label=["passed this stage", "rejected by this stage"],
+    )
     if threshold is not None:
-        ax.axvline(threshold, color="black", linestyle="--", linewidth=1.5, label=threshold_label or f"threshold {threshold:g}")
+        ax.axvline(
+            threshold, color="black", linestyle="--", linewidth=1.5, label=threshold_label or f"threshold {threshold:g}"
+        )
     ax.set_title(title)
     ax.set_ylabel("images")
     ax.legend(fontsize=8)
@@ -315,8 +360,10 @@ def score_histogram(values: np.ndarray, rejected: np.ndarray, threshold: float |
 
 
 def _bar_chart(labels: list[str], series: dict[str, list[float]], title: str, ylabel: str, horizontal: bool = False):
-    fig = _figure(max(6.4, 0.22 * len(labels) * len(series) + 2) if not horizontal else 6.4,
-                  3.2 if not horizontal else max(2.4, 0.32 * len(labels) + 1))
+    fig = _figure(
+        max(6.4, 0.22 * len(labels) * len(series) + 2) if not horizontal else 6.4,
+        3.2 if not horizontal else max(2.4, 0.32 * len(labels) + 1),
+    )
     ax = fig.add_subplot()
     pos = np.arange(len(labels))
     width = 0.8 / max(1, len(series))
@@ -361,8 +408,15 @@ def _detail(reason: str | None) -> str:
 
 
 class _Report:
-    def __init__(self, out_uri: str, cfg: CurateConfig, audit: AuditResult | None, config_source: str,
-                 options: ReportOptions, log: Callable[[str], None]):
+    def __init__(
+        self,
+        out_uri: str,
+        cfg: CurateConfig,
+        audit: AuditResult | None,
+        config_source: str,
+        options: ReportOptions,
+        log: Callable[[str], None],
+    ):
         self.out_uri, self.cfg, self.audit, self.config_source = out_uri, cfg, audit, config_source
         self.options, self.log = options, log
         self.fs, self.root = resolve(out_uri)
@@ -382,8 +436,14 @@ class _Report:
         self.state = {}
         for name in ("run", *PHASES):
             rel = LAYOUT.run_record if name == "run" else LAYOUT.done(name)
-            self.state[name] = read_json(self.fs, join(self.root, rel)) if exists(self.fs, join(self.root, rel)) else None
-        self.manifest = read_json(self.fs, join(self.root, LAYOUT.manifest)) if exists(self.fs, join(self.root, LAYOUT.manifest)) else None
+            self.state[name] = (
+                read_json(self.fs, join(self.root, rel)) if exists(self.fs, join(self.root, rel)) else None
+            )
+        self.manifest = (
+            read_json(self.fs, join(self.root, LAYOUT.manifest))
+            if exists(self.fs, join(self.root, LAYOUT.manifest))
+            else None
+        )
         self.dups = self._table(LAYOUT.dedup_decisions)
         self.sample = self._table(LAYOUT.sample_decisions)
 
@@ -392,9 +452,21 @@ class _Report:
         return pq.read_table(path, filesystem=self.fs).to_pylist() if exists(self.fs, path) else []
 
     def tile(self, r: dict, mark: str = "", note: str | None = None) -> Tile:
-        skip = _NOT_REOPENED.get(reason_code(r["reason"])) if r["status"] == schema.REJECTED and r["stage"] == "decode" else None
-        t = Tile(r["source"], r["key"], r["shard_id"], r["status"] in SURVIVED_SCORING, _basename(r["source"]),
-                 note if note is not None else _detail(r["reason"]) if r["status"] != schema.KEPT else "", mark, skip)
+        skip = (
+            _NOT_REOPENED.get(reason_code(r["reason"]))
+            if r["status"] == schema.REJECTED and r["stage"] == "decode"
+            else None
+        )
+        t = Tile(
+            r["source"],
+            r["key"],
+            r["shard_id"],
+            r["status"] in SURVIVED_SCORING,
+            _basename(r["source"]),
+            note if note is not None else _detail(r["reason"]) if r["status"] != schema.KEPT else "",
+            mark,
+            skip,
+        )
         return t
 
     def pick(self, rows: list[dict], n: int) -> list[dict]:
@@ -411,7 +483,9 @@ class _Report:
     def integrity(self) -> list[Part]:
         a = self.audit
         if a is None:
-            return ["<p>Not verified in this run: <code>python -m jobs.audit &lt;out&gt; --report</code> verifies first.</p>"]
+            return [
+                "<p>Not verified in this run: <code>python -m jobs.audit &lt;out&gt; --report</code> verifies first.</p>"
+            ]
         counts = ", ".join(f"{v} {_esc(k.replace('_', ' '))}" for k, v in a.counts.items())
         if a.ok:
             body = f'<p class="ok">Sound: every check passed ({counts}; {a.seconds:.1f} s).</p>'
@@ -426,24 +500,40 @@ class _Report:
         steps = funnel_steps(stopped_by_stage(self.rows), total, self.cfg.enabled_stages)
         kept = sum(r["status"] == schema.KEPT for r in self.rows)
         labels = [f"{s.phase}/{s.stage}" if s.phase == "score" else s.stage for s in steps] + ["final shards"]
-        src = self.chart("funnel", _bar_chart(labels, {"images": [s.reached for s in steps] + [kept]},
-                                              "Images reaching each stage", "images", horizontal=True))
+        src = self.chart(
+            "funnel",
+            _bar_chart(
+                labels,
+                {"images": [s.reached for s in steps] + [kept]},
+                "Images reaching each stage",
+                "images",
+                horizontal=True,
+            ),
+        )
         rows = []
         for s in steps:
-            rows.append(f'<tr class="stage"><td>{_esc(s.phase)}</td><td>{_esc(s.stage)}</td><td>reached</td>'
-                        f'<td class="n">{s.reached}</td><td class="n">{_pct(s.reached, total)}</td><td></td><td></td></tr>')
+            rows.append(
+                f'<tr class="stage"><td>{_esc(s.phase)}</td><td>{_esc(s.stage)}</td><td>reached</td>'
+                f'<td class="n">{s.reached}</td><td class="n">{_pct(s.reached, total)}</td><td></td><td></td></tr>'
+            )
             for status, code, n in s.outcomes:
                 what = f"{status}" + (f" · {code}" if code and code != status else "")
                 bar = f'<span class="bar" style="width:{100.0 * n / max(total, 1):.1f}%"></span>'
-                rows.append(f"<tr><td></td><td></td><td>{_esc(what)}</td><td class='n'>{n}</td>"
-                            f"<td class='n'>{_pct(n, total)}</td><td class='n'>{_pct(n, s.reached)}</td>"
-                            f"<td class='barcell'>{bar}</td></tr>")
-        rows.append(f'<tr class="stage"><td>write</td><td>final shards</td><td>kept</td><td class="n">{kept}</td>'
-                    f'<td class="n">{_pct(kept, total)}</td><td></td><td></td></tr>')
-        html_ = (f'<p>{total} inputs. Each image stops at the first stage that rejects it; percentages are of all inputs '
-                 f'and of the images that reached the stage.</p><img class="chart" src="{src}" alt="funnel chart">'
-                 '<table class="funnel"><tr><th>phase</th><th>stage</th><th>outcome</th><th>images</th>'
-                 '<th>% of inputs</th><th>% of reached</th><th></th></tr>' + "".join(rows) + "</table>")
+                rows.append(
+                    f"<tr><td></td><td></td><td>{_esc(what)}</td><td class='n'>{n}</td>"
+                    f"<td class='n'>{_pct(n, total)}</td><td class='n'>{_pct(n, s.reached)}</td>"
+                    f"<td class='barcell'>{bar}</td></tr>"
+                )
+        rows.append(
+            f'<tr class="stage"><td>write</td><td>final shards</td><td>kept</td><td class="n">{kept}</td>'
+            f'<td class="n">{_pct(kept, total)}</td><td></td><td></td></tr>'
+        )
+        html_ = (
+            f"<p>{total} inputs. Each image stops at the first stage that rejects it; percentages are of all inputs "
+            f'and of the images that reached the stage.</p><img class="chart" src="{src}" alt="funnel chart">'
+            '<table class="funnel"><tr><th>phase</th><th>stage</th><th>outcome</th><th>images</th>'
+            "<th>% of inputs</th><th>% of reached</th><th></th></tr>" + "".join(rows) + "</table>"
+        )
         return [html_]
 
     def scores(self) -> list[Part]:
@@ -458,16 +548,25 @@ class _Report:
             threshold = getattr(self.cfg.filters, spec.threshold) if spec.threshold else None
             passes = "pass ≥" if spec.keep == "min" else "pass ≤"
             label = f"filters.{spec.threshold} = {threshold:g} ({passes})" if spec.threshold else ""
-            fig = score_histogram(values, rejected, threshold, title=f"{spec.column} ({len(got)} images, stage {spec.stage})",
-                                  threshold_label=label)
-            figs.append(f'<figure class="chartfig"><img class="chart" src="{self.chart(f"hist_{spec.column}", fig)}" '
-                        f'alt="histogram of {spec.column}"><figcaption>{_esc(spec.column)}'
-                        f'{" — threshold filters." + _esc(spec.threshold) if spec.threshold else " — no threshold"}'
-                        "</figcaption></figure>")
-        note = (f"<p>Not computed in this run: {_esc(', '.join(missing))}.</p>" if missing else "")
-        html_ = ("<p>Every image that got the score is counted, whatever happened to it later; red marks the images "
-                 "this score's stage rejected. A prominent person needs the score threshold and the height <em>or</em> "
-                 "the area threshold.</p>" + note + '<div class="charts">' + "".join(figs) + "</div>")
+            fig = score_histogram(
+                values,
+                rejected,
+                threshold,
+                title=f"{spec.column} ({len(got)} images, stage {spec.stage})",
+                threshold_label=label,
+            )
+            figs.append(
+                f'<figure class="chartfig"><img class="chart" src="{self.chart(f"hist_{spec.column}", fig)}" '
+                f'alt="histogram of {spec.column}"><figcaption>{_esc(spec.column)}'
+                f"{' — threshold filters.' + _esc(spec.threshold) if spec.threshold else ' — no threshold'}"
+                "</figcaption></figure>"
+            )
+        note = f"<p>Not computed in this run: {_esc(', '.join(missing))}.</p>" if missing else ""
+        html_ = (
+            "<p>Every image that got the score is counted, whatever happened to it later; red marks the images "
+            "this score's stage rejected. A prominent person needs the score threshold and the height <em>or</em> "
+            "the area threshold.</p>" + note + '<div class="charts">' + "".join(figs) + "</div>"
+        )
         return [html_]
 
     def rejected(self) -> list[Part]:
@@ -477,8 +576,9 @@ class _Report:
                 groups[(r["stage"], r["status"], reason_code(r["reason"]))].append(r)
         order = {s: i for i, s in enumerate(self.cfg.enabled_stages)}
         sheets: list[Part] = []
-        for (stage, status, code), members in sorted(groups.items(),
-                                                     key=lambda kv: (order.get(kv[0][0], 99), -len(kv[1]), kv[0])):
+        for (stage, status, code), members in sorted(
+            groups.items(), key=lambda kv: (order.get(kv[0][0], 99), -len(kv[1]), kv[0])
+        ):
             tiles = [self.tile(r) for r in self.pick(members, self.options.per_sheet)]
             title = f"{stage} · {status} · {code}" if status == schema.ERROR else f"{stage} · {code}"
             sheets.append(Sheet(f"{title} ({len(tiles)} of {len(members)})", tiles))
@@ -499,15 +599,21 @@ class _Report:
         shown = []
         for key, members in ordered:
             keeper = by_key.get(key)
-            tiles = [self.tile(keeper, mark="kept", note=f"{keeper['status']} · {_scores_note(keeper)}")] if keeper else []
+            tiles = (
+                [self.tile(keeper, mark="kept", note=f"{keeper['status']} · {_scores_note(keeper)}")] if keeper else []
+            )
             for d in sorted(members, key=lambda d: d["source"]):
                 row = by_source.get(d["source"])
                 if row:
-                    tiles.append(self.tile(row, mark="dropped", note=f"by {d['duplicate_signal']} · {_scores_note(row)}"))
+                    tiles.append(
+                        self.tile(row, mark="dropped", note=f"by {d['duplicate_signal']} · {_scores_note(row)}")
+                    )
             shown.append(Sheet(f"group of {len(members) + 1}: {key[:12]}…", tiles, "group"))
-        intro = (f"<p>{len(self.dups)} near-duplicates dropped in {len(groups)} groups (by signal: "
-                 f"{_esc(dict(Counter(d['duplicate_signal'] for d in self.dups)))}); the {len(shown)} largest groups, the "
-                 "kept image first.</p>")
+        intro = (
+            f"<p>{len(self.dups)} near-duplicates dropped in {len(groups)} groups (by signal: "
+            f"{_esc(dict(Counter(d['duplicate_signal'] for d in self.dups)))}); the {len(shown)} largest groups, the "
+            "kept image first.</p>"
+        )
         return [intro, *shown]
 
     def clusters(self) -> list[Part]:
@@ -521,21 +627,38 @@ class _Report:
         levels = max(len(d["cluster_ids"] or []) for d in self.sample)
         charted = ordered[: self.options.chart_clusters]
         labels = [str(c) for c, _ in charted]
-        sizes = {"before sampling": [len(m) for _, m in charted],
-                 "after sampling": [sum(d["selected"] for d in m) for _, m in charted]}
-        src = self.chart("clusters", _bar_chart(labels, sizes, f"Leaf cluster sizes ({len(members)} clusters, {levels} levels)",
-                                                "images"))
+        sizes = {
+            "before sampling": [len(m) for _, m in charted],
+            "after sampling": [sum(d["selected"] for d in m) for _, m in charted],
+        }
+        src = self.chart(
+            "clusters",
+            _bar_chart(labels, sizes, f"Leaf cluster sizes ({len(members)} clusters, {levels} levels)", "images"),
+        )
         grids = []
         for cluster, ms in ordered[: self.options.clusters]:
             picked = sorted(ms, key=lambda d: (not d["selected"], d["source"]))[: self.options.per_cluster]
-            tiles = [self.tile(by_source[d["source"]], mark="" if d["selected"] else "unsampled",
-                               note=f"cluster path {d['cluster_ids']}") for d in picked if d["source"] in by_source]
+            tiles = [
+                self.tile(
+                    by_source[d["source"]],
+                    mark="" if d["selected"] else "unsampled",
+                    note=f"cluster path {d['cluster_ids']}",
+                )
+                for d in picked
+                if d["source"] in by_source
+            ]
             chosen = sum(d["selected"] for d in ms)
             grids.append(Sheet(f"cluster {cluster}: {chosen} of {len(ms)} selected", tiles, "cluster"))
-        more = f"<p>Chart shows the {len(charted)} largest of {len(members)} clusters.</p>" if len(members) > len(charted) else ""
-        html_ = (f"<p>Hierarchical k-means on the embeddings of the {len(self.sample)} images left after dedup; leaf "
-                 f"clusters (level 0 of the cluster path, which runs from the leaf up) before and after the balanced "
-                 f"selection of <code>sample.*</code>.</p>{more}<img class='chart' src='{src}' alt='cluster sizes'>")
+        more = (
+            f"<p>Chart shows the {len(charted)} largest of {len(members)} clusters.</p>"
+            if len(members) > len(charted)
+            else ""
+        )
+        html_ = (
+            f"<p>Hierarchical k-means on the embeddings of the {len(self.sample)} images left after dedup; leaf "
+            f"clusters (level 0 of the cluster path, which runs from the leaf up) before and after the balanced "
+            f"selection of <code>sample.*</code>.</p>{more}<img class='chart' src='{src}' alt='cluster sizes'>"
+        )
         return [html_, *grids]
 
     def people(self) -> list[Part]:
@@ -547,43 +670,70 @@ class _Report:
         classes = list(schema.HEAD_YAW_CLASSES)
         extra = sorted({str(r["head_yaw_class"]) for rs in populations.values() for r in rs} - set(classes))
         classes += extra
-        pose = self.chart("head_pose", _bar_chart(
-            classes,
-            {name: [sum(str(r["head_yaw_class"]) == c for r in rs) for c in classes] for name, rs in populations.items()},
-            "Head yaw class of the main person", "images"))
+        pose = self.chart(
+            "head_pose",
+            _bar_chart(
+                classes,
+                {
+                    name: [sum(str(r["head_yaw_class"]) == c for r in rs) for c in classes]
+                    for name, rs in populations.items()
+                },
+                "Head yaw class of the main person",
+                "images",
+            ),
+        )
         fig = _figure(9.6, 3.2)
-        for i, (column, threshold) in enumerate((("main_person_height_frac", "person_min_height_frac"),
-                                                  ("main_person_area_frac", "person_min_area_frac"))):
+        for i, (column, threshold) in enumerate(
+            (("main_person_height_frac", "person_min_height_frac"), ("main_person_area_frac", "person_min_area_frac"))
+        ):
             ax = fig.add_subplot(1, 2, i + 1)
-            for name, rs in (("after scoring", populations["after scoring"]), ("final shards", populations["final shards"])):
+            for name, rs in (
+                ("after scoring", populations["after scoring"]),
+                ("final shards", populations["final shards"]),
+            ):
                 values = [r[column] for r in rs if r[column] is not None]
                 if values:
                     ax.hist(values, bins=np.linspace(0, 1, 21), alpha=0.6, label=f"{name} ({len(values)})")
-            ax.axvline(getattr(self.cfg.filters, threshold), color="black", linestyle="--",
-                       label=f"filters.{threshold} = {getattr(self.cfg.filters, threshold):g}")
+            ax.axvline(
+                getattr(self.cfg.filters, threshold),
+                color="black",
+                linestyle="--",
+                label=f"filters.{threshold} = {getattr(self.cfg.filters, threshold):g}",
+            )
             ax.set_title(column.replace("main_person_", "main person "))
             ax.set_xlabel("fraction of the image")
             ax.legend(fontsize=7)
         scale = self.chart("person_scale", fig)
-        html_ = (f"<img class='chart' src='{pose}' alt='head pose distribution'>"
-                 f"<img class='chart' src='{scale}' alt='person scale distribution'>")
+        html_ = (
+            f"<img class='chart' src='{pose}' alt='head pose distribution'>"
+            f"<img class='chart' src='{scale}' alt='person scale distribution'>"
+        )
         return [html_]
 
     def run_info(self) -> list[Part]:
         m, state = self.manifest or {}, self.state
         checks = []
-        for label, mine, theirs in (("results hash (phase 1)", self.cfg.results_hash(), m.get("config_hash")),
-                                    ("settings hash (all phases)", self.cfg.phase_hash("write"), m.get("settings_hash"))):
+        for label, mine, theirs in (
+            ("results hash (phase 1)", self.cfg.results_hash(), m.get("config_hash")),
+            ("settings hash (all phases)", self.cfg.phase_hash("write"), m.get("settings_hash")),
+        ):
             same = mine == theirs
             verdict = "match" if same else "differ: thresholds below may not be the run’s"
-            checks.append(f"<li>{label}: run <code>{_esc(theirs)}</code>, shown config <code>{_esc(mine)}</code> — "
-                          f"<span class='{'ok' if same else 'bad'}'>{verdict}</span></li>")
+            checks.append(
+                f"<li>{label}: run <code>{_esc(theirs)}</code>, shown config <code>{_esc(mine)}</code> — "
+                f"<span class='{'ok' if same else 'bad'}'>{verdict}</span></li>"
+            )
         timing = []
         score = state.get("score")
         if score:
             rate = score["inputs_this_run"] / max(score["seconds"], 1e-9)
-            timing.append(("score", f"{score['seconds']:.1f} s for {score['inputs_this_run']} inputs scored in the last run "
-                                    f"({rate:.2f} img/s; committed shards from earlier runs are not timed again)"))
+            timing.append(
+                (
+                    "score",
+                    f"{score['seconds']:.1f} s for {score['inputs_this_run']} inputs scored in the last run "
+                    f"({rate:.2f} img/s; committed shards from earlier runs are not timed again)",
+                )
+            )
         for phase in GLOBAL_PHASES:
             if state.get(phase):
                 timing.append((phase, f"{state[phase]['seconds']:.2f} s"))
@@ -592,12 +742,14 @@ class _Report:
         rows = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in timing)
         run = state.get("run") or {}
         config = yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=None)
-        html_ = (f"<p>Input <code>{_esc(run.get('input'))}</code>; config shown: {_esc(self.config_source)}.</p>"
-                 f"<ul>{''.join(checks)}</ul>"
-                 f"<p>Manifest: {_esc(m.get('totals'))}; embedding model {_esc(m.get('embedding_model'))}; schema version "
-                 f"{_esc(m.get('schema_version'))}.</p>"
-                 f"<table class='timing'><tr><th>phase</th><th>time</th></tr>{rows}</table>"
-                 f"<details><summary>config (click to open)</summary><pre>{_esc(config)}</pre></details>")
+        html_ = (
+            f"<p>Input <code>{_esc(run.get('input'))}</code>; config shown: {_esc(self.config_source)}.</p>"
+            f"<ul>{''.join(checks)}</ul>"
+            f"<p>Manifest: {_esc(m.get('totals'))}; embedding model {_esc(m.get('embedding_model'))}; schema version "
+            f"{_esc(m.get('schema_version'))}.</p>"
+            f"<table class='timing'><tr><th>phase</th><th>time</th></tr>{rows}</table>"
+            f"<details><summary>config (click to open)</summary><pre>{_esc(config)}</pre></details>"
+        )
         return [html_]
 
     # --- assembly ------------------------------------------------------------------------------------------------
@@ -621,21 +773,29 @@ class _Report:
         for rel, data in self.charts.items():
             write_bytes_atomic(self.fs, join(report, rel), data)
         nav = " · ".join(f'<a href="#{sid}">{_esc(title)}</a>' for sid, title, _ in sections)
-        body = "".join(f'<section id="{sid}"><h2>{_esc(title)}</h2>'
-                       + "".join(p if isinstance(p, str) else p.html() for p in parts) + "</section>"
-                       for sid, title, parts in sections)
+        body = "".join(
+            f'<section id="{sid}"><h2>{_esc(title)}</h2>'
+            + "".join(p if isinstance(p, str) else p.html() for p in parts)
+            + "</section>"
+            for sid, title, parts in sections
+        )
         note = f'<p class="note">{_esc(LITE_NOTE)}</p>' if self.cfg.profile == "lite" else ""
-        page = (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>Curation report: {_esc(self.out_uri)}</title>"
-                f"<style>{_CSS}</style></head><body><h1>Curation report</h1><p><code>{_esc(self.out_uri)}</code></p>{note}"
-                f"<nav>{nav}</nav>{body}</body></html>")
+        page = (
+            f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>Curation report: {_esc(self.out_uri)}</title>"
+            f"<style>{_CSS}</style></head><body><h1>Curation report</h1><p><code>{_esc(self.out_uri)}</code></p>{note}"
+            f"<nav>{nav}</nav>{body}</body></html>"
+        )
         write_bytes_atomic(self.fs, join(report, "index.html"), page.encode())
         self.log(f"[report] {len(self.charts)} charts, {len(tiles)} tiles, {self.thumbs.made} new thumbnails")
         return join(report, "index.html")
 
 
 def _scores_note(r: dict) -> str:
-    parts = [f"{name} {r[col]:.2f}" for name, col in (("q", "quality"), ("aes", "aesthetic"), ("h", "main_person_height_frac"))
-             if r.get(col) is not None]
+    parts = [
+        f"{name} {r[col]:.2f}"
+        for name, col in (("q", "quality"), ("aes", "aesthetic"), ("h", "main_person_height_frac"))
+        if r.get(col) is not None
+    ]
     if r.get("head_yaw_class"):
         parts.append(str(r["head_yaw_class"]))
     return " · ".join(parts)
@@ -657,8 +817,10 @@ class Sheet:
                 pic = f'<img src="{_esc(t.thumb)}" alt="{_esc(t.caption)}">'
             else:
                 pic = f'<div class="placeholder">{_esc(t.why)}</div>'
-            figs.append(f'<figure class="tile {t.mark}" title="{_esc(t.source)}">{mark}{pic}<figcaption>'
-                        f'<b>{_esc(t.caption)}</b><br>{_esc(t.note)}</figcaption></figure>')
+            figs.append(
+                f'<figure class="tile {t.mark}" title="{_esc(t.source)}">{mark}{pic}<figcaption>'
+                f"<b>{_esc(t.caption)}</b><br>{_esc(t.note)}</figcaption></figure>"
+            )
         return f'<div class="{self.cls}"><h3>{_esc(self.title)}</h3><div class="tiles">{"".join(figs)}</div></div>'
 
 
@@ -691,8 +853,15 @@ ul.problems code{color:#b3261e}pre{background:#f6f6f6;padding:.6em;overflow:auto
 """
 
 
-def write_report(out_uri: str, cfg: CurateConfig, audit: AuditResult | None = None, *, config_source: str = "defaults",
-                 options: ReportOptions = ReportOptions(), log: Callable[[str], None] = print) -> str:
+def write_report(
+    out_uri: str,
+    cfg: CurateConfig,
+    audit: AuditResult | None = None,
+    *,
+    config_source: str = "defaults",
+    options: ReportOptions = ReportOptions(),
+    log: Callable[[str], None] = print,
+) -> str:
     """Write ``<out>/report/index.html`` (with its charts and thumbnails); returns its path."""
     start = time.monotonic()
     path = _Report(out_uri, cfg, audit, config_source, options, log).build()

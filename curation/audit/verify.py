@@ -29,9 +29,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from common import schema
+from common.imageio import open_reduced
 from common.layout import GLOBAL_PHASES, LAYOUT
 from common.storage import exists, file_sha256, join, list_files, read_json, resolve
-from common.imageio import open_reduced
 from curation.ledger import reason_code
 
 STATUSES = (schema.KEPT, schema.REJECTED, schema.ERROR, schema.DUPLICATE, schema.UNSAMPLED)
@@ -109,8 +109,10 @@ def _schema_difference(actual: pa.Schema, expected: pa.Schema) -> str | None:
         if f.name in actual.names:
             got = actual.field(f.name)
             if not got.type.equals(f.type) or got.nullable != f.nullable:
-                parts.append(f"column {f.name} is {got.type}{'' if got.nullable else ' not null'}, expected {f.type}"
-                             f"{'' if f.nullable else ' not null'}")
+                parts.append(
+                    f"column {f.name} is {got.type}{'' if got.nullable else ' not null'}, expected {f.type}"
+                    f"{'' if f.nullable else ' not null'}"
+                )
     if not parts and actual.names != expected.names:
         parts.append(f"columns in order {actual.names}, expected {expected.names}")
     return "schema differs from common/schema.py curated_schema: " + "; ".join(parts)
@@ -135,13 +137,15 @@ class _Auditor:
         if not exists(self.fs, base):
             return []
         infos = self.fs.get_file_info(pafs.FileSelector(base, recursive=True))
-        return sorted(f"{rel}/{i.path[len(base):].lstrip('/')}" for i in infos if i.type == pafs.FileType.File)
+        return sorted(f"{rel}/{i.path[len(base) :].lstrip('/')}" for i in infos if i.type == pafs.FileType.File)
 
     # --- manifest and shards ---------------------------------------------------------------------------------
 
     def manifest(self) -> dict | None:
         if not exists(self.fs, self.path(LAYOUT.manifest)):
-            self.problem(LAYOUT.manifest, None, "missing: the write phase has not completed (run jobs.curate to the end)")
+            self.problem(
+                LAYOUT.manifest, None, "missing: the write phase has not completed (run jobs.curate to the end)"
+            )
             return None
         try:
             manifest = read_json(self.fs, self.path(LAYOUT.manifest))
@@ -153,13 +157,24 @@ class _Auditor:
             self.problem(LAYOUT.manifest, None, f"not a manifest: no {', '.join(missing)}")
             return None
         if manifest["schema_version"] != schema.SCHEMA_VERSION:
-            self.problem(LAYOUT.manifest, None, f"schema version {manifest['schema_version']}; this audit checks version "
-                                         f"{schema.SCHEMA_VERSION}")
+            self.problem(
+                LAYOUT.manifest,
+                None,
+                f"schema version {manifest['schema_version']}; this audit checks version {schema.SCHEMA_VERSION}",
+            )
         shards = manifest["shards"]
-        totals = {"shards": len(shards), "rows": sum(s["rows"] for s in shards), "bytes": sum(s["bytes"] for s in shards)}
+        totals = {
+            "shards": len(shards),
+            "rows": sum(s["rows"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards),
+        }
         for key, value in totals.items():
             if manifest["totals"].get(key) != value:
-                self.problem(LAYOUT.manifest, None, f"totals.{key} is {manifest['totals'].get(key)}, its shards add up to {value}")
+                self.problem(
+                    LAYOUT.manifest,
+                    None,
+                    f"totals.{key} is {manifest['totals'].get(key)}, its shards add up to {value}",
+                )
         return manifest
 
     def check_shard(self, entry: dict, manifest: dict) -> tuple[list[Problem], _ShardRows]:
@@ -176,7 +191,10 @@ class _Auditor:
             add(None, f"{info.size} bytes, the manifest says {entry['bytes']} (truncated or appended to)")
         digest = file_sha256(self.fs, path)
         if digest != entry["sha256"]:
-            add(None, f"sha256 {_short(digest)} differs from the manifest's {_short(entry['sha256'])} (contents changed)")
+            add(
+                None,
+                f"sha256 {_short(digest)} differs from the manifest's {_short(entry['sha256'])} (contents changed)",
+            )
         try:
             pf = pq.ParquetFile(self.fs.open_input_file(path))
         except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for damaged footers
@@ -187,13 +205,19 @@ class _Auditor:
         dim = (meta.get("extra") or {}).get("embedding_dim") if "embedding" in actual.names else None
         if (diff := _schema_difference(actual, schema.curated_schema(dim))) is not None:
             add(None, diff)
-        for name, want in (("table", "curated"), ("schema_version", manifest["schema_version"]),
-                           ("config_hash", manifest["config_hash"])):
+        for name, want in (
+            ("table", "curated"),
+            ("schema_version", manifest["schema_version"]),
+            ("config_hash", manifest["config_hash"]),
+        ):
             if meta.get(name) != want:
                 add(None, f"file metadata humans1b.{name} is {meta.get(name)!r}, expected {want!r}")
         if (actual.metadata or {}).get(schema.HF_METADATA_KEY) != schema.hf_metadata(actual)[schema.HF_METADATA_KEY]:
-            add(None, "file metadata huggingface is missing or does not describe the columns (datasets would not "
-                      "decode the images)")
+            add(
+                None,
+                "file metadata huggingface is missing or does not describe the columns (datasets would not "
+                "decode the images)",
+            )
         if pf.metadata.num_rows != entry["rows"]:
             add(None, f"{pf.metadata.num_rows} rows, the manifest says {entry['rows']}")
         columns = [c for c in ("key", "source", "image") if c in actual.names]
@@ -256,8 +280,11 @@ class _Auditor:
                         continue
                     if value in first:
                         f, r = first[value]
-                        self.problem(rows.file, i, f"{what} {_short(value) if what == 'key' else value} is not unique: "
-                                                   f"also at {f} row {r}")
+                        self.problem(
+                            rows.file,
+                            i,
+                            f"{what} {_short(value) if what == 'key' else value} is not unique: also at {f} row {r}",
+                        )
                     else:
                         first[value] = (rows.file, i)
         return shard_rows
@@ -277,20 +304,27 @@ class _Auditor:
         """The final-ledger files the manifest lists, checked against the commit records: {path: shard_id}."""
         entries = manifest.get("final_ledger")
         if entries is None:
-            self.problem(LAYOUT.manifest, None, "lists no final_ledger files (written by an older version): rerun jobs.curate "
-                                         "with --phases write")
+            self.problem(
+                LAYOUT.manifest,
+                None,
+                "lists no final_ledger files (written by an older version): rerun jobs.curate with --phases write",
+            )
             return {}
         listed = {}
         for entry in entries:
             rel = f"{LAYOUT.final_ledger}/{entry['file']}"
             if entry["shard_id"] not in records:
-                self.problem(rel, None, f"listed in the manifest for input shard {entry['shard_id']}, which has no "
-                                        "commit record")
+                self.problem(
+                    rel, None, f"listed in the manifest for input shard {entry['shard_id']}, which has no commit record"
+                )
                 continue
             listed[rel] = entry["shard_id"]
             if exists(self.fs, self.path(rel)) and (digest := file_sha256(self.fs, self.path(rel))) != entry["sha256"]:
-                self.problem(rel, None, f"sha256 {_short(digest)} differs from the manifest's {_short(entry['sha256'])} "
-                                        "(contents changed)")
+                self.problem(
+                    rel,
+                    None,
+                    f"sha256 {_short(digest)} differs from the manifest's {_short(entry['sha256'])} (contents changed)",
+                )
         for shard_id in sorted(set(records) - set(listed.values())):
             self.problem(LAYOUT.manifest, None, f"lists no final-ledger file for committed input shard {shard_id}")
         return listed
@@ -305,7 +339,9 @@ class _Auditor:
         if not exists(self.fs, self.path(done_rel)):
             self.problem(done_rel, None, "missing: the score phase has not completed")
         elif (want := read_json(self.fs, self.path(done_rel)).get("shards")) != len(records):
-            self.problem(LAYOUT.score_commits, None, f"{len(records)} input shards committed, the score phase had {want}")
+            self.problem(
+                LAYOUT.score_commits, None, f"{len(records)} input shards committed, the score phase had {want}"
+            )
         for phase in GLOBAL_PHASES:
             rel = LAYOUT.done(phase)
             if not exists(self.fs, self.path(rel)):
@@ -327,8 +363,11 @@ class _Auditor:
                 for i, s in enumerate(t.column("source").to_pylist() if t is not None else []):
                     inputs.setdefault(s, (part, i))
             if len(inputs) != record["rows"]:
-                self.problem(LAYOUT.score_commit(shard_id), None,
-                             f"records {record['rows']} inputs, its phase-1 ledger files hold {len(inputs)} distinct ones")
+                self.problem(
+                    LAYOUT.score_commit(shard_id),
+                    None,
+                    f"records {record['rows']} inputs, its phase-1 ledger files hold {len(inputs)} distinct ones",
+                )
             table = self._read(rel, columns)
             if table is None:
                 continue
@@ -356,8 +395,11 @@ class _Auditor:
             if row["source"] in first:
                 other = first[row["source"]]
                 if other["file"] != row["file"]:
-                    self.problem(row["file"], row["row"], f"input {row['source']} also has a row in {other['file']} "
-                                                          f"row {other['row']}")
+                    self.problem(
+                        row["file"],
+                        row["row"],
+                        f"input {row['source']} also has a row in {other['file']} row {other['row']}",
+                    )
             else:
                 first[row["source"]] = row
         self.counts["ledger_rows"] = len(rows)
@@ -367,8 +409,12 @@ class _Auditor:
         funnel = Counter(funnel_key(r["stage"], r["status"], r["reason"]) for r in ledger)
         for key in sorted(set(funnel) | set(manifest["funnel"])):
             if funnel.get(key, 0) != manifest["funnel"].get(key, 0):
-                self.problem(LAYOUT.manifest, None, f"funnel {key}: the manifest says {manifest['funnel'].get(key, 0)}, the "
-                                             f"final ledger has {funnel.get(key, 0)}")
+                self.problem(
+                    LAYOUT.manifest,
+                    None,
+                    f"funnel {key}: the manifest says {manifest['funnel'].get(key, 0)}, the "
+                    f"final ledger has {funnel.get(key, 0)}",
+                )
         by_source = {r["source"]: r for r in ledger}
         in_shards = set()
         for rows in shard_rows:
@@ -380,11 +426,17 @@ class _Auditor:
                 if entry is None:
                     self.problem(rows.file, i, f"{source} has no final-ledger row")
                 elif entry["status"] != schema.KEPT:
-                    self.problem(rows.file, i, f"{source} is in a shard but {entry['file']} row {entry['row']} says "
-                                               f"{entry['status']}")
+                    self.problem(
+                        rows.file,
+                        i,
+                        f"{source} is in a shard but {entry['file']} row {entry['row']} says {entry['status']}",
+                    )
                 elif entry["key"] != key:
-                    self.problem(rows.file, i, f"key {_short(key)} differs from {entry['file']} row {entry['row']}'s "
-                                               f"{_short(entry['key'])}")
+                    self.problem(
+                        rows.file,
+                        i,
+                        f"key {_short(key)} differs from {entry['file']} row {entry['row']}'s {_short(entry['key'])}",
+                    )
         for r in ledger:
             if r["status"] == schema.KEPT and r["source"] not in in_shards:
                 self.problem(r["file"], r["row"], f"{r['source']} is kept but no readable shard row holds it")

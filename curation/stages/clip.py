@@ -29,7 +29,9 @@ from curation.stage import Row, Stage, Update, reject
 _INTERPOLATION = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
 
 
-def clip_input(data: bytes, width: int, height: int, size: tuple[int, int], resize_mode: str, interpolation: str) -> np.ndarray:
+def clip_input(
+    data: bytes, width: int, height: int, size: tuple[int, int], resize_mode: str, interpolation: str
+) -> np.ndarray:
     """One image as open_clip's eval transform would give it, before normalisation: (size_h, size_w, 3) uint8."""
     th, tw = size
     short, long = min(width, height), max(width, height)
@@ -45,7 +47,7 @@ def clip_input(data: bytes, width: int, height: int, size: tuple[int, int], resi
         img = img.resize((max(1, round(w * s)), max(1, round(h * s))), resample)
         out = np.zeros((th, tw, 3), np.uint8)  # open_clip pads with 0
         y0, x0 = (th - img.height) // 2, (tw - img.width) // 2
-        out[y0:y0 + img.height, x0:x0 + img.width] = np.asarray(img)
+        out[y0 : y0 + img.height, x0 : x0 + img.width] = np.asarray(img)
         return out
     s = max(tw / w, th / h)  # shortest side to size, then centre crop
     img = img.resize((max(tw, round(w * s)), max(th, round(h * s))), resample)
@@ -91,10 +93,14 @@ class ClipStage(Stage):
         if head_path is not None:
             self.head = models.aesthetic_head_from_state_dict(models.load_state_dict(head_path)).to(self.device)
             if models.head_input_dim(self.head) != dim:
-                raise ValueError(f"models.clip.aesthetic_head {c.aesthetic_head!r} takes {models.head_input_dim(self.head)}-"
-                                 f"dimensional embeddings but the CLIP model gives {dim}; pair the head with its CLIP model")
+                raise ValueError(
+                    f"models.clip.aesthetic_head {c.aesthetic_head!r} takes {models.head_input_dim(self.head)}-"
+                    f"dimensional embeddings but the CLIP model gives {dim}; pair the head with its CLIP model"
+                )
         # Every prompt set in use, embedded once in one batch.
-        used = [c.realism.photo, c.realism.not_photo] + [s for pf in f.prompt_filters.values() for s in (pf.keep, pf.reject)]
+        used = [c.realism.photo, c.realism.not_photo] + [
+            s for pf in f.prompt_filters.values() for s in (pf.keep, pf.reject)
+        ]
         self.set_rows: dict[str, slice] = {}
         prompts: list[str] = []
         for name in dict.fromkeys(used):
@@ -129,11 +135,19 @@ class ClipStage(Stage):
     def process_batch(self, rows: list[Row]) -> list[Update]:
         import torch
 
-        arrays = list(self._decoder.map(
-            lambda r: clip_input(r["image"]["bytes"], int(r["width"]), int(r["height"]), self.size, self.resize_mode,
-                                 self.interpolation),
-            rows,
-        ))
+        arrays = list(
+            self._decoder.map(
+                lambda r: clip_input(
+                    r["image"]["bytes"],
+                    int(r["width"]),
+                    int(r["height"]),
+                    self.size,
+                    self.resize_mode,
+                    self.interpolation,
+                ),
+                rows,
+            )
+        )
         c, f = self.cfg.models.clip, self.cfg.filters
         with torch.inference_mode():
             emb = self._encode(torch.from_numpy(np.stack(arrays)))
@@ -152,13 +166,17 @@ class ClipStage(Stage):
                 update.update(reject("low_aesthetic", f"aesthetic {aesthetic[i]:.2f} < {f.min_aesthetic}"))
             elif f.min_realism is not None and realism[i] < f.min_realism:
                 top = self.prompts[realism_top[i]]
-                update.update(reject("low_realism", f"realism {realism[i]:.2f} < {f.min_realism} (closest prompt {top!r})"))
+                update.update(
+                    reject("low_realism", f"realism {realism[i]:.2f} < {f.min_realism} (closest prompt {top!r})")
+                )
             else:
                 for name, (p_reject, top) in filters.items():
                     pf = f.prompt_filters[name]
                     if p_reject[i] > pf.max_reject:
-                        detail = (f"p({pf.reject}) {p_reject[i]:.2f} > {pf.max_reject} against {pf.keep} "
-                                  f"(closest prompt {self.prompts[top[i]]!r})")
+                        detail = (
+                            f"p({pf.reject}) {p_reject[i]:.2f} > {pf.max_reject} against {pf.keep} "
+                            f"(closest prompt {self.prompts[top[i]]!r})"
+                        )
                         update.update(reject(f"prompt_{name}", detail))
                         break
             updates.append(update)

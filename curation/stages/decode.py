@@ -79,8 +79,13 @@ class DecodeStage(Stage):
 
 
 _SIGNATURES = (
-    (b"%PDF", "a PDF document"), (b"\x1f\x8b", "gzip data"), (b"PK\x03\x04", "a zip archive"),
-    (b"<?xml", "XML"), (b"<svg", "SVG vector graphics"), (b"{", "JSON or text"), (b"\x7fELF", "an executable"),
+    (b"%PDF", "a PDF document"),
+    (b"\x1f\x8b", "gzip data"),
+    (b"PK\x03\x04", "a zip archive"),
+    (b"<?xml", "XML"),
+    (b"<svg", "SVG vector graphics"),
+    (b"{", "JSON or text"),
+    (b"\x7fELF", "an executable"),
 )
 
 

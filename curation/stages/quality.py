@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.schema import QUALITY_PARTS_TYPE
 from common.imageio import decode
+from common.schema import QUALITY_PARTS_TYPE
 from curation.stage import Row, Stage, StageSettings, Update, reject
 
 PARTS = tuple(field.name for field in QUALITY_PARTS_TYPE)

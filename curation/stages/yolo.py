@@ -39,7 +39,7 @@ from curation.stage import Row, Stage, Update
 from curation.stages.people import PERSON_COLUMNS, order_main_first, person_update, prominence, yaw_class
 
 if TYPE_CHECKING:
-    from curation.config import Filters
+    pass
 
 # COCO keypoint order of YOLO pose models; the first five are the face. "left" is the subject's left.
 NOSE, LEFT_EYE, RIGHT_EYE, LEFT_EAR, RIGHT_EAR = range(5)
@@ -83,8 +83,14 @@ def _projected(yaw: np.ndarray, pitch: np.ndarray, points: np.ndarray = HEAD_MOD
     return (cy * x + sy * z) + 1j * (sp * sy * x + cp * y - sp * cy * z)
 
 
-def project_head(yaw: float, pitch: float, roll: float, scale: float = 1.0, offset: tuple[float, float] = (0.0, 0.0),
-                 points: np.ndarray = HEAD_MODEL) -> np.ndarray:
+def project_head(
+    yaw: float,
+    pitch: float,
+    roll: float,
+    scale: float = 1.0,
+    offset: tuple[float, float] = (0.0, 0.0),
+    points: np.ndarray = HEAD_MODEL,
+) -> np.ndarray:
     """Image positions (N, 2) of head-model points for a pose in degrees: the forward model the fit inverts."""
     p = points @ rotation(np.radians(yaw), np.radians(pitch)).T
     z = (p[:, 0] + 1j * p[:, 1]) * scale * np.exp(1j * np.radians(roll)) + complex(*offset)
@@ -134,8 +140,13 @@ def estimate_head_pose(xy: np.ndarray, conf: np.ndarray, min_conf: float = 0.5) 
     w = np.where(visible[valid], conf[valid], 0.0)
     rows = np.arange(len(xc))
     # Coarse grid shared by all faces, then three finer grids around each face's best (1, 0.2, 0.04 degrees).
-    yaw, pitch = (np.radians(a.ravel()) for a in np.meshgrid(
-        np.arange(-_YAW_RANGE, _YAW_RANGE + 1e-9, _COARSE_STEP), np.arange(-_PITCH_RANGE, _PITCH_RANGE + 1e-9, _COARSE_STEP)))
+    yaw, pitch = (
+        np.radians(a.ravel())
+        for a in np.meshgrid(
+            np.arange(-_YAW_RANGE, _YAW_RANGE + 1e-9, _COARSE_STEP),
+            np.arange(-_PITCH_RANGE, _PITCH_RANGE + 1e-9, _COARSE_STEP),
+        )
+    )
     yaw, pitch = np.broadcast_to(yaw, (len(xc), yaw.size)), np.broadcast_to(pitch, (len(xc), yaw.size))
     pc = _projected(yaw[0], pitch[0])
     step = np.radians(_COARSE_STEP)
@@ -211,15 +222,19 @@ class YoloPersonStage(Stage):
         self.pose = self._prepare(models.load_yolo(pose_path))
         kpt_shape = tuple(getattr(self.pose, "kpt_shape", ()) or ())
         if len(kpt_shape) != 2 or kpt_shape[0] < FACE_KEYPOINTS or kpt_shape[1] != 3:
-            raise ValueError(f"models.yolo.pose {m.pose!r} is not a COCO-keypoint pose model (kpt_shape {kpt_shape}); "
-                             "head pose needs nose, eyes and ears with visibility (a kpt_shape of [17, 3])")
+            raise ValueError(
+                f"models.yolo.pose {m.pose!r} is not a COCO-keypoint pose model (kpt_shape {kpt_shape}); "
+                "head pose needs nose, eyes and ears with visibility (a kpt_shape of [17, 3])"
+            )
         self.det = self._prepare(models.load_yolo(det_path)) if det_path else None
         names = dict(self.det.names if self.det is not None else self.pose.names)
         self.person_class = next((int(k) for k, v in names.items() if v == m.person_class), None)
         if self.person_class is None:
             which = "detector" if self.det is not None else "pose"
-            raise ValueError(f"models.yolo.{which} has no class named {m.person_class!r} (models.yolo.person_class); "
-                             f"its classes: {list(names.values())[:10]}...")
+            raise ValueError(
+                f"models.yolo.{which} has no class named {m.person_class!r} (models.yolo.person_class); "
+                f"its classes: {list(names.values())[:10]}..."
+            )
         from ultralytics.data.augment import LetterBox
         from ultralytics.utils import nms, ops
 
@@ -238,7 +253,12 @@ class YoloPersonStage(Stage):
         preds = model(x)
         preds = preds[0] if isinstance(preds, (list, tuple)) else preds
         out = self._nms.non_max_suppression(
-            preds.float(), m.min_candidate_score, m.nms_iou, classes=classes, max_det=m.max_det, nc=nc,
+            preds.float(),
+            m.min_candidate_score,
+            m.nms_iou,
+            classes=classes,
+            max_det=m.max_det,
+            nc=nc,
             end2end=bool(getattr(model, "end2end", False)),
         )
         return [o.cpu().numpy() for o in out]
@@ -259,7 +279,7 @@ class YoloPersonStage(Stage):
         for i, im in enumerate(images):
             p = pose[i]
             p_boxes = self._ops.scale_boxes(shape, p[:, :4].copy(), im.shape[:2])
-            kpts = p[:, 6:6 + 3 * k].reshape(-1, k, 3).copy()
+            kpts = p[:, 6 : 6 + 3 * k].reshape(-1, k, 3).copy()
             kpts = self._ops.scale_coords(shape, kpts, im.shape[:2]) if len(kpts) else kpts
             if det is None:
                 out.append((p_boxes, p[:, 4], kpts))
@@ -295,8 +315,9 @@ class YoloPersonStage(Stage):
             updates.append(self._row_update(row, boxes, scores, kpts, heads, idx))
         return updates
 
-    def _row_update(self, row: Row, boxes: np.ndarray, scores: np.ndarray, kpts: np.ndarray, heads: HeadPoses,
-                    idx: np.ndarray) -> Update:
+    def _row_update(
+        self, row: Row, boxes: np.ndarray, scores: np.ndarray, kpts: np.ndarray, heads: HeadPoses, idx: np.ndarray
+    ) -> Update:
         m, f = self.cfg.models.yolo, self.cfg.filters
         width, height = int(row["width"]), int(row["height"])
         clip = np.array([width, height, width, height], dtype=np.float64)
@@ -318,17 +339,32 @@ class YoloPersonStage(Stage):
                 if fx1 > fx0 and fy1 > fy0:
                     faces.append({"x0": fx0, "y0": fy0, "x1": fx1, "y1": fy1, "score": head_conf, "view": cls})
             records.append(
-                {"x0": x0, "y0": y0, "x1": x1, "y1": y1, "score": float(s), "detector": "yolo",
-                 "height_frac": hf, "area_frac": af, "prominent": prominence(f, float(s), hf, af) >= 1.0,
-                 "head_yaw_class": cls, "head_confidence": head_conf, "head_yaw": _none_if_nan(heads.yaw[h]),
-                 "head_pitch": _none_if_nan(heads.pitch[h]), "head_roll": _none_if_nan(heads.roll[h]),
-                 "keypoints": None if np.isnan(k).all() else np.nan_to_num(k).reshape(-1).tolist()}
+                {
+                    "x0": x0,
+                    "y0": y0,
+                    "x1": x1,
+                    "y1": y1,
+                    "score": float(s),
+                    "detector": "yolo",
+                    "height_frac": hf,
+                    "area_frac": af,
+                    "prominent": prominence(f, float(s), hf, af) >= 1.0,
+                    "head_yaw_class": cls,
+                    "head_confidence": head_conf,
+                    "head_yaw": _none_if_nan(heads.yaw[h]),
+                    "head_pitch": _none_if_nan(heads.pitch[h]),
+                    "head_roll": _none_if_nan(heads.roll[h]),
+                    "keypoints": None if np.isnan(k).all() else np.nan_to_num(k).reshape(-1).tolist(),
+                }
             )
         order_main_first(records, f)  # persons[0] is the main person, as in the lite profile
         faces.sort(key=lambda fc: -fc["score"])
         main = records[0] if records else None
         return person_update(
-            records, faces, f, nobody="no person detected",
+            records,
+            faces,
+            f,
+            nobody="no person detected",
             head_yaw_class=main["head_yaw_class"] if main else None,
             head_confidence=main["head_confidence"] if main else None,
         )

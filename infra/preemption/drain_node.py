@@ -26,7 +26,9 @@ REASON = "DRAIN_NODE_REASON_PREEMPTION"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="drain_node.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="drain_node.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--deadline-s", type=int, required=True, help="seconds until the node will be force-stopped")
     p.add_argument("--hold", action="store_true", help="after an accepted drain, stay alive until the deadline")
     p.add_argument("--reason-message", default="spot instance reclaim", help="recorded with the drain in the GCS")
@@ -51,12 +53,20 @@ def local_node_id(address: str) -> str:
 def drain_command(node_id: str, deadline_s: int, message: str, address: str) -> list[str]:
     # The CLI of the same Python, so the hook works without `ray` on PATH.
     return [
-        sys.executable, "-m", "ray.scripts.scripts", "drain-node",
-        "--address", address,
-        "--node-id", node_id,
-        "--reason", REASON,
-        "--reason-message", message,
-        "--deadline-remaining-seconds", str(deadline_s),
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "drain-node",
+        "--address",
+        address,
+        "--node-id",
+        node_id,
+        "--reason",
+        REASON,
+        "--reason-message",
+        message,
+        "--deadline-remaining-seconds",
+        str(deadline_s),
     ]
 
 
@@ -65,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     try:
         node_id = local_node_id(args.address)
-        subprocess.run(drain_command(node_id, args.deadline_s, args.reason_message, args.address), check=True, timeout=60)
+        subprocess.run(
+            drain_command(node_id, args.deadline_s, args.reason_message, args.address), check=True, timeout=60
+        )
     except Exception as exc:  # noqa: BLE001 - a hook must report and exit, never hang
         print(f"drain_node: drain failed: {exc}", file=sys.stderr)
         return 1

@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 AWS_IMDS = "http://169.254.169.254"
@@ -65,14 +65,17 @@ def drain_deadline(seconds_left: float, margin_s: float) -> int:
 
 
 class AwsSource:
-    def __init__(self, fetch: Fetch, now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)):
+    def __init__(self, fetch: Fetch, now: Callable[[], datetime] = lambda: datetime.now(UTC)):
         self.fetch, self.now = fetch, now
         self._token, self._token_at = "", float("-inf")
 
     def _imds_token(self) -> str:
         if time.monotonic() - self._token_at > AWS_TOKEN_TTL_S / 2:
             status, body = self.fetch(
-                "PUT", f"{AWS_IMDS}/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_TTL_S)}, 2.0
+                "PUT",
+                f"{AWS_IMDS}/latest/api/token",
+                {"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_TTL_S)},
+                2.0,
             )
             if status != 200:
                 raise RuntimeError(f"IMDSv2 token request answered HTTP {status}")
@@ -96,7 +99,9 @@ class GcpSource:
         # seen only when the poll times out. Then wait_for_change holds the request until the value changes.
         if gcp_preempted(*self.fetch("GET", url, headers, 2.0)):
             return GCP_NOTICE_S
-        status, body = self.fetch("GET", f"{url}?wait_for_change=true&timeout_sec={self.wait_s}", headers, self.wait_s + 5.0)
+        status, body = self.fetch(
+            "GET", f"{url}?wait_for_change=true&timeout_sec={self.wait_s}", headers, self.wait_s + 5.0
+        )
         return GCP_NOTICE_S if gcp_preempted(status, body) else None
 
 
@@ -116,13 +121,17 @@ def watch(source: AwsSource | GcpSource, poll_s: float, margin_s: float, drain_f
             left = None
         if left is not None:
             deadline = drain_deadline(left, margin_s)
-            print(f"spot_watcher: interruption notice, {left:.0f} s left; draining with deadline {deadline} s", flush=True)
+            print(
+                f"spot_watcher: interruption notice, {left:.0f} s left; draining with deadline {deadline} s", flush=True
+            )
             return drain_fn(deadline)
         time.sleep(poll_s)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="spot_watcher.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="spot_watcher.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--cloud", choices=["aws", "gcp"], required=True)
     p.add_argument("--poll-s", type=float, default=5.0, help="seconds between AWS metadata polls (GCP long-polls)")
     p.add_argument("--margin-s", type=float, default=15.0, help="seconds kept back from the notice for shutdown")

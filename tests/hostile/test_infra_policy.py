@@ -28,7 +28,12 @@ RAY_DEFAULT_GCP_ACCOUNT = "ray-autoscaler-sa-v1"
 WORKER_POLICIES = {"data-policy.json"}
 # What the user fills in; infra/README.md says how for each.
 PLACEHOLDERS = {
-    "<ACCOUNT_ID>", "<POOL_BUCKET>", "<OUTPUT_BUCKET>", "<PROJECT_ID>", "<RAY_IMAGE_DIGEST>", "<HUMANS1B_IMAGE_DIGEST>"
+    "<ACCOUNT_ID>",
+    "<POOL_BUCKET>",
+    "<OUTPUT_BUCKET>",
+    "<PROJECT_ID>",
+    "<RAY_IMAGE_DIGEST>",
+    "<HUMANS1B_IMAGE_DIGEST>",
 }
 PLACEHOLDER = re.compile(r"<[A-Z][A-Z0-9_]*>")
 # name:tag@sha256:<64 hex>, or a placeholder for the digest (not a valid digest: pulls fail until it is filled in).
@@ -37,8 +42,13 @@ PINNED = re.compile(r"^[^\s@]+:\w[\w.-]{0,127}@sha256:(?:[0-9a-f]{64}|<[A-Z][A-Z
 UNSCOPED_OK = re.compile(r"^ec2:Describe\w+$")
 # EC2 calls that change an existing instance: allowed on this cluster's instances only (Ray's cluster-name tag).
 INSTANCE_CHANGES = {
-    "ec2:TerminateInstances", "ec2:StopInstances", "ec2:StartInstances", "ec2:RebootInstances", "ec2:CreateTags",
-    "ec2:DeleteTags", "ec2:ModifyInstanceAttribute",
+    "ec2:TerminateInstances",
+    "ec2:StopInstances",
+    "ec2:StartInstances",
+    "ec2:RebootInstances",
+    "ec2:CreateTags",
+    "ec2:DeleteTags",
+    "ec2:ModifyInstanceAttribute",
 }
 PROFILE_ARN = re.compile(r"^arn:aws:iam::(?:\d{12}|<ACCOUNT_ID>):instance-profile/([\w+=,.@-]+)$")
 SHM = "/dev/shm"
@@ -47,8 +57,11 @@ SHM = "/dev/shm"
 def _load() -> dict:
     """Everything the rules read, parsed from the working tree."""
     paths = [
-        INFRA / "Dockerfile", *sorted(INFRA.glob("*/cluster.yaml")), *sorted((INFRA / "aws" / "iam").glob("*.json")),
-        INFRA / "gcp" / "autoscaler-role.yaml", *sorted((INFRA / "kuberay").glob("*.yaml")),
+        INFRA / "Dockerfile",
+        *sorted(INFRA.glob("*/cluster.yaml")),
+        *sorted((INFRA / "aws" / "iam").glob("*.json")),
+        INFRA / "gcp" / "autoscaler-role.yaml",
+        *sorted((INFRA / "kuberay").glob("*.yaml")),
     ]
     texts = {str(p.relative_to(REPO)): p.read_text() for p in paths}
     return {
@@ -195,9 +208,11 @@ def gcp_account_problems(s: dict) -> list[str]:
 
 
 def gcp_role_problems(s: dict) -> list[str]:
-    return [f"autoscaler role: {p} (only named compute permissions, no IAM changes)"
-            for p in s["gcp_role"]["includedPermissions"]
-            if "*" in p or not p.startswith("compute.") or "IamPolicy" in p]
+    return [
+        f"autoscaler role: {p} (only named compute permissions, no IAM changes)"
+        for p in s["gcp_role"]["includedPermissions"]
+        if "*" in p or not p.startswith("compute.") or "IamPolicy" in p
+    ]
 
 
 # ---------------------------------------------------------------- images pinned by digest
@@ -225,8 +240,11 @@ def _froms(dockerfile: str) -> list[tuple[str, str]]:
 def dockerfile_problems(s: dict) -> list[str]:
     froms = _froms(s["dockerfile"])
     # The @ must be in the FROM itself: a whole reference in an ARG can be overridden with a bare tag.
-    return [f"FROM {ref} ({resolved}) is not pinned by digest" for ref, resolved in froms
-            if "@" not in ref or not PINNED.match(resolved)] + ([] if froms else ["no FROM"])
+    return [
+        f"FROM {ref} ({resolved}) is not pinned by digest"
+        for ref, resolved in froms
+        if "@" not in ref or not PINNED.match(resolved)
+    ] + ([] if froms else ["no FROM"])
 
 
 def _images(node) -> list[str]:
@@ -240,12 +258,19 @@ def _images(node) -> list[str]:
 
 def image_problems(s: dict) -> list[str]:
     docs = {"aws": s["aws"], "gcp": s["gcp"], **s["manifests"]}
-    problems = [f"{where}: {image} is not pinned by digest"
-                for where, doc in docs.items() for image in _images(doc) if not PINNED.match(image)]
+    problems = [
+        f"{where}: {image} is not pinned by digest"
+        for where, doc in docs.items()
+        for image in _images(doc)
+        if not PINNED.match(image)
+    ]
     problems += [f"{where}: no image" for where, doc in docs.items() if not _images(doc)]
     base = _froms(s["dockerfile"])[0][1]  # the VM clusters run the image's base, the project pip-installed on top
-    return problems + [f"{c}: runs {s[c]['docker']['image']}, not the Dockerfile's base {base}"
-                       for c in ("aws", "gcp") if s[c]["docker"]["image"] != base]
+    return problems + [
+        f"{c}: runs {s[c]['docker']['image']}, not the Dockerfile's base {base}"
+        for c in ("aws", "gcp")
+        if s[c]["docker"]["image"] != base
+    ]
 
 
 # ---------------------------------------------------------------- KubeRay pods: securityContext, /dev/shm, token
@@ -351,8 +376,9 @@ def launcher_token_problems(s: dict) -> list[str]:
         if "--env RAY_AUTH_MODE=token" not in cfg["docker"]["run_options"]:
             problems.append(f"{cloud}: the container does not set RAY_AUTH_MODE=token")
         starts = [c for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"] if "ray start" in c]
-        problems += [f"{cloud}: {c!r} without RAY_AUTH_MODE=token" for c in starts
-                     if "RAY_AUTH_MODE=token ray start" not in c]
+        problems += [
+            f"{cloud}: {c!r} without RAY_AUTH_MODE=token" for c in starts if "RAY_AUTH_MODE=token ray start" not in c
+        ]
         problems += [] if starts else [f"{cloud}: no ray start"]
     return problems
 
@@ -363,15 +389,27 @@ def launcher_token_problems(s: dict) -> list[str]:
 def placeholder_problems(s: dict) -> list[str]:
     used = {p: path for path, text in s["texts"].items() for p in PLACEHOLDER.findall(text)}
     unknown = [f"{path}: {p} is not one of {sorted(PLACEHOLDERS)}" for p, path in used.items() if p not in PLACEHOLDERS]
-    return unknown + [f"{path}: infra/README.md does not say how to fill in {p}"
-                      for p, path in used.items() if p not in s["readme"]]
+    return unknown + [
+        f"{path}: infra/README.md does not say how to fill in {p}" for p, path in used.items() if p not in s["readme"]
+    ]
 
 
-RULES = {f.__name__: f for f in (
-    aws_profile_problems, iam_policy_problems, gcp_account_problems, gcp_role_problems, dockerfile_problems,
-    image_problems, pod_security_problems, shm_problems, kuberay_token_problems, launcher_token_problems,
-    placeholder_problems,
-)}
+RULES = {
+    f.__name__: f
+    for f in (
+        aws_profile_problems,
+        iam_policy_problems,
+        gcp_account_problems,
+        gcp_role_problems,
+        dockerfile_problems,
+        image_problems,
+        pod_security_problems,
+        shm_problems,
+        kuberay_token_problems,
+        launcher_token_problems,
+        placeholder_problems,
+    )
+}
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -428,6 +466,7 @@ def replacing(key: str, old: str, new: str):
     def mutate(s):
         assert old in s[key]
         s[key] = s[key].replace(old, new)
+
     return mutate
 
 
@@ -458,46 +497,101 @@ TAG_ONLY = "registry.example.com/humans1b:0.1.0"
 MUTATIONS = [
     ("aws_profile_problems", "head-without-profile", deleting(node("aws", "head"), "IamInstanceProfile")),
     ("aws_profile_problems", "worker-without-profile", deleting(node("aws", "cpu_spot"), "IamInstanceProfile")),
-    ("aws_profile_problems", "rays-default-profile", setting(node("aws", "head"), "IamInstanceProfile", {
-        "Arn": f"{ACCOUNT}:instance-profile/{DEFAULT_RAY_INSTANCE_PROFILE}"})),
-    ("aws_profile_problems", "worker-with-head-profile", lambda s: node("aws", "cpu_spot")(s).update(
-        IamInstanceProfile=node("aws", "head")(s)["IamInstanceProfile"])),
-    ("aws_profile_problems", "role-arn-not-profile", setting(
-        node("aws", "cpu_spot"), "IamInstanceProfile", {"Arn": f"{ACCOUNT}:role/humans1b-ray-worker"})),
+    (
+        "aws_profile_problems",
+        "rays-default-profile",
+        setting(
+            node("aws", "head"),
+            "IamInstanceProfile",
+            {"Arn": f"{ACCOUNT}:instance-profile/{DEFAULT_RAY_INSTANCE_PROFILE}"},
+        ),
+    ),
+    (
+        "aws_profile_problems",
+        "worker-with-head-profile",
+        lambda s: node("aws", "cpu_spot")(s).update(IamInstanceProfile=node("aws", "head")(s)["IamInstanceProfile"]),
+    ),
+    (
+        "aws_profile_problems",
+        "role-arn-not-profile",
+        setting(node("aws", "cpu_spot"), "IamInstanceProfile", {"Arn": f"{ACCOUNT}:role/humans1b-ray-worker"}),
+    ),
     ("iam_policy_problems", "action-star", appending(statements("autoscaler-policy.json"), allow("*", "*"))),
     ("iam_policy_problems", "s3-star-on-star", appending(statements("data-policy.json"), allow("s3:*", "*"))),
-    ("iam_policy_problems", "get-object-anywhere", setting(
-        statement("data-policy.json", "ReadThePool"), "Resource", "*")),
-    ("iam_policy_problems", "action-prefix-wildcard", setting(
-        statement("data-policy.json", "ReadAndWriteOutputs"), "Action", ["s3:Put*"])),
-    ("iam_policy_problems", "not-action", appending(
-        statements("autoscaler-policy.json"), {"Effect": "Allow", "NotAction": "iam:*", "Resource": "*"})),
-    ("iam_policy_problems", "worker-may-launch", appending(
-        statements("data-policy.json"), allow("ec2:RunInstances", "arn:aws:ec2:us-west-2::image/*"))),
-    ("iam_policy_problems", "worker-may-pass-roles", appending(
-        statements("data-policy.json"), allow("iam:PassRole", f"{ACCOUNT}:role/humans1b-ray-worker"))),
+    (
+        "iam_policy_problems",
+        "get-object-anywhere",
+        setting(statement("data-policy.json", "ReadThePool"), "Resource", "*"),
+    ),
+    (
+        "iam_policy_problems",
+        "action-prefix-wildcard",
+        setting(statement("data-policy.json", "ReadAndWriteOutputs"), "Action", ["s3:Put*"]),
+    ),
+    (
+        "iam_policy_problems",
+        "not-action",
+        appending(statements("autoscaler-policy.json"), {"Effect": "Allow", "NotAction": "iam:*", "Resource": "*"}),
+    ),
+    (
+        "iam_policy_problems",
+        "worker-may-launch",
+        appending(statements("data-policy.json"), allow("ec2:RunInstances", "arn:aws:ec2:us-west-2::image/*")),
+    ),
+    (
+        "iam_policy_problems",
+        "worker-may-pass-roles",
+        appending(statements("data-policy.json"), allow("iam:PassRole", f"{ACCOUNT}:role/humans1b-ray-worker")),
+    ),
     ("iam_policy_problems", "pass-any-role", setting(PASS_ROLE, "Resource", f"{ACCOUNT}:role/humans1b-*")),
     ("iam_policy_problems", "pass-head-role", setting(PASS_ROLE, "Resource", f"{ACCOUNT}:role/humans1b-ray-head")),
     ("iam_policy_problems", "pass-role-to-any-service", deleting(PASS_ROLE, "Condition")),
-    ("iam_policy_problems", "terminate-any-instance", deleting(
-        statement("autoscaler-policy.json", "RetagAndTerminateOnlyThisCluster"), "Condition")),
-    ("iam_policy_problems", "launch-untagged", deleting(
-        statement("autoscaler-policy.json", "LaunchOnlyInstancesTaggedForThisCluster"), "Condition")),
-    ("iam_policy_problems", "pool-writable", appending(
-        statements("data-policy.json"), allow("s3:PutObject", "arn:aws:s3:::<POOL_BUCKET>/*"))),
-    ("iam_policy_problems", "other-region", setting(
-        statement("autoscaler-policy.json", "ResolveTheAmiParameterAtLaunch"), "Resource",
-        "arn:aws:ssm:us-east-1::parameter/aws/service/x")),
-    ("iam_policy_problems", "anyone-may-assume", setting(
-        statement("trust-ec2.json", "Ec2InstancesOnly"), "Principal", {"AWS": "*"})),
+    (
+        "iam_policy_problems",
+        "terminate-any-instance",
+        deleting(statement("autoscaler-policy.json", "RetagAndTerminateOnlyThisCluster"), "Condition"),
+    ),
+    (
+        "iam_policy_problems",
+        "launch-untagged",
+        deleting(statement("autoscaler-policy.json", "LaunchOnlyInstancesTaggedForThisCluster"), "Condition"),
+    ),
+    (
+        "iam_policy_problems",
+        "pool-writable",
+        appending(statements("data-policy.json"), allow("s3:PutObject", "arn:aws:s3:::<POOL_BUCKET>/*")),
+    ),
+    (
+        "iam_policy_problems",
+        "other-region",
+        setting(
+            statement("autoscaler-policy.json", "ResolveTheAmiParameterAtLaunch"),
+            "Resource",
+            "arn:aws:ssm:us-east-1::parameter/aws/service/x",
+        ),
+    ),
+    (
+        "iam_policy_problems",
+        "anyone-may-assume",
+        setting(statement("trust-ec2.json", "Ec2InstancesOnly"), "Principal", {"AWS": "*"}),
+    ),
     ("gcp_account_problems", "head-without-account", deleting(node("gcp", "head"), "serviceAccounts")),
     ("gcp_account_problems", "compute-default-account", setting(gcp_cpu_account, "email", "default")),
-    ("gcp_account_problems", "rays-default-account", setting(
-        gcp_cpu_account, "email", f"{RAY_DEFAULT_GCP_ACCOUNT}@<PROJECT_ID>.iam.gserviceaccount.com")),
-    ("gcp_account_problems", "worker-with-head-account", lambda s: gcp_cpu_account(s).update(
-        email=node("gcp", "head")(s)["serviceAccounts"][0]["email"])),
-    ("gcp_account_problems", "other-project", setting(
-        gcp_cpu_account, "email", "humans1b-ray-worker@other.iam.gserviceaccount.com")),
+    (
+        "gcp_account_problems",
+        "rays-default-account",
+        setting(gcp_cpu_account, "email", f"{RAY_DEFAULT_GCP_ACCOUNT}@<PROJECT_ID>.iam.gserviceaccount.com"),
+    ),
+    (
+        "gcp_account_problems",
+        "worker-with-head-account",
+        lambda s: gcp_cpu_account(s).update(email=node("gcp", "head")(s)["serviceAccounts"][0]["email"]),
+    ),
+    (
+        "gcp_account_problems",
+        "other-project",
+        setting(gcp_cpu_account, "email", "humans1b-ray-worker@other.iam.gserviceaccount.com"),
+    ),
     ("gcp_role_problems", "compute-wildcard", appending(gcp_permissions, "compute.instances.*")),
     ("gcp_role_problems", "act-as-anyone", appending(gcp_permissions, "iam.serviceAccounts.actAs")),
     ("gcp_role_problems", "storage", appending(gcp_permissions, "storage.objects.create")),
@@ -505,65 +599,132 @@ MUTATIONS = [
     ("dockerfile_problems", "tag-only", replacing("dockerfile", FROM, FROM.split("@")[0])),
     ("dockerfile_problems", "digest-arg-empty", replacing("dockerfile", DIGEST_ARG, "ARG RAY_IMAGE_DIGEST=")),
     ("dockerfile_problems", "digest-arg-a-tag", replacing("dockerfile", DIGEST_ARG, "ARG RAY_IMAGE_DIGEST=latest")),
-    ("dockerfile_problems", "whole-reference-in-an-arg", replacing(
-        "dockerfile", FROM, "ARG BASE=rayproject/ray:2.60.0-py311-gpu@sha256:<RAY_IMAGE_DIGEST>\nFROM ${BASE}")),
-    ("dockerfile_problems", "unpinned-second-stage", lambda s: s.update(
-        dockerfile=s["dockerfile"] + "FROM python:3.11-slim AS tools\n")),
+    (
+        "dockerfile_problems",
+        "whole-reference-in-an-arg",
+        replacing(
+            "dockerfile", FROM, "ARG BASE=rayproject/ray:2.60.0-py311-gpu@sha256:<RAY_IMAGE_DIGEST>\nFROM ${BASE}"
+        ),
+    ),
+    (
+        "dockerfile_problems",
+        "unpinned-second-stage",
+        lambda s: s.update(dockerfile=s["dockerfile"] + "FROM python:3.11-slim AS tools\n"),
+    ),
     ("dockerfile_problems", "no-from", lambda s: s.update(dockerfile="RUN true\n")),
-    ("image_problems", "launcher-tag-only", setting(
-        lambda s: s["aws"]["docker"], "image", "rayproject/ray:2.60.0-py311-gpu")),
-    ("image_problems", "launcher-other-base", setting(
-        lambda s: s["gcp"]["docker"], "image", "rayproject/ray:2.60.0-py311-gpu@sha256:" + "0" * 64)),
+    (
+        "image_problems",
+        "launcher-tag-only",
+        setting(lambda s: s["aws"]["docker"], "image", "rayproject/ray:2.60.0-py311-gpu"),
+    ),
+    (
+        "image_problems",
+        "launcher-other-base",
+        setting(lambda s: s["gcp"]["docker"], "image", "rayproject/ray:2.60.0-py311-gpu@sha256:" + "0" * 64),
+    ),
     ("image_problems", "worker-tag-only", setting(container("raycluster", "cpu-spot"), "image", TAG_ONLY)),
-    ("image_problems", "digest-without-tag", setting(
-        container("raycluster", "head"), "image", "registry.example.com/humans1b@sha256:" + "0" * 64)),
-    ("image_problems", "submitter-latest", setting(
-        container("rayjob-curate", "submitter"), "image", "registry.example.com/humans1b:latest")),
-    ("image_problems", "autoscaler-image-unpinned", setting(
-        lambda s: cluster("rayjob-pretrain")(s)["autoscalerOptions"], "image", "rayproject/ray:2.60.0")),
+    (
+        "image_problems",
+        "digest-without-tag",
+        setting(container("raycluster", "head"), "image", "registry.example.com/humans1b@sha256:" + "0" * 64),
+    ),
+    (
+        "image_problems",
+        "submitter-latest",
+        setting(container("rayjob-curate", "submitter"), "image", "registry.example.com/humans1b:latest"),
+    ),
+    (
+        "image_problems",
+        "autoscaler-image-unpinned",
+        setting(lambda s: cluster("rayjob-pretrain")(s)["autoscalerOptions"], "image", "rayproject/ray:2.60.0"),
+    ),
     ("pod_security_problems", "worker-pod-without-context", deleting(pod("raycluster", "cpu-spot"), "securityContext")),
     ("pod_security_problems", "root-allowed", own_security(pod("raycluster", "head"), "runAsNonRoot", False)),
     ("pod_security_problems", "root-user", own_security(pod("raycluster", "head"), "runAsUser", 0)),
-    ("pod_security_problems", "seccomp-unconfined", own_security(
-        pod("raycluster", "cpu-spot"), "seccompProfile", {"type": "Unconfined"})),
-    ("pod_security_problems", "escalation", own_security(
-        container("raycluster", "cpu-spot"), "allowPrivilegeEscalation", True)),
-    ("pod_security_problems", "capabilities-kept", own_security(
-        container("raycluster", "cpu-spot"), "capabilities", {"drop": []})),
-    ("pod_security_problems", "capability-added", own_security(
-        container("raycluster", "cpu-spot"), "capabilities", {"drop": ["ALL"], "add": ["SYS_ADMIN"]})),
+    (
+        "pod_security_problems",
+        "seccomp-unconfined",
+        own_security(pod("raycluster", "cpu-spot"), "seccompProfile", {"type": "Unconfined"}),
+    ),
+    (
+        "pod_security_problems",
+        "escalation",
+        own_security(container("raycluster", "cpu-spot"), "allowPrivilegeEscalation", True),
+    ),
+    (
+        "pod_security_problems",
+        "capabilities-kept",
+        own_security(container("raycluster", "cpu-spot"), "capabilities", {"drop": []}),
+    ),
+    (
+        "pod_security_problems",
+        "capability-added",
+        own_security(container("raycluster", "cpu-spot"), "capabilities", {"drop": ["ALL"], "add": ["SYS_ADMIN"]}),
+    ),
     ("pod_security_problems", "privileged", own_security(container("raycluster", "cpu-spot"), "privileged", True)),
     ("pod_security_problems", "container-as-root", own_security(container("raycluster", "cpu-spot"), "runAsUser", 0)),
-    ("pod_security_problems", "container-without-context", deleting(
-        container("raycluster", "cpu-spot"), "securityContext")),
-    ("pod_security_problems", "default-submitter", deleting(
-        lambda s: s["manifests"]["rayjob-curate"]["spec"], "submitterPodTemplate")),
-    ("pod_security_problems", "submitter-pod-without-context", deleting(
-        pod("rayjob-curate", "submitter"), "securityContext")),
-    ("pod_security_problems", "autoscaler-without-context", deleting(
-        lambda s: cluster("raycluster")(s)["autoscalerOptions"], "securityContext")),
+    (
+        "pod_security_problems",
+        "container-without-context",
+        deleting(container("raycluster", "cpu-spot"), "securityContext"),
+    ),
+    (
+        "pod_security_problems",
+        "default-submitter",
+        deleting(lambda s: s["manifests"]["rayjob-curate"]["spec"], "submitterPodTemplate"),
+    ),
+    (
+        "pod_security_problems",
+        "submitter-pod-without-context",
+        deleting(pod("rayjob-curate", "submitter"), "securityContext"),
+    ),
+    (
+        "pod_security_problems",
+        "autoscaler-without-context",
+        deleting(lambda s: cluster("raycluster")(s)["autoscalerOptions"], "securityContext"),
+    ),
     ("shm_problems", "disk-backed", setting(cpu_shm, "medium", "")),
     ("shm_problems", "no-size-limit", deleting(cpu_shm, "sizeLimit")),
     ("shm_problems", "too-small-for-the-object-store", setting(cpu_shm, "sizeLimit", "12Gi")),
     ("shm_problems", "whole-pod-memory", setting(cpu_shm, "sizeLimit", "56Gi")),
     ("shm_problems", "not-mounted", setting(container("raycluster", "cpu-spot"), "volumeMounts", [])),
-    ("kuberay_token_problems", "auth-disabled", setting(
-        lambda s: cluster("rayjob-finetune")(s)["authOptions"], "mode", "disabled")),
+    (
+        "kuberay_token_problems",
+        "auth-disabled",
+        setting(lambda s: cluster("rayjob-finetune")(s)["authOptions"], "mode", "disabled"),
+    ),
     ("kuberay_token_problems", "auth-removed", deleting(cluster("raycluster"), "authOptions")),
-    ("kuberay_token_problems", "submitter-env-disabled", setting(
-        container("rayjob-pretrain", "submitter"), "env", [{"name": "RAY_AUTH_MODE", "value": "disabled"}])),
-    ("launcher_token_problems", "container-env-removed", lambda s: s["aws"]["docker"]["run_options"].remove(
-        "--env RAY_AUTH_MODE=token")),
-    ("launcher_token_problems", "worker-start-without-token", lambda s: s["gcp"].update(worker_start_ray_commands=[
-        c.replace("RAY_AUTH_MODE=token ray start", "ray start") for c in s["gcp"]["worker_start_ray_commands"]])),
-    ("placeholder_problems", "unknown-placeholder", lambda s: s["texts"].update(
-        {"infra/aws/cluster.yaml": "bucket: <BUCKET>"})),
+    (
+        "kuberay_token_problems",
+        "submitter-env-disabled",
+        setting(container("rayjob-pretrain", "submitter"), "env", [{"name": "RAY_AUTH_MODE", "value": "disabled"}]),
+    ),
+    (
+        "launcher_token_problems",
+        "container-env-removed",
+        lambda s: s["aws"]["docker"]["run_options"].remove("--env RAY_AUTH_MODE=token"),
+    ),
+    (
+        "launcher_token_problems",
+        "worker-start-without-token",
+        lambda s: s["gcp"].update(
+            worker_start_ray_commands=[
+                c.replace("RAY_AUTH_MODE=token ray start", "ray start") for c in s["gcp"]["worker_start_ray_commands"]
+            ]
+        ),
+    ),
+    (
+        "placeholder_problems",
+        "unknown-placeholder",
+        lambda s: s["texts"].update({"infra/aws/cluster.yaml": "bucket: <BUCKET>"}),
+    ),
     ("placeholder_problems", "undocumented-placeholder", replacing("readme", "<OUTPUT_BUCKET>", "the output bucket")),
 ]
 
 
 @pytest.mark.parametrize(
-    "rule,mutate", [(r, m) for r, _, m in MUTATIONS],
+    "rule,mutate",
+    [(r, m) for r, _, m in MUTATIONS],
     ids=[f"{r.removesuffix('_problems')}-{i}" for r, i, _ in MUTATIONS],
 )
 def test_rule_catches_a_broken_copy(rule, mutate):

@@ -62,8 +62,12 @@ class CallsAllowedLayer:
 
 
 def _evil_yaml(marker: Path) -> dict:
-    return {"nc": 1, "activation": f"open({str(marker)!r}, 'w').close() or nn.SiLU()",
-            "backbone": [[-1, 1, "Conv", [16, 3, 2]]], "head": [[[0], 1, "Detect", ["nc"]]]}
+    return {
+        "nc": 1,
+        "activation": f"open({str(marker)!r}, 'w').close() or nn.SiLU()",
+        "backbone": [[-1, 1, "Conv", [16, 3, 2]]],
+        "head": [[[0], 1, "Detect", ["nc"]]],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +91,7 @@ def test_pt_that_builds_autobackend_on_a_second_pickle_is_refused_and_the_payloa
 
     second = tmp_path / "weights.pt"
     torch.save({"model": Payload(tmp_path / "pwned")}, second)
-    with pytest.raises(Exception):  # the attack is real: AutoBackend unpickles the second file, running the payload
+    with pytest.raises(Exception):  # noqa: B017 - whatever the payload's object breaks; the attack is real: AutoBackend unpickles the second file, running the payload
         AutoBackend(str(second))
     assert (tmp_path / "pwned").exists()
 
@@ -123,9 +127,10 @@ def test_safetensors_whose_architecture_would_run_code_is_refused(yolo_pts, tmp_
 
     tensors = load_file(str(good))
     meta = {"format": models.YOLO_FORMAT, "task": "detect", "names": json.dumps({"0": "person"})}
-    for cfg, named in ((_evil_yaml(tmp_path / "pwned"), "activation"),
-                       ({**model.yaml, "head": [[-1, 1, "attempt_load_weights", [str(tmp_path / "x.pt")]]]},
-                        "attempt_load_weights")):
+    for cfg, named in (
+        (_evil_yaml(tmp_path / "pwned"), "activation"),
+        ({**model.yaml, "head": [[-1, 1, "attempt_load_weights", [str(tmp_path / "x.pt")]]]}, "attempt_load_weights"),
+    ):
         save_file(tensors, str(tmp_path / "evil.safetensors"), metadata={**meta, "yaml": json.dumps(cfg)})
         with pytest.raises(ValueError, match=f"refusing to build the architecture.*{named}"):
             models.load_yolo(tmp_path / "evil.safetensors")

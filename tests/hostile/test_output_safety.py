@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from common.layout import LAYOUT
 from common.config import load_config
+from common.layout import LAYOUT
 from common.lease import Lease, LeaseHeld, LeaseLost
 from curation.config import CurateConfig
 from curation.phases import GlobalPhases
@@ -36,8 +36,17 @@ QUIET = {"log": lambda _: None}
 def _foreign_lease(root: Path, heartbeat_age: float) -> dict:
     """A lease record as another machine's run would have left it."""
     now = time.time()
-    record = {"token": "0" * 32, "command": "jobs.curate", "host": "other-node", "pid": 4242, "process": "4242:1",
-              "machine": "elsewhere", "ray_job": "raysubmit_other", "started": now - 3600, "heartbeat": now - heartbeat_age}
+    record = {
+        "token": "0" * 32,
+        "command": "jobs.curate",
+        "host": "other-node",
+        "pid": 4242,
+        "process": "4242:1",
+        "machine": "elsewhere",
+        "ray_job": "raysubmit_other",
+        "started": now - 3600,
+        "heartbeat": now - heartbeat_age,
+    }
     path = root / LAYOUT.lease
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record))
@@ -87,9 +96,15 @@ def test_of_racing_claimants_exactly_one_wins_and_the_others_are_told_who(tmp_pa
 def test_a_killed_holder_on_this_machine_is_taken_over_at_once(tmp_path):
     out = tmp_path / "out"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from common.lease import Lease; "
-         f"Lease({str(out)!r}, holder='jobs.curate', settle_s=0).acquire(); print('held', flush=True); time.sleep(60)"],
-        cwd=REPO, stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from common.lease import Lease; "
+            f"Lease({str(out)!r}, holder='jobs.curate', settle_s=0).acquire(); print('held', flush=True); time.sleep(60)",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -119,7 +134,9 @@ def test_a_stale_lease_is_taken_over_and_a_live_one_is_not(tmp_path):
 
 def test_a_heartbeat_that_finds_the_lease_taken_reports_the_loss(tmp_path):
     lost = threading.Event()
-    holder = Lease(str(tmp_path), heartbeat_s=0.05, stale_s=1, settle_s=0, on_lost=lambda _: lost.set(), **QUIET).acquire()
+    holder = Lease(
+        str(tmp_path), heartbeat_s=0.05, stale_s=1, settle_s=0, on_lost=lambda _: lost.set(), **QUIET
+    ).acquire()
     for _ in range(5):  # a heartbeat landing inside the breaker's settle time wins that round: the breaker retries
         try:
             Lease(str(tmp_path), settle_s=0.1, **QUIET).acquire(force=True)
@@ -188,7 +205,10 @@ def test_a_resumed_phase_removes_the_temporaries_of_writes_a_kill_cut_short(out,
     cfg = load_config(CurateConfig, LITE, CURATED_WITH)
     (out / "_state" / "sample.done.json").unlink()  # killed while writing sample's done record
     (out / "_state" / "write.done.json").unlink()
-    leftovers = [out / "_state" / "_tmp-0badc0de-sample.done.json", out / "sample" / "decisions" / "_tmp-0badc0de-part-0.parquet"]
+    leftovers = [
+        out / "_state" / "_tmp-0badc0de-sample.done.json",
+        out / "sample" / "decisions" / "_tmp-0badc0de-part-0.parquet",
+    ]
     for path in leftovers:
         path.write_bytes(b"cut short")
     decisions = {p.name: p.read_bytes() for p in (out / "sample" / "decisions").glob("part-*.parquet")}
@@ -206,7 +226,7 @@ def test_training_reads_only_what_the_manifest_lists(out):
     index = data.DataIndex.scan(str(shards))
     assert index.files == _listed(out) and "part-99999-stray.parquet" not in index.files
     (shards / "manifest.json").unlink()
-    with pytest.raises(data.DataError, match="no manifest.json: training reads only the files a manifest lists"):
+    with pytest.raises(data.DataError, match=r"no manifest.json: training reads only the files a manifest lists"):
         data.DataIndex.scan(str(shards))
 
 
@@ -220,8 +240,17 @@ def test_sha256_verification_catches_a_modified_shard(out, tmp_path, capsys):
     assert data.DataIndex.scan(str(shards)).num_samples > 0  # not asked to verify: not read
     with pytest.raises(data.DataError, match=f"1 shard\\(s\\) .* not the bytes the manifest lists: {victim.name}"):
         data.DataIndex.scan(str(shards), verify_sha256=True)
-    args = ["--config", str(REPO / "configs/pretrain/tiny.yaml"), "--data", str(shards), "--storage", str(run.parent),
-            "--name", run.name, "data.verify_sha256=true"]
+    args = [
+        "--config",
+        str(REPO / "configs/pretrain/tiny.yaml"),
+        "--data",
+        str(shards),
+        "--storage",
+        str(run.parent),
+        "--name",
+        run.name,
+        "data.verify_sha256=true",
+    ]
     assert pretrain_job.main(args) == 2  # the resumed run checks the data of its saved index again
     assert victim.name in capsys.readouterr().err
 
@@ -240,10 +269,15 @@ def s3(monkeypatch):
         port = s.getsockname()[1]
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(k, v)
-    fs = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1",
-                           allow_bucket_creation=True)
+    fs = pafs.S3FileSystem(
+        endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1", allow_bucket_creation=True
+    )
     fs.create_dir("curated")
     yield fs, f"?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
     server.stop()
@@ -253,8 +287,13 @@ def test_an_s3_data_root_with_endpoint_override_is_indexed_and_read(s3, curated_
     import pyarrow.fs as pafs
 
     fs, query = s3
-    pafs.copy_files(str(curated_run / "shards"), "curated/shards", source_filesystem=pafs.LocalFileSystem(),
-                    destination_filesystem=fs, use_threads=False)
+    pafs.copy_files(
+        str(curated_run / "shards"),
+        "curated/shards",
+        source_filesystem=pafs.LocalFileSystem(),
+        destination_filesystem=fs,
+        use_threads=False,
+    )
     uri = f"s3://curated/shards{query}"
     run = tmp_path / "run"
     index = data.ensure_index(uri, str(run), verify_sha256=True)

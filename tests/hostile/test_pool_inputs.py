@@ -24,8 +24,12 @@ from jobs import curate
 
 LITE = "configs/curate/lite.yaml"
 # Only the stages the global phases need: these tests are about inputs, not about detectors.
-FAST = ["stages.person.enabled=false", "stages.head_pose.enabled=false", "stages.quality.enabled=false",
-        "stages.text_overlay.enabled=false"]
+FAST = [
+    "stages.person.enabled=false",
+    "stages.head_pose.enabled=false",
+    "stages.quality.enabled=false",
+    "stages.text_overlay.enabled=false",
+]
 MB = 2**20
 
 
@@ -56,8 +60,8 @@ def ledger_rows(out: Path) -> list[dict]:
     return rows
 
 
-def read_all(root, shard, settings=InputSettings(), max_file_bytes=64 * MB) -> pa.Table:
-    return ShardReader(str(root), settings, 8, max_file_bytes).read_table(shard)
+def read_all(root, shard, settings: InputSettings | None = None, max_file_bytes=64 * MB) -> pa.Table:
+    return ShardReader(str(root), settings or InputSettings(), 8, max_file_bytes).read_table(shard)
 
 
 # --- one hostile folder pool through the whole job ------------------------------------------------------------------
@@ -112,7 +116,10 @@ def test_hostile_folder_pool_every_input_once_with_its_reason(hostile_folder, re
         if code is None:
             assert row["status"] in ("kept", "duplicate", "unsampled"), (name, row)
         else:
-            assert (row["status"], row["stage"], reason_code(row["reason"])) == ("rejected", "decode", code), (name, row)
+            assert (row["status"], row["stage"], reason_code(row["reason"])) == ("rejected", "decode", code), (
+                name,
+                row,
+            )
     # the content of a non-image, or of a link's target, never reaches the ledger
     text = repr(read_ledger(str(out)).to_pylist())
     assert "hunter2" not in text and "sk-live" not in text
@@ -129,10 +136,14 @@ def test_non_utf8_names_are_read_by_their_bytes(hostile_folder):
 # --- shards that hold nothing, tars beside stray files, repeated and null names -------------------------------------
 
 
-def test_empty_shards_are_committed_and_stray_files_beside_tars_do_not_change_the_format(repo_root, tmp_path, ray_local):
+def test_empty_shards_are_committed_and_stray_files_beside_tars_do_not_change_the_format(
+    repo_root, tmp_path, ray_local
+):
     pool = tmp_path / "wds"
     pool.mkdir()
-    with tarfile.open(pool / "a.tar", "w", format=tarfile.GNU_FORMAT, encoding="utf-8", errors="surrogateescape") as tar:
+    with tarfile.open(
+        pool / "a.tar", "w", format=tarfile.GNU_FORMAT, encoding="utf-8", errors="surrogateescape"
+    ) as tar:
         add_member(tar, "s0.jpg", photo(10))
         add_member(tar, "s0.json", b"{}")
         add_member(tar, "s1.jpg", photo(11))
@@ -156,7 +167,10 @@ def test_empty_shards_are_committed_and_stray_files_beside_tars_do_not_change_th
     members = {k for k in codes if k.startswith("a.tar#")}
     assert members == {"a.tar#s0.jpg", "a.tar#s1.jpg", "a.tar#s1.jpg#dup=2", "a.tar#caf\\xe9.jpg"}
     assert {r["status"] for r in rows if r["source"].split("/")[-1].startswith(("a.tar#", "cover"))} <= {
-        "kept", "duplicate", "unsampled"}
+        "kept",
+        "duplicate",
+        "unsampled",
+    }
     # a rerun finds every shard committed, empty ones included
     assert run(repo_root, str(pool), out) == 0
     assert len(ledger_rows(out)) == len(rows)
@@ -166,8 +180,12 @@ def test_a_parquet_pool_of_empty_files_and_repeated_or_null_names(repo_root, tmp
     pool = tmp_path / "pq"
     pool.mkdir()
     images = [photo(20 + i) for i in range(4)]
-    pq.write_table(pa.table({"image": pa.array(images, pa.binary()), "name": ["x", "x", None, "y"]}), pool / "a.parquet")
-    pq.write_table(pa.table({"image": pa.array([], pa.binary()), "name": pa.array([], pa.string())}), pool / "b.parquet")
+    pq.write_table(
+        pa.table({"image": pa.array(images, pa.binary()), "name": ["x", "x", None, "y"]}), pool / "a.parquet"
+    )
+    pq.write_table(
+        pa.table({"image": pa.array([], pa.binary()), "name": pa.array([], pa.string())}), pool / "b.parquet"
+    )
     out = tmp_path / "out"
     assert run(repo_root, str(pool), out, "input.source_column=name") == 0
     names = sorted(r["source"].rsplit("/", 1)[-1] for r in ledger_rows(out))
@@ -201,8 +219,13 @@ def test_parquet_pool_damaged_mid_file_gives_every_promised_row(tmp_path):
     pool = tmp_path / "damaged"
     pool.mkdir()
     images = [photo(40 + i) for i in range(6)]
-    pq.write_table(pa.table({"image": pa.array(images, pa.binary())}), pool / "a.parquet", row_group_size=2,
-                   compression="none", write_statistics=False)
+    pq.write_table(
+        pa.table({"image": pa.array(images, pa.binary())}),
+        pool / "a.parquet",
+        row_group_size=2,
+        compression="none",
+        write_statistics=False,
+    )
     data = bytearray((pool / "a.parquet").read_bytes())
     start = data.index(images[4][4000:4064]) - 4000  # the third row group's first value
     data[start - 48 : start + 8] = b"\xff" * 56  # its page header and length prefix; the footer stays whole
@@ -242,8 +265,14 @@ def test_resume_uses_the_pinned_listing_and_refuses_a_changed_layout(repo_root, 
 # --- an object-store pool behind an endpoint override, with credentials in the URI and awkward keys -----------------
 
 
-AWKWARD_KEYS = ["pool/with space.jpg", "pool/100%.jpg", "pool/a#b.jpg", "pool/what?.jpg", "pool/ünï 写真.jpg",
-                "pool/%20literal.jpg"]
+AWKWARD_KEYS = [
+    "pool/with space.jpg",
+    "pool/100%.jpg",
+    "pool/a#b.jpg",
+    "pool/what?.jpg",
+    "pool/ünï 写真.jpg",
+    "pool/%20literal.jpg",
+]
 
 
 @pytest.fixture()
@@ -254,8 +283,13 @@ def s3_pool():
     server.start()
     host, port = server.get_host_and_port()
     try:
-        client = boto3.client("s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1",
-                              aws_access_key_id="pooluser", aws_secret_access_key="poolsecret")
+        client = boto3.client(
+            "s3",
+            endpoint_url=f"http://{host}:{port}",
+            region_name="us-east-1",
+            aws_access_key_id="pooluser",
+            aws_secret_access_key="poolsecret",
+        )
         client.create_bucket(Bucket="web")
         for i, key in enumerate(AWKWARD_KEYS):
             client.put_object(Bucket="web", Key=key, Body=photo(70 + i))
@@ -281,7 +315,9 @@ def test_s3_pool_through_an_endpoint_override_with_awkward_keys(s3_pool, repo_ro
 def test_parquet_file_whose_image_column_is_not_bytes_names_every_row_and_what_to_do(tmp_path):
     pool = tmp_path / "wrong"
     pool.mkdir()
-    pq.write_table(pa.table({"image": ["https://example.com/a.jpg", "https://example.com/b.jpg"]}), pool / "urls.parquet")
+    pq.write_table(
+        pa.table({"image": ["https://example.com/a.jpg", "https://example.com/b.jpg"]}), pool / "urls.parquet"
+    )
     (shard,) = list_shards(str(pool), InputSettings())
     rows = read_all(pool, shard).to_pylist()
     assert [r["source"].rsplit("/", 1)[-1] for r in rows] == ["urls.parquet#row=0", "urls.parquet#row=1"]

@@ -15,8 +15,8 @@ import pytest
 from PIL import Image
 
 from common import schema
-from curation.config import CurateConfig
 from common.imageio import decode, open_reduced
+from curation.config import CurateConfig
 from curation.ledger import read_ledger
 from curation.score import stage_runner
 from curation.stages.faults import FaultInjectionStage
@@ -145,7 +145,7 @@ def test_a_stage_that_cannot_set_up_stops_with_a_clear_error(monkeypatch):
         raise FileNotFoundError("weights.pt")
 
     monkeypatch.setattr(FaultInjectionStage, "setup", setup)
-    with pytest.raises(FileNotFoundError, match="weights.pt") as failure:
+    with pytest.raises(FileNotFoundError, match=r"weights.pt") as failure:
         stage_runner(FAULTS, _config())
     (note,) = failure.value.__notes__
     assert note == "stage 'fault_injection' could not set up, so it cannot score any image: the job stops"
