@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -90,7 +91,7 @@ def _merge(tree: dict, update: dict) -> None:
             tree[key] = value
 
 
-def load_config(model: type[M], path: str | Path | None, overrides: list[str] = (), base: dict | None = None) -> M:
+def load_config(model: type[M], path: str | Path | None, overrides: Sequence[str] = (), base: dict | None = None) -> M:
     """Read ``path`` (YAML) into ``model``, applying ``key=value`` overrides on top."""
     tree: dict = dict(base or {})
     source = "defaults"

@@ -229,6 +229,7 @@ class Lease:
         while not self._stop.wait(self.heartbeat_s):
             try:
                 self.check()
+                assert self.record is not None  # set before this thread starts; cleared only after it is joined
                 write_json_atomic(self.fs, self.path, {**self.record, "heartbeat": time.time()})
             except LeaseLost as exc:
                 self.log(f"[lease] {exc}")

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from typing import TypedDict
 
 import ray
 
@@ -57,6 +58,14 @@ def quiet_ray_logs() -> None:
 RUNTIME_ENV = {"worker_process_setup_hook": "common.ray_utils.quiet_ray_logs"}
 
 
+class _InitOptions(TypedDict):
+    """The ``ray.init`` arguments shared by joining a cluster and starting a local Ray."""
+
+    logging_level: int
+    log_to_driver: bool
+    runtime_env: dict[str, str]
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Join the cluster a submitted job runs on (RAY_ADDRESS), a given address (``auto`` finds a cluster started on
     this machine), or start a local Ray; with the quiet logs of ``QUIET`` in the driver and every worker.
@@ -70,7 +79,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
-    kwargs = {"logging_level": logging.WARNING, "log_to_driver": True, "runtime_env": RUNTIME_ENV}
+    kwargs: _InitOptions = {"logging_level": logging.WARNING, "log_to_driver": True, "runtime_env": RUNTIME_ENV}
     if address:
         ray.init(address=address, **kwargs)
     else:

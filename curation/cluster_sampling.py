@@ -339,7 +339,8 @@ def _assign_task(
         leaf = pq.read_table(path, columns=["leaf"], filesystem=fs).column("leaf").to_numpy()
         return *np.unique(leaf, return_counts=True), True
     columns = ["uid", "embedding"] + (["balance"] if balance else [])
-    uids, leaves, dists, values = [], [], [], []
+    uids, leaves, dists = [], [], []
+    values: list[pa.Array] = []  # the balance key's chunks
     for rows in _alive_row_groups(fs, root, survivor_file, decision_file, columns):
         leaf, dist = sampling.assign_nearest(_embeddings(rows), centroids)
         uids.append(rows.column("uid").to_numpy())
@@ -570,11 +571,12 @@ def run_sample(
         dropped_facts = list(pool.map(lambda p: _file_facts(fs, join(root, p), None), decision_files))
     if any(f is None for f in facts):
         raise FileNotFoundError(f"missing survivors files: {[p for p, f in zip(survivor_files, facts) if f is None]}")
-    nonempty = [i for i, f in enumerate(facts) if f.rows]
-    route_min = np.asarray([facts[i].uid_min for i in nonempty], np.int64)  # selected uids go back by these ranges
-    if np.any(route_min[1:] <= np.asarray([facts[i].uid_max for i in nonempty[:-1]], np.int64)):
+    survivors = [f for f in facts if f is not None]  # every file's, as just checked
+    nonempty = [i for i, f in enumerate(survivors) if f.rows]
+    route_min = np.asarray([survivors[i].uid_min for i in nonempty], np.int64)  # selected uids go back by these ranges
+    if np.any(route_min[1:] <= np.asarray([survivors[i].uid_max for i in nonempty[:-1]], np.int64)):
         raise ValueError("survivors files must hold disjoint, increasing uid ranges")
-    alive = sum(f.rows for f in facts) - sum(f.rows for f in dropped_facts if f)
+    alive = sum(f.rows for f in survivors) - sum(f.rows for f in dropped_facts if f)
     clusters = cluster_counts(alive, settings.clusters) if alive else []
     k1 = clusters[0] if clusters else 1
     if sample_size is None:
@@ -649,7 +651,7 @@ def run_sample(
         budget = sampling.leaf_budgets(hierarchy, target_count(alive, settings), np.random.default_rng(settings.seed))
 
         # 4. select
-        args = [ray.put(a) for a in (budget, route_min, np.asarray(nonempty, np.int64))]
+        args = ray.put(budget), ray.put(route_min), ray.put(np.asarray(nonempty, np.int64))  # a tuple: arity checked
         reused = sum(
             progress(
                 _in_order(

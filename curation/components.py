@@ -67,7 +67,15 @@ from common.layout import LAYOUT
 from common.progress import Progress
 from common.storage import delete_quietly, exists, join, read_json, resolve, write_json_atomic, write_parquet_atomic
 from curation import dedup as dd
-from curation.routed import read_plain, read_receipt, read_routed, run_windowed, write_plain, write_routed
+from curation.routed import (
+    RemoteFunction,
+    read_plain,
+    read_receipt,
+    read_routed,
+    run_windowed,
+    write_plain,
+    write_routed,
+)
 
 WORK_DIR, DECISIONS_DIR = LAYOUT.components, LAYOUT.dedup_decisions
 SUMMARY = f"{DECISIONS_DIR}/_summary.json"
@@ -640,7 +648,7 @@ def run_components(
     layout = ray.put(layout_here)
     window = window or max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
 
-    def run(calls: list[tuple[object, tuple]], what: str = "tasks") -> list[dict]:
+    def run(calls: Sequence[tuple[RemoteFunction, tuple]], what: str = "tasks") -> list[dict]:
         return run_windowed(calls, window, Progress(f"[components] {what}", len(calls), log, unit="tasks"))
 
     # 1-2: edges

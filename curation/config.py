@@ -264,9 +264,8 @@ class ModelSettings(Strict):
 
 def _default_stages() -> dict[str, StageSettings]:
     """The stages that declare a ``default_order``, in that order, with their declared settings."""
-    ordered = sorted(
-        (s for s in stage_classes().values() if s.default_order is not None), key=lambda s: s.default_order
-    )
+    order = {s: s.default_order for s in stage_classes().values() if s.default_order is not None}
+    ordered = sorted(order, key=order.__getitem__)
     return {stage.name: stage.default_settings.model_copy() for stage in ordered}
 
 

@@ -116,7 +116,7 @@ class BandPlan:
 
     def tasks(self, splits_per_band: int = 1) -> list[HashTask]:
         """Units of work: each band's masks cut into ``splits_per_band`` slices (e.g. one Ray task each)."""
-        out = []
+        out: list[HashTask] = []
         for b in range(len(self.bands)):
             n_masks = len(self.masks(b))
             edges = np.linspace(0, n_masks, min(splits_per_band, n_masks) + 1).astype(int)
@@ -424,7 +424,9 @@ def unique_embedding_pairs(i: np.ndarray, j: np.ndarray, s: np.ndarray, n: int, 
     return EmbeddingPairs(key // n, key % n, s[first].astype(np.float32), method)
 
 
-def flat_pairs(x: np.ndarray, k: int, threshold: float, query_block: int = 16384) -> tuple[np.ndarray, ...]:
+def flat_pairs(
+    x: np.ndarray, k: int, threshold: float, query_block: int = 16384
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Exact k-NN pairs by brute-force inner product (faiss uses BLAS for it)."""
     import faiss
 
@@ -434,7 +436,8 @@ def flat_pairs(x: np.ndarray, k: int, threshold: float, query_block: int = 16384
         q = np.arange(start, min(start + query_block, x.shape[0]))
         sims, ids = faiss.knn(x[q], x, kk, metric=faiss.METRIC_INNER_PRODUCT)
         out.append(threshold_neighbours(q, sims, ids, k, threshold))
-    return tuple(np.concatenate(parts) for parts in zip(*out))
+    i, j, s = (np.concatenate(parts) for parts in zip(*out))
+    return i, j, s
 
 
 @dataclass(frozen=True)
@@ -492,6 +495,7 @@ def build_ivf_partition(
         min_points_per_centroid=1,  # small lists are fine here; silences faiss's sample-size warning
     )
     km.train(x)
+    assert km.centroids is not None  # train() sets them
     _, assign = km.index.search(x, min(lists_per_item, nlist))
     item = np.repeat(np.arange(n), assign.shape[1])
     lst = assign.ravel()
@@ -584,8 +588,10 @@ def embedding_pairs(
 
 
 class PairLike(Protocol):
-    i: np.ndarray
-    j: np.ndarray
+    @property
+    def i(self) -> np.ndarray: ...
+    @property
+    def j(self) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -611,14 +617,14 @@ class DedupResult:
 def _canonical_edges(n: int, pairs: Mapping[str, PairLike]) -> tuple[np.ndarray, np.ndarray]:
     """Sorted edge keys (lo * n + hi) and the signal of each; a pair in several signals gets the first one."""
     keys, codes = [], []
-    for code, p in enumerate(pairs.values()):
+    for signal, p in enumerate(pairs.values()):
         i, j = np.asarray(p.i, np.int64), np.asarray(p.j, np.int64)
         if i.size and (min(i.min(), j.min()) < 0 or max(i.max(), j.max()) >= n):
-            raise ValueError(f"pair indices of signal {list(pairs)[code]!r} out of range [0, {n})")
+            raise ValueError(f"pair indices of signal {list(pairs)[signal]!r} out of range [0, {n})")
         not_loop = i != j
         i, j = i[not_loop], j[not_loop]
         keys.append(np.minimum(i, j) * n + np.maximum(i, j))
-        codes.append(np.full(i.size, code, np.int8))
+        codes.append(np.full(i.size, signal, np.int8))
     key = np.concatenate(keys) if keys else np.empty(0, np.int64)
     code = np.concatenate(codes) if codes else np.empty(0, np.int8)
     order = np.lexsort((code, key))

@@ -48,6 +48,7 @@ receipt per task.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import io
 import json
@@ -205,6 +206,7 @@ def _kmeans(x: np.ndarray, k: int, seed: int) -> np.ndarray:
         min_points_per_centroid=1,  # clusters of few sample rows are fine; silences faiss's warning
     )
     km.train(np.ascontiguousarray(x, dtype=np.float32))
+    assert km.centroids is not None  # train() sets them
     return km.centroids
 
 
@@ -316,7 +318,7 @@ def balance_buckets(rows: np.ndarray, buckets: int) -> np.ndarray:
 def _make_plan(out_uri: str, files: list[str], counts: np.ndarray, layout: Layout, probes: ProbeRule) -> dict:
     """Sample, train the centroids (written to ``CENTROIDS_FILE``), pack the clusters into buckets; returns the plan
     and its log lines. A Ray task, so that the driver never holds the training sample."""
-    lines = []
+    lines: list[str] = []
     log = lines.append
     n = int(counts.sum())
     k = math.ceil(n / layout.cluster_size)
@@ -559,10 +561,8 @@ def run_embedding_pairs(
         if n < 2:
             write_parquet_atomic(fs, join(root, pairs_path(0)), PAIRS_SCHEMA.empty_table(), row_group_size=1)
             return {"survivors": n, "clusters": 0, "buckets": 1, "pairs": 0}
-        plan = {
-            "fingerprint": fingerprint,
-            **ray.get(_make_plan.remote(out_uri, survivor_files, counts, layout, probes)),
-        }
+        made = ray.get(_make_plan.remote(out_uri, survivor_files, counts, layout, probes))
+        plan = {"fingerprint": fingerprint, **made}
         for line in plan.pop("log"):
             log(line)
         write_json_atomic(fs, join(root, PLAN_FILE), plan)  # the plan's commit point: the centroids come first
@@ -577,7 +577,7 @@ def run_embedding_pairs(
             progress(
                 as_completed(
                     (
-                        (lambda i=i, f=f: _assign_file.remote(out_uri, f, i, shared, probes, missing))
+                        functools.partial(_assign_file.remote, out_uri, f, i, shared, probes, missing)
                         for i, f in enumerate(survivor_files)
                     ),
                     TASK_WINDOW,
@@ -597,7 +597,7 @@ def run_embedding_pairs(
         progress(
             as_completed(
                 (
-                    (lambda b=b: _search_bucket.remote(out_uri, b, len(survivor_files), settings))
+                    functools.partial(_search_bucket.remote, out_uri, b, len(survivor_files), settings)
                     for b in range(n_buckets)
                 ),
                 TASK_WINDOW,

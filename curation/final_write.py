@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from hashlib import sha256
+from typing import Generic, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -93,14 +94,19 @@ def _count_selected(out_uri: str, path: str) -> int:
     return 0 if table is None else int(pc.sum(table.column("selected")).as_py() or 0)
 
 
-class _InOrder:
+K = TypeVar("K")
+
+
+class _InOrder(Generic[K]):
     """Tables loaded on first use and dropped once a later key is asked for: the output shards of a unit walk the
     partitions and input shards in increasing order, so each file is read once and at most one of each is held."""
 
-    def __init__(self, load: Callable[[object], pa.Table]):
-        self.load, self.key, self.table = load, None, None
+    def __init__(self, load: Callable[[K], pa.Table]):
+        self.load = load
+        self.key: K | None = None
+        self.table: pa.Table | None = None
 
-    def __call__(self, key) -> pa.Table:
+    def __call__(self, key: K) -> pa.Table:
         if key != self.key:
             self.key, self.table = key, self.load(key)
         return self.table
@@ -241,7 +247,8 @@ def _write_ledger_group(out_uri: str, shards: list[tuple[str, list[str], int | N
     fs, root = resolve(out_uri)
     target = schema.with_metadata(schema.ledger_schema(), table="final_ledger", config_hash=cfg.results_hash())
     decisions: dict[int, tuple[pa.Table | None, pa.Table | None]] = {}
-    files, funnel = [], Counter()
+    files: list[dict] = []
+    funnel: Counter[str] = Counter()
     for shard_id, ledger_files, partition in shards:
         if partition is not None and partition not in decisions:
             decisions[partition] = (
@@ -255,7 +262,7 @@ def _write_ledger_group(out_uri: str, shards: list[tuple[str, list[str], int | N
                     fs, root, sample_decisions_path(partition), ["source", "shard_id", "cluster_ids", "selected"]
                 ),
             )
-        dups, sample = decisions.get(partition, (None, None))
+        dups, sample = decisions[partition] if partition is not None else (None, None)
 
         def of_shard(t: pa.Table | None, shard_id: str = shard_id) -> pa.Table | None:
             return None if t is None else t.filter(pc.equal(t.column("shard_id"), shard_id))
@@ -298,7 +305,7 @@ class UnitRecords:
 
 
 def run_units(
-    records: UnitRecords, units: dict[str, Callable[[], ray.ObjectRef]], window: int
+    records: UnitRecords, units: Mapping[str, Callable[[], ray.ObjectRef]], window: int
 ) -> Iterator[tuple[str, dict]]:
     """Run the units not yet recorded, at most ``window`` at a time; yields (unit, receipt) for every unit, recorded
     ones included, in completion order."""

@@ -47,7 +47,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pyarrow.fs as pafs
 
@@ -56,6 +56,7 @@ from common.storage import StorageError, resolve, safe_name
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from ultralytics.nn.tasks import DetectionModel
 
     from curation.config import ClipModelSettings, ModelRef, ModelStoreSettings, Precision
 
@@ -422,10 +423,10 @@ def _extract_member(path: Path, archive: str, member: str, dest: Path) -> None:
                 shutil.copyfileobj(src, o, _CHUNK)
     else:
         with zipfile.ZipFile(path) as z:
-            info = z.getinfo(member)
-            if info.is_dir() or info.file_size > _MAX_MEMBER_BYTES:
+            entry = z.getinfo(member)
+            if entry.is_dir() or entry.file_size > _MAX_MEMBER_BYTES:
                 raise ValueError(f"{member} is not a regular file of a sane size")
-            with z.open(info) as src, open(dest, "wb") as o:
+            with z.open(entry) as src, open(dest, "wb") as o:
                 shutil.copyfileobj(src, o, _CHUNK)
 
 
@@ -559,7 +560,8 @@ def save_yolo(model: nn.Module, path: str | Path) -> None:
     from safetensors.torch import save_file
     from ultralytics.nn.tasks import PoseModel
 
-    names = {str(k): str(v) for k, v in dict(model.names).items()}
+    # cast: ultralytics models keep {class id: name} here; nn.Module types unknown attributes as Tensor | Module
+    names = {str(k): str(v) for k, v in cast(dict[int, str], model.names).items()}
     metadata = {
         "format": YOLO_FORMAT,
         "task": "pose" if isinstance(model, PoseModel) else "detect",
@@ -645,7 +647,7 @@ def _uncallable(layer: type) -> type:
     ``_real_classes`` then gives every instance its own class back."""
     setstate_owner = next(k for k in layer.__mro__ if "__setstate__" in vars(k))
     if type(layer) is not type or f"{setstate_owner.__module__}.{setstate_owner.__name__}" not in _AUDITED_SETSTATE:
-        raise TypeError(f"{layer} restores its state with unaudited code ({setstate_owner.__setstate__})")
+        raise TypeError(f"{layer} restores its state with unaudited code ({vars(setstate_owner)['__setstate__']})")
 
     def new(stand_in: type, *args: Any) -> Any:
         if args:
@@ -661,7 +663,7 @@ def _layer_forward(stand_in: Any, name: str) -> Any:
     """``builtins.getattr`` for checkpoints of older ultralytics, whose pose head keeps ``Detect.forward`` (pickled
     as ``getattr(Detect, "forward")``); it answers that lookup only."""
     if isinstance(stand_in, _NotCallable) and name == "forward":
-        return stand_in.forward
+        return getattr(stand_in, name)  # the layer's forward, inherited by its stand-in class
     raise _RefusedCall(f"the checkpoint looks up {name!r} on {stand_in!r}; only a layer's forward is served")
 
 
@@ -698,7 +700,7 @@ def _real_classes(model: nn.Module) -> None:
             m.__class__ = type(m).__bases__[0]
 
 
-def _load_ultralytics_pt(path: Path) -> nn.Module:
+def _load_ultralytics_pt(path: Path) -> DetectionModel:
     import numpy as np
     import torch
     from ultralytics.nn.tasks import DetectionModel

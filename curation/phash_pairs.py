@@ -51,6 +51,7 @@ about 1.7x ``dedup.phash_pairs``'s, in exchange for never holding more than a pa
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -279,14 +280,11 @@ def _map_task(
     order = np.lexsort((uid, hashes))
     hashes, uid = hashes[order], uid[order]
     first = _runs(hashes)  # each distinct hash once, with its smallest uid in this file
-    family, h, u, part = [], [], [], []
+    pieces = []  # (family, hash, uid, partition) per family
     for index in range(len(plan.families)):
         fh, fu = (hashes, uid) if index == 0 else (hashes[first], uid[first])
-        family.append(np.full(fh.size, index, np.int8))
-        h.append(fh)
-        u.append(fu)
-        part.append(plan.partition_of(index, fh))
-    family, h, u, part = (np.concatenate(x) for x in (family, h, u, part))
+        pieces.append((np.full(fh.size, index, np.int8), fh, fu, plan.partition_of(index, fh)))
+    family, h, u, part = (np.concatenate(x) for x in zip(*pieces))
     order = np.argsort(part, kind="stable")  # within a partition: by family, hash, uid as built
     family, h, u, part = family[order], h[order], u[order], part[order]
     bounds = np.searchsorted(part, np.arange(plan.partitions + 1))
@@ -419,7 +417,7 @@ def run_phash_pairs(
             progress(
                 as_completed(
                     (
-                        (lambda m=m, f=f: _map_task.remote(out_uri, out_dir, f, m, plan, missing))
+                        functools.partial(_map_task.remote, out_uri, out_dir, f, m, plan, missing)
                         for m, f in enumerate(survivor_files)
                     ),
                     window,
@@ -434,10 +432,8 @@ def run_phash_pairs(
             progress(
                 as_completed(
                     (
-                        (
-                            lambda p=p: _reduce_task.remote(
-                                out_uri, out_dir, p, len(survivor_files), plan, max_kernel_hashes
-                            )
+                        functools.partial(
+                            _reduce_task.remote, out_uri, out_dir, p, len(survivor_files), plan, max_kernel_hashes
                         )
                         for p in missing
                     ),

@@ -161,7 +161,7 @@ def list_shards(input_uri: str, settings: InputSettings) -> list[InputShard]:
         raise PoolError(
             f"--input {redact(input_uri)}: the folder holds no files (names starting with '_' or '.' are skipped)"
         )
-    kind = settings.format
+    kind: str = settings.format  # the format read: "files" for a folder's loose files
     if kind == "auto":
         counts = Counter(_kind_of(p) for p, _ in files)
         kind = max(("webdataset", "parquet", "files"), key=lambda k: counts[k])  # ties go to the loose-file reading
@@ -346,6 +346,7 @@ class ShardReader:
                 return "unreadable: broken or looping symbolic link"
             if os.path.isdir(path):
                 return "linked_folder: a symbolic link to a folder; links to folders are not followed"
+            assert self.real_root is not None  # set for a local pool, the only kind this checks
             if not _inside(os.path.realpath(path), self.real_root):
                 return "link_outside_pool: a symbolic link to a file outside the pool root; not followed"
         mode = os.stat(path).st_mode
@@ -407,7 +408,9 @@ class ShardReader:
                             source, None, f"file_too_large: {member.size} bytes > {self.max_file_bytes}, not read"
                         )
                         continue  # the stream skips the member's data without keeping it
-                    data = tar.extractfile(member).read()
+                    member_file = tar.extractfile(member)
+                    assert member_file is not None  # a regular file: member.isfile() was checked above
+                    data = member_file.read()
                     if len(data) < member.size:
                         raise tarfile.ReadError(
                             f"member {printable(member.name)} truncated at {len(data)} of {member.size} bytes"

@@ -14,7 +14,8 @@ rerun because its output exists returns the same receipt, and a driver whose con
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -93,7 +94,14 @@ def read_receipt(fs: pafs.FileSystem, path: str) -> dict | None:
     return json.loads(metadata.get(RECEIPT, b"{}"))
 
 
-def run_windowed(calls: Sequence[tuple[object, tuple]], window: int, progress: Progress | None = None) -> list:
+class RemoteFunction(Protocol):
+    """A ``@ray.remote`` function of any arity (Ray types each arity as its own class)."""
+
+    @property
+    def remote(self) -> Callable[..., ray.ObjectRef[Any]]: ...
+
+
+def run_windowed(calls: Sequence[tuple[RemoteFunction, tuple]], window: int, progress: Progress | None = None) -> list:
     """``fn.remote(*args)`` for each ``(fn, args)``, at most ``window`` in flight; results in call order.
     ``progress`` is told of each finished call."""
     results: list = [None] * len(calls)

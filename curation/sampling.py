@@ -61,6 +61,7 @@ def _kmeans(
         init_method=faiss.ClusteringInitMethod_KMEANS_PLUS_PLUS,  # as the paper: better spread than random init
     )
     km.train(x, init_centroids=init_centroids)
+    assert km.centroids is not None  # train() sets them
     return km.centroids
 
 
@@ -226,7 +227,7 @@ def balanced_select(
     typical first). ``balance_key`` (one integer or string per item) spreads each leaf's picks evenly over the
     key's values before picking inside each value by ``mode``.
     """
-    n = hierarchy.assignments.shape[0]
+    n = len(hierarchy.assignments)
     rng = np.random.default_rng(seed)
     leaf = hierarchy.assignments[:, 0].astype(np.int64)
     budget = leaf_budgets(hierarchy, int(size), rng)
@@ -271,6 +272,7 @@ def target_size(n: int, size: int | None = None, fraction: float | None = None) 
         if not 0 < fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1], got {fraction}")
         return min(n, int(np.floor(fraction * n + 0.5)))  # half rounds up (Python's round() goes to even)
+    assert size is not None  # exactly one of them was given
     if size < 0:
         raise ValueError(f"size must be >= 0, got {size}")
     return min(int(size), n)

@@ -14,6 +14,7 @@ import hashlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from typing import NotRequired, TypedDict
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -78,7 +79,7 @@ def _read_shards(batch: pa.Table, cfg_json: str, input_uri: str) -> Iterator[pa.
     reader = _shard_reader(cfg, input_uri)
     for row in batch.to_pylist():
         shard = InputShard.from_row(row)
-        yield from retry_io_stream(lambda shard=shard: reader.read(shard), cfg.ray.io_retries)
+        yield from retry_io_stream(functools.partial(reader.read, shard), cfg.ray.io_retries)
 
 
 def _finalise(table: pa.Table) -> pa.Table:
@@ -184,6 +185,15 @@ def claim_output(out_uri: str, results_hash: str, input_uri: str, new_run: bool)
     write_json_atomic(fs, path, {"results_hash": results_hash, "input": input_uri})
 
 
+class _MapOptions(TypedDict):
+    """The ``map_batches`` options every stage gets."""
+
+    batch_size: int
+    batch_format: str
+    num_cpus: float
+    num_gpus: NotRequired[float]
+
+
 class ScorePhase:
     """Runs phase 1 for one output folder; resumable per input shard."""
 
@@ -209,11 +219,11 @@ class ScorePhase:
 
     def build(self, shards: list[InputShard]) -> ray.data.Dataset:
         cfg_json = self.cfg.model_dump_json()
-        ds = ray.data.from_items([s.to_row() for s in shards], override_num_blocks=len(shards))
+        ds: ray.data.Dataset = ray.data.from_items([s.to_row() for s in shards], override_num_blocks=len(shards))
         # I/O errors are retried inside the read and write functions (ray.io_retries); Ray Data retries the tasks
         # of lost workers and nodes itself
         ds = ds.map_batches(
-            _read_shards,
+            _read_shards,  # type: ignore[arg-type]  # Ray types fn as taking the batch alone; fn_kwargs gives the rest
             batch_size=1,
             batch_format="pyarrow",
             num_cpus=0.25,
@@ -222,7 +232,7 @@ class ScorePhase:
         for name in self.cfg.enabled_stages:
             stage_class = stage_classes()[name]
             settings = self.cfg.stages[name]
-            common = dict(batch_size=settings.batch_size, batch_format="pyarrow", num_cpus=settings.num_cpus)
+            common = _MapOptions(batch_size=settings.batch_size, batch_format="pyarrow", num_cpus=settings.num_cpus)
             if settings.num_gpus:
                 common["num_gpus"] = settings.num_gpus
             if stage_class.uses_actors:
@@ -236,7 +246,7 @@ class ScorePhase:
             else:
                 ds = ds.map_batches(_named_task(name), fn_kwargs={"cfg_json": cfg_json}, **common)
         return ds.map_batches(
-            _write_parts,
+            _write_parts,  # type: ignore[arg-type]  # Ray types fn as taking the batch alone; fn_kwargs gives the rest
             batch_size=self.cfg.input.files_per_shard,
             batch_format="pyarrow",
             num_cpus=0.25,

@@ -193,6 +193,7 @@ def _exit_if_stuck_from_an_earlier_task() -> None:
 
 def _raise_in_thread(thread: threading.Thread, exc_type: type[BaseException]) -> None:
     """Make ``thread`` raise ``exc_type`` at its next Python bytecode."""
+    assert thread.ident is not None  # only called on a started thread
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc_type))
 
 

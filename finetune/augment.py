@@ -96,6 +96,7 @@ class Augmenter:
             parts = cv2.warpAffine(sample["parts"].astype(np.uint8), M, size, flags=cv2.INTER_NEAREST,
                                    borderMode=cv2.BORDER_CONSTANT, borderValue=0)  # fmt: skip
             if flip:
+                assert self.parts_order is not None  # a seg sample flips only when its parts have a mirror order
                 parts = self.parts_order[parts]
             sample["parts"] = parts.astype(np.int64)
         if "keypoints" in sample:
@@ -106,7 +107,7 @@ class Augmenter:
             if flip:
                 kp, vis = kp[self.keypoint_order], vis[self.keypoint_order]
             sample["keypoints"], sample["visibility"] = kp.astype(np.float32), vis
-            sample["area"] = np.float32(sample["area"] * s * s)
+            sample["area"] = np.asarray(sample["area"] * s * s, np.float32)
 
 
 def _jitter(image: np.ndarray, rng: np.random.Generator, strength: float) -> np.ndarray:

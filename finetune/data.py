@@ -167,7 +167,7 @@ def decode_sample(row: dict, task: str, image_size: tuple[int, int]) -> dict[str
     if task == "pose":
         out["keypoints"] = np.asarray(row["keypoints"], np.float32).reshape(-1, 2)
         out["visibility"] = np.asarray(row["keypoint_visibility"], np.uint8)
-        out["area"] = np.float32(row["area"])
+        out["area"] = np.asarray(row["area"], np.float32)
     elif task == "seg":
         out["parts"] = decode_png(row["parts"]).astype(np.int64)
     else:

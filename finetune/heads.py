@@ -122,6 +122,7 @@ class PointmapHead(_Head):
         super().__init__(in_dim, 3, stride, channels)
         with torch.no_grad():  # start at a plausible depth, on the optical axis
             self.out.weight.mul_(0.1)
+            assert self.out.bias is not None  # the output conv has a bias (nn.Conv2d's default)
             self.out.bias.copy_(torch.tensor([0.0, 0.0, math.log(depth_init)]))
 
     def forward(self, feat: Tensor, image_hw: tuple[int, int]) -> Tensor:

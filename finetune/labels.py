@@ -149,7 +149,7 @@ def _face() -> list[Keypoint]:
     eye = HEAD_POINTS["left_eye"]
     for k in range(16):
         a = 2 * np.pi * k / 16
-        pair(f"eye_contour_{k + 1:02d}", _unit(*((*eye, 0.13 * np.cos(a), 0.06 * np.sin(a), 0.0))))
+        pair(f"eye_contour_{k + 1:02d}", _unit(*(eye + np.array((0.13 * np.cos(a), 0.06 * np.sin(a), 0.0)))))
     for k in range(5):
         centre(f"nose_bridge_{k + 1}", _unit(0.0, 0.28 - 0.08 * k, 1.0))
     centre("nose_tip", _unit(0.0, -0.12, 1.0))
@@ -166,7 +166,7 @@ def _face() -> list[Keypoint]:
     ear = HEAD_POINTS["left_ear"]
     for k in range(6):
         a = 2 * np.pi * k / 6
-        pair(f"ear_{k + 1}", _unit(*((*ear, 0.0, 0.22 * np.cos(a), 0.18 * np.sin(a)))))
+        pair(f"ear_{k + 1}", _unit(*(ear + np.array((0.0, 0.22 * np.cos(a), 0.18 * np.sin(a))))))
     for k in range(10):  # the mesh: the midline, then a fixed random spread over the left half, mirrored
         centre(f"face_midline_{k + 1:02d}", _unit(0.0, 0.75 - 0.09 * k if k < 6 else -0.62 - 0.06 * (k - 6), 0.95))
     rng = np.random.default_rng(243)

@@ -106,12 +106,12 @@ def keypoint_ap(
                 tps.append(best > -1 and not ignore[best])
                 ignored.append(best > -1 and ignore[best])
         aps.append(_average_precision(np.array(scores), np.array(tps, bool), np.array(ignored, bool), n_gt))
-    aps = np.array(aps)
-    out = {"AP": float(aps.mean())}
+    ap = np.array(aps)  # per threshold
+    out = {"AP": float(ap.mean())}
     for name, t in (("AP50", 0.5), ("AP75", 0.75)):
         hit = np.isclose(thresholds, t)
         if hit.any():
-            out[name] = float(aps[hit][0])
+            out[name] = float(ap[hit][0])
     return out
 
 
@@ -150,12 +150,11 @@ class PoseMetric(Accumulator):
         )
 
     def compute(self) -> dict[str, float]:
-        arrays = [self._cat(k) for k in ("pred", "score", "gt", "vis", "area")]
-        out = _pose_scores(*arrays, self.sigmas)
+        pred, score, gt, vis, area = (self._cat(k) for k in ("pred", "score", "gt", "vis", "area"))
+        out = _pose_scores(pred, score, gt, vis, area, self.sigmas)
         names = self.groups if len(self.groups) == len(self.sigmas) else ()
         for group in dict.fromkeys(names):
             sel = np.array([g == group for g in names])
-            pred, score, gt, vis, area = arrays
             scores = _pose_scores(pred[:, sel], score[:, sel], gt[:, sel], vis[:, sel], area, self.sigmas[sel])
             out.update({f"{k}_{group}": v for k, v in scores.items() if k in ("AP", "OKS")})
         return out
@@ -183,7 +182,7 @@ def confusion_matrix(pred: np.ndarray, labels: np.ndarray, num_classes: int, ign
     return np.bincount(idx, minlength=num_classes**2).reshape(num_classes, num_classes)
 
 
-def iou_from_confusion(cm: np.ndarray) -> dict[str, float | list[float]]:
+def iou_from_confusion(cm: np.ndarray) -> dict[str, float | list[float | None]]:
     tp = np.diag(cm).astype(np.float64)
     label, predicted = cm.sum(1), cm.sum(0)
     union = label + predicted - tp

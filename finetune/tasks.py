@@ -16,7 +16,8 @@ class Task:
 
     def __init__(self, cfg: FinetuneConfig, info: LabelInfo) -> None:
         self.cfg, self.info = cfg, info
-        self.image_hw = tuple(info.image_size)
+        h, w = info.image_size
+        self.image_hw = (h, w)
 
     def build_head(self, width: int, stride: int) -> nn.Module:
         raise NotImplementedError

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import math
 import time
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -61,6 +62,9 @@ FINETUNED_FILE = "finetuned.safetensors"
 
 class FinetuneModel(nn.Module):
     """Backbone -> patch-token feature map -> head. Takes uint8 images [B, 3, H, W] (normalised inside)."""
+
+    mean: Tensor  # buffers, registered in __init__
+    std: Tensor
 
     def __init__(self, backbone: Sapiens2Backbone, head: nn.Module, frozen: bool = False) -> None:
         super().__init__()
@@ -218,6 +222,7 @@ def train_loop(loop_config: dict) -> None:
 class FinetuneWorker(Worker[FinetuneConfig]):
     reports_checkpoints = False  # kept and pruned here (checkpoint.keep), not registered with Ray Train
     hash_covers = "task, model size, head or label set"
+    model: FinetuneModel
 
     def __init__(self, cfg: FinetuneConfig, spec: dict, run_uri: str) -> None:
         super().__init__(cfg, run_uri)
@@ -268,12 +273,12 @@ class FinetuneWorker(Worker[FinetuneConfig]):
     def run(self) -> None:
         c = self.cfg
         if self.log:
-            batch = c.samples_per_step(self.world)
+            per_step = c.samples_per_step(self.world)
             log_line(
                 f"[finetune] {self.spec['task']} size={c.model.size} "
                 f"backbone={'pretrained' if self.spec.get('backbone') else 'random'} frozen={c.optim.freeze_backbone} "
-                f"steps {self.step}->{c.steps} workers={self.world} batch={batch} "
-                f"lr={peak_lr(c.optim, batch):.3g} (optim.lr {c.optim.lr:g} x {batch} / 256) "
+                f"steps {self.step}->{c.steps} workers={self.world} batch={per_step} "
+                f"lr={peak_lr(c.optim, per_step):.3g} (optim.lr {c.optim.lr:g} x {per_step} / 256) "
                 f"layer_decay={c.layer_decay()} output={self.output_hw[0]}x{self.output_hw[1]} "
                 f"train={self.train_index.num_samples} val={self.val_index.num_samples}"
             )
@@ -329,7 +334,8 @@ class FinetuneWorker(Worker[FinetuneConfig]):
     @torch.no_grad()
     def evaluate(self, pictures: int = 0) -> dict:
         self.model.eval()
-        acc, shown = self.task.metric(), []
+        acc = self.task.metric()
+        shown: list[np.ndarray] = []  # pictures, rank 0's
         c = self.cfg
         samples = min(c.eval.max_samples or self.val_index.num_samples, self.val_index.num_samples)
         per_worker = math.ceil(math.ceil(samples / self.world) / c.data.eval_batch_size)  # the same on every worker
@@ -351,9 +357,9 @@ class FinetuneWorker(Worker[FinetuneConfig]):
             if meter:
                 meter.update()
         self.model.train()
-        states = [None] * self.world
+        states: list[dict[str, list[np.ndarray]]] = [{} for _ in range(self.world)]  # filled by all_gather_object
         dist.all_gather_object(states, acc.state())
-        result = [None]
+        result: list[dict] = [{}]  # rank 0's record, broadcast to every rank
         if self.rank == 0:
             merged = self.task.metric()
             merged.merge(states)
@@ -373,7 +379,11 @@ class FinetuneWorker(Worker[FinetuneConfig]):
     # --- the end of the run ---
 
     def _finish(self, final: dict) -> None:
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # a model's state dict holds tensors only (torch types it as any state dict value)
+        state = cast(
+            dict[str, Tensor],
+            get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)),
+        )
         if self.rank != 0:
             return
         from safetensors.torch import save as st_save
@@ -401,6 +411,7 @@ class FinetuneWorker(Worker[FinetuneConfig]):
             "config": self.cfg.model_dump(mode="json"),
         }
         storage.write_json_atomic(fs, storage.join(root, METRICS_FILE), _finite(report))
+        assert self.log is not None  # rank 0 opened it in resume
         self.log.close()
 
 
@@ -426,7 +437,8 @@ def load_finetuned(uri: str) -> tuple[FinetuneModel, tasks.Task]:
         raise ValueError(f"{uri} is not a fine-tuned model (no task in its metadata); it may be a bare backbone")
     cfg = FinetuneConfig.model_validate_json(meta["config"])
     fields = json.loads(meta["backbone_config"])
-    bb_cfg = BackboneConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    bb_cfg = BackboneConfig(**values)
     labels = json.loads(meta["labels"])
     info = data.LabelInfo(**{k: tuple(v) for k, v in labels.items()})
     task = make_task(meta["task"], cfg, info, bb_cfg)

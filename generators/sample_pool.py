@@ -378,7 +378,7 @@ def _low_quality_items(photos: dict[str, Photo], seed: int) -> list[PoolItem]:
     def u8(a: np.ndarray) -> Image.Image:
         return Image.fromarray(np.clip(a + 0.5, 0, 255).astype(np.uint8))
 
-    made = [
+    made: list[tuple[str, str, Image.Image, dict[str, Any]]] = [
         ("zidane", "blur", blurred, {"radius": round(radius, 2)}),
         ("astronaut", "dark", u8(astronaut * 0.07), {"gain": 0.07}),
         ("zidane", "blown", u8(zidane * 3.0 + 140.0), {"gain": 3.0, "offset": 140}),
@@ -436,7 +436,7 @@ def _bad_items(photos: dict[str, Photo], seed: int) -> list[PoolItem]:
     frames = [small.crop((x, 30, x + 400, 330)).quantize(64, Image.Quantize.FASTOCTREE) for x in (0, 60, 120, 180)]
     buf = io.BytesIO()
     frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:], duration=120, loop=0, optimize=False)
-    bad = [
+    bad: list[tuple[str, bytes, str | None, str, dict[str, Any], dict[str, Any]]] = [
         ("empty.jpg", b"", None, "empty", _rejected("decode", "empty_file"), {}),
         (
             "truncated.jpg",
@@ -499,7 +499,7 @@ def _odd_items(photos: dict[str, Photo]) -> list[PoolItem]:
     exif[_EXIF_ORIENTATION] = 6
     stored = bus.image.transpose(Image.Transpose.ROTATE_90)
     gray16 = Image.fromarray(np.asarray(camera.image.convert("L"), dtype=np.uint16) * 257)
-    odd = [
+    odd: list[tuple[str, bytes, Photo, str, dict[str, Any]]] = [
         ("grace_hopper_jpeg.png", _jpeg(grace.image, 85), grace, "jpeg_named_png", {"quality": 85}),
         ("zidane_cmyk.jpg", _jpeg(zidane.image.convert("CMYK"), 90), zidane, "cmyk", {}),
         ("camera_gray16.png", _png(gray16), camera, "gray16", {"bit_depth": 16}),

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(result.summary())
     if args.report:
+        assert cfg is not None  # loaded above for --report
         source = " ".join([args.config or "built-in defaults", *args.overrides])
         options = ReportOptions(seed=args.seed, per_sheet=args.per_sheet, workers=args.workers or ReportOptions.workers)
         try:

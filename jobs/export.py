@@ -26,6 +26,7 @@ import re
 import sys
 import tarfile
 import time
+from typing import IO, cast
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -135,7 +136,8 @@ def _write_tar(shards_uri: str, files: list[str], pieces: list[tuple[int, int, i
     with open_output_atomic(out_fs, join(out_root, name)) as stream:
         sink = _Hashing(stream)
         # USTAR, as the pool's tars: keys are short, and every WebDataset reader knows it
-        with tarfile.open(fileobj=sink, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
+        # cast: a "w|" stream only calls write(), but typeshed asks every fileobj for read/seek/tell/close too
+        with tarfile.open(fileobj=cast(IO[bytes], sink), mode="w|", format=tarfile.USTAR_FORMAT) as tar:
             for index, start, stop in pieces:
                 pf = pq.ParquetFile(in_fs.open_input_file(join(in_root, files[index])))
                 for table in _row_slices(pf, start, stop):

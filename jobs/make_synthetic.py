@@ -143,7 +143,7 @@ def write_split(
     ranges = [(lo, min(n, lo + args.rows_per_shard)) for lo in range(0, n, args.rows_per_shard)]
     jobs = [(cfg.model_dump(mode="json"), seed, split, lo, hi) for lo, hi in ranges]
     results = pool.map(render_rows, *zip(*jobs)) if pool else (render_rows(*j) for j in jobs)
-    shards = []
+    shards: list[dict] = []
     for k, rows in enumerate(results):
         name = f"part-{k:05d}.parquet"
         table = pa.Table.from_pylist(rows, schema=table_schema)

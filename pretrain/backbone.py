@@ -279,7 +279,7 @@ class Sapiens2Backbone(nn.Module):
         x = self.norm(x)
         return BackboneOutput(cls=x[:, 0], registers=x[:, 1:prefix], patches=x[:, prefix:], grid=grid, keep=keep)
 
-    def _run(self, blk: Block, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
+    def _run(self, blk: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
         if self.activation_checkpointing and self.training and torch.is_grad_enabled():
             return checkpoint(blk, x, rope, mask, use_reentrant=False)
         return blk(x, rope, mask)
@@ -290,6 +290,7 @@ class Sapiens2Backbone(nn.Module):
         """Windowed blocks + per-window pooling: [B, gh*gw, D] -> [B, n_windows, D] (kept windows only)."""
         B, N, D = x.shape
         win, (gh, gw) = self.cfg.window, grid
+        assert win is not None and self.window_query is not None  # only the 4K variant has a local stage
         th, tw = gh // win, gw // win
         # Patch index of every window slot, windows and slots both row-major: [th * tw, win * win].
         slots = torch.arange(N, device=x.device).view(th, win, tw, win).transpose(1, 2).reshape(th * tw, win * win)
@@ -359,7 +360,7 @@ def flops(
         linear = D * (D + 2 * kv) + D * D + 3 * D * cfg.hidden  # qkv, proj, SwiGLU
         return seqs * (length * linear + (2 * length * length * D if attention else 0.0))
 
-    total = gh * gw * cfg.in_chans * p * p * D  # patch embedding runs on the whole image
+    total: float = gh * gw * cfg.in_chans * p * p * D  # patch embedding runs on the whole image
     if cfg.window:
         win2 = cfg.window**2
         n_windows = round(visible * gh * gw / win2)

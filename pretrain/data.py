@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import pyarrow as pa
@@ -104,9 +104,10 @@ class DataIndex:
 
         with ThreadPoolExecutor(threads) as pool:
             found = list(pool.map(actual, self.files))
+        expected = cast(list[str], self.sha256)  # no None in it: refused above
         bad = [
             f"{name} (sha256 {a[:16]}, the manifest says {w[:16]})"
-            for name, a, w in zip(self.files, found, self.sha256)
+            for name, a, w in zip(self.files, found, expected)
             if a != w
         ]
         if bad:
@@ -429,9 +430,11 @@ def stream(
             world=world,
             rank=rank,
         )
-        ds = ray.data.from_items(segments, override_num_blocks=max(1, math.ceil(len(segments) / d.read_segments)))
+        ds: ray.data.Dataset = ray.data.from_items(
+            segments, override_num_blocks=max(1, math.ceil(len(segments) / d.read_segments))
+        )
         ds = ds.map_batches(
-            read_segments,
+            read_segments,  # type: ignore[arg-type]  # Ray's UDF type takes the batch alone, not fn_kwargs' arguments
             batch_size=d.read_segments,
             batch_format="pyarrow",
             num_cpus=d.read_cpus,

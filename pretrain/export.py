@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -59,7 +60,8 @@ def load_backbone(uri: str, **overrides) -> Sapiens2Backbone:
     ``activation_checkpointing=True``)."""
     tensors, meta = read_safetensors(uri)
     fields = json.loads(meta["backbone_config"])
-    cfg = BackboneConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    cfg = BackboneConfig(**values)
     model = Sapiens2Backbone(dataclasses.replace(cfg, **overrides))
     model.load_state_dict(tensors, strict=True)
     return model

@@ -347,6 +347,9 @@ class JointObjective(nn.Module):
     each optimiser step. The teacher and the centre are part of ``state_dict`` so a resume restores them.
     """
 
+    center: Tensor  # buffers, registered in __init__
+    center_ready: Tensor
+
     def __init__(self, backbone: Sapiens2Backbone, cfg: ObjectiveConfig, total_steps: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -431,8 +434,8 @@ class JointObjective(nn.Module):
     def update_teacher(self, step: int) -> float:
         """teacher <- m * teacher + (1 - m) * student for backbone and head; returns the momentum m used."""
         m = teacher_momentum(step, self.total_steps, self.cfg.cl.momentum, self.cfg.cl.momentum_end)
-        teacher = [*self.teacher["backbone"].parameters(), *self.teacher["head"].parameters()]
-        student = [*self.student.parameters(), *self.head.parameters()]
+        teacher: list[Tensor] = [*self.teacher["backbone"].parameters(), *self.teacher["head"].parameters()]
+        student: list[Tensor] = [*self.student.parameters(), *self.head.parameters()]
         torch._foreach_lerp_(teacher, student, 1.0 - m)
         return m
 

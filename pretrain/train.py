@@ -29,15 +29,17 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from common import storage
 from pretrain import data
-from pretrain.backbone import build, flops
+from pretrain.backbone import Sapiens2Backbone, build, flops
 from pretrain.config import PretrainConfig, PretrainOptim
 from pretrain.masking import num_masked
 from pretrain.objective import DIAGNOSTICS, TERMS, CollapseMonitor, JointObjective, collapse_state
@@ -59,7 +61,8 @@ def build_model(cfg: PretrainConfig, device: torch.device) -> JointObjective:
     """The objective with FSDP2 applied; every rank builds the same initial weights from ``cfg.seed``."""
     torch.manual_seed(cfg.seed)
     model = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=cfg.steps)
-    blocks = [*model.student.all_blocks, *model.teacher["backbone"].all_blocks]
+    teacher = cast(Sapiens2Backbone, model.teacher["backbone"])  # a ModuleDict item: the student's deep copy
+    blocks = [*model.student.all_blocks, *teacher.all_blocks]
     if cfg.model.compile:
         for block in blocks:
             block.compile()
@@ -69,7 +72,8 @@ def build_model(cfg: PretrainConfig, device: torch.device) -> JointObjective:
 
 def build_optimizer(model: JointObjective, o: PretrainOptim) -> torch.optim.AdamW:
     exempt = model.no_weight_decay()
-    decay, no_decay = [], []
+    decay: list[Tensor] = []
+    no_decay: list[Tensor] = []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if name in exempt else decay).append(p)
@@ -171,6 +175,7 @@ def train_loop(loop_config: dict) -> None:
 class PretrainWorker(Worker[PretrainConfig]):
     scalar_groups = SCALAR_GROUPS
     hash_covers = "model (size, MAE decoder or projection head settings)"
+    model: JointObjective
 
     def __init__(self, cfg: PretrainConfig, run_uri: str, data_uri: str | None = None) -> None:
         super().__init__(cfg, run_uri)
@@ -226,7 +231,8 @@ class PretrainWorker(Worker[PretrainConfig]):
                 batch = next(batches)
                 data_wait += time.perf_counter() - t
                 images = batch.images.to(self.device, non_blocking=True)
-                self.model.set_requires_gradient_sync(micro == accum - 1)
+                # fully_shard (build_model) made the model an FSDPModule
+                cast(FSDPModule, self.model).set_requires_gradient_sync(micro == accum - 1)
                 self.generator.manual_seed(_seed(c.seed, step, micro, self.rank))
                 out = self.model(images, step, self.generator)
                 (out["loss"] / accum).backward()
@@ -271,23 +277,24 @@ class PretrainWorker(Worker[PretrainConfig]):
         # Reduced on the training device (NCCL reduces only GPU tensors): means of the loss terms, diagnostics and
         # grad norm, mean and max of the data wait per step over ranks. Every rank gets the same means, so every
         # rank's collapse monitor agrees (rank 0 writes).
+        assert window.terms is not None and window.grad_norm is not None  # logged after at least one step
         stats = torch.cat([window.terms, window.grad_norm.view(1)]).float() / (window.steps * self.world)
         wait = torch.full((2,), window.data_wait / window.steps, device=self.device)
         dist.all_reduce(stats)
         dist.all_reduce(wait[0:1])
         dist.all_reduce(wait[1:2], op=dist.ReduceOp.MAX)
-        stats, wait = stats.tolist(), wait.tolist()
+        means, waits = stats.tolist(), wait.tolist()
         step_s = (time.perf_counter() - window.started) / window.steps
         images_per_s = c.samples_per_step(self.world) / step_s
-        wait_mean, wait_max = wait[0] / self.world, wait[1]
-        terms = dict(zip(TERMS, stats))
+        wait_mean, wait_max = waits[0] / self.world, waits[1]
+        terms = dict(zip(TERMS, means))
         record = {
             "kind": "train",
             "step": self.step,
             "epoch": self.position.epoch,
             "samples_seen": self.samples_seen,
             **terms,
-            "grad_norm": stats[len(TERMS)],
+            "grad_norm": means[len(TERMS)],
             "collapse": collapse_state(terms, c.objective.cl.prototypes),  # this window's
             **schedule,
             "images_per_s": images_per_s,
@@ -322,6 +329,7 @@ class PretrainWorker(Worker[PretrainConfig]):
 
     def _log_collapse(self, state: str | None, since: int) -> None:
         """A collapse (or its end) that has lasted ``log.collapse_patience`` steps: a warning and a record."""
+        assert self.log is not None  # called by rank 0 only, which holds the log
         ended = state is None
         self.log.write({"kind": "collapse", "step": self.step, "state": state, "since": since, "ended": ended})
         if ended:

@@ -204,7 +204,7 @@ def make_views(images: Tensor, cfg: ViewsConfig, generator: torch.Generator | No
     """Views of ``images`` ([B, 3, H, W], uint8 or float in [0, 1], any size): see the module docstring."""
     x = images.float() / 255 if images.dtype == torch.uint8 else images.float()
     b, dev = x.shape[0], x.device
-    hw = tuple(x.shape[-2:])
+    hw = (x.shape[-2], x.shape[-1])
     source = _prescale(x, cfg.global_size, cfg.global_scale[0])
     clean, aug = [], []
     for blur_p, solarize_p in zip(cfg.global_blur_prob, cfg.global_solarize_prob):

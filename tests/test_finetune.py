@@ -372,7 +372,7 @@ def test_oks_and_keypoint_ap_match_hand_computed_values():
     sigmas, area = np.array([0.05, 0.05]), 400.0
     gt, vis = np.array([[10.0, 10.0], [30.0, 30.0]]), np.array([2, 0])  # the second is unlabelled
     d = _one_keypoint_at_oks(0.62, 0.05, area)
-    off = [*gt, [d, 0.0], [99.0, 99.0]]
+    off = gt + np.array([[d, 0.0], [99.0, 99.0]])
     assert metrics.oks(off, gt, vis, area, sigmas) == pytest.approx(0.62)
     assert metrics.oks(gt, gt, vis, area, sigmas) == 1.0
     gts = [[(gt, vis, area)], [(gt, vis, area)]]

@@ -36,6 +36,7 @@ import struct
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pyarrow.fs as pafs
 import torch
@@ -117,7 +118,8 @@ def _writer(uri: str) -> dcp.StorageWriter:
     if "://" not in uri:
         return dcp.FileSystemWriter(storage.resolve(uri)[1])
     writer = dcp.FileSystemWriter(uri, sync_files=False)
-    writer.fs = _PyArrowFileSystem()
+    # torch types fs by inference as its local FileSystem; DCP takes any FileSystemBase (as its fsspec writer does)
+    writer.fs = _PyArrowFileSystem()  # type: ignore[assignment]
     writer.path = writer.fs.init_path(uri)
     return writer
 
@@ -127,7 +129,8 @@ def storage_reader(uri: str) -> dcp.StorageReader:
     if "://" not in uri:
         return dcp.FileSystemReader(storage.resolve(uri)[1])
     reader = dcp.FileSystemReader(uri)
-    reader.fs = _PyArrowFileSystem()
+    # torch types fs by inference as its local FileSystem; DCP takes any FileSystemBase (as its fsspec reader does)
+    reader.fs = _PyArrowFileSystem()  # type: ignore[assignment]
     reader.path = reader.fs.init_path(uri)
     return reader
 
@@ -195,7 +198,7 @@ def load(uri: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """
     commit = read_commit(uri)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}  # dcp.load's state dict type
     dcp.load(state, storage_reader=storage_reader(uri), planner=SafeLoadPlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank, world = _rank_world()

@@ -40,7 +40,7 @@ class LogSettings(Strict):
 
     @field_validator("backends")
     @classmethod
-    def _installed(cls, v: list[str]) -> list[str]:
+    def _installed(cls, v: list[Backend]) -> list[Backend]:
         return check_backends(list(dict.fromkeys(v)))
 
 

@@ -59,7 +59,7 @@ KIND_GROUPS = {"train": "loss", "eval": "eval"}
 NOT_SCALARS = {"step", "epoch", "attempt"}  # bookkeeping fields of a record
 
 
-def check_backends(backends: list[str]) -> list[str]:
+def check_backends(backends: list[Backend]) -> list[Backend]:
     """``backends`` unchanged when each one's package can be imported, else a ``ValueError`` naming the package."""
     for name in backends:
         module = PACKAGES[name]
@@ -68,7 +68,7 @@ def check_backends(backends: list[str]) -> list[str]:
     return backends
 
 
-def describe(backends: list[str], run_uri: str) -> str:
+def describe(backends: list[Backend], run_uri: str) -> str:
     """Where a run's metrics can be looked at, for the job's last lines."""
     run = storage.redact(run_uri)  # no credentials on the console
     store = os.environ.get("MLFLOW_TRACKING_URI") or "file://" + storage.join(run, MLFLOW)
@@ -82,7 +82,8 @@ def describe(backends: list[str], run_uri: str) -> str:
 
 def scalars(record: Mapping, groups: Mapping[str, str] = GROUPS) -> dict[str, float]:
     """The record's finite numeric fields, tagged ``<group>/<name>``."""
-    default = KIND_GROUPS.get(record.get("kind"), record.get("kind") or "metrics")
+    kind = record.get("kind") or "metrics"
+    default = KIND_GROUPS.get(kind, kind)
     out = {}
     for key, value in record.items():
         if key in NOT_SCALARS or isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -186,7 +187,7 @@ class Sinks:
     committed (what a resume keeps), ``close`` at the end."""
 
     def __init__(
-        self, backends: list[str], run_uri: str, first_step: int, params: dict,
+        self, backends: list[Backend], run_uri: str, first_step: int, params: dict,
         groups: Mapping[str, str] = GROUPS,
     ) -> None:  # fmt: skip
         name = os.path.basename(storage.redact(run_uri).rstrip("/"))

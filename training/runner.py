@@ -59,7 +59,9 @@ def launch(
         scaling_config=ray.train.ScalingConfig(
             num_workers=settings.workers, use_gpu=settings.use_gpu, resources_per_worker=resources
         ),
-        run_config=ray.train.RunConfig(
+        # ray.train re-exports Train v2's RunConfig at runtime (is_v2_enabled()); mypy sees the v1 class it
+        # imports first, which has no logging_config
+        run_config=ray.train.RunConfig(  # type: ignore[call-arg]
             name=name,
             storage_path=storage_path if "://" in storage_path else os.path.abspath(os.path.expanduser(storage_path)),
             failure_config=ray.train.FailureConfig(max_failures=settings.max_failures),

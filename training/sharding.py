@@ -6,14 +6,19 @@ On GPU with ``precision: bf16`` parameters are gathered and computed in bf16 and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+M = TypeVar("M", bound=nn.Module)
 
-def shard(model: nn.Module, units: list[nn.Module], device: torch.device, precision: str) -> nn.Module:
+
+def shard(model: M, units: list[nn.Module], device: torch.device, precision: str) -> M:
     """FSDP2 over the process group: one ``fully_shard`` per unit, then the root (the parameters left over, and the
     move to ``device``); bf16 parameters and compute with fp32 gradient reduction on GPUs when asked."""
     mp = MixedPrecisionPolicy()
@@ -26,7 +31,7 @@ def shard(model: nn.Module, units: list[nn.Module], device: torch.device, precis
     return model
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grad_clip: float | None) -> Tensor:
+def optimizer_step(optimizer: torch.optim.Optimizer, params: Sequence[Tensor], grad_clip: float | None) -> Tensor:
     """Clip the gradients to ``grad_clip`` (global norm over every shard), step, clear; returns the norm before
     clipping as a plain tensor."""
     grads = [p.grad for p in params if p.grad is not None]

@@ -180,7 +180,10 @@ class SourceReader:
         with fs.open_input_file(path) as f, tarfile.open(fileobj=f, mode="r:") as tar:
             info = tar.getmember(member)
             self._check_size(info.size)
-            return tar.extractfile(info).read()
+            data = tar.extractfile(info)
+            if data is None:  # a folder, link or device entry
+                raise SourceUnreadable(f"source not readable: {member} is not a regular file in {uri}")
+            return data.read()
 
 
 @dataclass
@@ -255,6 +258,7 @@ class Thumbnails:
                 results[key] = (self.name(key), None)
         for t in tiles:
             if t.thumb is None and t.why is None:
+                assert t.key is not None  # a tile without a key got its why above
                 t.thumb, t.why = results[t.key]
 
     def _scored_bytes(self, tiles: list[Tile]) -> dict[str, bytes]:
@@ -735,8 +739,8 @@ class _Report:
                 )
             )
         for phase in GLOBAL_PHASES:
-            if state.get(phase):
-                timing.append((phase, f"{state[phase]['seconds']:.2f} s"))
+            if record := state.get(phase):
+                timing.append((phase, f"{record['seconds']:.2f} s"))
         if self.audit is not None:
             timing.append(("audit", f"{self.audit.seconds:.1f} s"))
         rows = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in timing)

@@ -29,7 +29,7 @@ Conventions (shared with the full profile, curation/stages/yolo.py):
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
@@ -253,7 +253,18 @@ def body_box(kp: np.ndarray, width: float, height: float) -> np.ndarray | None:
     return box if box[2] > box[0] and box[3] > box[1] else None
 
 
-def person_update(records: list[dict], faces: list[dict], f: Filters, nobody: str, **extra) -> Update:
+class Face(TypedDict):
+    """One entry of the ``faces`` column: a face box in image pixels, how sure it is a face, and its yaw class."""
+
+    x0: float
+    y0: float
+    x1: float
+    y1: float
+    score: float
+    view: str
+
+
+def person_update(records: list[dict], faces: list[Face], f: Filters, nobody: str, **extra) -> Update:
     """A person stage's columns from its person records (main person first) and faces, with ``extra`` columns,
     and the verdict of the prominent-person rule; both profiles' person stages end here."""
     main = records[0] if records else None
@@ -636,7 +647,7 @@ class HeadPoseStage(Stage):
             kp = np.asarray(p.get("keypoints") or [], np.float64).reshape(-1, 3)
             if p["prominent"] and len(kp) == len(TO_COCO):
                 heads[i] = head_region(kp)
-        faces = []
+        faces: list[Face] = []
         sized = [h for h in heads.values() if h is not None]
         rgb, scale = None, 1.0
         if sized:
@@ -659,6 +670,7 @@ class HeadPoseStage(Stage):
                 found = self.find_face(rgb, centre * scale, m.crop_heads * size * scale)
             pose = None
             if found is not None:
+                assert rgb is not None  # a face is only looked for in a decoded image
                 box, points, score = found
                 mesh, flag = self.face_mesh(rgb, box, points[:2])
                 # The mesh's own face probability vetoes a detection it does not see as a face (MediaPipe's use).

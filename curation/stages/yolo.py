@@ -30,13 +30,13 @@ from __future__ import annotations
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from common.imageio import decode
 from curation.stage import Row, Stage, Update
-from curation.stages.people import PERSON_COLUMNS, order_main_first, person_update, prominence, yaw_class
+from curation.stages.people import PERSON_COLUMNS, Face, order_main_first, person_update, prominence, yaw_class
 
 if TYPE_CHECKING:
     pass
@@ -133,7 +133,9 @@ def estimate_head_pose(xy: np.ndarray, conf: np.ndarray, min_conf: float = 0.5) 
     n = len(xy)
     visible = conf >= min_conf
     valid = visible[:, NOSE] & (visible[:, LEFT_EYE] | visible[:, RIGHT_EYE]) & (visible.sum(-1) >= 3)
-    out = HeadPoses(*(np.full(n, np.nan) for _ in range(3)), np.zeros(n), valid, np.full((n, 4), np.nan))
+    out = HeadPoses(
+        np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan), np.zeros(n), valid, np.full((n, 4), np.nan)
+    )
     if not valid.any():
         return out
     xc = xy[valid, :, 0] + 1j * xy[valid, :, 1]
@@ -228,13 +230,14 @@ class YoloPersonStage(Stage):
             )
         self.det = self._prepare(models.load_yolo(det_path)) if det_path else None
         names = dict(self.det.names if self.det is not None else self.pose.names)
-        self.person_class = next((int(k) for k, v in names.items() if v == m.person_class), None)
-        if self.person_class is None:
+        person_class = next((int(k) for k, v in names.items() if v == m.person_class), None)
+        if person_class is None:
             which = "detector" if self.det is not None else "pose"
             raise ValueError(
                 f"models.yolo.{which} has no class named {m.person_class!r} (models.yolo.person_class); "
                 f"its classes: {list(names.values())[:10]}..."
             )
+        self.person_class = person_class
         from ultralytics.data.augment import LetterBox
         from ultralytics.utils import nms, ops
 
@@ -268,9 +271,10 @@ class YoloPersonStage(Stage):
         NaN for a person the pose model did not find. One letterboxed batch, one forward pass per model."""
         import torch
 
-        batch = np.stack([self._letterbox(image=im) for im in images])
+        # cast: LetterBox returns the image alone when given no labels (its annotation is for both uses)
+        batch = np.stack([cast(np.ndarray, self._letterbox(image=im)) for im in images])
         x = torch.from_numpy(batch).to(self.device).permute(0, 3, 1, 2).to(self.dtype).div_(255)
-        shape = tuple(x.shape[2:])
+        shape = (x.shape[2], x.shape[3])
         with torch.inference_mode():
             pose = self._detect(self.pose, x, None, len(self.pose.names))
             det = self._detect(self.det, x, [self.person_class], 0) if self.det is not None else None
@@ -278,14 +282,15 @@ class YoloPersonStage(Stage):
         out = []
         for i, im in enumerate(images):
             p = pose[i]
-            p_boxes = self._ops.scale_boxes(shape, p[:, :4].copy(), im.shape[:2])
+            # cast: scale_boxes returns the array type it is given; its annotation is the union of both
+            p_boxes = cast(np.ndarray, self._ops.scale_boxes(shape, p[:, :4].copy(), im.shape[:2]))
             kpts = p[:, 6 : 6 + 3 * k].reshape(-1, k, 3).copy()
             kpts = self._ops.scale_coords(shape, kpts, im.shape[:2]) if len(kpts) else kpts
             if det is None:
                 out.append((p_boxes, p[:, 4], kpts))
                 continue
             d = det[i]
-            boxes = self._ops.scale_boxes(shape, d[:, :4].copy(), im.shape[:2])
+            boxes = cast(np.ndarray, self._ops.scale_boxes(shape, d[:, :4].copy(), im.shape[:2]))
             match = match_boxes(boxes, p_boxes, self.cfg.models.yolo.pose_match_iou)
             person_kpts = np.full((len(boxes), k, 3), np.nan)  # NaN: the pose model did not see this person
             for a, b in match.items():
@@ -321,7 +326,8 @@ class YoloPersonStage(Stage):
         m, f = self.cfg.models.yolo, self.cfg.filters
         width, height = int(row["width"]), int(row["height"])
         clip = np.array([width, height, width, height], dtype=np.float64)
-        records, faces = [], []
+        records = []
+        faces: list[Face] = []
         for b, s, k, h in zip(boxes, scores, kpts, idx):
             c = k[:FACE_KEYPOINTS, 2]
             x0, y0, x1, y1 = (float(v) for v in np.clip(b, 0, clip))

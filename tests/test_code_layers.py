@@ -1,0 +1,114 @@
+"""The house's layers: each package imports only the packages below it, and no module imports itself back through
+others, deferred (function-level) imports included. ``TYPE_CHECKING`` imports are annotations, not dependencies."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Package -> the packages of ours it may import. The product (common .. finetune) never imports the generators of
+# test and demo data, the jobs or the benchmarks; training never imports curation.
+ALLOWED = {
+    "common": set(),
+    "curation": {"common"},
+    "training": {"common"},
+    "pretrain": {"common", "training"},
+    "finetune": {"common", "training", "pretrain"},
+    "generators": {"common", "curation", "finetune"},
+    "jobs": {"common", "curation", "training", "pretrain", "finetune", "generators"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in ALLOWED:
+        for path in (REPO / package).rglob("*.py"):
+            found[".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")] = path
+    return found
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """Modules of ours that ``path`` imports, at the top or inside functions, outside ``if TYPE_CHECKING``."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
+                continue
+            if isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                names = [child.module, *(f"{child.module}.{a.name}" for a in child.names)]
+            elif isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            else:
+                names = []
+            out.update(n for n in names if n in known)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            connect(v)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, set(modules)) - {name} for name, path in modules.items()}
+
+
+def test_packages_import_only_the_layers_below_them():
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in _graph().items()
+        for target in targets
+        if (a := module.split(".")[0]) != (b := target.split(".")[0]) and b not in ALLOWED[a]
+    )
+    assert not wrong, wrong
+
+
+def test_no_import_cycle_even_through_deferred_imports():
+    assert _cycles(_graph()) == []
+
+
+def test_the_checker_sees_a_cycle_and_a_deferred_import(tmp_path):
+    cyclic = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(cyclic) == [["a", "b", "c"]]
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import common.schema\n"
+        "def f():\n    from curation import stage\n"
+    )
+    assert _imports(module, {"common.schema", "curation.stage", "curation"}) == {"curation", "curation.stage"}
