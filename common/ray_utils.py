@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypedDict
 
@@ -34,6 +35,12 @@ QUIET = {
 }
 
 
+# Ray Train's placement-group cleaner checks its controller through the same State API on a thread of its own; when
+# finding the API server fails with another error than the one it catches (no dashboard to find, a stale address
+# of an earlier local Ray), the thread ends with a traceback. The clean-up it guards still happens when the run ends.
+QUIET_THREADS = ("PlacementGroupCleanerMonitor",)
+
+
 class DropMessages(logging.Filter):
     """Drops the records whose message starts with one of ``starts``."""
 
@@ -52,6 +59,21 @@ def quiet_ray_logs() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, DropMessages) for f in logger.filters):
             logger.addFilter(DropMessages(starts))
+    if threading.excepthook is not _quiet_thread_errors:
+        global _next_excepthook
+        _next_excepthook = threading.excepthook
+        threading.excepthook = _quiet_thread_errors
+
+
+_next_excepthook = threading.excepthook
+
+
+def _quiet_thread_errors(args: threading.ExceptHookArgs) -> None:
+    """A ``QUIET_THREADS`` thread's end goes to the debug log; any other thread's to the hook installed before."""
+    if args.thread is not None and args.thread.name in QUIET_THREADS:
+        logging.getLogger(__name__).debug("thread %s ended: %r", args.thread.name, args.exc_value)
+        return
+    _next_excepthook(args)
 
 
 # Merged with a submitted job's own runtime environment; the hook is imported by name on every worker.

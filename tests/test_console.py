@@ -7,6 +7,7 @@ import logging
 import re
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -20,6 +21,22 @@ from curation.pool import list_shards
 from curation.score import ScorePhase
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_quiet_threads_error_is_not_printed_and_any_other_threads_is(monkeypatch):
+    ray_utils.quiet_ray_logs()
+    assert threading.excepthook is ray_utils._quiet_thread_errors
+    printed: list[str] = []  # what the hook installed before (the one that prints) receives
+    monkeypatch.setattr(ray_utils, "_next_excepthook", lambda args: printed.append(args.thread.name))
+
+    def fail() -> None:
+        raise RuntimeError("Timed out while waiting for GCS to become available.")
+
+    for name in ("PlacementGroupCleanerMonitor", "some-other-thread"):
+        thread = threading.Thread(target=fail, name=name)
+        thread.start()
+        thread.join()
+    assert printed == ["some-other-thread"]
 
 
 def test_quiet_filters_drop_only_the_named_noise():
