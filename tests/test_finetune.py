@@ -10,7 +10,11 @@ import io
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +23,7 @@ import pytest
 import torch
 from conftest import tensorboard_scalars
 from PIL import Image
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from common.config import load_config
 from finetune import augment, data, heads, losses, metrics, tasks
@@ -31,6 +35,7 @@ from jobs import finetune as job
 from jobs import make_synthetic
 from pretrain.backbone import build
 from pretrain.data import DataIndex
+from training import checkpoint as ckpt
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs/finetune/tiny.yaml")
@@ -677,21 +682,12 @@ def test_every_task_runs_end_to_end_through_the_job(task_name, shards, tmp_path,
 
 
 def _finetuned_tensors(run: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     return load_file(run / "finetuned.safetensors")
 
 
 def test_killed_finetuning_job_resumes_to_the_uninterrupted_weights(shards, tmp_path, ray_local):
     """SIGKILL the driver after its first checkpoint, submit the same command again: the final weights are those
     of a run that was never interrupted (same seed, same batches, same augmentation draws)."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from training import checkpoint as ckpt
-
     address = ray_local.get_runtime_context().gcs_address
     config = str(REPO / "configs/finetune/tiny-pose.yaml")
     common = ["--task", "pose", "--config", config, "--data", str(shards), "--storage", str(tmp_path)]
