@@ -37,22 +37,16 @@ from pretrain import data
 from pretrain.backbone import build
 from pretrain.config import PretrainConfig
 from pretrain.objective import JointObjective
-from pretrain.train import build_model, build_optimizer, fit
+from pretrain.train import build_model, build_optimizer, fit, optimizer_update
 from training.metrics import read_metrics
 from training.runner import run_uri_for
-from training.schedules import lr_at
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs/pretrain/tiny.yaml"
 
 
 def in_memory_batches(cfg: PretrainConfig, shards: str, batch: int) -> list[torch.Tensor]:
     """The shards' images decoded, cropped and resized once, as uint8 [B, 3, H, W] batches."""
-    index = data.DataIndex.scan(shards)
-    images = []
-    for f in index.files:
-        for row in index.open(f).read(columns=list(data.READ_COLUMNS)).to_pylist():
-            images.append(torch.from_numpy(data.decode_crop(row, cfg.image_size)).permute(2, 0, 1))
-    stacked = torch.stack(images)
+    stacked = data.load_images(shards, cfg.image_size)
     return [stacked[i : i + batch] for i in range(0, len(stacked) - batch + 1, batch)]
 
 
@@ -69,17 +63,11 @@ def local_loop(cfg: PretrainConfig, batches: list[torch.Tensor], steps: int, war
     times = []
     for step in range(warmup + steps):
         t = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.optim, cfg.steps, cfg.samples_per_step())
         for micro in range(cfg.optim.grad_accum):
             generator.manual_seed(step * 1000 + micro)
             images = batches[(step * cfg.optim.grad_accum + micro) % len(batches)]
             (model(images, step, generator)["loss"] / cfg.optim.grad_accum).backward()
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        torch.nn.utils.clip_grads_with_norm_(params, cfg.optim.grad_clip or float("inf"), grad_norm, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        model.update_teacher(step)
+        optimizer_update(model, optimizer, params, step, cfg, cfg.samples_per_step())
         times.append(time.perf_counter() - t)
     return times[warmup:]
 

@@ -503,9 +503,7 @@ def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadlin
     uint8 images, median of ``steps`` after ``warmup``; throughput, memory and MFU from it."""
     import torch
 
-    from pretrain.train import build_optimizer, peak_flops, train_flops_per_image
-    from training.schedules import lr_at
-    from training.sharding import optimizer_step
+    from pretrain.train import build_optimizer, optimizer_update, peak_flops, train_flops_per_image
 
     optimizer = build_optimizer(model, cfg.optim)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -520,11 +518,8 @@ def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadlin
         synchronize()
         start = time.perf_counter()
         generator.manual_seed(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.optim, cfg.steps, cfg.data.batch_size)  # one process, one micro-batch
         model(images, step, generator)["loss"].backward()
-        optimizer_step(optimizer, params, cfg.optim.grad_clip)
-        model.update_teacher(step)
+        optimizer_update(model, optimizer, params, step, cfg, cfg.data.batch_size)  # one process, one micro-batch
         synchronize()
         times.append(time.perf_counter() - start)
     timed_steps = times[warmup:] or times[-1:]

@@ -2,8 +2,9 @@
 
 Architecture (public model card and standalone backbone): 16x16 patch embedding; one [CLS] and
 `num_registers` register tokens; pre-norm blocks with RMSNorm, QK-Norm, 2D axial RoPE on the patch tokens,
-SwiGLU FFN (hidden = 4 x width, three width x hidden matrices), LayerScale on both branches; grouped-query
-attention (kv heads = heads / 2) only in the middle blocks [8, depth - 8); a final RMSNorm.
+SwiGLU FFN (hidden = 4 x width, three width x hidden matrices), LayerScale on the attention branch only (as the
+public Sapiens2 block; `ffn_layer_scale` adds DINOv2's second one on the FFN branch); grouped-query attention
+(kv heads = heads / 2) only in the middle blocks [8, depth - 8); a final RMSNorm.
 
 Masked (MAE) training: `forward(images, keep)` runs the transformer on the visible patches only, each at its
 true grid position, so dropped patches cannot influence any output.
@@ -42,6 +43,8 @@ class BackboneConfig:
     in_chans: int = 3
     num_registers: int = 8
     layer_scale_init: float = 1e-4
+    # Sapiens2 scales the attention branch only; True also scales the FFN branch, as DINOv2 / DINOv3 blocks do.
+    ffn_layer_scale: bool = False
     rope_base: float = 100.0
     norm_eps: float = 1e-6
     qkv_bias: bool = True
@@ -181,11 +184,12 @@ class Block(nn.Module):
         self.ls1 = nn.Parameter(torch.full((cfg.width,), cfg.layer_scale_init))
         self.norm2 = nn.RMSNorm(cfg.width, eps=cfg.norm_eps)
         self.ffn = SwiGLU(cfg.width, cfg.hidden)
-        self.ls2 = nn.Parameter(torch.full((cfg.width,), cfg.layer_scale_init))
+        self.ls2 = nn.Parameter(torch.full((cfg.width,), cfg.layer_scale_init)) if cfg.ffn_layer_scale else None
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
         x = x + self.ls1 * self.attn(self.norm1(x), rope, mask)
-        return x + self.ls2 * self.ffn(self.norm2(x))
+        ffn = self.ffn(self.norm2(x))
+        return x + (ffn if self.ls2 is None else self.ls2 * ffn)
 
 
 @dataclass
@@ -231,7 +235,8 @@ class Sapiens2Backbone(nn.Module):
                 m.reset_parameters()
             elif isinstance(m, Block):
                 m.ls1.fill_(self.cfg.layer_scale_init)
-                m.ls2.fill_(self.cfg.layer_scale_init)
+                if m.ls2 is not None:
+                    m.ls2.fill_(self.cfg.layer_scale_init)
         nn.init.trunc_normal_(self.cls_token, std=0.02)
         nn.init.trunc_normal_(self.registers, std=0.02)
         if self.window_query is not None:

@@ -24,6 +24,8 @@ class ModelSettings(Strict):
     # LayerScale's initial value (None: the size's, 1e-4). At 1e-4 a fresh shallow model's [CLS] barely depends on
     # the image, so the teacher's targets start uniform; small models start better from 0.1.
     layer_scale_init: float | None = Field(None, gt=0)
+    # LayerScale on the FFN branch too (DINOv2's blocks); off: on the attention branch only, as Sapiens2's blocks.
+    ffn_layer_scale: bool = False
     # Patch side in pixels (None: the size's, 16). At 128x96 a 16-px patch leaves an 8x6 token grid, coarser than
     # the 64x48 the Sapiens2 sizes see at 1024x768; 8 px gives the tiny model 16x12 tokens.
     patch_size: int | None = Field(None, ge=1)
@@ -36,7 +38,11 @@ class ModelSettings(Strict):
         return v
 
     def backbone(self) -> BackboneConfig:
-        backbone = dataclasses.replace(SIZES[self.size], activation_checkpointing=self.activation_checkpointing)
+        backbone = dataclasses.replace(
+            SIZES[self.size],
+            activation_checkpointing=self.activation_checkpointing,
+            ffn_layer_scale=self.ffn_layer_scale,
+        )
         if self.layer_scale_init is not None:
             backbone = dataclasses.replace(backbone, layer_scale_init=self.layer_scale_init)
         if self.patch_size is not None:
@@ -74,7 +80,7 @@ class PretrainLog(LogSettings):
     record_keys: bool = False  # write the sample keys of every step (all ranks) to the metrics log
     peak_tflops: float | None = Field(None, gt=0)  # per-GPU peak for MFU; None: looked up from the GPU name
     # steps a self-distillation collapse (objective.collapse_state), or its end, must last before it is logged
-    collapse_patience: int = Field(20, ge=1)
+    collapse_patience: int = Field(10, ge=1)
 
 
 class FaultSettings(Strict):
@@ -113,7 +119,6 @@ class PretrainConfig(TrainingConfig):
 
     def model_hash(self) -> str:
         """Hash of what the checkpointed tensors' shapes depend on: a resume with another value is refused."""
-        o = self.objective
-        return hash_json(
-            {"size": self.model.size, "mae": o.mae.model_dump(mode="json"), "cl": o.cl.model_dump(mode="json")}
-        )
+        o, m = self.objective, self.model
+        shapes = {"size": m.size, "patch_size": m.patch_size, "ffn_layer_scale": m.ffn_layer_scale}
+        return hash_json({**shapes, "mae": o.mae.model_dump(mode="json"), "cl": o.cl.model_dump(mode="json")})

@@ -447,3 +447,16 @@ def stream(
                 images = torch.from_numpy(batch["image"])
             yield Batch(images=images.permute(0, 3, 1, 2), keys=list(batch["key"]))
         done += chunk
+
+
+def load_images(shards_uri: str, size: tuple[int, int]) -> torch.Tensor:
+    """Every image of the curated shards decoded, person-cropped and resized as the stream does, as one uint8
+    [N, 3, H, W] tensor: for in-process benchmarks and studies on a few hundred images, not for training at scale."""
+    import torch
+
+    index = DataIndex.scan(shards_uri)
+    images = []
+    for f in index.files:
+        for row in index.open(f).read(columns=list(READ_COLUMNS)).to_pylist():
+            images.append(torch.from_numpy(decode_crop(row, size)).permute(2, 0, 1))
+    return torch.stack(images)

@@ -1,6 +1,7 @@
-"""The pretrained backbone as a plain file: the student of a pretraining checkpoint, exported to safetensors.
+"""The pretrained backbone as a plain file: the student (or EMA teacher) of a pretraining checkpoint, in safetensors.
 
-``jobs.pretrain`` writes ``<run>/backbone.safetensors`` at the end of a run; fine-tuning starts from it
+``jobs.pretrain`` writes ``<run>/backbone.safetensors`` at the end of a run (``--export teacher``:
+``<run>/teacher_backbone.safetensors``); fine-tuning starts from it
 (``load_backbone``). No pickle on either side: the backbone config travels in the file's metadata.
 """
 
@@ -22,28 +23,46 @@ from training.checkpoint import SafeLoadPlanner, read_commit, read_safetensors, 
 BACKBONE_FILE = "backbone.safetensors"
 
 
-def export_backbone(ckpt_uri: str, out_uri: str) -> dict:
-    """Write the student backbone of a checkpoint as a plain safetensors state dict (keys of Sapiens2Backbone).
+# The backbones a checkpoint holds, by their key prefix in the model state (``JointObjective``): the student, and its
+# EMA teacher (DINO evaluates the teacher, which is often the better of the two).
+EXPORTS = {"student": "student.", "teacher": "teacher.backbone."}
+EXPORT_FILES = {"student": BACKBONE_FILE, "teacher": "teacher_backbone.safetensors"}
 
-    Reads only the backbone's tensors (no optimiser, no teacher), without a process group. The backbone config
-    travels in the file's metadata, so ``load_backbone`` needs nothing else.
-    """
-    from safetensors.torch import save as st_save
 
-    commit = read_commit(ckpt_uri)
-    cfg = ModelSettings.model_validate(commit["config"]["model"]).backbone()  # the run's, overrides included
-    shapes = build_meta(cfg).state_dict()
-    state = {"model": {f"student.{k}": torch.empty(v.shape, dtype=v.dtype) for k, v in shapes.items()}}
+def read_model_state(ckpt_uri: str, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors named in ``like`` (shapes and dtypes; keys of the objective's state dict) from a checkpoint's model
+    state, read in this process without a process group; nothing else (no optimiser) is read."""
+    state = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in like.items()}}
     with warnings.catch_warnings():  # no_dist is what this single-process read means to do; torch warns anyway
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         planner = SafeLoadPlanner(allow_partial_load=True)
         dcp.load(state, storage_reader=storage_reader(ckpt_uri), planner=planner, no_dist=True)
-    tensors = {k.removeprefix("student."): v.contiguous() for k, v in state["model"].items()}
+    return state["model"]
+
+
+def export_backbone(ckpt_uri: str, out_uri: str, which: str = "student") -> dict:
+    """Write the student backbone of a checkpoint (or, ``which="teacher"``, its EMA teacher's) as a plain safetensors
+    state dict (keys of Sapiens2Backbone).
+
+    Reads only that backbone's tensors (no optimiser), without a process group. The backbone config travels in the
+    file's metadata, so ``load_backbone`` needs nothing else.
+    """
+    from safetensors.torch import save as st_save
+
+    if which not in EXPORTS:
+        raise ValueError(f"which must be one of {sorted(EXPORTS)}, got {which!r}")
+    prefix = EXPORTS[which]
+    commit = read_commit(ckpt_uri)
+    cfg = ModelSettings.model_validate(commit["config"]["model"]).backbone()  # the run's, overrides included
+    shapes = build_meta(cfg).state_dict()
+    state = read_model_state(ckpt_uri, {f"{prefix}{k}": v for k, v in shapes.items()})
+    tensors = {k.removeprefix(prefix): v.contiguous() for k, v in state.items()}
     meta = {
         "format": "pt",
         "backbone_config": json.dumps(dataclasses.asdict(dataclasses.replace(cfg, activation_checkpointing=False))),
         "size": commit["config"]["model"]["size"],
         "step": str(commit["step"]),
+        "which": which,
     }
     fs, path = storage.resolve(out_uri)
     storage.write_bytes_atomic(fs, path, st_save(tensors, metadata=meta))
@@ -61,6 +80,8 @@ def load_backbone(uri: str, **overrides) -> Sapiens2Backbone:
     tensors, meta = read_safetensors(uri)
     fields = json.loads(meta["backbone_config"])
     values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    # Files written before the setting existed carry no flag; their tensors tell whether blocks scale the FFN branch.
+    values.setdefault("ffn_layer_scale", any(k.endswith(".ls2") for k in tensors))
     cfg = BackboneConfig(**values)
     model = Sapiens2Backbone(dataclasses.replace(cfg, **overrides))
     model.load_state_dict(tensors, strict=True)

@@ -1,4 +1,4 @@
-"""The pretraining objective: L = L_MAE + lambda * L_CL, with an EMA teacher for the contrastive term.
+"""The pretraining objective: L = L_MAE + lambda * L_CL (+ w * KoLeo), with an EMA teacher for the contrastive term.
 
 - L_MAE: the student encodes the visible patches of each clean global view; a light transformer decoder puts mask
   tokens at the hidden positions and predicts every patch's pixels, normalised per patch (mean / variance over
@@ -9,7 +9,9 @@
   the student's backbone and head, encodes the whole colour-augmented global views; its scores are centred (or
   balanced by Sinkhorn-Knopp) and sharpened by a low temperature. The student encodes the masked clean global
   views and the local crops; the loss is the cross-entropy between the teacher's softmax on one global view and
-  the student's log-softmax on every other view.
+  the student's log-softmax on every other view. KoLeo on the student's [CLS] of each global view, summed over the
+  views and weighted by ``cl.koleo`` alone (as DINOv2 / DINOv3 add it, outside the lambda of L_CL). The prototype
+  layer's learning rate is 0 for the first ``cl.freeze_prototypes_steps`` steps (``pretrain.train``), as theirs.
 
 Schedules (by optimiser step): teacher momentum cosine from 0.996 to 1 over the run; teacher temperature linear
 from its warm-up value to its final value. The teacher never receives gradients: it runs under ``no_grad`` and
@@ -58,9 +60,14 @@ class CLConfig(Strict):
     sinkhorn_iters: int = Field(3, ge=1)
     momentum: float = Field(0.996, ge=0, le=1)  # teacher EMA momentum at step 0 ...
     momentum_end: float = Field(1.0, ge=0, le=1)  # ... and at the last step (cosine between)
-    # KoLeo (DINOv2): spreads the student's [CLS] of each global view over the batch, so a [CLS] that ignores the
-    # image costs loss from step 0 instead of sitting at the uniform-target minimum. 0 turns it off.
+    # KoLeo (DINOv2 / DINOv3): spreads the student's [CLS] of each global view over the batch, so a [CLS] that
+    # ignores the image costs loss from step 0. As theirs: summed over the global views, weighted by this alone (not
+    # by lambda_cl; DINOv2's koleo_loss_weight is 0.1). 0 turns it off.
     koleo: float = Field(0.0, ge=0)
+    # Optimiser steps at the start during which the prototype layer does not move (its learning rate is 0), as
+    # DINOv2 / DINOv3's freeze_last_layer_epochs (one epoch of 1250 iterations there): the prototypes stay put while
+    # the head's first layers find image-dependent directions.
+    freeze_prototypes_steps: int = Field(1250, ge=0)
 
 
 class ObjectiveConfig(Strict):
@@ -228,13 +235,19 @@ def sinkhorn_knopp(scores: Tensor, temp: float, iters: int) -> Tensor:
 
 
 def koleo_loss(x: Tensor, eps: float = 1e-8) -> Tensor:
-    """Kozachenko-Leonenko entropy estimate (DINOv2's KoLeo regulariser) of rows of ``x`` [..., B, D]: minus the
-    mean log distance of each L2-normalised row to its nearest other row in the same batch."""
+    """Kozachenko-Leonenko entropy estimate of the rows of ``x`` [B, D], as DINOv2's KoLeoLoss: rows L2-normalised,
+    each row's nearest other row found by inner product, then minus the mean log of the distance of the two vectors
+    themselves (``|a - b + eps|``, torch's PairwiseDistance), in fp32.
+
+    The distance is taken of the vectors, not as ``sqrt(2 - 2 cos)``: in fp32 that rounds to 0 below ~3e-4, where the
+    loss would sit at -log(eps) with no gradient, exactly in the near-collapse KoLeo is there to undo.
+    """
     x = F.normalize(x.float(), dim=-1, eps=eps)
-    sim = x @ x.transpose(-1, -2)
-    sim.diagonal(dim1=-2, dim2=-1).fill_(-2.0)  # never its own nearest neighbour
-    nearest = sim.max(dim=-1).values
-    distance = (2 - 2 * nearest).clamp_min(0).sqrt()  # |a - b| of unit vectors
+    with torch.no_grad():
+        sim = x @ x.t()
+        sim.fill_diagonal_(-1.0)  # never its own nearest neighbour
+        nearest = sim.argmax(dim=-1)
+    distance = F.pairwise_distance(x, x[nearest], eps=eps)
     return -torch.log(distance + eps).mean()
 
 
@@ -253,16 +266,15 @@ def distillation_loss(teacher_probs: Tensor, student_logits: Tensor, student_tem
 # --- diagnostics and collapse detection ---------------------------------------------------------------------------
 
 # Every scalar ``JointObjective.losses`` returns, in a fixed order so the training loop can stack them.
-DIAGNOSTICS = ("teacher_entropy", "student_entropy", "cls_std", "cls_rms", "proto_used")
+DIAGNOSTICS = ("teacher_entropy", "batch_entropy", "student_entropy", "cls_std", "cls_rms", "proto_used")
 TERMS = ("loss", "mae", "cl", "koleo", *DIAGNOSTICS)
 
-# Collapse rules (``collapse_state``). Thresholds are scale-free so they hold for any K and width.
-# Teacher entropy >= ln(0.8 K), within 0.223 nats of ln K: targets spread evenly over 80% of the prototypes tell the
-# images apart no better than uniform ones (a 1000-step tiny run sat at 0.87-0.90 K, just under a 0.9 K rule).
-UNIFORM_PERPLEXITY = 0.8
+# Collapse rules (``collapse_state``), scale-free so they hold for any K, width and batch. Both collapses of DINO
+# (Caron et al. 2021, sec. 5.3) leave targets that do not tell the images apart: their information about the row,
+# I = H(batch-mean target) - mean H(target), falls to 0. Which one it is, the mean target's entropy tells.
+UNINFORMATIVE = 0.2  # I below 20% of what telling the batch's images apart takes (ln of the images per worker)
+ONE_PROTOTYPE_PERPLEXITY = 1.5  # the batch-mean target's perplexity: (nearly) every row on one prototype
 CONSTANT_CLS = 0.01  # CLS std across the batch below 1% of the CLS's RMS value
-ONE_PROTOTYPE_ENTROPY = 0.1  # nats: teacher rows (nearly) one-hot ...
-ONE_PROTOTYPE_USED = 1.5  # ... and (the mean over workers of) the distinct argmax prototypes rounds to 1
 
 
 @torch.no_grad()
@@ -275,6 +287,8 @@ def contrastive_diagnostics(
     [CLS]). All are over this worker's micro-batch (the training loop averages them over steps and workers):
 
     - teacher_entropy: mean over rows of H(teacher probs); ln K means the targets are uniform, 0 one-hot.
+    - batch_entropy: H of the batch-mean teacher row: about 0 when every row targets one prototype; minus
+      teacher_entropy it is the targets' information about the row (0 in either collapse).
     - student_entropy: the same for the student's softmax at the student temperature.
     - cls_std: mean over feature dims of the std of [CLS] across the rows (every global crop of every image);
       cls_rms: the RMS of the [CLS] entries, the scale to read cls_std against (both after the final norm).
@@ -288,6 +302,7 @@ def contrastive_diagnostics(
     used = torch.zeros(t.shape[-1], device=t.device).index_fill_(0, t.argmax(-1), 1.0).sum()
     return {
         "teacher_entropy": torch.special.entr(t).sum(-1).mean(),  # entr(0) = 0: one-hot rows are exact
+        "batch_entropy": torch.special.entr(t.mean(0)).sum(),
         "student_entropy": -(log_s.exp() * log_s).sum(-1).mean(),
         "cls_std": c.std(dim=0, correction=min(1, c.shape[0] - 1)).mean(),  # one row: 0 rather than NaN
         "cls_rms": c.pow(2).mean().sqrt(),
@@ -295,23 +310,26 @@ def contrastive_diagnostics(
     }
 
 
-def collapse_state(diag: dict[str, float], prototypes: int) -> str | None:
+def collapse_state(diag: dict[str, float], prototypes: int, images: int) -> str | None:
     """Names the self-distillation collapse the diagnostics show (several joined by " + "), or None when healthy.
 
-    - "uniform targets": teacher entropy within ln(1 / 0.8) of ln K. The teacher's scores no longer tell the
-      images apart, so every target is uniform and a uniform student is the loss minimum (L_CL stuck at ln K).
+    ``images``: the distinct images in one worker's micro-batch (the rows the diagnostics were taken over are their
+    global views). The targets' information I = batch_entropy - teacher_entropy can reach ln(images) when each
+    image gets its own target; below ``UNINFORMATIVE`` of that the targets teach nothing, and
+
+    - "one prototype": the batch-mean target's perplexity below 1.5: every row on (nearly) the same prototype
+      (centring / Sinkhorn are not holding the prototypes apart);
+    - "uniform targets": otherwise; every row near the same spread-out target (the centring wins over the
+      sharpening; L_CL then sits near ln K with a uniform student as its minimum).
     - "constant CLS": the [CLS] std across the batch below 1% of its RMS: the backbone output ignores the image.
-    - "one prototype": teacher rows near one-hot (entropy < 0.1 nats) on a single prototype for the whole batch
-      (centring / Sinkhorn failed). With one image per worker, two views agreeing looks the same: read it with
-      the batch size in mind.
     """
     names = []
-    if diag["teacher_entropy"] >= math.log(UNIFORM_PERPLEXITY * prototypes):
-        names.append("uniform targets")
+    info = diag["batch_entropy"] - diag["teacher_entropy"]
+    if images > 1 and info < UNINFORMATIVE * math.log(min(images, prototypes)):
+        one = diag["batch_entropy"] < math.log(ONE_PROTOTYPE_PERPLEXITY)
+        names.append("one prototype" if one else "uniform targets")
     if diag["cls_std"] <= CONSTANT_CLS * diag["cls_rms"]:  # <=: an all-zero [CLS] is constant too
         names.append("constant CLS")
-    if diag["teacher_entropy"] < ONE_PROTOTYPE_ENTROPY and diag["proto_used"] < ONE_PROTOTYPE_USED:
-        names.append("one prototype")
     return " + ".join(names) or None
 
 
@@ -405,8 +423,11 @@ class JointObjective(nn.Module):
             probs = self.teacher_probs(teacher, step).view(g, b, -1)
         cl = distillation_loss(probs, student_logits, self.cfg.cl.student_temp)
 
-        koleo = koleo_loss(student.cls.view(g, b, -1)) if self.cfg.cl.koleo and b > 1 else mae.new_zeros(())
-        total = mae + self.cfg.lambda_cl * (cl + self.cfg.cl.koleo * koleo)
+        # KoLeo within each global view (two crops of one image are meant to be close), summed over the views
+        koleo = (
+            sum((koleo_loss(v) for v in student.cls.view(g, b, -1)), mae.new_zeros(())) if b > 1 else mae.new_zeros(())
+        )
+        total = mae + self.cfg.lambda_cl * cl + self.cfg.cl.koleo * koleo
         if self.cfg.check_finite:
             _check_finite(step, {"mae": mae, "cl": cl, "koleo": koleo, "loss": total})
         # Read with the loss terms: a CL term stuck at ln K is either collapse or plain slow learning; these tell.

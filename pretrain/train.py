@@ -70,19 +70,40 @@ def build_model(cfg: PretrainConfig, device: torch.device) -> JointObjective:
     return shard(model, units, device, cfg.precision)
 
 
+PROTOTYPES = "head.prototypes.parametrizations.weight.original1"  # the prototype directions (weight-normalised)
+
+
 def build_optimizer(model: JointObjective, o: PretrainOptim) -> torch.optim.AdamW:
+    """AdamW over three groups: weight-decayed, exempt (1-D params, tokens: the objective's ``no_weight_decay``) and
+    the prototype layer (decayed; its learning rate held at 0 while ``cl.freeze_prototypes_steps`` last)."""
     exempt = model.no_weight_decay()
-    decay: list[Tensor] = []
-    no_decay: list[Tensor] = []
+    groups: dict[str, list[Tensor]] = {"decay": [], "no_decay": [], "prototypes": []}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if name in exempt else decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": o.weight_decay, "name": "decay"},
-        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+            groups["prototypes" if name == PROTOTYPES else "no_decay" if name in exempt else "decay"].append(p)
+    param_groups = [
+        {"params": ps, "weight_decay": 0.0 if name == "no_decay" else o.weight_decay, "name": name}
+        for name, ps in groups.items()
     ]
     # fused: one kernel over all (sharded) parameters; the per-tensor default loop is 10x slower on DTensors
-    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    return torch.optim.AdamW(param_groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+
+
+def optimizer_update(
+    model: JointObjective, optimizer: torch.optim.Optimizer, params: list[Tensor], step: int, cfg: PretrainConfig,
+    global_batch: int,
+) -> dict[str, float | Tensor]:  # fmt: skip
+    """The end of every pretraining step, after the backward passes: this step's learning rate and weight decay on
+    each group (the prototypes' rate 0 while frozen, as DINOv2's last-layer schedule), clipping, the AdamW step,
+    the teacher's EMA update. Returns lr, wd, momentum and the gradient norm before clipping (a tensor)."""
+    lr, wd = lr_at(step, cfg.optim, cfg.steps, global_batch), wd_at(step, cfg.optim, cfg.steps)
+    frozen = step < cfg.objective.cl.freeze_prototypes_steps
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0 if frozen and group["name"] == "prototypes" else lr
+        group["weight_decay"] = 0.0 if group["name"] == "no_decay" else wd
+    grad_norm = optimizer_step(optimizer, params, cfg.optim.grad_clip)
+    momentum = model.update_teacher(step)
+    return {"lr": lr, "wd": wd, "momentum": momentum, "grad_norm": grad_norm}
 
 
 def _local(t: Tensor) -> Tensor:
@@ -238,21 +259,17 @@ class PretrainWorker(Worker[PretrainConfig]):
                 (out["loss"] / accum).backward()
                 terms.append(torch.stack([out[k].detach().float() for k in TERMS]))  # read at log time only
                 keys += batch.keys
-            lr, wd = lr_at(step, c.optim, c.steps, per_step), wd_at(step, c.optim, c.steps)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-                group["weight_decay"] = wd if group["name"] == "decay" else 0.0
-            grad_norm = optimizer_step(self.optimizer, self.params, c.optim.grad_clip)
-            momentum = self.model.update_teacher(step)
+            update = optimizer_update(self.model, self.optimizer, self.params, step, c, per_step)
             self.step += 1
             self.position = data.advance(self.position, per_step, self.index.num_samples)
             self.samples_seen += per_step
-            window.add(torch.stack(terms).mean(0), grad_norm, data_wait)
+            window.add(torch.stack(terms).mean(0), cast(Tensor, update["grad_norm"]), data_wait)
             self._fault_drill()
             if c.log.record_keys:
                 self._record_keys(keys)
             if self.step % c.log.every == 0 or self.step == c.steps:
-                last_metrics = self._log_window(window, lr=lr, wd=wd, momentum=momentum)
+                schedule = {k: float(update[k]) for k in ("lr", "wd", "momentum")}
+                last_metrics = self._log_window(window, **schedule)
                 window = Window()
             if self.step % c.checkpoint.every == 0 or self.step == c.steps:
                 self.save(last_metrics)
@@ -295,7 +312,7 @@ class PretrainWorker(Worker[PretrainConfig]):
             "samples_seen": self.samples_seen,
             **terms,
             "grad_norm": means[len(TERMS)],
-            "collapse": collapse_state(terms, c.objective.cl.prototypes),  # this window's
+            "collapse": collapse_state(terms, c.objective.cl.prototypes, c.data.batch_size),  # this window's
             **schedule,
             "images_per_s": images_per_s,
             "tokens_per_s": images_per_s * self.tokens_per_image,
@@ -310,22 +327,29 @@ class PretrainWorker(Worker[PretrainConfig]):
         change = self.collapse.update(record["collapse"], self.step - window.steps, self.step)
         if self.log:
             self.log.write(record)
-            mfu = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
-            ln_k = math.log(c.objective.cl.prototypes)
-            alarm = f" COLLAPSE: {self.collapse.reported}" if self.collapse.reported else ""
-            log_line(
-                f"[pretrain] step {self.step}/{c.steps} ep {record['epoch']} loss {record['loss']:.4f} "
-                f"(mae {record['mae']:.4f} cl {record['cl']:.4f}) lr {record['lr']:.2e} "
-                f"gnorm {record['grad_norm']:.3f} "
-                f"| Ht {record['teacher_entropy']:.3f} Hs {record['student_entropy']:.3f} lnK {ln_k:.3f} "
-                f"cls_std/rms {record['cls_std'] / max(record['cls_rms'], 1e-12):.1e} "
-                f"protos {record['proto_used']:.1f} m {record['momentum']:.5f}{alarm} "
-                f"| {images_per_s:.1f} img/s {record['tokens_per_s']:.0f} tok/s | step {step_s:.3f}s "
-                f"= data {wait_mean:.3f}s + compute {record['compute_s']:.3f}s{mfu}"
-            )
+            log_line(self._console_line(record))
             if change:
                 self._log_collapse(*change)
         return {k: v for k, v in record.items() if isinstance(v, (int, float))}
+
+    def _console_line(self, r: dict) -> str:
+        """One line per metrics window: the loss as the sum of its weighted terms, then what the contrastive term's
+        targets look like (README, "Reading a pretraining run"), the schedules and the speed."""
+        c, cl = self.cfg, self.cfg.objective.cl
+        ln_k = math.log(cl.prototypes)
+        info = r["batch_entropy"] - r["teacher_entropy"]
+        state = f" [{r['collapse']}]" if r["collapse"] else ""
+        mfu = f" mfu {r['mfu']:.1%}" if "mfu" in r else ""
+        return (
+            f"[pretrain] step {self.step}/{c.steps} ep {r['epoch']} loss {r['loss']:.4f} = mae {r['mae']:.4f}"
+            f" + {c.objective.lambda_cl:g} x cl {r['cl']:.4f} + {cl.koleo:g} x koleo {r['koleo']:.3f}"
+            f" | cl of ln K {ln_k:.3f}: targets H {r['teacher_entropy']:.2f} info {info:.2f}"
+            f" of ln B {math.log(max(min(c.data.batch_size, cl.prototypes), 1)):.2f}, {r['proto_used']:.1f} protos,"
+            f" cls std/rms {r['cls_std'] / max(r['cls_rms'], 1e-12):.2f}{state}"
+            f" | lr {r['lr']:.2e} gnorm {r['grad_norm']:.3f} m {r['momentum']:.4f}"
+            f" | {r['images_per_s']:.1f} img/s {r['tokens_per_s']:.0f} tok/s, step {r['step_s']:.3f}s"
+            f" = data {r['data_wait_s']:.3f}s + compute {r['compute_s']:.3f}s{mfu}"
+        )
 
     def _log_collapse(self, state: str | None, since: int) -> None:
         """A collapse (or its end) that has lasted ``log.collapse_patience`` steps: a warning and a record."""

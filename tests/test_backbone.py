@@ -46,7 +46,8 @@ def _model(cfg: BackboneConfig, seed: int = 0) -> Sapiens2Backbone:
     with torch.no_grad():  # layer scales of 1.0 so that every block visibly shapes the output
         for blk in model.all_blocks:
             blk.ls1.fill_(1.0)
-            blk.ls2.fill_(1.0)
+            if blk.ls2 is not None:
+                blk.ls2.fill_(1.0)
     return model
 
 
@@ -205,7 +206,7 @@ def test_encoder_sees_only_the_kept_patches():
 def test_4k_one_window_over_the_whole_grid_equals_a_global_stage():
     """Window = whole grid, no registers: the pooled window token is the [CLS] token of a plain global model whose
     blocks are the windowed ones (the 4K model's one global block is made the identity)."""
-    local = BackboneConfig(width=64, depth=1, heads=4, num_registers=0, window=4, local_depth=2)
+    local = BackboneConfig(width=64, depth=1, heads=4, num_registers=0, window=4, local_depth=2, ffn_layer_scale=True)
     plain = dataclasses.replace(local, depth=2, window=None, local_depth=0)
     model4k, model = _model(local), _model(plain, seed=1)
     with torch.no_grad():
@@ -266,9 +267,37 @@ def test_no_weight_decay_names():
     names = model.no_weight_decay()
     assert {"cls_token", "registers", "window_query", "norm.weight", "patch_embed.bias"} <= names
     for blocks in ("local_blocks", "blocks"):
-        assert {f"{blocks}.0.{n}" for n in ("ls1", "ls2", "attn.q_norm.weight", "attn.qkv.bias")} <= names
+        assert {f"{blocks}.0.{n}" for n in ("ls1", "attn.q_norm.weight", "attn.qkv.bias")} <= names
     assert not any(n.endswith(".weight") and n.split(".")[-2] in ("qkv", "proj", "w12", "w3") for n in names)
     assert "patch_embed.weight" not in names
+
+
+def test_layer_scale_on_the_attention_branch_only_as_sapiens2_and_on_both_as_dinov2(tmp_path):
+    """Sapiens2's block (its TransformerEncoderLayer2): x + ls1 * attn(norm1(x)), then + ffn(norm2(x)) unscaled;
+    ``ffn_layer_scale`` adds DINOv2's second LayerScale on the FFN branch."""
+    from pretrain.backbone import Block, grid_coords, rope_tables
+
+    x = torch.randn(2, 1 + 8 + 12, 64)
+    rope = rope_tables(grid_coords(3, 4), TINY.head_dim, TINY.rope_base, 1 + 8, x.dtype)
+    for both in (False, True):
+        torch.manual_seed(0)
+        blk = Block(dataclasses.replace(TINY, ffn_layer_scale=both, layer_scale_init=0.3), TINY.heads)
+        assert (blk.ls2 is not None) == both
+        assert {n.split(".")[0] for n, _ in blk.named_parameters()} == {"norm1", "attn", "ls1", "norm2", "ffn"} | (
+            {"ls2"} if both else set()
+        )
+        with torch.no_grad():
+            h = x + 0.3 * blk.attn(blk.norm1(x), rope)
+            expected = h + (0.3 if both else 1.0) * blk.ffn(blk.norm2(h))
+            assert torch.allclose(blk(x, rope), expected, atol=1e-6)
+    # an exported backbone from before the setting (ls2 tensors, no flag in its metadata) still loads as it was
+    from safetensors.torch import save_file
+
+    older = _model(dataclasses.replace(TINY, ffn_layer_scale=True))
+    fields = {k: v for k, v in dataclasses.asdict(older.cfg).items() if k != "ffn_layer_scale"}
+    save_file(older.state_dict(), str(tmp_path / "old.safetensors"), metadata={"backbone_config": json.dumps(fields)})
+    loaded = load_backbone(str(tmp_path / "old.safetensors"))
+    assert loaded.cfg.ffn_layer_scale and torch.equal(loaded.blocks[0].ls2, older.blocks[0].ls2)
 
 
 def test_meta_build_materialises_with_init_weights():

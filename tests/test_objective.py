@@ -221,29 +221,43 @@ def test_diagnostics_on_constructed_inputs() -> None:
     assert one_row["cls_std"].item() == 0.0  # not NaN
 
 
-def _diag(entropy: float, std: float = 0.5, rms: float = 1.0, used: float = 8.0) -> dict[str, float]:
-    return {"teacher_entropy": entropy, "student_entropy": entropy, "cls_std": std, "cls_rms": rms, "proto_used": used}
+def _diag(
+    entropy: float, batch: float | None = None, std: float = 0.5, rms: float = 1.0, used: float = 8.0
+) -> dict[str, float]:
+    """Diagnostics with mean target entropy ``entropy`` and batch-mean target entropy ``batch`` (default: 1.5 nats
+    more: informative targets)."""
+    batch = entropy + 1.5 if batch is None else batch
+    return {"teacher_entropy": entropy, "batch_entropy": batch, "student_entropy": entropy, "cls_std": std,
+            "cls_rms": rms, "proto_used": used}  # fmt: skip
 
 
 def test_collapse_state_names_each_failure() -> None:
-    k = 256
-    healthy = math.log(k) - 1.0
-    assert collapse_state(_diag(healthy), k) is None
-    assert collapse_state(_diag(math.log(k)), k) == "uniform targets"
-    assert collapse_state(_diag(math.log(k) - 0.05), k) == "uniform targets"
-    assert collapse_state(_diag(math.log(k) - 0.2), k) == "uniform targets"  # perplexity 0.82 K
-    assert collapse_state(_diag(math.log(k) - 0.3), k) is None  # below ln(0.8 K)
-    assert collapse_state(_diag(4.02), 64) == "uniform targets"  # where a 1000-step tiny run sat (ln 64 = 4.159)
-    assert collapse_state(_diag(healthy, std=1e-3), k) == "constant CLS"
-    assert collapse_state(_diag(healthy, std=0.1, rms=100.0), k) == "constant CLS"  # relative to the scale
-    assert collapse_state(_diag(healthy, std=0.1, rms=1.0), k) is None
-    assert collapse_state(_diag(0.01, used=1.0), k) == "one prototype"
-    assert collapse_state(_diag(0.01, used=4.0), k) is None  # sharp targets on several prototypes: healthy
-    assert collapse_state(_diag(math.log(k), std=0.0), k) == "uniform targets + constant CLS"
+    k, b = 64, 16  # the rule's scale: ln 16 = 2.77 nats of information when each image has its own target
+    assert collapse_state(_diag(2.0), k, b) is None
+    assert collapse_state(_diag(0.1, 2.5), k, b) is None  # sharp targets, each image its own prototype: healthy
+    # both DINO collapses leave targets that are the same for every image (information ~ 0)
+    assert collapse_state(_diag(math.log(k), math.log(k)), k, b) == "uniform targets"
+    assert collapse_state(_diag(3.75, 3.85), k, b) == "uniform targets"  # 0.9 of ln K, the same for every image
+    assert collapse_state(_diag(0.018, 0.02), k, b) == "one prototype"  # every row one-hot on one prototype
+    assert collapse_state(_diag(0.74, 0.82), k, b) == "uniform targets"  # one shared, fairly sharp target
+    assert collapse_state(_diag(0.3, 0.35), k, b) == "one prototype"  # (nearly) all rows on a prototype
+    assert collapse_state(_diag(2.0, 2.0 + 0.2 * math.log(b) + 0.01), k, b) is None  # just above the rule
+    assert collapse_state(_diag(2.0, 2.0 + 0.2 * math.log(b) - 0.01), k, b) == "uniform targets"
+    assert collapse_state(_diag(3.0, 3.5), k, 2) is None  # 0.5 nats of ln 2 at two images per worker
+    assert collapse_state(_diag(2.0, std=1e-3), k, b) == "constant CLS"
+    assert collapse_state(_diag(2.0, std=0.1, rms=100.0), k, b) == "constant CLS"  # relative to the scale
+    assert collapse_state(_diag(2.0, std=0.1, rms=1.0), k, b) is None
+    assert collapse_state(_diag(math.log(k), math.log(k), std=0.0), k, b) == "uniform targets + constant CLS"
     # from the diagnostics themselves: every row one-hot on one prototype
     one_hot = F.one_hot(torch.zeros(2, 4, dtype=torch.long), k).float()
     d = contrastive_diagnostics(one_hot, torch.randn(2, 4, k), torch.randn(8, 16), 0.1)
-    assert collapse_state({n: v.item() for n, v in d.items()}, k) == "one prototype"
+    assert d["batch_entropy"].item() == pytest.approx(0.0, abs=1e-6)
+    assert collapse_state({n: v.item() for n, v in d.items()}, k, 4) == "one prototype"
+    # each image on its own prototype, its two views agreeing: ln 4 nats of information
+    own = F.one_hot(torch.arange(4).repeat(2, 1), k).float()
+    d = contrastive_diagnostics(own, torch.randn(2, 4, k), torch.randn(8, 16), 0.1)
+    assert d["batch_entropy"].item() - d["teacher_entropy"].item() == pytest.approx(math.log(4), rel=1e-5)
+    assert collapse_state({n: v.item() for n, v in d.items()}, k, 4) is None
 
 
 def test_collapse_monitor_reports_a_lasting_collapse_once_and_its_end() -> None:
@@ -278,7 +292,7 @@ def test_losses_diagnose_a_constant_cls_and_uniform_targets() -> None:
     out = obj.losses(views, 0, masks)
     assert out["cls_std"].item() < 1e-6 * out["cls_rms"].item()
     assert out["teacher_entropy"].item() == pytest.approx(math.log(k), rel=1e-5)
-    assert collapse_state({n: v.item() for n, v in out.items()}, k) == "uniform targets + constant CLS"
+    assert collapse_state({n: v.item() for n, v in out.items()}, k, 4) == "uniform targets + constant CLS"
 
 
 def test_losses_diagnose_distinct_images_as_healthy_unless_the_cls_ignores_them() -> None:
@@ -294,7 +308,7 @@ def test_losses_diagnose_distinct_images_as_healthy_unless_the_cls_ignores_them(
         diag = {n: v.item() for n, v in out.items()}
         # LayerScale 1e-4 (the default, for deep models) leaves a fresh 4-block [CLS] nearly image-independent:
         # the tiny runs' collapse, visible from step 0.
-        assert collapse_state(diag, k) == expected, diag
+        assert collapse_state(diag, k, 6) == expected, diag
         if expected is None:
             assert diag["cls_std"] > 0.1 * diag["cls_rms"] and diag["teacher_entropy"] < math.log(0.9 * k)
 
@@ -426,19 +440,90 @@ def test_tiny_model_joint_loss_falls_on_sample_photos() -> None:
     assert last[2] < 0.95 * math.log(prototypes), (first, last)  # self-distillation has not collapsed to uniform
 
 
-def test_koleo_is_minus_log_nearest_distance_and_pushes_the_closest_rows_apart() -> None:
+def _koleo_reference(x: torch.Tensor, eps: float = 1e-8) -> float:
+    """KoLeo as DINOv2 defines it, written out in float64: L2-normalise the rows; each row's nearest other row by
+    inner product; the distance |a - b + eps| of the two vectors (torch's PairwiseDistance); -mean log(d + eps)."""
+    rows = [[v / max(math.sqrt(sum(u * u for u in r)), eps) for v in r] for r in x.double().tolist()]
+    total = 0.0
+    for i, a in enumerate(rows):
+        j = max((j for j in range(len(rows)) if j != i), key=lambda j: sum(p * q for p, q in zip(a, rows[j])))
+        total += -math.log(math.sqrt(sum((p - q + eps) ** 2 for p, q in zip(a, rows[j]))) + eps)
+    return total / len(rows)
+
+
+def test_koleo_equals_dinov2s_definition_and_keeps_its_gradient_in_the_near_collapse() -> None:
     from pretrain.objective import koleo_loss
 
-    orthonormal = torch.eye(4, 8)
-    assert koleo_loss(orthonormal).item() == pytest.approx(-math.log(math.sqrt(2)), abs=1e-6)
-    x = torch.tensor([[1.0, 0.0, 0.0], [0.99, 0.14, 0.0], [0.0, 0.0, 1.0]], requires_grad=True)
-    assert koleo_loss(x).item() > koleo_loss(orthonormal).item()  # two near-duplicate rows cost more
-    koleo_loss(x).backward()
+    torch.manual_seed(0)
+    for x in (torch.randn(16, 32), torch.randn(5, 3) * 100, torch.eye(4, 8)):
+        assert koleo_loss(x).item() == pytest.approx(_koleo_reference(x), rel=1e-5, abs=1e-5)
+    assert koleo_loss(torch.eye(4, 8)).item() == pytest.approx(-math.log(math.sqrt(2)), abs=1e-6)
+    # Near-collapse: rows 1e-5 apart. sqrt(2 - 2 cos) rounds to 0 in fp32 there (the loss would sit at -log(1e-8)
+    # with no gradient); the distance of the vectors themselves keeps both.
+    base = F.normalize(torch.randn(1, 32), dim=-1)
+    x = (base + 1e-5 * torch.randn(8, 32)).requires_grad_(True)
+    loss = koleo_loss(x)
+    assert loss.item() == pytest.approx(_koleo_reference(x.detach()), rel=0.05)  # fp32 rounding of 1e-5 gaps
+    assert 9.0 < loss.item() < 14.0, loss.item()  # about -log(1e-5), far from -log(1e-8) = 18.42
+    loss.backward()
+    assert x.grad is not None and x.grad.norm() > 0
+    # a gradient step pushes the two closest rows apart
+    y = torch.tensor([[1.0, 0.0, 0.0], [0.99, 0.14, 0.0], [0.0, 0.0, 1.0]], requires_grad=True)
+    koleo_loss(y).backward()
     with torch.no_grad():
-        moved = x - 0.05 * x.grad
+        moved = y - 0.05 * y.grad
     near = lambda t: F.normalize(t, dim=-1)[:2].diff(dim=0).norm().item()  # noqa: E731
-    assert near(moved) > near(x.detach())
-    assert koleo_loss(torch.stack([orthonormal, orthonormal])).item() == pytest.approx(koleo_loss(orthonormal).item())
+    assert near(moved) > near(y.detach())
+
+
+def test_the_loss_weights_koleo_as_dinov2_summed_over_global_views_and_not_by_lambda() -> None:
+    """L = L_MAE + lambda * L_CL + w * sum over the global views of KoLeo(student [CLS] of that view), as DINOv2 /
+    DINOv3 add ``koleo_loss_weight * sum(koleo(view) for view in the global views)``."""
+    from pretrain.objective import koleo_loss
+
+    obj = tiny_objective(lambda_cl=0.5, cl=CLConfig(hidden=64, bottleneck=32, prototypes=64, koleo=0.3))
+    images = torch.rand(4, 3, 96, 72)
+    views = make_views(images, obj.cfg.views, _gen())
+    masks = obj.masks_for(views, _gen(1))
+    with torch.no_grad():
+        out = obj.losses(views, 0, masks)
+        cls = obj.student(views.global_clean, obj._patch_keep(masks.keep, views.global_clean)).cls
+    per_view = [koleo_loss(c).item() for c in cls.view(views.n_global, 4, -1)]
+    assert out["koleo"].item() == pytest.approx(sum(per_view), rel=1e-5)
+    expected = out["mae"] + 0.5 * out["cl"] + 0.3 * out["koleo"]
+    assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_the_prototype_layer_is_frozen_for_its_first_steps_as_dinov2(repo_root) -> None:
+    """DINOv2 / DINOv3 hold the last layer's learning rate at 0 for ``freeze_last_layer_epochs``: the prototypes
+    do not move for ``cl.freeze_prototypes_steps`` optimiser steps while the rest of the head and the backbone do,
+    then they learn."""
+    from common.config import load_config
+    from pretrain.config import PretrainConfig
+    from pretrain.train import PROTOTYPES, build_optimizer, optimizer_update
+
+    cfg = load_config(
+        PretrainConfig,
+        str(repo_root / "configs/pretrain/tiny.yaml"),
+        ["steps=6", "objective.cl.freeze_prototypes_steps=3", "optim.warmup_steps=1", "data.batch_size=2"],
+    )
+    torch.manual_seed(0)
+    obj = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=cfg.steps)
+    optimizer = build_optimizer(obj, cfg.optim)
+    params = [p for p in obj.parameters() if p.requires_grad]
+    named = dict(obj.named_parameters())
+    prototypes, mlp = named[PROTOTYPES], named["head.mlp.0.weight"]
+    assert [g["name"] for g in optimizer.param_groups if any(p is prototypes for p in g["params"])] == ["prototypes"]
+    images, gen = _photo_batch()[:4], _gen()
+    moved = []
+    for step in range(cfg.steps):
+        before = prototypes.detach().clone(), mlp.detach().clone()
+        obj(images, step, gen)["loss"].backward()
+        assert prototypes.grad is not None and prototypes.grad.abs().sum() > 0  # it gets gradients all along
+        update = optimizer_update(obj, optimizer, params, step, cfg, 4)
+        moved.append((not torch.equal(prototypes, before[0]), not torch.equal(mlp, before[1])))
+        assert update["lr"] > 0
+    assert moved == [(False, True)] * 3 + [(True, True)] * 3
 
 
 def _short_run(cfg, images: torch.Tensor, steps: int, batch: int) -> dict[str, float]:
