@@ -447,6 +447,23 @@ def load_finetuned(uri: str) -> tuple[FinetuneModel, tasks.Task]:
     return model.eval(), task
 
 
+@torch.no_grad()
+def evaluate_finetuned(uri: str, data_uri: str, batch_size: int = 16, limit: int | None = None) -> dict:
+    """The task's metrics of ``finetuned.safetensors`` on the first ``limit`` samples of labelled shards, in this
+    process: a split the run never evaluated on (a test set, when its validation set chose the learning rate)."""
+    model, task = load_finetuned(uri)
+    index = DataIndex.scan(data_uri)
+    info = data.read_info(index, data_uri)
+    acc = task.metric()
+    batches = data.eval_batches(index, task.name, info.image_size, batch_size=batch_size, world=1, rank=0, limit=limit)
+    for batch, valid in batches:
+        labels = batch  # at the model's output size, as the worker's evaluation scores them
+        if tuple(batch["image"].shape[-2:]) != task.image_hw:
+            labels = tasks.resize_targets(batch, task.name, task.image_hw)
+        task.update(acc, model.head, model(batch["image"]), labels, valid)
+    return acc.compute()
+
+
 # --- the driver side ----------------------------------------------------------------------------------------------
 
 

@@ -1,12 +1,14 @@
 """Render synthetic humanoids with labels for all five fine-tuning tasks, as labelled Parquet shards.
 
-    python -m jobs.make_synthetic --out <dir or s3://...> --n 2000 [--val 200] [--height 128 --width 96]
+    python -m jobs.make_synthetic --out <dir or s3://...> --n 2000 [--val 200] [--test 200] [--height 128 --width 96]
         [--keypoints 308] [--max-yaw 3.14] [--seed 0] [--workers 2]
     python -m jobs.make_synthetic --out <dir or s3://...> --n 4000 --unlabelled --height 512 --width 384
 
 Writes ``<out>/train/part-00000.parquet ...`` and ``<out>/val/...`` (``common.schema.labelled_schema``), each
-folder with a ``manifest.json``. Sample ``i`` of a split is a pure function of (seed, split, i), so the same
-command writes byte-identical shards, and the validation figures never occur in training.
+folder with a ``manifest.json``; ``--test N`` adds ``<out>/test/``, a third split for reporting when the validation
+set chose settings. Sample ``i`` of a split is a pure function of (seed, split, i), so the same command writes
+byte-identical shards, a smaller ``--n`` writes a prefix of a larger one's training set, and no figure occurs in
+two splits.
 
 ``--unlabelled`` writes an image pool for ``jobs.curate`` instead: ``<out>/pool-00000.tar ...``, WebDataset
 shards of JPEG renders and nothing else, drawn from a split of their own, so no pool figure is a labelled one.
@@ -32,7 +34,7 @@ from finetune.data import encode_row
 from finetune.labels import COCO_KEYPOINTS, PARTS, keypoints
 from generators.humanoids import RenderConfig, render
 
-SPLITS = {"train": 0, "val": 1, "pool": 2}
+SPLITS = {"train": 0, "val": 1, "pool": 2, "test": 3}
 POOL_JPEG_QUALITY = 90
 
 
@@ -43,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output folder (local or s3://); gets train/ and val/")
     p.add_argument("--n", type=int, required=True, help="training samples")
     p.add_argument("--val", type=int, default=None, help="validation samples (default: n / 5, at least 8)")
+    p.add_argument("--test", type=int, default=0, help="test samples, in <out>/test (default: none)")
     p.add_argument("--height", type=int, default=128)
     p.add_argument("--width", type=int, default=96)
     p.add_argument(
@@ -172,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     n_val = args.val if args.val is not None else max(8, args.n // 5)
     try:
-        if args.n < 1 or n_val < 1:
-            raise ValueError("--n and --val must be at least 1")
+        if args.n < 1 or n_val < 1 or args.test < 0:
+            raise ValueError("--n and --val must be at least 1, --test at least 0")
         if args.rows_per_shard < 1 or args.row_group_size < 1:
             raise ValueError("--rows-per-shard and --row-group-size must be at least 1")
         shape = {"yaw": args.max_yaw} if args.max_yaw is not None else {}
@@ -191,12 +194,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[make_synthetic] {args.n} unlabelled renders at {cfg.height}x{cfg.width} in {shards} shards "
                   f"in {args.out}")  # fmt: skip
             return 0
-        for split, n in (("train", args.n), ("val", n_val)):
-            write_split(args.out, split, n, cfg, args.seed, args, pool)
+        for split, n in (("train", args.n), ("val", n_val), ("test", args.test)):
+            if n:
+                write_split(args.out, split, n, cfg, args.seed, args, pool)
     finally:
         if pool:
             pool.shutdown()
-    print(f"[make_synthetic] {args.n} train + {n_val} val samples at {cfg.height}x{cfg.width} in {args.out}")
+    test = f" + {args.test} test" if args.test else ""
+    print(f"[make_synthetic] {args.n} train + {n_val} val{test} samples at {cfg.height}x{cfg.width} in {args.out}")
     return 0
 
 

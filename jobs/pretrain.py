@@ -6,7 +6,9 @@
         --data s3://... --storage s3://... --name run1
 
 Running the same command again (same --storage and --name) resumes from the run's latest checkpoint; raising
-``steps=`` extends a finished run. At the end the student backbone is exported to <storage>/<name>/backbone.safetensors.
+``steps=`` extends a finished run. At the end the student backbone is exported to <storage>/<name>/backbone.safetensors;
+``--export teacher`` exports the EMA teacher's to <storage>/<name>/teacher_backbone.safetensors instead, and
+``--export student,teacher`` both.
 One driver at a time trains a run: it holds a lease on <storage>/<name> (``common.lease``; --break-lease takes it).
 """
 
@@ -24,7 +26,7 @@ from common.ray_utils import init_ray
 from common.storage import StorageError
 from pretrain.config import PretrainConfig
 from pretrain.data import DataError, ensure_index
-from pretrain.export import BACKBONE_FILE, export_backbone
+from pretrain.export import EXPORT_FILES, EXPORTS, export_backbone
 from pretrain.train import fit
 from training import checkpoint
 from training.metrics import METRICS
@@ -42,8 +44,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--storage", required=True, help="runs root (local or s3://); the run lives in <storage>/<name>")
     p.add_argument("--name", required=True, help="run name; the same name resumes")
     p.add_argument("--break-lease", action="store_true", help="take the run over from another driver that holds it")
+    p.add_argument(
+        "--export", default="student", type=_exports, metavar="WHICH[,WHICH]",
+        help=f"backbones to export at the end, of {sorted(EXPORTS)} (default: student)",
+    )  # fmt: skip
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ray.workers=8")
     return p.parse_args(argv)
+
+
+def _exports(text: str) -> list[str]:
+    which = [w.strip() for w in text.split(",") if w.strip()]
+    if not which or any(w not in EXPORTS for w in which):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {sorted(EXPORTS)}, comma-separated")
+    return list(dict.fromkeys(which))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,9 +100,11 @@ def _train(args: argparse.Namespace, cfg: PretrainConfig, run_uri: str, data_uri
     print(f"[pretrain] checkpoints: {storage.join(run_uri, checkpoint.CHECKPOINTS)} (latest: {latest})")
     print(f"[pretrain] metrics:     {storage.join(run_uri, METRICS)}/*.jsonl; {describe(cfg.log.backends, run_uri)}")
     if latest is not None:
-        out = storage.join(run_uri, BACKBONE_FILE)
-        meta = export_backbone(latest, out)
-        print(f"[pretrain] backbone:    {out} (size {meta['size']}, step {meta['step']})")
+        for which in args.export:
+            out = storage.join(run_uri, EXPORT_FILES[which])
+            meta = export_backbone(latest, out, which)
+            label = "backbone:" if which == "student" else f"{which}:"
+            print(f"[pretrain] {label:<12} {out} (size {meta['size']}, step {meta['step']})")
     return 0
 
 

@@ -28,6 +28,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -90,7 +91,7 @@ def build_optimizer(model: JointObjective, o: PretrainOptim) -> torch.optim.Adam
 
 
 def optimizer_update(
-    model: JointObjective, optimizer: torch.optim.Optimizer, params: list[Tensor], step: int, cfg: PretrainConfig,
+    model: JointObjective, optimizer: torch.optim.Optimizer, params: Sequence[Tensor], step: int, cfg: PretrainConfig,
     global_batch: int,
 ) -> dict[str, float | Tensor]:  # fmt: skip
     """The end of every pretraining step, after the backward passes: this step's learning rate and weight decay on

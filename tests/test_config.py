@@ -126,5 +126,5 @@ def test_shipped_tiny_configs_keep_their_effective_rates(repo_root):
 
     pre = load_config(PretrainConfig, repo_root / "configs/pretrain/tiny.yaml")
     fine = load_config(FinetuneConfig, repo_root / "configs/finetune/tiny.yaml")
-    assert peak_lr(pre.optim, pre.samples_per_step()) == 1e-3  # 2 x 1 x 2 workers
+    assert peak_lr(pre.optim, pre.samples_per_step()) == 1e-3  # 4 x 1 x 2 workers
     assert peak_lr(fine.optim, fine.samples_per_step()) == 2e-3  # 8 x 1 worker

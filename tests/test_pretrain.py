@@ -109,6 +109,21 @@ def reference(shards, storage) -> Path:
 # --- the reference run ----------------------------------------------------------------------------------------------
 
 
+def test_the_readme_tiny_run_learns_without_a_collapse(shards, tmp_path):
+    """The README's first command's pretraining, as shipped (60 steps, 2 workers, the sample pool's curated
+    images): the MAE term falls, the contrastive term ends clearly below ln K, and no collapse is named."""
+    assert job.main(["--config", TINY, "--data", str(shards), "--storage", str(tmp_path), "--name", "readme"]) == 0
+    cfg = load_config(PretrainConfig, TINY)
+    train = latest_per_step(read_metrics(str(tmp_path / "readme")))
+    steps = sorted(train)
+    assert steps[-1] == cfg.steps, steps
+    first, last = train[steps[0]], train[steps[-1]]
+    assert last["mae"] < first["mae"] - 0.1, (first, last)
+    assert last["cl"] < 0.85 * math.log(cfg.objective.cl.prototypes), last
+    assert [r["collapse"] for r in train.values()] == [None] * len(train), train
+    assert read_metrics(str(tmp_path / "readme"), "collapse") == []
+
+
 def test_short_fsdp_run_finishes_and_its_loss_falls(reference):
     train = latest_per_step(read_metrics(str(reference)))
     assert sorted(train) == list(range(1, STEPS + 1))
@@ -128,7 +143,7 @@ def test_short_fsdp_run_finishes_and_its_loss_falls(reference):
     for r in train.values():
         assert all(math.isfinite(r[k]) for k in TERMS), r
         assert 0 <= r["teacher_entropy"] <= math.log(prototypes) + 1e-4 and 1 <= r["proto_used"] <= rows
-        assert r["collapse"] == collapse_state(r, prototypes)
+        assert r["collapse"] == collapse_state(r, prototypes, cfg.data.batch_size)
     # TensorBoard shows the same numbers, grouped
     board = tensorboard_scalars(reference)
     for tag, key in [
