@@ -6,8 +6,8 @@
 Each variant is the tiny config (``--config``) plus its overrides (``name:key=value key=value``; a bare name is the
 config as it is). Every variant trains the same way the worker does (``pretrain.train.optimizer_update``: schedules,
 frozen prototypes, clipping, AdamW, EMA teacher) on the plain model in this process, on the shards' images decoded
-once; the global batch (``data.batch_size x ray.workers``) is one batch here, and the collapse rules are read with
-the images of one worker's micro-batch, as the worker reads them. Prints, per variant, a row every ``--every`` steps
+once; the global batch (``data.batch_size x ray.workers``) is one batch here, so the diagnostics and the collapse
+rules are over the whole global batch (a worker reads them over its micro-batch). Prints, per variant, a row every ``--every`` steps
 with the means over that window: MAE, L_CL against ln K, KoLeo, the teacher targets' entropy and information,
 prototypes used, [CLS] spread and the collapse named; then a summary of where each variant ended. ``--json`` keeps
 the curves, ``--plot`` draws them (matplotlib).
@@ -68,7 +68,7 @@ def run_variant(cfg: PretrainConfig, images: torch.Tensor, every: int, seed: int
         if (step + 1) % every == 0 or step + 1 == cfg.steps:
             means = dict(zip(TERMS, (statistics.fmean(col) for col in zip(*window))))
             means["info"] = means["batch_entropy"] - means["teacher_entropy"]
-            means["collapse"] = collapse_state(means, cfg.objective.cl.prototypes, cfg.data.batch_size)
+            means["collapse"] = collapse_state(means, cfg.objective.cl.prototypes, batch)
             records.append({"step": step + 1, **means, "lr": update["lr"], "momentum": update["momentum"]})
             window = []
     return records

@@ -529,7 +529,8 @@ def test_the_prototype_layer_is_frozen_for_its_first_steps_as_dinov2(repo_root) 
 def _short_run(cfg, images: torch.Tensor, window: int = 10) -> list[dict[str, float]]:
     """The worker's step (``pretrain.train.optimizer_update``: schedules, frozen prototypes, clipping, AdamW, EMA)
     for ``cfg.steps`` steps at the config's global batch, in this process; the means of the objective's terms over
-    each ``window`` steps, with the collapse those show (read with one worker's images, as the worker reads it)."""
+    each ``window`` steps, with the collapse those show (read with the images the diagnostics were taken over: the
+    whole global batch here)."""
     from pretrain.train import build_optimizer, optimizer_update
 
     torch.manual_seed(0)
@@ -544,7 +545,7 @@ def _short_run(cfg, images: torch.Tensor, window: int = 10) -> list[dict[str, fl
         history.append({k: out[k].item() for k in TERMS})
         if len(history) == window:
             means = {k: sum(h[k] for h in history) / window for k in TERMS}
-            means["collapse"] = collapse_state(means, cfg.objective.cl.prototypes, cfg.data.batch_size)
+            means["collapse"] = collapse_state(means, cfg.objective.cl.prototypes, batch)
             windows.append(means)
             history = []
     return windows
@@ -553,8 +554,8 @@ def _short_run(cfg, images: torch.Tensor, window: int = 10) -> list[dict[str, fl
 def test_the_shipped_tiny_recipe_learns_where_the_former_one_collapses(repo_root) -> None:
     """The shipped tiny config for its 60 steps at its global batch, on the 12 package photos: MAE falls and the
     contrastive term stays well below ln K with no collapse named in any 10-step window; the former tiny recipe
-    (128x96 views at a global batch of 4, LayerScale 0.1 on both branches) had targets that told no image apart
-    (named "uniform targets") for the whole run."""
+    (128x96 views at a global batch of 4, LayerScale 0.1 on both branches, teacher 0.04 with EMA 0.95 -> 0.99) has
+    targets that tell the images apart in no more than one window of the run."""
     from common.config import load_config
     from pretrain.config import PretrainConfig
 
@@ -577,6 +578,10 @@ def test_the_shipped_tiny_recipe_learns_where_the_former_one_collapses(repo_root
             "model.layer_scale_init=0.1",
             "model.ffn_layer_scale=true",
             "objective.cl.freeze_prototypes_steps=0",
+            "objective.cl.teacher_temp=0.04",
+            "objective.cl.teacher_temp_warmup=0.04",
+            "objective.cl.momentum=0.95",
+            "objective.cl.momentum_end=0.99",
         ],
     )
     stuck = _short_run(former, images)
