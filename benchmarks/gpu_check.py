@@ -1,11 +1,11 @@
-"""One prepared GPU check: the project's headline figures on one GPU, measured in one run of under 8 minutes.
+"""One prepared GPU check: the project's headline figures on one GPU, measured in one run of about 12 minutes.
 
     bash benchmarks/gpu_check.sh                     # clean checkout, bare GPU machine: install, then measure
-    python benchmarks/gpu_check.py [--total-s 420] [--out gpu_check.json] [--budget part=seconds] [--only part]
+    python benchmarks/gpu_check.py [--total-s 720] [--out gpu_check.json] [--budget part=seconds] [--only part]
                                    [--peak-tflops 989]
     python benchmarks/gpu_check.py --cpu-smoke       # the same code paths at tiny sizes on CPU (tests/test_gpu_check.py)
 
-Three parts, each in its own process with its own share of ``--total-s`` and a hard stop at the end of it (the
+Four parts, each in its own process with its own share of ``--total-s`` and a hard stop at the end of it (the
 process group is killed); a part that fails or runs out of time is reported with its error and what it measured so
 far, and the next part still runs. The parts:
 
@@ -26,9 +26,18 @@ far, and the next part still runs. The parts:
 3. ``data_wait``: the same step streaming real curated shards (the README's lite curation of package photos at web
    sizes) through Ray Data inside a Ray Train run (``pretrain.train.fit``), with the fastest setting of part 2: the
    share of the step spent waiting for the next batch, from the run's own metrics.
+4. ``value``: does pretraining give a better backbone than random init, with 100x the pretraining of
+   ``benchmarks/pretrain_value.py --quick``? That benchmark's chain (``run_chain``: renders, lite curation, held-out
+   MAE, labelled renders, frozen-feature probes via ``jobs.probe``, fine-tuning via ``jobs.finetune``, both on the
+   GPU) for the tiny model and a 0.1B one, each pretrained in this process (``pretrain_in_memory``): the curated pool
+   decoded once into GPU memory as uint8, the worker's own step (objective, schedules, AdamW, EMA teacher, bf16
+   autocast), the student exported as ``jobs.pretrain`` exports it (``pretrain.export.export_objective``). The renders
+   and curated shards are made once for both sizes. Per size: pretrained vs random per measure, mean ± std over
+   seeds, and whether the gain exceeds the seed spread; sizes, budget and time estimate at ``GPU.value_*``.
 
-Goals on one H200: curation >= 150 images/s per GPU, MFU >= 45%, data wait < 3% of the step. The figures are
-printed as one table and written as JSON (``--out``); each part's log goes beside it (``<out stem>-logs/``).
+Goals on one H200: curation >= 150 images/s per GPU, MFU >= 45%, data wait < 3% of the step, and pretrained ahead of
+random beyond the seed spread on every cell of the value table. The figures are printed as one table and written as
+JSON (``--out``); each part's log goes beside it (``<out stem>-logs/``).
 """
 
 from __future__ import annotations
@@ -53,9 +62,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-PARTS = ("curation", "pretrain", "data_wait")
-SHARE = {"curation": 0.4, "pretrain": 0.35, "data_wait": 0.25}  # of the time left when the part starts
-GOALS = {"curation": "images/s per GPU >= 150", "pretrain": "MFU >= 45%", "data_wait": "data wait < 3% of the step"}
+PARTS = ("curation", "pretrain", "data_wait", "value")
+# of the time left when the part starts: at the default 720 s, 158 / 137 / 94 / 331 s when each part uses all of its own
+SHARE = {"curation": 0.22, "pretrain": 0.19, "data_wait": 0.13, "value": 0.46}
+GOALS = {
+    "curation": "images/s per GPU >= 150",
+    "pretrain": "MFU >= 45%",
+    "data_wait": "data wait < 3% of the step",
+    "value": "pretrained ahead of random beyond the seed spread on every cell",
+}
 _MARGIN_S = 5.0  # a part stops starting new work this long before its hard stop, to write what it has
 _FAILURES = ("raise", "hang")
 
@@ -88,6 +103,10 @@ class Sizes:
     data_overrides: tuple[str, ...]
     data_warmup: int
     data_steps: int
+    # pretrained vs random (benchmarks/pretrain_value.py's chain)
+    value_models: tuple[tuple[str, int | None, tuple[str, ...]], ...]  # (model.size, model.patch_size, overrides)
+    value_pretrain: tuple[str, ...]  # pretraining overrides of every size
+    value_budget: dict  # the rest of pretrain_value.Budget
 
 
 GPU = Sizes(
@@ -114,6 +133,52 @@ GPU = Sizes(
     data_overrides=("ray.cpus_per_worker=4", "log.every=5"),
     data_warmup=5,
     data_steps=15,
+    # 100x the quick preset's pretraining (150 steps x the tiny config's global batch of 8 = 1,200 images): 120,064
+    # images, as 938 steps at a global batch of 128 rather than 15,000 steps of 8. A step of the tiny objective is
+    # ~12,000 ATen ops (profiled on CPU: views, masks, student, teacher, decoder, losses, AdamW, EMA), nearly all of
+    # them small at any batch, so at batch 8 launch overhead sets its time (~25 ms: 15,000 such steps would outlast this
+    # part's whole share for tiny alone). Both sizes train on the tiny config's views and heads; tiny at its configured
+    # peak learning rate (1e-3), 0.1b at half of it; the warm-up and the frozen prototypes 50 steps (5%, as the config's
+    # 5 of 60). 0.1b with 8-px patches: the 64x48 views and 32x32 crops keep 8x6 and 4x4 tokens (16 px: 4x3 and 2x2, too
+    # few to hide 75% of), fine-tuning at 128x96 sees 16x12 tokens (the grid that lifted seg at tiny size,
+    # benchmarks/RESULTS.md), and the two sizes then differ in the model alone. The pool: 400 renders -> ~160 curated
+    # (the lite profile keeps ~40%), so ~750 epochs.
+    #
+    # Time on one H200 with 16 CPUs (not measured there yet; CPU runs here scaled to that machine's cores, and the
+    # step's kernel count): renders 400 x ~1.3 CPU-s over 14 processes ~40 s, curation with 6 person actors ~20 s,
+    # held-out and labelled renders and Ray's start ~13 s; then per size (tiny / 0.1b): pretraining 938 steps at ~25 /
+    # ~55 ms (0.1b: 128 x 89 GFLOP a step, ~50 ms of bf16 matrix work at ~230 TFLOP/s) ~25 / ~55 s; 4 probes (random and
+    # student x 2 seeds; linear fits on the CPU over 5 / 13 layers) ~3 / ~9 s each; 4 fine-tuning runs through Ray
+    # Train, ~10 s of start-up each + 200 steps at ~15 / ~35 ms + scoring, ~13 / ~20 s each. In all ~75 + ~90 + ~170 s,
+    # about 5.5 minutes. Fine-tuning start-ups are the largest share: comparing the EMA teacher too (exports
+    # student,teacher) adds ~90 s, grayscale probes ~50 s, a third seed ~130 s.
+    value_models=(("tiny", None, ("optim.lr=2e-3",)), ("0.1b", 8, ("optim.lr=1e-3",))),
+    value_pretrain=(
+        "ray.workers=1",  # one process: the global batch is one batch
+        "data.batch_size=128",
+        "optim.warmup_steps=50",
+        "objective.cl.freeze_prototypes_steps=50",
+    ),
+    value_budget=dict(
+        pool=400,
+        pretrain_steps=938,
+        pretrain_epochs=None,
+        labels=(64,),
+        seeds=(0, 1),
+        steps=200,
+        lrs=(6.4e-2,),
+        val=16,
+        test=64,
+        heldout=32,
+        exports=("student",),
+        colours=("colour",),
+        probe_iters=20,
+        curate_overrides=("stages.person.actors=[6,6]", "stages.person.num_cpus=1"),
+        finetune_overrides=("ray.use_gpu=true",),
+        workers=14,
+        ray_cpus=None,
+        probe_threads=None,
+    ),
 )
 SMOKE = Sizes(
     images=8,
@@ -142,6 +207,26 @@ SMOKE = Sizes(
     data_overrides=("ray.cpus_per_worker=0.5", "log.every=1", "data.read_cpus=0.5"),
     data_warmup=1,
     data_steps=2,
+    value_models=(("tiny", None, ()),),
+    value_pretrain=("ray.workers=1", "data.batch_size=4"),
+    value_budget=dict(
+        pool=20,
+        pretrain_steps=4,
+        pretrain_epochs=None,
+        labels=(8,),
+        seeds=(0,),
+        steps=4,
+        lrs=(6.4e-2,),
+        val=8,
+        test=8,
+        heldout=4,
+        exports=("student",),
+        colours=("colour",),
+        probe_iters=5,
+        workers=2,
+        ray_cpus=2,
+        probe_threads=1,
+    ),
 )
 PERSON_PHOTOS = ("bus", "zidane", "grace_hopper", "astronaut")  # kept by the lite profile
 
@@ -700,7 +785,185 @@ def part_data_wait(sz: Sizes, deadline: Deadline, report: PartReport, context: d
         shutil.rmtree(root, ignore_errors=True)
 
 
-PART_FNS = {"curation": part_curation, "pretrain": part_pretrain, "data_wait": part_data_wait}
+# --- part 4: the value of pretraining ---------------------------------------------------------------------------------
+
+
+def pretrain_in_memory(cfg, shards: Path, device, deadline: Deadline, record: Callable[[dict], None]):
+    """The worker's step (``pretrain.train``: the objective, ``optimizer_update``'s schedules, clipping, AdamW and EMA
+    teacher; bf16 autocast where the config's precision says so) in this process, on the curated pool decoded once
+    (``pretrain.data.load_images``) and held in device memory as uint8: no Ray, no data wait. The global batch is one
+    batch, drawn in epochs of a seeded shuffle. Returns the trained objective; ``record`` gets a line of loss terms
+    (means over the window) 20 times a run, then the run's speed."""
+    import torch
+
+    from pretrain import data
+    from pretrain.backbone import build
+    from pretrain.objective import TERMS, JointObjective
+    from pretrain.train import build_optimizer, optimizer_update, peak_flops, train_flops_per_image
+
+    started = time.monotonic()
+    pool = data.load_images(str(shards), cfg.image_size).to(device)
+    synchronize()
+    decode_s = time.monotonic() - started
+    torch.manual_seed(cfg.seed)
+    model = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=cfg.steps).to(device)
+    optimizer = build_optimizer(model, cfg.optim)
+    params = [p for p in model.parameters() if p.requires_grad]
+    batch, bf16 = cfg.samples_per_step(), device.type == "cuda" and cfg.precision == "bf16"
+    order, views = torch.Generator(device=device).manual_seed(cfg.seed), torch.Generator(device=device)
+    perm, cursor = torch.randperm(len(pool), generator=order, device=device), 0
+    every, window = max(1, cfg.steps // 20), []
+    warm, warm_at = min(10, cfg.steps - 1), time.monotonic()  # speed from the step after the warm-up ones
+    for step in range(cfg.steps):
+        if deadline.left() < _MARGIN_S:
+            raise TimeoutError(f"out of time at pretraining step {step} of {cfg.steps}")
+        if step == warm:
+            synchronize()
+            warm_at = time.monotonic()
+        rows, need = [], batch
+        while need:
+            if cursor == len(perm):
+                perm, cursor = torch.randperm(len(pool), generator=order, device=device), 0
+            take = min(need, len(perm) - cursor)
+            rows.append(perm[cursor : cursor + take])
+            cursor, need = cursor + take, need - take
+        views.manual_seed(cfg.seed * 1_000_003 + step)
+        with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+            out = model(pool[torch.cat(rows)], step, views)
+        out["loss"].backward()
+        update = optimizer_update(model, optimizer, params, step, cfg, batch)
+        window.append(torch.stack([out[k].detach().float() for k in TERMS]))
+        if (step + 1) % every == 0 or step + 1 == cfg.steps:
+            means = torch.stack(window).mean(0).tolist()  # the one read-back of the window
+            record({"step": step + 1, **{k: round(v, 4) for k, v in zip(TERMS, means)}, "lr": update["lr"]})
+            window = []
+    synchronize()
+    step_s = (time.monotonic() - warm_at) / (cfg.steps - warm)
+    flops, _ = train_flops_per_image(cfg)
+    peak = peak_flops(cfg, device)
+    record(
+        {
+            "pool_images": len(pool),
+            "decode_s": round(decode_s, 2),
+            "step_s": round(step_s, 4),
+            "images_per_s": round(batch / step_s, 1),
+            "mfu": round(batch / step_s * flops / peak, 4) if peak else None,
+            "seconds": round(time.monotonic() - started, 1),
+        }
+    )
+    return model
+
+
+def value_cells(results: dict) -> list[dict]:
+    """Per measure and pretrained init: the means and spreads over seeds against random's, and whether the gain
+    exceeds the seed spread (``pretrain_value.beats``; None with one seed)."""
+    import pretrain_value as pv
+
+    cells = []
+    for name, row in results["measures"].items():
+        random = [x for x in row[pv.RANDOM] if x is not None]
+        for init in results["inits"]:
+            if init == pv.RANDOM:
+                continue
+            values = [x for x in row[init] if x is not None]
+            cells.append(
+                {
+                    "measure": name,
+                    "init": init,
+                    "random": pv.mean_std(random),
+                    "pretrained": pv.mean_std(values),
+                    "ahead": bool(values and random and statistics.fmean(values) > statistics.fmean(random)),
+                    "beyond_spread": pv.beats(values, random),
+                }
+            )
+    return cells
+
+
+def part_value(sz: Sizes, deadline: Deadline, report: PartReport, context: dict) -> None:
+    """benchmarks/pretrain_value.py's chain (``run_chain``) per model size, pretraining in this process on the GPU
+    (``pretrain_in_memory``); renders and curation are made once and shared by the sizes. Each size's table is
+    reported when its chain ends; the one running reports its steps as they finish."""
+    import pretrain_value as pv
+    import torch
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    root = Path(tempfile.mkdtemp(prefix="gpu-check-value-"))
+    peak = [f"log.peak_tflops={context['peak_tflops']}"] if context.get("peak_tflops") else []  # for the MFU
+    report.set(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+        budget=sz.value_budget,
+        pretrain_overrides=[*sz.value_pretrain, *peak],
+    )
+    try:
+        for size, patch, overrides in sz.value_models:
+            if deadline.left() < _MARGIN_S:
+                report.append("skipped", {"size": size, "why": f"{deadline.left():.0f} s left"})
+                continue
+            started = time.monotonic()
+            current: dict = {"size": size, "patch_size": patch, "running": "start", "steps_s": {}, "pretraining": []}
+            report.set(current=current)
+
+            def log(line: str, current: dict = current) -> None:
+                # the chain's "=== <step>" as a step starts and "=== <step>: <seconds> s" as it ends
+                print(line, flush=True)
+                text = line.strip()
+                if not text.startswith("=== "):
+                    return
+                title, sep, took = text[4:].rpartition(": ")
+                if sep and took.endswith(" s") and took[:-2].isdigit():
+                    current["steps_s"][title] = int(took[:-2])
+                    current.pop("running", None)
+                else:
+                    current["running"] = text[4:]
+                report.set(current=current)
+
+            def record(line: dict, current: dict = current) -> None:
+                if "step" in line:
+                    current["pretraining"].append(line)
+                else:
+                    current["pretrain_run"] = line
+                report.set(current=current)
+
+            def pretrainer(cfg, shards: Path, record: Callable[[dict], None] = record):
+                return pretrain_in_memory(cfg, shards, device, deadline, record)
+
+            budget = pv.Budget(
+                **sz.value_budget,
+                size=size,
+                patch_size=patch,
+                pretrain_overrides=(*sz.value_pretrain, *peak, *overrides),
+            )
+            cfg = pv.Chain(root / size, budget).pretrain_config()
+            results = pv.run_chain(root / size, budget, log, data=root / "data", pretrainer=pretrainer)
+            for line in pv.report(results):
+                print(line, flush=True)
+            cells = value_cells(results)
+            verdicts = [c["beyond_spread"] for c in cells]
+            report.append(
+                "models",
+                {
+                    **current,
+                    "patch_size": cfg.model.backbone().patch_size,
+                    "pool": budget.pool,
+                    "curated": results["curated"],
+                    "pretrain_steps": results["pretrain_steps"],
+                    "global_batch": cfg.samples_per_step(),
+                    "pretrain_epochs": round(results["pretrain_epochs"], 1),
+                    "heldout_mae": results["heldout_mae"],
+                    "cells": cells,
+                    # every cell beyond the seed spread (None: one seed, no spread to compare with)
+                    "goal_met": None if None in verdicts else all(verdicts),
+                    "seconds": round(time.monotonic() - started, 1),
+                },
+            )
+            report.set(current=None)
+        if not report.data.get("models"):
+            raise RuntimeError("no model size finished its chain in the time there was")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+PART_FNS = {"curation": part_curation, "pretrain": part_pretrain, "data_wait": part_data_wait, "value": part_value}
 
 
 def run_child(args: argparse.Namespace) -> int:
@@ -845,7 +1108,54 @@ def table_rows(parts: dict) -> list[tuple[str, str, str]]:
                     f"step {r['step_s']:.3f} s, MFU {percent(r['mfu'])}",
                 )
             )
+        elif part == "value":
+            rows += value_rows(r)
         rows.append((part, "seconds (budget)", f"{r['seconds']} ({r['budget_s']})"))
+    return rows
+
+
+def value_rows(r: dict) -> list[tuple[str, str, str]]:
+    """Per model size: what was trained, then pretrained vs random per measure (mean ± std over seeds, and whether the
+    gain exceeds the seed spread), then the goal; for a size cut off mid-chain, the steps it finished."""
+    rows = []
+    verdict = {True: "yes", False: "no", None: "n/a"}
+    for m in r.get("models", []):
+        name = f"{m['size']} (patch {m['patch_size']})"
+        mae, run = m["heldout_mae"], m.get("pretrain_run", {})
+        rows.append(
+            (
+                "value",
+                f"{name}: {m['pool']} renders -> {m['curated']} curated, {m['pretrain_steps']} steps x "
+                f"{m['global_batch']} ({m['pretrain_epochs']:g} epochs)",
+                f"held-out MAE {mae['initial']:.4f} at init -> {mae['pretrained']:.4f}; pretraining "
+                f"{run.get('step_s', 'n/a')} s/step, {run.get('images_per_s', 'n/a')} img/s, MFU "
+                f"{percent(run.get('mfu'))}; chain {m['seconds']} s",
+            )
+        )
+        for c in m["cells"]:
+            rows.append(
+                (
+                    "value",
+                    f"{m['size']}: {c['measure']}",
+                    f"random {c['random']} | {c['init']} {c['pretrained']} | gain > seed spread "
+                    f"{verdict[c['beyond_spread']]}",
+                )
+            )
+        beyond = sum(1 for c in m["cells"] if c["beyond_spread"])
+        rows.append(
+            (
+                "value",
+                f"{m['size']}: beyond the seed spread on every cell",
+                f"{verdict[m['goal_met']]} ({beyond} of {len(m['cells'])} cells; ahead on "
+                f"{sum(1 for c in m['cells'] if c['ahead'])})",
+            )
+        )
+    if r.get("current"):
+        c = r["current"]
+        done = "; ".join(f"{title} {secs} s" for title, secs in c["steps_s"].items())
+        rows.append(("value", f"{c['size']}: unfinished (at: {c.get('running', 'n/a')})", done or "no step done"))
+    for s in r.get("skipped", []):
+        rows.append(("value", f"{s['size']}: skipped", s["why"]))
     return rows
 
 
@@ -872,8 +1182,8 @@ def device_name() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: the same code paths in under a minute")
-    ap.add_argument("--total-s", type=float, default=None, help="seconds for all parts (default 420; smoke 240)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: the same code paths in minutes")
+    ap.add_argument("--total-s", type=float, default=None, help="seconds for all parts (default 720; smoke 600)")
     ap.add_argument("--out", default="gpu_check.json", help="the JSON results; part logs go to <stem>-logs/")
     ap.add_argument("--only", action="append", choices=PARTS, default=[], help="run only these parts")
     ap.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS", help="fix a part's time budget")
@@ -901,7 +1211,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     fixed = {p: float(s) for p, s in (b.split("=", 1) for b in args.budget)}
-    total = args.total_s or (240.0 if args.cpu_smoke else 420.0)
+    total = args.total_s or (600.0 if args.cpu_smoke else 720.0)
     out = Path(args.out).resolve()
     logs = out.with_name(out.stem + "-logs")
     logs.mkdir(parents=True, exist_ok=True)

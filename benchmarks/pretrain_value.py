@@ -14,7 +14,9 @@ The real chain, every step a job a user runs (``run_chain``; a GPU script calls 
    other figures (another seed) that pretraining never sees.
 2. ``jobs.curate`` with the lite profile: the person, quality, dedup and sampling filters keep what they keep.
 3. ``jobs.pretrain`` with ``configs/pretrain/tiny.yaml`` for ``--pretrain-steps``, or ``--pretrain-epochs`` passes
-   over the curated set; exports the student (``--both-exports``: also the EMA teacher).
+   over the curated set; exports the student (``--both-exports``: also the EMA teacher). A caller of ``run_chain``
+   may pretrain in its own process instead (``pretrainer``: benchmarks/gpu_check.py trains on the GPU with the pool
+   in GPU memory); the same files are exported from the objective it returns.
 4. Held-out MAE (``pretrain.evaluate``): the objective's MAE term on the held-out renders, for the last checkpoint's
    student + decoder and for the run's initial weights, on the same views and masks.
 5. ``jobs.make_synthetic``: labelled renders at 128x96 that the pools never hold, with ``val`` and ``test`` splits;
@@ -64,7 +66,8 @@ from jobs import pretrain as pretrain_job  # noqa: E402
 from pretrain.config import PretrainConfig  # noqa: E402
 from pretrain.data import decode_crop  # noqa: E402
 from pretrain.evaluate import heldout_mae, initial_objective, load_objective  # noqa: E402
-from pretrain.export import EXPORT_FILES, export_backbone  # noqa: E402
+from pretrain.export import EXPORT_FILES, export_backbone, export_objective  # noqa: E402
+from pretrain.objective import JointObjective  # noqa: E402
 from training.checkpoint import latest_committed, read_safetensors, step_of  # noqa: E402
 
 POOL_SHARD = 50  # renders per pool tar shard: one shard is one unit of curation work and of its resume
@@ -83,6 +86,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "full": dict(pool=3000, pretrain_steps=None, pretrain_epochs=10.0, labels="16,64", seeds="0,1,2", steps=500,
                  lrs="3.2e-2,6.4e-2,1.28e-1", val=64, test=128, heldout=128),
 }  # fmt: skip
+# Pretraining in this process instead of jobs.pretrain: (the run's config, its steps set; the curated shards) -> the
+# trained objective. The chain exports its backbones and reads its held-out MAE as it would a job's last checkpoint.
+Pretrainer = Callable[[PretrainConfig, Path], JointObjective]
 
 
 @dataclass
@@ -106,6 +112,8 @@ class Budget:
     pretrain_overrides: tuple[str, ...] = ()
     finetune_config: str = str(REPO / "configs/finetune/tiny.yaml")
     finetune_overrides: tuple[str, ...] = ()
+    curate_overrides: tuple[str, ...] = ()  # of the lite profile (e.g. more actors on a larger machine)
+    colours: tuple[str, ...] = tuple(COLOURS)  # probe inputs, keys of COLOURS
     image_size: tuple[int, int] = (128, 96)  # labelled renders (H, W)
     pool_size: tuple[int, int] = (512, 384)  # unlabelled renders (H, W): curation's person stage wants large people
     workers: int = 2  # rendering processes
@@ -126,6 +134,13 @@ class Chain:
     budget: Budget
     log: Callable[[str], None] = print
     timings: dict[str, float] = field(default_factory=dict)
+    data: Path | None = None  # renders and curation (no model in them, so chains of other sizes can share them)
+    pretrainer: Pretrainer | None = None  # None: jobs.pretrain
+    trained: tuple[JointObjective, PretrainConfig, int] | None = None  # the pretrainer's objective, config, steps
+
+    @property
+    def data_dir(self) -> Path:
+        return self.data or self.work
 
     def step(self, title: str, fn: Callable[[list[str]], int], argv: list[str]) -> None:
         start = time.monotonic()
@@ -145,12 +160,13 @@ class Chain:
                        "--workers", str(self.budget.workers)])  # fmt: skip
 
     def curated(self) -> tuple[Path, int]:
-        pool, out = self.work / "pool", self.work / "curated"
+        pool, out = self.data_dir / "pool", self.data_dir / "curated"
         self.render_pool(pool, self.budget.pool, seed=0)
         manifest = out / "shards" / "manifest.json"
         if not manifest.exists():
             self.step("curate (lite)", curate.main,
-                      ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(pool), "--output", str(out)])  # fmt: skip
+                      ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(pool), "--output", str(out),
+                       *self.budget.curate_overrides])  # fmt: skip
         return out / "shards", sum(s["rows"] for s in json.loads(manifest.read_text())["shards"])
 
     def pretrain_config(self, steps: int | None = None) -> PretrainConfig:
@@ -171,6 +187,11 @@ class Chain:
             if f.exists() and int(read_safetensors(str(f))[1]["step"]) != steps:
                 raise SystemExit(f"{f} was pretrained for another number of steps; give another --work")
         missing = [which for which, f in files.items() if not f.exists()]
+        if self.pretrainer is not None:
+            if missing or not self.heldout_done(steps):  # the held-out MAE needs the trained objective
+                self.step(f"pretrain in this process, {steps} steps ({steps * per_step / kept:.1f} epochs) on {kept} "
+                          "curated images", lambda _: self.pretrain_here(shards, steps, files), [])  # fmt: skip
+            return steps, files, run
         latest = latest_committed(str(run))
         if missing and latest is not None and step_of(latest) == steps:  # a finished run: export what is missing
             for which in missing:
@@ -183,8 +204,23 @@ class Chain:
                        *b.pretrain_overrides])  # fmt: skip
         return steps, files, run
 
+    def pretrain_here(self, shards: Path, steps: int, files: dict[str, Path]) -> int:
+        """The pretrainer's run, exported as jobs.pretrain exports its last checkpoint."""
+        assert self.pretrainer is not None
+        cfg = self.pretrain_config(steps)
+        objective = self.pretrainer(cfg, shards).cpu()  # held-out MAE is read on the CPU, as from a checkpoint
+        for which, f in files.items():
+            f.parent.mkdir(parents=True, exist_ok=True)
+            export_objective(objective, cfg.model, steps, str(f), which)
+        self.trained = (objective, cfg, steps)
+        return 0
+
+    def heldout_done(self, steps: int) -> bool:
+        done = self.work / "heldout_mae.json"
+        return done.exists() and json.loads(done.read_text())["step"] == steps
+
     def heldout_images(self, size: tuple[int, int]) -> torch.Tensor:
-        folder = self.work / "heldout"
+        folder = self.data_dir / "heldout"
         self.render_pool(folder, self.budget.heldout, seed=1)  # another seed: figures the pool never holds
         images = []
         for tar_path in sorted(folder.glob("pool-*.tar")):
@@ -198,12 +234,15 @@ class Chain:
 
     def heldout_mae(self, run: Path, steps: int) -> dict:
         done = self.work / "heldout_mae.json"
-        if done.exists() and json.loads(done.read_text())["step"] == steps:
+        if self.heldout_done(steps):
             return json.loads(done.read_text())
-        latest = latest_committed(str(run))
-        assert latest is not None  # the pretraining run above finished
         start = time.monotonic()
-        objective, cfg, step = load_objective(latest)
+        if self.trained is not None:
+            objective, cfg, step = self.trained
+        else:
+            latest = latest_committed(str(run))
+            assert latest is not None  # the pretraining run above finished
+            objective, cfg, step = load_objective(latest)
         images = self.heldout_images(cfg.image_size)
         result = {
             "step": step,
@@ -219,7 +258,7 @@ class Chain:
         b, sets = self.budget, {}
         h, w = b.image_size
         for n in b.labels:
-            folder = self.work / f"labelled-{n}"
+            folder = self.data_dir / f"labelled-{n}"
             if not (folder / "test" / "manifest.json").exists():
                 self.step(f"labelled renders: {n} train + {b.val} val + {b.test} test", make_synthetic.main,
                           ["--out", str(folder), "--n", str(n), "--val", str(b.val), "--test", str(b.test),
@@ -277,15 +316,22 @@ def choose_lr(grid: dict[float, list[dict]]) -> float:
     return max(grid, key=lambda lr: statistics.fmean(run["val"] for run in grid[lr]))
 
 
-def run_chain(work: Path, budget: Budget, log: Callable[[str], None] = print) -> dict:
-    """The whole chain under ``work`` at ``budget``; returns (and writes to ``<work>/results.json``) every measure."""
+def run_chain(
+    work: Path, budget: Budget, log: Callable[[str], None] = print, *, data: Path | None = None,
+    pretrainer: Pretrainer | None = None,
+) -> dict:  # fmt: skip
+    """The whole chain under ``work`` at ``budget``; returns (and writes to ``<work>/results.json``) every measure.
+    ``data``: where the renders and curated shards go (default ``work``); ``pretrainer``: pretrain in this process
+    (default: ``jobs.pretrain`` on Ray Train)."""
     batch = load_config(FinetuneConfig, budget.finetune_config, list(budget.finetune_overrides)).samples_per_step()
     if min(budget.labels) < batch:
         raise SystemExit(f"--labels {min(budget.labels)} is smaller than a fine-tuning batch of {batch} images")
+    if not budget.colours or any(c not in COLOURS for c in budget.colours):
+        raise SystemExit(f"colours {budget.colours}: one or more of {sorted(COLOURS)}")
     work.mkdir(parents=True, exist_ok=True)
     init_ray(None, budget.ray_cpus)
     started = time.monotonic()
-    chain = Chain(work, budget, log)
+    chain = Chain(work, budget, log, data=data, pretrainer=pretrainer)
     shards, kept = chain.curated()
     steps, backbones, run = chain.pretrain(shards, kept)
     mae = chain.heldout_mae(run, steps)
@@ -293,7 +339,7 @@ def run_chain(work: Path, budget: Budget, log: Callable[[str], None] = print) ->
     inits: dict[str, Path | None] = {RANDOM: None, **backbones}
     measures: dict[str, dict[str, list[float | None]]] = {}
     biggest = sets[max(budget.labels)]  # its training set's prefixes are the smaller sets'
-    for colour in COLOURS:
+    for colour in budget.colours:
         for init, backbone in inits.items():
             for seed in budget.seeds:
                 result = chain.probe(init, backbone, colour, seed, biggest, steps)

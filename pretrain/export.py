@@ -2,7 +2,8 @@
 
 ``jobs.pretrain`` writes ``<run>/backbone.safetensors`` at the end of a run (``--export teacher``:
 ``<run>/teacher_backbone.safetensors``); fine-tuning starts from it
-(``load_backbone``). No pickle on either side: the backbone config travels in the file's metadata.
+(``load_backbone``). No pickle on either side: the backbone config travels in the file's metadata. An objective
+trained in a process of its own, outside Ray Train, is written to the same file by ``export_objective``.
 """
 
 from __future__ import annotations
@@ -47,24 +48,47 @@ def export_backbone(ckpt_uri: str, out_uri: str, which: str = "student") -> dict
     Reads only that backbone's tensors (no optimiser), without a process group. The backbone config travels in the
     file's metadata, so ``load_backbone`` needs nothing else.
     """
-    from safetensors.torch import save as st_save
+    prefix = _prefix(which)
+    commit = read_commit(ckpt_uri)
+    model = ModelSettings.model_validate(commit["config"]["model"])  # the run's, overrides included
+    shapes = build_meta(model.backbone()).state_dict()
+    state = read_model_state(ckpt_uri, {f"{prefix}{k}": v for k, v in shapes.items()})
+    tensors = {k.removeprefix(prefix): v for k, v in state.items()}
+    return _write_backbone(out_uri, tensors, model, int(commit["step"]), which)
 
+
+def export_objective(
+    objective: torch.nn.Module, model: ModelSettings, step: int, out_uri: str, which: str = "student"
+) -> dict:
+    """``export_backbone`` for an objective trained in this process (a plain ``JointObjective``, not sharded, on any
+    device): the same file, from its state dict; ``model`` is its run's model settings, ``step`` the steps it made."""
+    prefix = _prefix(which)
+    state = objective.state_dict()
+    tensors = {k: state[prefix + k].detach().cpu() for k in build_meta(model.backbone()).state_dict()}
+    return _write_backbone(out_uri, tensors, model, step, which)
+
+
+def _prefix(which: str) -> str:
     if which not in EXPORTS:
         raise ValueError(f"which must be one of {sorted(EXPORTS)}, got {which!r}")
-    prefix = EXPORTS[which]
-    commit = read_commit(ckpt_uri)
-    cfg = ModelSettings.model_validate(commit["config"]["model"]).backbone()  # the run's, overrides included
-    shapes = build_meta(cfg).state_dict()
-    state = read_model_state(ckpt_uri, {f"{prefix}{k}": v for k, v in shapes.items()})
-    tensors = {k.removeprefix(prefix): v.contiguous() for k, v in state.items()}
+    return EXPORTS[which]
+
+
+def _write_backbone(
+    out_uri: str, tensors: dict[str, torch.Tensor], model: ModelSettings, step: int, which: str
+) -> dict:
+    from safetensors.torch import save as st_save
+
+    cfg = model.backbone()
     meta = {
         "format": "pt",
         "backbone_config": json.dumps(dataclasses.asdict(dataclasses.replace(cfg, activation_checkpointing=False))),
-        "size": commit["config"]["model"]["size"],
-        "step": str(commit["step"]),
+        "size": model.size,
+        "step": str(step),
         "which": which,
     }
     fs, path = storage.resolve(out_uri)
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
     storage.write_bytes_atomic(fs, path, st_save(tensors, metadata=meta))
     return meta
 

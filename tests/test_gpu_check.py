@@ -1,23 +1,29 @@
 """The prepared GPU check (benchmarks/gpu_check.py) in its --cpu-smoke mode: the same code paths as on a GPU, at
 tiny sizes on CPU, so the script cannot rot before GPU time comes. Every part must come back with figures, and a
-part that fails (raises, or hangs past its hard stop) must be reported while the others still run."""
+part that fails (raises, or hangs past its hard stop) must be reported while the others still run. The value part
+(a whole pretrained-vs-random chain, several minutes on 2 CPUs) has a test of its own."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+FIRST_THREE = ("--only", "curation", "--only", "pretrain", "--only", "data_wait")
 
 
-def run_check(tmp_path: Path, *args: str) -> tuple[dict, str]:
+def run_check(tmp_path: Path, *args: str, total_s: int = 600) -> tuple[dict, str]:
     out = tmp_path / "check.json"
     # A generous total: the parts' shares of it are their hard stops, and a shared CI machine can be slow.
-    cmd = [sys.executable, str(SCRIPT), "--cpu-smoke", "--total-s", "600", "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+    cmd = [sys.executable, str(SCRIPT), "--cpu-smoke", "--total-s", str(total_s), "--out", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=total_s + 300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
 
@@ -27,7 +33,7 @@ def errors(parts: dict) -> dict:
 
 
 def test_every_part_measures(tmp_path):
-    results, printed = run_check(tmp_path)
+    results, printed = run_check(tmp_path, *FIRST_THREE)
     parts = results["parts"]
     assert list(parts) == ["curation", "pretrain", "data_wait"]
     assert not errors(parts)
@@ -78,13 +84,79 @@ def test_a_failing_part_is_reported_and_the_others_run(tmp_path):
         "curation=raise",
         "--fail",
         "data_wait=hang",
+        "--fail",
+        "value=raise",
         "--budget",
         "data_wait=10",
     )
     parts = results["parts"]
+    assert list(parts) == ["curation", "pretrain", "data_wait", "value"]
     assert parts["curation"]["status"] == "error"
     assert "failure injected into part curation" in parts["curation"]["error"]
     assert parts["pretrain"]["status"] == "ok" and all(r["step_s"] > 0 for r in parts["pretrain"]["runs"])
     assert parts["data_wait"]["status"] == "error"
     assert parts["data_wait"]["error"].startswith("stopped at its time budget (10 s)")
+    assert parts["value"]["status"] == "error" and "failure injected into part value" in parts["value"]["error"]
     assert "failure injected" in printed and "stopped at its time budget" in printed
+
+
+def test_the_value_rows_tell_each_cell_and_how_far_a_cut_off_chain_got():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    gc = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gc  # its dataclasses look their module up there
+    spec.loader.exec_module(gc)
+    cell = {"measure": "probe mIoU", "init": "student", "random": "0.1000 ± 0.0100", "pretrained": "0.2000 ± 0.0100"}
+    finished = {
+        "size": "tiny", "patch_size": 8, "pool": 400, "curated": 160, "pretrain_steps": 938, "global_batch": 128,
+        "pretrain_epochs": 750.4, "heldout_mae": {"initial": 1.3, "pretrained": 0.9}, "seconds": 90.0,
+        "pretrain_run": {"step_s": 0.025, "images_per_s": 5120.0, "mfu": None},
+        "cells": [{**cell, "ahead": True, "beyond_spread": True}, {**cell, "measure": "k-NN", "ahead": False,
+                                                                    "beyond_spread": False}],
+        "goal_met": False,
+    }  # fmt: skip
+    report = {
+        "status": "error", "seconds": 331.0, "budget_s": 331.0, "error": "stopped at its time budget (331 s)",
+        "models": [finished],
+        "current": {"size": "0.1b", "running": "probe student, colour, seed 1",
+                    "steps_s": {"pretrain in this process, 938 steps": 61}},
+    }  # fmt: skip
+    rows = {what: value for part, what, value in gc.table_rows({"value": report}) if part == "value"}
+    assert rows["ERROR"] == "stopped at its time budget (331 s)"
+    head = "tiny (patch 8): 400 renders -> 160 curated, 938 steps x 128 (750.4 epochs)"
+    assert rows[head].startswith("held-out MAE 1.3000 at init -> 0.9000; pretraining 0.025 s/step")
+    assert rows["tiny: probe mIoU"].endswith("student 0.2000 ± 0.0100 | gain > seed spread yes")
+    assert rows["tiny: k-NN"].endswith("gain > seed spread no")
+    assert rows["tiny: beyond the seed spread on every cell"] == "no (1 of 2 cells; ahead on 1)"
+    assert rows["0.1b: unfinished (at: probe student, colour, seed 1)"] == "pretrain in this process, 938 steps 61 s"
+    assert rows["seconds (budget)"] == "331.0 (331.0)"
+    assert "every cell" in gc.GOALS["value"] and gc.PARTS[-1] == "value"
+
+
+@pytest.mark.slow
+def test_the_value_part_runs_the_chain_with_pretraining_in_memory(tmp_path):
+    results, printed = run_check(tmp_path, "--only", "value", total_s=900)
+    parts = results["parts"]
+    assert list(parts) == ["value"] and not errors(parts)
+    value = parts["value"]
+    (m,) = value["models"]  # the smoke mode's one size
+    assert m["size"] == "tiny" and m["patch_size"] == 8 and m["pretrain_steps"] == 4 and m["global_batch"] == 4
+    # the in-memory pretraining: the whole curated pool on the device, one record per step at this length
+    run = m["pretrain_run"]
+    assert run["pool_images"] == m["curated"] >= m["global_batch"] and run["step_s"] > 0 and run["mfu"] is None
+    assert [r["step"] for r in m["pretraining"]] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) and r["mae"] > 0 for r in m["pretraining"])
+    assert m["heldout_mae"]["step"] == 4 and math.isfinite(m["heldout_mae"]["pretrained"])
+    assert any(title.startswith("pretrain in this process, 4 steps") for title in m["steps_s"])
+    assert not any(title.startswith("pretrain,") for title in m["steps_s"])  # no jobs.pretrain run
+    # the probes (colour only, here) and fine-tuning read the exported student: one cell per measure
+    assert [(c["measure"], c["init"]) for c in m["cells"]] == [
+        ("probe mIoU (tokens, best layer), 8 labels, colour", "student"),
+        ("k-NN mIoU (tokens, best layer), 8 labels, colour", "student"),
+        ("left/right bal. acc, 8 labels, colour", "student"),
+        ("fine-tune mIoU, 8 labels (LR on val)", "student"),
+    ]
+    # one seed: no spread to beat, so no verdict
+    assert all(c["beyond_spread"] is None for c in m["cells"]) and m["goal_met"] is None
+    assert value["current"] is None and not value.get("skipped")
+    assert "tiny: beyond the seed spread on every cell" in printed and "fine-tune mIoU, 8 labels" in printed

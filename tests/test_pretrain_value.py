@@ -1,8 +1,10 @@
 """The pretrained-vs-random benchmark (benchmarks/pretrain_value.py): its verdicts and learning-rate choice on
-results made up here, its presets, and (slow) the quick chain's whole code path at a microscopic size."""
+results made up here, its presets, pretraining in the caller's process instead of the job (exports and held-out MAE
+from the objective it returns), and (slow) the quick chain's whole code path at a microscopic size."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -10,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("pretrain_value", REPO / "benchmarks" / "pretrain_value.py")
@@ -104,3 +107,64 @@ def test_the_quick_chain_runs_end_to_end_at_a_microscopic_size(tmp_path, ray_loc
     capsys.readouterr()
     assert pv.run_chain(tmp_path, budget)["measures"] == results["measures"]
     assert "===" not in capsys.readouterr().out
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a single-process checkpoint read, as meant
+def test_an_objective_trained_in_this_process_exports_what_its_checkpoint_would(tmp_path):
+    from common.config import load_config
+    from pretrain.export import export_backbone
+    from pretrain.train import build_optimizer
+    from training import checkpoint as ckpt
+    from training.checkpoint import read_safetensors
+
+    cfg = load_config(pv.PretrainConfig, REPO / "configs/pretrain/tiny.yaml", ["steps=2"])
+    model = pv.initial_objective(cfg)
+    optimizer = build_optimizer(model, cfg.optim)
+    images = torch.randint(
+        0, 256, (2, 3, *cfg.image_size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    for step in range(2):  # the EMA teacher moves away from the student
+        model(images, step, torch.Generator().manual_seed(step))["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.update_teacher(step)
+    uri = ckpt.step_uri(str(tmp_path / "run"), 2)
+    ckpt.save(uri, model, optimizer, {"step": 2, "config": cfg.model_dump(mode="json")})
+    for which in ("student", "teacher"):
+        job, here = tmp_path / f"job-{which}.safetensors", tmp_path / f"here-{which}.safetensors"
+        assert export_backbone(uri, str(job), which) == pv.export_objective(model, cfg.model, 2, str(here), which)
+        (a, meta_a), (b, meta_b) = read_safetensors(str(job)), read_safetensors(str(here))
+        assert meta_a == meta_b and meta_b["which"] == which and a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), which
+
+
+def test_a_pretrainer_stands_in_for_the_pretraining_job(tmp_path):
+    budget = pv.Budget(
+        pool=20, pretrain_steps=3, pretrain_epochs=None, labels=(8,), seeds=(0,), steps=4, lrs=(6.4e-2,), val=8,
+        test=8, heldout=2, exports=("student", "teacher"), workers=1,
+        pretrain_overrides=("ray.workers=1", "data.batch_size=2"),
+    )  # fmt: skip
+    calls = []
+
+    def pretrainer(cfg, shards):
+        calls.append((cfg.steps, cfg.samples_per_step(), shards))
+        return pv.initial_objective(cfg)  # untrained: its held-out MAE must be the initial one to the digit
+
+    def chain() -> pv.Chain:
+        return pv.Chain(tmp_path / "work", budget, lambda line: None, data=tmp_path / "data", pretrainer=pretrainer)
+
+    first = chain()
+    steps, files, run = first.pretrain(tmp_path / "shards", kept=10)
+    assert steps == 3 and calls == [(3, 2, tmp_path / "shards")]
+    for which, f in files.items():
+        meta = pv.read_safetensors(str(f))[1]
+        assert f.parent == run and meta["which"] == which and meta["step"] == "3" and meta["size"] == "tiny"
+    mae = first.heldout_mae(run, steps)
+    assert mae["step"] == 3 and mae["images"] == 2 and mae["pretrained"] == mae["initial"]
+    assert (tmp_path / "data" / "heldout").is_dir() and not (tmp_path / "work" / "heldout").exists()
+    # a rerun finds the exports and the held-out MAE: the pretrainer is not called again
+    again = chain()
+    assert again.pretrain(tmp_path / "shards", kept=10)[0] == 3 and len(calls) == 1
+    assert again.heldout_mae(run, steps) == mae
+    with pytest.raises(SystemExit, match="colours"):
+        pv.run_chain(tmp_path / "other", dataclasses.replace(budget, colours=("sepia",)))
