@@ -409,7 +409,7 @@ def test_checkpoint_loading_refuses_pickled_objects(tmp_path):
 
 def test_config_overrides_are_typed_and_checked():
     cfg = load_config(PretrainConfig, TINY, ["optim.lr=3e-4", "ray.workers=4"])
-    assert cfg.optim.lr == 3e-4 and cfg.samples_per_step() == 2 * 4
+    assert cfg.optim.lr == 3e-4 and cfg.samples_per_step() == 4 * 4  # the tiny config: 4 images per worker
     with pytest.raises(ConfigError, match="unknown key"):
         load_config(PretrainConfig, TINY, ["optim.learning_rate=1"])
     with pytest.raises(ConfigError, match="unknown size"):
