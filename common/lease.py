@@ -33,7 +33,16 @@ import uuid
 from collections.abc import Callable
 
 from common.layout import LAYOUT
-from common.storage import delete_quietly, is_local, join, read_json, redact, resolve, write_json_atomic
+from common.storage import (
+    DamagedRecordError,
+    delete_quietly,
+    is_local,
+    join,
+    read_json,
+    redact,
+    resolve,
+    write_json_atomic,
+)
 
 HEARTBEAT_S = 30.0
 STALE_S = 300.0
@@ -149,12 +158,19 @@ class Lease:
         return self.record is not None and self.lost is None
 
     def _read(self) -> dict | None:
+        """The lease record, None when there is none; raises ``DamagedRecordError`` for one that cannot be read."""
         try:
-            return read_json(self.fs, self.path)
+            return read_json(
+                self.fs,
+                self.path,
+                advice=(
+                    "It keeps two runs off one output, and a damaged one may still be another run's, so this run does "
+                    "not take it. Wait for any other run on this output to end, then rerun this command with "
+                    "--break-lease, which writes it anew"
+                ),
+            )
         except FileNotFoundError:
             return None
-        except ValueError:  # written atomically, so only a foreign or hand-edited file gets here
-            return {"command": f"an unreadable {LAYOUT.lease}", "heartbeat": time.time()}
 
     def _refusal(self, record: dict, why: str) -> LeaseHeld:
         now = time.time()
@@ -179,7 +195,15 @@ class Lease:
         """Take the lease (``force``: also from a live holder); raises ``LeaseHeld`` when another run holds it."""
         self.fs, root = resolve(self.root_uri)
         self.path = join(root, LAYOUT.lease)
-        current = self._read()
+        try:
+            current = self._read()
+        except DamagedRecordError as exc:
+            if not force:
+                raise LeaseHeld(str(exc)) from None
+            self.log(
+                f"[lease] taking over the lease on {self.uri}: --break-lease was given ({exc.path}: {exc.problem})"
+            )
+            current = None
         if current is not None and current.get("token") != self.token:
             reason = "--break-lease was given" if force else self._free_to_take(current)
             if reason is None:
@@ -200,7 +224,11 @@ class Lease:
         }
         write_json_atomic(self.fs, self.path, self.record)
         time.sleep(self.settle_s if self.settle_s is not None else SETTLE_S["local" if is_local(self.fs) else "remote"])
-        winner = self._read()
+        try:
+            winner = self._read()
+        except DamagedRecordError as exc:  # another writer's bytes landed over ours
+            self.record = None
+            raise LeaseHeld(str(exc)) from None
         if winner is None or winner.get("token") != self.token:
             self.record = None
             if winner is None:
@@ -215,9 +243,12 @@ class Lease:
     def check(self) -> None:
         """Raise ``LeaseLost`` unless this run still holds the lease; call it right before a commit-point write."""
         if self.lost is None:
-            current = self._read()
-            if current is None or current.get("token") != self.token:
+            try:
+                current = self._read()
                 taker = _describe(current) if current else "nobody (its record was deleted)"
+            except DamagedRecordError as exc:  # not ours any more, whoever wrote it: stopping is the safe side
+                current, taker = None, f"an unknown run ({exc.path} is damaged: {exc.problem})"
+            if current is None or current.get("token") != self.token:
                 self.lost = LeaseLost(
                     f"{self.uri}: this run lost its lease to {taker}, so it stops before its next commit and leaves the "
                     "output to the other run. Rerun the same command once that run has ended to resume."
@@ -244,6 +275,11 @@ class Lease:
         self._stop.set()
         if self._beats is not None:
             self._beats.join()
-        if self.held and (self._read() or {}).get("token") == self.token:
-            delete_quietly(self.fs, self.path)
+        if self.held:
+            try:
+                ours = (self._read() or {}).get("token") == self.token
+            except DamagedRecordError:  # not ours: leave it to whoever wrote it
+                ours = False
+            if ours:
+                delete_quietly(self.fs, self.path)
         self.record = None

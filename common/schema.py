@@ -84,9 +84,9 @@ _IDENTITY = [
     pa.field("file_size", pa.int64()),
     pa.field("format", pa.string()),  # PIL format name of the original bytes
     pa.field("mode", pa.string()),  # PIL mode of the original bytes (before normalisation to RGB)
-    pa.field("width", pa.int32()),  # after EXIF orientation
+    pa.field("width", pa.int32()),  # after EXIF orientation (as stored for a declared bomb: its EXIF is not read)
     pa.field("height", pa.int32()),
-    pa.field("orientation", pa.int8()),  # EXIF orientation tag (1 when absent)
+    pa.field("orientation", pa.int8()),  # EXIF orientation tag (1 when absent or malformed, null when not read)
 ]
 
 # Every score a stage may write. All nullable: a rejected image keeps only the scores computed before.

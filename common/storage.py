@@ -15,7 +15,7 @@ import re
 import tarfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from hashlib import sha256
 from typing import TypeVar
 
@@ -122,9 +122,80 @@ def write_json_atomic(fs: pafs.FileSystem, path: str, obj) -> None:
     write_bytes_atomic(fs, path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
-def read_json(fs: pafs.FileSystem, path: str):
+class DamagedRecordError(StorageError):
+    """A JSON record (a commit, done or run record, a manifest, a lease) that cannot be used as it stands: the message
+    names the file, what is wrong with it and what to do. ``problem`` and ``what_to_do`` are the two parts alone."""
+
+    def __init__(self, path: str, problem: str, what_to_do: str):
+        self.path, self.problem, self.what_to_do = path, problem, what_to_do
+        super().__init__(f"damaged record {path}: {problem}. {what_to_do}.")
+
+
+# Writes are atomic, so a damaged record was changed after it was written (by hand, a tool, a disk or store fault).
+DAMAGED_RECORD_ADVICE = "Restore it from a copy, or delete it and rerun the command that wrote it"
+
+FieldTypes = type | tuple[type, ...]
+
+
+def display_path(fs: pafs.FileSystem, path: str) -> str:
+    """A readable name for ``path`` on ``fs`` (the scheme and the path; a filesystem's paths carry no query or
+    credentials), for messages."""
+    if is_local(fs):
+        return path
+    scheme = {"gcs": "gs"}.get(fs.type_name, fs.type_name)
+    return display_uri(f"{scheme}://", path) if scheme.isalnum() else path
+
+
+_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer", float: "a number"}
+
+
+def _json_kind(value: object) -> str:
+    """What a decoded JSON value is, in JSON's terms (one number type)."""
+    if value is None:
+        return "null"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return "a number"
+    return _KINDS[type(value)]
+
+
+def read_json(
+    fs: pafs.FileSystem,
+    path: str,
+    *,
+    fields: Mapping[str, FieldTypes] | None = None,
+    advice: str = DAMAGED_RECORD_ADVICE,
+) -> dict:
+    """The JSON object stored at ``path``; every JSON record the project reads back comes through here.
+
+    Raises ``DamagedRecordError`` (naming the file, with ``advice`` as what to do) when the bytes are not UTF-8, not
+    JSON, not an object, or lack one of ``fields`` (name -> type(s) its value must have); ``FileNotFoundError`` and
+    other ``OSError`` propagate as they are: absent and unreachable are not damaged.
+    """
     with fs.open_input_stream(path) as f:
-        return json.loads(f.read())
+        data = f.read()
+
+    def damaged(problem: str) -> DamagedRecordError:
+        return DamagedRecordError(display_path(fs, path), problem, advice)
+
+    if not data.strip():
+        raise damaged(f"empty ({len(data)} bytes)")
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise damaged(f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise damaged(f"not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise damaged(f"holds {_json_kind(record)}, not a JSON object")
+    for name, types in (fields or {}).items():
+        if name not in record:
+            raise damaged(f"has no {name!r} field")
+        value, wanted = record[name], types if isinstance(types, tuple) else (types,)
+        # Python counts a JSON true as an int; a record's counts are never booleans
+        if not isinstance(value, wanted) or (isinstance(value, bool) and bool not in wanted):
+            expected = "a number" if float in wanted else " or ".join(_KINDS.get(t, t.__name__) for t in wanted)
+            raise damaged(f"its {name!r} field is {_json_kind(value)}, not {expected}")
+    return record
 
 
 def write_parquet_atomic(

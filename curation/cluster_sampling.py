@@ -67,6 +67,7 @@ from common.progress import progress
 from common.storage import delete_quietly, exists, join, read_json, resolve, write_json_atomic, write_parquet_atomic
 from curation import routed, sampling
 from curation.config import SampleSettings
+from curation.records import step_advice
 
 RUN_FILE, HIERARCHY_FILE = LAYOUT.sample_run, LAYOUT.sample_hierarchy
 DECISIONS_DIR, WORK_DIR = LAYOUT.sample_decisions, LAYOUT.sample_work
@@ -486,9 +487,11 @@ def _fingerprint(
 
 def _reset_if_changed(fs: pafs.FileSystem, root: str, fingerprint: str, log: Callable[[str], None]) -> None:
     run_file = join(root, RUN_FILE)
-    if exists(fs, run_file) and read_json(fs, run_file).get("fingerprint") == fingerprint:
+    advice = step_advice(fs, root, "sample")
+    previous = read_json(fs, run_file, fields={"fingerprint": str}, advice=advice) if exists(fs, run_file) else None
+    if previous is not None and previous["fingerprint"] == fingerprint:
         return
-    if exists(fs, run_file):
+    if previous is not None:
         log("[sample] settings or inputs changed since the last run: its outputs are cleared")
     for rel in (DECISIONS_DIR, WORK_DIR, HIERARCHY_FILE):
         delete_quietly(fs, join(root, rel))

@@ -67,6 +67,7 @@ from common.layout import LAYOUT
 from common.progress import Progress
 from common.storage import delete_quietly, exists, join, read_json, resolve, write_json_atomic, write_parquet_atomic
 from curation import dedup as dd
+from curation.records import step_advice
 from curation.routed import (
     RemoteFunction,
     read_plain,
@@ -630,9 +631,10 @@ def run_components(
     plan_digest = sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
     outputs = [decisions_path(i) for i in range(len(survivor_files))]
     summary_path, plan_path = join(root, SUMMARY), join(root, _work("plan.json"))
-    previous = read_json(fs, summary_path) if exists(fs, summary_path) else None
+    advice = step_advice(fs, root, "dedup")
+    previous = read_json(fs, summary_path, fields={"plan": str}, advice=advice) if exists(fs, summary_path) else None
     if previous is None and exists(fs, plan_path):
-        previous = {"plan": read_json(fs, plan_path)["digest"]}
+        previous = {"plan": read_json(fs, plan_path, fields={"digest": str}, advice=advice)["digest"]}
     if previous is not None and previous["plan"] != plan_digest:
         log("[components] inputs or partitioning changed: earlier components work and decisions removed")
         delete_quietly(fs, join(root, WORK_DIR))

@@ -7,6 +7,7 @@ it changes. Thresholds that decide a rejection live under ``filters``; knobs of 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
@@ -24,6 +25,13 @@ class InputSettings(Strict):
     source_column: str | None = None  # parquet pools: column naming each image (default: file#row=N)
     # Parquet files and tars stream in chunks of about this size: a 50 GB shard never sits in memory whole.
     read_chunk_mb: int = Field(64, ge=1)
+    # Parquet's reader holds a row group's image column whole (about twice its uncompressed size, whatever the batch
+    # size): a row group whose footer says it holds more is not read, and its row says to rewrite it smaller.
+    max_row_group_mb: int = Field(1024, ge=1)
+    # Memory (MiB) each process of the score phase (the reader, every stage's tasks and actors, the writer) requests
+    # of Ray, so a node runs no more of them at once than fit. None: what bounds one process's data
+    # (CurateConfig.task_memory_mb); model stages hold their models on top, so raise it for large models.
+    task_memory_mb: int | None = Field(None, ge=64)
 
 
 class OutputSettings(Strict):
@@ -322,6 +330,9 @@ class RaySettings(Strict):
     io_retries: int = Field(3, ge=0)
 
 
+_WORKER_MB = 256  # a Ray worker process with pyarrow, numpy and Pillow loaded, before any data
+
+
 class CurateConfig(Strict):
     profile: Literal["lite", "full"] = "lite"
     stages: dict[str, StageSettings] = Field(default_factory=_default_stages)  # run in this order
@@ -391,6 +402,16 @@ class CurateConfig(Strict):
     @property
     def embedding_dim(self) -> int:
         return self.models.embedding.dim
+
+    @property
+    def task_memory_mb(self) -> int:
+        """``input.task_memory_mb``, or by default what bounds a score process: the Python worker with its libraries,
+        a read chunk held as rows, as an Arrow table and as the block handed on, and one image of
+        ``filters.max_pixels`` decoded whole (a format with no reduced decode) in its own mode (at most 4 bytes a
+        pixel) next to its RGB copy (3). The defaults give 1250 MiB."""
+        if self.input.task_memory_mb is not None:
+            return self.input.task_memory_mb
+        return _WORKER_MB + 3 * self.input.read_chunk_mb + math.ceil(7 * self.filters.max_pixels / 2**20)
 
     def results_hash(self) -> str:
         """Hash of what changes phase-1 results (stage list, thresholds, models), not of resources or paths.

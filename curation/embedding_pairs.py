@@ -79,6 +79,7 @@ from common.storage import (
     write_parquet_atomic,
 )
 from curation import dedup as dd
+from curation.records import step_advice
 
 PAIRS_DIR, BUCKETS_DIR = LAYOUT.embedding_pairs, LAYOUT.embedding_buckets
 CENTROIDS_FILE, PLAN_FILE = LAYOUT.embedding_centroids, LAYOUT.embedding_plan
@@ -554,7 +555,16 @@ def run_embedding_pairs(
             sort_keys=True,
         ).encode()
     ).hexdigest()
-    plan = read_json(fs, join(root, PLAN_FILE)) if exists(fs, join(root, PLAN_FILE)) else None
+    plan = (
+        read_json(
+            fs,
+            join(root, PLAN_FILE),
+            fields={"fingerprint": str, "bucket_of": list},
+            advice=step_advice(fs, root, "dedup"),
+        )
+        if exists(fs, join(root, PLAN_FILE))
+        else None
+    )
     if plan is None or plan["fingerprint"] != fingerprint:
         for path in (PAIRS_DIR, BUCKETS_DIR, CENTROIDS_FILE, PLAN_FILE):  # never mix with other inputs' outputs
             delete_quietly(fs, join(root, path))

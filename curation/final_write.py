@@ -36,8 +36,9 @@ import ray
 
 from common import schema
 from common.layout import GLOBAL_PHASES, LAYOUT
-from common.storage import encode_parquet, exists, join, read_json, resolve, write_bytes_atomic, write_json_atomic
+from common.storage import encode_parquet, exists, join, resolve, write_bytes_atomic, write_json_atomic
 from curation.config import CurateConfig, config_from_json
+from curation.records import read_unit
 
 
 def dedup_decisions_path(index: int) -> str:
@@ -297,8 +298,8 @@ class UnitRecords:
         path = self.path(unit)
         if not exists(self.fs, path):
             return None
-        record = read_json(self.fs, path)
-        return record["receipt"] if record.get("settings_hash") == self.settings_hash else None
+        record = read_unit(self.fs, path, self.step)
+        return record["receipt"] if record["settings_hash"] == self.settings_hash else None
 
     def put(self, unit: str, receipt: dict) -> None:
         write_json_atomic(self.fs, self.path(unit), {"settings_hash": self.settings_hash, "receipt": receipt})

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 
 from common import schema
 from common.layout import GLOBAL_PHASES, LAYOUT
-from common.storage import exists, join, list_files, read_json, resolve
+from common.storage import exists, join, list_files, resolve
+from curation.records import read_commit, read_manifest
 
 
 def committed_files(out_uri: str, kind: str) -> list[str]:
@@ -19,7 +20,7 @@ def committed_files(out_uri: str, kind: str) -> list[str]:
     fs, root = resolve(out_uri)
     files: list[str] = []
     for path in list_files(fs, join(root, LAYOUT.score_commits), ".json"):
-        files.extend(read_json(fs, path)[f"{kind}_files"])
+        files.extend(read_commit(fs, root, path)[f"{kind}_files"])
     return sorted(files)
 
 
@@ -28,7 +29,7 @@ def read_ledger(out_uri: str, columns: list[str] | None = None) -> pa.Table:
     1's committed ledger."""
     fs, root = resolve(out_uri)
     if exists(fs, join(root, LAYOUT.done("write"))):
-        entries = read_json(fs, join(root, LAYOUT.manifest))["final_ledger"]
+        entries = read_manifest(fs, root, fields={"final_ledger": list})["final_ledger"]
         files = [join(root, LAYOUT.final_ledger, e["file"]) for e in entries]
         return pa.concat_tables([pq.read_table(f, columns=columns, filesystem=fs) for f in files])
     tables = [

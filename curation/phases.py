@@ -40,7 +40,6 @@ from common.storage import (
     exists,
     join,
     list_files,
-    read_json,
     remove_temporaries,
     resolve,
     write_json_atomic,
@@ -58,6 +57,7 @@ from curation.final_write import (
     write_phase,
 )
 from curation.phash_pairs import run_phash_pairs
+from curation.records import read_commit, read_done, read_started
 
 
 class PhaseOrderError(RuntimeError):
@@ -73,12 +73,12 @@ def phase_done(out_uri: str, phase: str, settings_hash: str | None = None) -> bo
     path = _done_path(root, phase)
     if not exists(fs, path):
         return False
-    return settings_hash is None or read_json(fs, path).get("settings_hash") == settings_hash
+    return settings_hash is None or read_done(fs, root, phase)["settings_hash"] == settings_hash
 
 
 def committed_records(out_uri: str) -> list[dict]:
     fs, root = resolve(out_uri)
-    return [read_json(fs, p) for p in list_files(fs, join(root, LAYOUT.score_commits), ".json")]
+    return [read_commit(fs, root, p) for p in list_files(fs, join(root, LAYOUT.score_commits), ".json")]
 
 
 @ray.remote(num_cpus=0.5)
@@ -130,7 +130,7 @@ class GlobalPhases:
             delete_quietly(self.fs, _done_path(self.root, later))
         started = join(self.root, LAYOUT.started(phase))
         settings_hash = self.cfg.phase_hash(phase)
-        if exists(self.fs, started) and read_json(self.fs, started).get("settings_hash") == settings_hash:
+        if exists(self.fs, started) and read_started(self.fs, self.root, phase)["settings_hash"] == settings_hash:
             self.log(f"[{phase}] resuming: partitions written by the interrupted run are kept")
             for folder in LAYOUT.phase_folders(phase):
                 remove_temporaries(self.fs, join(self.root, folder), recursive=True)
@@ -146,7 +146,7 @@ class GlobalPhases:
 
     def run(self, phase: str) -> dict:
         if phase_done(self.out_uri, phase, self.cfg.phase_hash(phase)):
-            record = read_json(self.fs, _done_path(self.root, phase))
+            record = read_done(self.fs, self.root, phase)
             self.log(f"[{phase}] already done with these settings, skipped")
             return record
         self._require(phase)

@@ -81,6 +81,7 @@ from common.storage import (
     write_parquet_atomic,
 )
 from curation import dedup as dd
+from curation.records import step_advice
 
 SHUFFLE_DIR = "_shuffle"  # "_" names are skipped by readers listing the pair files
 SPEC_FILE = "_spec.json"
@@ -367,10 +368,10 @@ def _count_rows(fs: pafs.FileSystem, paths: Sequence[str]) -> int:
         return sum(pool.map(rows, paths))
 
 
-def _claim(fs: pafs.FileSystem, folder: str, spec: dict, log: Callable[[str], None]) -> None:
+def _claim(fs: pafs.FileSystem, folder: str, spec: dict, log: Callable[[str], None], advice: str) -> None:
     """Resume only what was started with the same settings and inputs; anything else is cleared first."""
     path = join(folder, SPEC_FILE)
-    if exists(fs, path) and read_json(fs, path) == spec:
+    if exists(fs, path) and read_json(fs, path, advice=advice) == spec:
         return
     if exists(fs, folder):
         log(f"[phash pairs] {folder} holds results of other settings or inputs: cleared")
@@ -402,7 +403,7 @@ def run_phash_pairs(
     n_rows = _count_rows(fs, [join(root, f) for f in survivor_files])
     plan = plan_pairs(n_rows, radius, partitions, n_bands=n_bands, rows_per_partition=rows_per_partition)
     inputs = sha256("\n".join(survivor_files).encode()).hexdigest()
-    _claim(fs, folder, {**plan.describe(), "inputs": inputs}, log)
+    _claim(fs, folder, {**plan.describe(), "inputs": inputs}, log, step_advice(fs, root, "dedup"))
 
     present = {path.rpartition("/")[2] for path in list_files(fs, folder, ".parquet")}
     missing = [p for p in range(plan.partitions) if _part_name(p) not in present]

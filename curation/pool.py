@@ -17,12 +17,17 @@ What a pool may hold, and what becomes of it (every input gets exactly one ledge
   unread. Parquet files and tars are streamed in chunks of about ``input.read_chunk_mb``, never read whole.
 - The pool's format is the majority kind of its files: in a pool of tars (or of Parquet files), any other file is
   read as a single image file, so a stray ``README`` becomes one ``not_an_image`` row, not a failed run.
+- What a container says about itself is checked against what it holds: a tar member that declares more bytes than
+  the file has left, a Parquet footer that promises rows that are not there, a row group too large to hold. Each
+  lie is one row; what was read before it stands. Tar members other than sidecars are all inputs, links and
+  special members included (``not_a_file``).
 - Repeated names inside one shard (tar members, a Parquet ``source_column``) are made unique with ``#dup=<k>``;
   a null name becomes ``#row=<i>``. A shard that holds no inputs (a 0-row Parquet file, a tar of sidecars only)
   gets one ``empty_shard`` row, so it is committed like any other.
 
 Naming of inputs (the ledger's ``source``): a file's path or URI (no query string, no credentials);
-``<file.parquet>#row=<i>`` (or ``#<value of input.source_column>``); ``<shard.tar>#<member>``.
+``<file.parquet>#row=<i>`` (or ``#<value of input.source_column>``); ``<shard.tar>#<member>``; a part of a
+container that could not be read, ``<file.parquet>#<from row i>``, ``<shard.tar>#<after n members>``.
 """
 
 from __future__ import annotations
@@ -36,20 +41,34 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from common import schema
+from common.imageio import safe_error
 from common.layout import LAYOUT
 from common.storage import StorageError, display_uri, exists, is_local, join, redact, resolve, safe_name
 
 if TYPE_CHECKING:  # only: the config imports the stages, and the decode stage imports this module
     from curation.config import InputSettings
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".jfif", ".mpo")
+# Members of a WebDataset sample that describe its picture (labels, captions, URLs, features): not inputs. Every other
+# regular member is an input, whatever its suffix: the decode stage tells a picture from the rest.
+SIDECAR_SUFFIXES = (
+    ".json", ".txt", ".cls", ".cls2", ".caption", ".url", ".key", ".id", ".idx", ".index", ".meta", ".xml", ".yaml",
+    ".yml", ".csv", ".tsv", ".md5", ".sha1", ".sha256", ".npy", ".npz", ".pickle", ".pkl", ".pth",
+)  # fmt: skip
+# Tar shards, plain or compressed (img2dataset and many mirrors write .tar.gz); tarfile reads each as a stream.
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
+_SKIP_CHUNK = 1 << 20
+_PARQUET_BUFFER = 8 << 20
+_PATH_MAX = os.pathconf("/", "PC_PATH_MAX") if hasattr(os, "pathconf") else 4096
+# DEFLATE's largest expansion is 1032:1, so a gzip'ed member larger than that times what is left is a lie.
+_GZIP_MAX_RATIO = 1032
 
 # Reason codes of inputs that were never read; the decode stage records them as given.
-READ_CODES = ("unreadable", "file_too_large", "empty_shard", "link_outside_pool", "linked_folder")
+READ_CODES = ("unreadable", "file_too_large", "empty_shard", "link_outside_pool", "linked_folder", "not_a_file")
 
 
 class PoolError(ValueError):
@@ -100,7 +119,12 @@ def _list_local(root: str) -> list[tuple[str, int]]:
     kept (with size -1) so that the reader gives each one its ledger row."""
     real_root = os.path.realpath(root)
     found = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+
+    def unlistable(exc: OSError) -> None:  # a folder os.walk cannot enter (a path over PATH_MAX, no permission)
+        if exc.filename is not None and os.fsdecode(exc.filename) != root:
+            found.append((os.fsdecode(exc.filename), -1))  # the reader gives it a row saying why
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unlistable, followlinks=False):
         kept_dirs = []
         for d in sorted(dirnames):
             if d.startswith(("_", ".")):
@@ -135,7 +159,17 @@ def _list(fs: pafs.FileSystem, root: str) -> list[tuple[str, int]]:
 
 
 def _kind_of(path: str) -> str:
-    return "parquet" if path.endswith(".parquet") else "webdataset" if path.endswith(".tar") else "files"
+    lower = path.lower()
+    return "parquet" if lower.endswith(".parquet") else "webdataset" if lower.endswith(TAR_SUFFIXES) else "files"
+
+
+def _shard_stem(name: str) -> str:
+    """A pool file's name without its format suffix (both parts of ``.tar.gz``)."""
+    lower = name.lower()
+    for suffix in (*TAR_SUFFIXES, ".parquet"):
+        if lower.endswith(suffix):
+            return name[: -len(suffix)]
+    return name.rsplit(".", 1)[0]
 
 
 def list_shards(input_uri: str, settings: InputSettings) -> list[InputShard]:
@@ -170,7 +204,7 @@ def list_shards(input_uri: str, settings: InputSettings) -> list[InputShard]:
     own = [(p, s) for p, s in files if kind != "files" and _kind_of(p) == kind]
     loose = [(p, s) for p, s in files if kind == "files" or _kind_of(p) != kind]
     shards = [
-        InputShard(safe_name(f"{kind}-{printable(p[len(base) :]).lstrip('/').rsplit('.', 1)[0]}"), kind, (p,), (s,))
+        InputShard(safe_name(f"{kind}-{_shard_stem(printable(p[len(base) :]).lstrip('/'))}"), kind, (p,), (s,))
         for p, s in own
     ]
     step = settings.files_per_shard
@@ -325,6 +359,11 @@ class ShardReader:
         source = self.name(path)
         try:
             if is_local(self.fs):
+                if len(path_bytes(path)) >= _PATH_MAX:
+                    return _row(
+                        source, None, f"unreadable: the path is {len(path_bytes(path))} bytes, longer than this "
+                        f"system's PATH_MAX ({_PATH_MAX}); move the file to a shorter path",
+                    )  # fmt: skip
                 refused = self._local_refusal(path)
                 if refused:
                     return _row(source, None, refused)
@@ -337,7 +376,7 @@ class ShardReader:
                 return _row(source, None, f"file_too_large: more than {self.max_file_bytes} bytes, not read")
             return _row(source, data)
         except Exception as exc:  # noqa: BLE001 - any read failure becomes a ledger reason
-            return _row(source, None, f"unreadable: cannot read {source}: {type(exc).__name__}: {exc}")
+            return _row(source, None, f"unreadable: cannot read the file: {safe_error(exc)}")
 
     def _local_refusal(self, path: str) -> str | None:
         """Why a local path is not read (links leading out, folder links, special files); None to read it."""
@@ -352,80 +391,194 @@ class ShardReader:
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode):  # a FIFO or device would block or never end
             kind = "fifo" if stat.S_ISFIFO(mode) else "directory" if stat.S_ISDIR(mode) else "special file"
-            return f"unreadable: not a regular file ({kind})"
+            return f"not_a_file: a {kind}; only regular files are read"
         return None
 
     def _parquet(self, shard: InputShard) -> Iterator[dict]:
+        """Rows are what the file holds, never what its footer promises: a footer can claim any number of rows, and
+        cells can be far larger than their compressed pages suggest."""
         (path,) = shard.paths
         uri = self.name(path)
-        column, source_column = self.settings.image_column, self.settings.source_column
         try:
-            pf = pq.ParquetFile(self._open(path))
-            total = pf.metadata.num_rows
+            size = self._size(path)
+            pf = pq.ParquetFile(self._open(path), buffer_size=_PARQUET_BUFFER)  # column chunks streamed
+            meta = pf.metadata
         except Exception as exc:  # noqa: BLE001 - no footer: the whole file becomes one ledger row with the reason
-            yield _row(uri, None, f"unreadable: cannot read Parquet pool file {uri}: {type(exc).__name__}: {exc}")
+            yield _row(uri, None, f"unreadable: cannot read the Parquet file's footer: {safe_error(exc)}")
+            return
+        promised = meta.num_rows
+        claims = [promised, *(meta.row_group(i).num_rows for i in range(meta.num_row_groups))]
+        if min(claims) < 0 or (size is not None and max(claims) > max(size, 1)):
+            # every row carries at least a byte of its image; a footer that claims more rows than the file has bytes
+            # lies, and reading it could allocate for rows that are not there
+            yield _row(uri, None, f"unreadable: the footer claims {promised} rows in a file of {size} bytes; not read")
             return
         problem = _layout_problem(pf.schema_arrow, self.settings)
-        if problem:  # each row the footer promises gets its ledger row, with what to do
-            for i in range(total):
-                yield _row(f"{uri}#row={i}", None, f"unreadable: {problem}")
+        if problem:  # one row for the file, with what to do: its rows cannot be told apart without its columns
+            yield _row(uri, None, f"unreadable: {problem} ({promised} rows per the footer, none read)")
             return
+        column, source_column = self.settings.image_column, self.settings.source_column
         columns = [column] + ([source_column] if source_column else [])
         index = 0
         try:
-            for batch in pf.iter_batches(batch_size=64, columns=columns):
-                images = batch.column(column)
-                if pa.types.is_struct(images.type):
-                    images = images.field("bytes")
-                sources = batch.column(source_column).to_pylist() if source_column else [None] * batch.num_rows
-                for data, name in zip(images.to_pylist(), sources):
-                    source = f"{uri}#{_as_name(name)}" if name is not None else f"{uri}#row={index}"
-                    index += 1
-                    if data is None:
-                        yield _row(source, None, "unreadable: image bytes are null in the Parquet row")
-                    elif len(data) > self.max_file_bytes:
-                        yield _row(source, None, f"file_too_large: {len(data)} bytes > {self.max_file_bytes}")
-                    else:
-                        yield _row(source, data)
-        except Exception as exc:  # noqa: BLE001 - every row the footer promised still gets its ledger row
-            reason = f"unreadable: Parquet pool file {uri} unreadable from row {index}: {type(exc).__name__}: {exc}"
-            for i in range(index, total):
-                yield _row(f"{uri}#row={i}", None, reason)
+            for group in range(meta.num_row_groups):
+                rows, image_bytes = self._row_group_size(meta, group)
+                if image_bytes > self.settings.max_row_group_mb * 2**20:
+                    yield _row(
+                        f"{uri}#<rows {index}-{index + rows - 1}>", None,
+                        f"unreadable: row group {group} holds {image_bytes // 2**20} MiB of images uncompressed, more "
+                        f"than input.max_row_group_mb ({self.settings.max_row_group_mb}); rewrite the file with "
+                        "smaller row groups or raise the setting",
+                    )  # fmt: skip
+                    index += rows
+                    continue
+                batch_size = max(1, min(64, self.chunk_bytes * max(rows, 1) // max(image_bytes, 1)))
+                for batch in pf.iter_batches(batch_size=batch_size, row_groups=[group], columns=columns):
+                    yield from self._parquet_rows(batch, uri, index)
+                    index += batch.num_rows
+        except Exception as exc:  # noqa: BLE001 - what was read stands; one row for the rest of the file
+            yield _row(
+                f"{uri}#<from row {index}>", None,
+                f"unreadable: unreadable from row {index} of the {promised} its footer promises: {safe_error(exc)}",
+            )  # fmt: skip
+            return
+        if index != promised:
+            yield _row(
+                f"{uri}#<rows {index}-{promised}>", None,
+                f"unreadable: the footer promises {promised} rows; {index} are in the file",
+            )  # fmt: skip
+
+    def _row_group_size(self, meta: pq.FileMetaData, group: int) -> tuple[int, int]:
+        """(rows, uncompressed bytes of the image column) of a row group, as its footer says."""
+        rg = meta.row_group(group)
+        image_bytes = sum(
+            rg.column(i).total_uncompressed_size
+            for i in range(rg.num_columns)
+            if rg.column(i).path_in_schema.split(".")[0] == self.settings.image_column
+        )
+        return rg.num_rows, image_bytes
+
+    def _parquet_rows(self, batch: pa.RecordBatch, uri: str, first: int) -> Iterator[dict]:
+        images = batch.column(self.settings.image_column)
+        if pa.types.is_struct(images.type):
+            images = images.field("bytes")
+        if not (pa.types.is_binary(images.type) or pa.types.is_large_binary(images.type)):
+            images = images.cast(pa.large_binary())  # binary_view, fixed_size_binary: lengths need an offset type
+        lengths = pc.binary_length(images).to_pylist()  # sizes checked before any cell becomes a Python object
+        source_column = self.settings.source_column
+        names = batch.column(source_column).to_pylist() if source_column else [None] * batch.num_rows
+        for i, (length, name) in enumerate(zip(lengths, names)):
+            source = f"{uri}#{_as_name(name)}" if name is not None else f"{uri}#row={first + i}"
+            if length is None:
+                yield _row(source, None, "unreadable: image bytes are null in the Parquet row")
+            elif length > self.max_file_bytes:
+                yield _row(source, None, f"file_too_large: {length} bytes > {self.max_file_bytes}")
+            else:
+                yield _row(source, images[i].as_py())
 
     def _tar(self, shard: InputShard) -> Iterator[dict]:
+        """Members are read as a stream; what a header claims is checked against what the file can hold."""
         (path,) = shard.paths
         uri = self.name(path)
         members = 0
         try:
+            size = self._size(path)
             with self._open(path) as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
+                comptype = getattr(tar.fileobj, "comptype", "tar")
                 for member in tar:
-                    if not member.isfile() or not member.name.lower().endswith(IMAGE_SUFFIXES):
-                        continue  # sidecars (json, txt, cls) of WebDataset samples are not inputs
+                    if member.isdir() or (member.isfile() and member.name.lower().endswith(SIDECAR_SUFFIXES)):
+                        continue  # folders, and the sidecars (json, txt, cls) of WebDataset samples, are not inputs
                     members += 1
                     source = f"{uri}#{printable(member.name)}"
-                    if member.size > self.max_file_bytes:
+                    if not member.isfile():
+                        yield _row(source, None, f"not_a_file: a {_member_kind(member)} in the tar; only regular "
+                                                 "members are read (links are not followed)")  # fmt: skip
+                        continue
+                    room = _room_left(member, comptype, size, stream.tell())
+                    if room is not None and member.size > room:
+                        yield _row(source, None, f"unreadable: the member's header declares {member.size} bytes, "
+                                                 f"more than the file can hold after it ({room}); the tar is read no "
+                                                 "further")  # fmt: skip
+                        return
+                    try:
+                        data = _read_member(tar, member, self.max_file_bytes)
+                    except Exception as exc:  # noqa: BLE001 - the member's own row says why; nothing after it is read
+                        yield _row(source, None, f"unreadable: {safe_error(exc)}; the tar is read no further")
+                        return
+                    if data is None:
                         yield _row(
                             source, None, f"file_too_large: {member.size} bytes > {self.max_file_bytes}, not read"
                         )
-                        continue  # the stream skips the member's data without keeping it
-                    member_file = tar.extractfile(member)
-                    assert member_file is not None  # a regular file: member.isfile() was checked above
-                    data = member_file.read()
-                    if len(data) < member.size:
-                        raise tarfile.ReadError(
-                            f"member {printable(member.name)} truncated at {len(data)} of {member.size} bytes"
-                        )
-                    yield _row(source, data)
-                # tarfile ends quietly at a cut-off header; a complete archive ends with two zero blocks.
-                size = self._size(path)
-                if size is not None and size - tar.offset < 2 * tarfile.BLOCKSIZE:
-                    raise tarfile.ReadError(f"archive cut off at byte {size} (no end-of-archive marker)")
+                    else:
+                        yield _row(source, data)
+                cut = _archive_cut(tar, comptype, size)
+                if cut:
+                    raise tarfile.ReadError(cut)
         except Exception as exc:  # noqa: BLE001 - a damaged tar keeps what was read plus one row for the rest
             yield _row(
                 f"{uri}#<after {members} members>",
                 None,
-                f"unreadable: tar shard unreadable from here: {type(exc).__name__}: {exc}",
+                f"unreadable: tar shard unreadable from here: {safe_error(exc)}",
             )
+
+
+def _room_left(member: tarfile.TarInfo, comptype: str, size: int | None, raw_offset: int) -> int | None:
+    """The most bytes a member's data can have, given what is left of the file; None where no bound holds (bz2 and
+    xz can expand past any ratio: there the stream's end tells)."""
+    if size is None:
+        return None
+    if comptype == "tar":
+        return size - member.offset_data
+    if comptype == "gz":
+        return (size - raw_offset) * _GZIP_MAX_RATIO
+    return None
+
+
+def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, limit: int) -> bytes | None:
+    """A regular member's bytes; None when it is over ``limit`` (its data skipped). Raises when the archive ends
+    before the member does: tarfile's own skip would read on at the end of the stream, forever for a lying size."""
+    member_file = tar.extractfile(member)
+    assert member_file is not None  # a regular member
+    data = member_file.read(limit + 1) if member.size > limit else member_file.read(member.size)
+    got, keep = len(data), member.size <= limit
+    while got < member.size and len(data) > 0:
+        data = member_file.read(min(member.size - got, _SKIP_CHUNK))
+        got += len(data)
+    if got < member.size:
+        raise tarfile.ReadError(f"member {printable(member.name)} cut off at {got} of its {member.size} bytes")
+    return data if keep else None
+
+
+def _archive_cut(tar: tarfile.TarFile, comptype: str, size: int | None) -> str | None:
+    """Why a tar that ended quietly is incomplete (tarfile stops without a word at a cut-off header); None when it
+    ended as a complete archive does."""
+    if comptype == "tar":  # two zero blocks end a complete archive
+        if size is not None and size - tar.offset < 2 * tarfile.BLOCKSIZE:
+            return f"archive cut off at byte {size} (no end-of-archive marker)"
+        return None
+    stream = tar.fileobj  # a compressed stream: read past the archive's end (its padding) to the stream's own end
+    for _ in range(64):
+        if not stream.read(_SKIP_CHUNK):
+            break
+    decompressor = getattr(stream, "cmp", None)
+    if decompressor is not None and not getattr(decompressor, "eof", True):
+        return f"the {comptype} stream is cut off (it ends before its end marker)"
+    return None
+
+
+def _member_kind(member: tarfile.TarInfo) -> str:
+    if member.issym():
+        return "symbolic link"
+    if member.islnk():
+        return "hard link"
+    if member.isfifo():
+        return "FIFO"
+    if member.ischr() or member.isblk():
+        return "device"
+    return f"member of type {member.type!r}"
+
+
+_BINARY_TYPES = (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_binary_view, pa.types.is_fixed_size_binary)
 
 
 def _layout_problem(file_schema: pa.Schema, settings: InputSettings) -> str | None:
@@ -436,7 +589,7 @@ def _layout_problem(file_schema: pa.Schema, settings: InputSettings) -> str | No
     image_type = file_schema.field(column).type
     if pa.types.is_struct(image_type) and image_type.get_field_index("bytes") >= 0:
         image_type = image_type.field("bytes").type
-    if not (pa.types.is_binary(image_type) or pa.types.is_large_binary(image_type)):
+    if not any(is_binary(image_type) for is_binary in _BINARY_TYPES):
         return (
             f"column {column!r} holds {image_type}, not image bytes (binary, or a struct with a binary 'bytes' "
             "field); set input.image_column"

@@ -5,17 +5,28 @@ stages, tasks for cheap ones) -> a writer that writes one part file per input sh
 sees the writer's small receipts; when an input shard's parts cover all its inputs, the driver writes the shard's
 commit record. Only committed parts count: a rerun skips committed shards and clears the rest, so results do not
 depend on how Ray happened to split the data into blocks.
+
+Memory: every step of the chain (the reader, each stage, the writer) asks Ray for ``input.task_memory_mb`` per
+process, so a node runs no more of them at once than fit. The same request everywhere also keeps Ray Data fusing a
+task stage into the actor stage after it where their CPU shares match (decode into the person actors in the lite
+profile): a 2-CPU machine has no CPU left for a separate decode task once the actor pools are up. Each process
+measures its peak RSS over its call, the rows carry the highest so far, and each shard's commit record holds the peak
+of the processes that handled it (``peak_rss_mb``).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import math
+import resource
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import NotRequired, TypedDict
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
@@ -29,7 +40,6 @@ from common.storage import (
     exists,
     join,
     list_files,
-    read_json,
     redact,
     remove_temporaries,
     resolve,
@@ -40,6 +50,7 @@ from common.storage import (
 )
 from curation.config import CurateConfig, config_from_json
 from curation.pool import InputShard, ShardReader
+from curation.records import read_commit, read_run_record
 from curation.stage import StageRunner
 from curation.stages import stage_classes
 
@@ -55,18 +66,60 @@ def _task_runner(stage_name: str, cfg_json: str) -> StageRunner:
     return stage_runner(stage_name, config_from_json(cfg_json))
 
 
+# A column the score chain hands on with the rows: the highest peak RSS (KiB) of the processes that handled the row so
+# far. The writer drops it (it selects the schemas' columns).
+PEAK_RSS = "_peak_rss_kib"
+
+
+def _reset_peak_rss() -> None:
+    """Start this process's peak RSS afresh, so that a task's peak is its own and not an earlier task's in the same
+    (reused) Ray worker. Linux only (/proc/self/clear_refs); elsewhere the peak stays the process's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_kib() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak // 1024 if sys.platform == "darwin" else peak  # bytes on macOS, KiB on Linux
+
+
+def _raise_peak(table: pa.Table) -> pa.Table:
+    """``table`` with its rows' peak RSS raised to this process's."""
+    peak = _peak_rss_kib()
+    if PEAK_RSS not in table.schema.names:
+        return table.append_column(PEAK_RSS, pa.array(np.full(table.num_rows, peak, np.int64)))
+    i = table.schema.get_field_index(PEAK_RSS)
+    return table.set_column(i, PEAK_RSS, pc.max_element_wise(table.column(i), pa.scalar(peak, pa.int64())))
+
+
+def _mib(kib: int) -> int:
+    return math.ceil(kib / 1024)
+
+
 def _named_task(stage_name: str) -> Callable[..., pa.Table]:
     """A task function named after its stage, so Ray Data's progress shows stage names."""
 
     def run(table: pa.Table, cfg_json: str) -> pa.Table:
-        return _task_runner(stage_name, cfg_json)(table)
+        _reset_peak_rss()
+        return _raise_peak(_task_runner(stage_name, cfg_json)(table))
 
     run.__name__ = run.__qualname__ = stage_name
     return run
 
 
+class _MeasuredRunner(StageRunner):
+    """An actor stage's runner that raises its rows' peak RSS to the actor's over the call (its models included)."""
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        _reset_peak_rss()
+        return _raise_peak(super().__call__(table))
+
+
 def _named_actor(stage_name: str) -> type[StageRunner]:
-    return type(stage_name, (StageRunner,), {"__module__": __name__})
+    return type(stage_name, (_MeasuredRunner,), {"__module__": __name__})
 
 
 def _shard_reader(cfg: CurateConfig, input_uri: str) -> ShardReader:
@@ -79,7 +132,9 @@ def _read_shards(batch: pa.Table, cfg_json: str, input_uri: str) -> Iterator[pa.
     reader = _shard_reader(cfg, input_uri)
     for row in batch.to_pylist():
         shard = InputShard.from_row(row)
-        yield from retry_io_stream(functools.partial(reader.read, shard), cfg.ray.io_retries)
+        _reset_peak_rss()
+        for chunk in retry_io_stream(functools.partial(reader.read, shard), cfg.ray.io_retries):
+            yield _raise_peak(chunk)
 
 
 def _finalise(table: pa.Table) -> pa.Table:
@@ -91,6 +146,7 @@ def _finalise(table: pa.Table) -> pa.Table:
 def _write_parts(batch: pa.Table, out_uri: str, cfg_json: str, results_hash: str) -> pa.Table:
     """Write the batch's rows as one ledger part (and one scored part) per input shard; return receipts. Each write
     is atomic and named by its content, so one retried after an I/O error leaves what one try would."""
+    _reset_peak_rss()
     cfg = config_from_json(cfg_json)
     return retry_io(lambda: _write_parts_once(batch, out_uri, cfg, results_hash), cfg.ray.io_retries)
 
@@ -106,6 +162,7 @@ def _write_parts_once(batch: pa.Table, out_uri: str, cfg: CurateConfig, results_
     )
     ledger_schema = schema.with_metadata(schema.ledger_schema(), table="ledger", config_hash=results_hash)
     receipts = []
+    peaks = []  # per receipt: the highest peak of the tasks before this one that handled the shard's rows here
     for shard_id in sorted(set(batch.column("shard_id").to_pylist())):
         rows = batch.filter(pc.equal(batch.column("shard_id"), shard_id))
         sources = sorted(rows.column("source").to_pylist())
@@ -139,6 +196,11 @@ def _write_parts_once(batch: pa.Table, out_uri: str, cfg: CurateConfig, results_
                 "scored_file": scored_file,
             }
         )
+        before = pc.max(rows.column(PEAK_RSS)).as_py() if PEAK_RSS in rows.schema.names else None
+        peaks.append(before or 0)
+    mine = _peak_rss_kib()  # after every write of the batch
+    for receipt, peak in zip(receipts, peaks):
+        receipt["peak_rss_mb"] = _mib(max(peak, mine))
     return pa.Table.from_pylist(receipts)
 
 
@@ -155,6 +217,9 @@ def score_in_process(cfg: CurateConfig, shards: list[InputShard], input_uri: str
     return pa.concat_tables(tables)
 
 
+_MAX_MEMORY_WARNINGS = 10  # shards named over input.task_memory_mb; a pool of millions must not flood the console
+
+
 class RunMismatch(RuntimeError):
     """The output folder holds a run made with different settings."""
 
@@ -167,7 +232,7 @@ def claim_output(out_uri: str, results_hash: str, input_uri: str, new_run: bool)
     path = join(root, LAYOUT.run_record)
     input_uri = redact(input_uri) if "://" in input_uri else resolve(input_uri)[1]  # no credentials in _state
     if exists(fs, path) and not new_run:
-        run = read_json(fs, path)
+        run = read_run_record(fs, root, expected={"results_hash": results_hash, "input": input_uri})
         if run["results_hash"] != results_hash or run["input"] != input_uri:
             raise RunMismatch(
                 f"{out_uri} holds a run of input {run['input']} with config hash {run['results_hash']}; this command has "
@@ -191,6 +256,7 @@ class _MapOptions(TypedDict):
     batch_size: int
     batch_format: str
     num_cpus: float
+    memory: int
     num_gpus: NotRequired[float]
 
 
@@ -206,8 +272,31 @@ class ScorePhase:
         return join(self.root, LAYOUT.score_commit(shard_id))
 
     def committed(self) -> dict[str, dict]:
-        records = [read_json(self.fs, p) for p in list_files(self.fs, join(self.root, LAYOUT.score_commits), ".json")]
+        paths = list_files(self.fs, join(self.root, LAYOUT.score_commits), ".json")
+        records = [read_commit(self.fs, self.root, p) for p in paths]
         return {r["shard_id"]: r for r in records}
+
+    def task_memory(self) -> int:
+        """Bytes of memory each process of the chain requests of Ray: ``input.task_memory_mb``, lowered where the
+        cluster could not hold at once the processes the chain needs to make progress (every actor stage's smallest
+        pool and one task of each other step; no more than the largest node): Ray would leave some waiting for ever."""
+        want = self.cfg.task_memory_mb * 2**20
+        if not ray.is_initialized():
+            return want
+        nodes = [n["Resources"].get("memory", 0.0) for n in ray.nodes() if n.get("Alive")]
+        classes = stage_classes()
+        at_once = 2 + sum(
+            self.cfg.stages[n].actors[0] if classes[n].uses_actors else 1 for n in self.cfg.enabled_stages
+        )
+        fits = int(min(max(nodes, default=0.0), sum(nodes) / at_once))
+        if 0 < fits < want:
+            self.log(
+                f"[score] input.task_memory_mb={self.cfg.task_memory_mb}: the {at_once} processes the score chain "
+                f"needs at once would not fit in the cluster's memory ({sum(nodes) / 2**20:.0f} MiB); each requests "
+                f"{fits / 2**20:.0f} MiB instead"
+            )
+            return fits
+        return want
 
     def _clear_uncommitted(self, shards: list[InputShard], committed: dict[str, dict]) -> None:
         # a commit record cut short by a kill leaves its temporary file; this run holds the lease, so none is live
@@ -217,8 +306,10 @@ class ScorePhase:
                 for top in (LAYOUT.ledger, LAYOUT.scored):
                     delete_quietly(self.fs, join(self.root, top, shard.shard_id))
 
-    def build(self, shards: list[InputShard]) -> ray.data.Dataset:
+    def build(self, shards: list[InputShard], memory: int | None = None) -> ray.data.Dataset:
+        """The chain over ``shards``; ``memory``: bytes each process requests (default ``task_memory()``)."""
         cfg_json = self.cfg.model_dump_json()
+        memory = self.task_memory() if memory is None else memory
         ds: ray.data.Dataset = ray.data.from_items([s.to_row() for s in shards], override_num_blocks=len(shards))
         # I/O errors are retried inside the read and write functions (ray.io_retries); Ray Data retries the tasks
         # of lost workers and nodes itself
@@ -227,12 +318,15 @@ class ScorePhase:
             batch_size=1,
             batch_format="pyarrow",
             num_cpus=0.25,
+            memory=memory,
             fn_kwargs={"cfg_json": cfg_json, "input_uri": self.input_uri},
         )
         for name in self.cfg.enabled_stages:
             stage_class = stage_classes()[name]
             settings = self.cfg.stages[name]
-            common = _MapOptions(batch_size=settings.batch_size, batch_format="pyarrow", num_cpus=settings.num_cpus)
+            common = _MapOptions(
+                batch_size=settings.batch_size, batch_format="pyarrow", num_cpus=settings.num_cpus, memory=memory
+            )
             if settings.num_gpus:
                 common["num_gpus"] = settings.num_gpus
             if stage_class.uses_actors:
@@ -250,6 +344,7 @@ class ScorePhase:
             batch_size=self.cfg.input.files_per_shard,
             batch_format="pyarrow",
             num_cpus=0.25,
+            memory=memory,
             fn_kwargs={"out_uri": self.out_uri, "cfg_json": cfg_json, "results_hash": self.results_hash},
         )
 
@@ -260,18 +355,29 @@ class ScorePhase:
         self.log(f"[score] {len(shards)} input shards, {len(committed)} already committed, {len(todo)} to score")
         start = time.monotonic()
         done_rows = 0
+        peaks: dict[str, int] = {}  # MiB, per shard committed this run
+        memory = self.task_memory() if todo else self.cfg.task_memory_mb * 2**20
+        limit_mb, over = math.ceil(memory / 2**20), 0
         if todo:
             parts: dict[str, list[dict]] = defaultdict(list)
             sizes: dict[str, int] = {}  # known once the receipt of a shard's last chunk arrives
             next_report = 0.0
-            for receipt in self.build(todo).iter_rows():
+            for receipt in self.build(todo, memory).iter_rows():
                 shard_id = receipt["shard_id"]
                 parts[shard_id].append(receipt)
                 if receipt["shard_size"] is not None:
                     sizes[shard_id] = receipt["shard_size"]
                 got = parts[shard_id]
                 if shard_id in sizes and sum(r["rows"] for r in got) == sizes[shard_id]:
-                    self._commit(shard_id, parts.pop(shard_id))
+                    peak = peaks[shard_id] = self._commit(shard_id, parts.pop(shard_id))
+                    over += peak > limit_mb
+                    if peak > limit_mb and over <= _MAX_MEMORY_WARNINGS:
+                        self.log(
+                            f"[score] warning: a process scoring input shard {shard_id} peaked at {peak} MiB, over "
+                            f"the {limit_mb} MiB each requests of Ray (input.task_memory_mb): raise it, or lower "
+                            "input.read_chunk_mb or filters.max_pixels"
+                            + ("; further shards over it are only counted" if over == _MAX_MEMORY_WARNINGS else "")
+                        )
                     committed[shard_id] = {"rows": sizes[shard_id]}
                     done_rows += sizes.pop(shard_id)
                     elapsed = time.monotonic() - start
@@ -285,13 +391,24 @@ class ScorePhase:
             if missing:
                 raise RuntimeError(f"[score] shards not complete after the pipeline finished: {missing[:5]}")
         elapsed = time.monotonic() - start
-        summary = {"shards": len(shards), "inputs_this_run": done_rows, "seconds": round(elapsed, 2)}
+        top = max(peaks, key=peaks.__getitem__, default=None)
+        summary = {
+            "shards": len(shards),
+            "inputs_this_run": done_rows,
+            "seconds": round(elapsed, 2),
+            # over the shards committed this run; None when there were none
+            "peak_task_memory_mb": None if top is None else peaks[top],
+            "peak_task_memory_shard": top,
+            "task_memory_mb": limit_mb,
+            "shards_over_task_memory": over,
+        }
         write_json_atomic(
             self.fs, join(self.root, LAYOUT.done("score")), {**summary, "results_hash": self.results_hash}
         )
         return summary
 
-    def _commit(self, shard_id: str, receipts: list[dict]) -> None:
+    def _commit(self, shard_id: str, receipts: list[dict]) -> int:
+        """Write the shard's commit record; returns the peak RSS (MiB) of the tasks that handled it."""
         record = {
             "shard_id": shard_id,
             "rows": sum(r["rows"] for r in receipts),
@@ -299,5 +416,7 @@ class ScorePhase:
             "ledger_files": sorted(r["ledger_file"] for r in receipts),
             "scored_files": sorted(r["scored_file"] for r in receipts if r["scored_file"]),
             "results_hash": self.results_hash,
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in receipts),
         }
         write_json_atomic(self.fs, self.commit_path(shard_id), record)
+        return record["peak_rss_mb"]

@@ -245,7 +245,8 @@ class PoolItem:
 
     def facts(self) -> dict[str, Any]:
         """What decode should find in the header: format, mode, displayed size, frames (nulls for non-images)."""
-        from common.imageio import open_image  # also lifts PIL's bomb guard, as decode does
+        # the readings decode records (declared size, EXIF orientation); also lifts PIL's bomb guard, as decode does
+        from common.imageio import declared_size, exif_orientation, open_image, oriented_size
 
         out: dict[str, Any] = {"format": None, "mode": None, "width": None, "height": None, "frames": None}
         if not self.data:
@@ -254,9 +255,7 @@ class PoolItem:
             img = open_image(self.data)
         except Exception:  # noqa: BLE001 - not an image: the nulls are the fact
             return out
-        w, h = img.size
-        if int(img.getexif().get(_EXIF_ORIENTATION, 1)) in (5, 6, 7, 8):
-            w, h = h, w
+        w, h = oriented_size(declared_size(img, self.data), exif_orientation(img))
         out.update(format=img.format, mode=img.mode, width=w, height=h, frames=getattr(img, "n_frames", 1))
         return out
 

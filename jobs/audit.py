@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from common.config import ConfigError, load_config
-from common.storage import StorageError
+from common.storage import DamagedRecordError, StorageError
 from curation.audit.report import ReportOptions, write_report
 from curation.audit.verify import audit
 from curation.config import CurateConfig
@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         options = ReportOptions(seed=args.seed, per_sheet=args.per_sheet, workers=args.workers or ReportOptions.workers)
         try:
             write_report(args.output, cfg, result, config_source=source, options=options)
+        except DamagedRecordError as exc:  # one the audit does not read (the run record): the message names it
+            print(f"report not written: {exc}", file=sys.stderr)
+            return 2 if result.ok else 1
         except Exception as exc:
             if result.ok:
                 raise

@@ -17,11 +17,11 @@ from common.config import ConfigError, load_config
 from common.layout import GLOBAL_PHASES, PHASES
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
-from common.storage import StorageError
+from common.storage import DamagedRecordError, StorageError
 from curation.config import CurateConfig
 from curation.ledger import read_ledger, summary_table
 from curation.phases import GlobalPhases, PhaseOrderError
-from curation.pool import PoolError, list_shards, pin_listing, pinned_listing
+from curation.pool import InputShard, PoolError, list_shards, pin_listing, pinned_listing
 from curation.score import RunMismatch, ScorePhase, claim_output
 
 
@@ -71,24 +71,38 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     print(f"[curate] profile={cfg.profile} stages={','.join(cfg.enabled_stages)} config_hash={cfg.results_hash()}")
+    try:
+        return _run_phases(cfg, args, lease, phases, shards, pinned is not None)
+    except (PhaseOrderError, DamagedRecordError) as exc:  # a damaged record's message names it and what to do
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_phases(
+    cfg: CurateConfig,
+    args: argparse.Namespace,
+    lease: Lease,
+    phases: list[str],
+    shards: list[InputShard],
+    resumed: bool,
+) -> int:
     start = time.monotonic()
     if "score" in phases:
-        if pinned is not None:
+        if resumed:
             print(
                 f"[score] resuming on the input listing pinned by the first run ({len(shards)} shards); "
                 "files added to the pool since are not part of this run"
             )
         summary = ScorePhase(cfg, args.output, args.input).run(shards)
         rate = summary["inputs_this_run"] / max(summary["seconds"], 1e-9)
+        peak = summary["peak_task_memory_mb"]
+        memory = f"; peak task memory {peak} MiB of the {summary['task_memory_mb']} MiB each requests" if peak else ""
         print(
-            f"[score] done: {summary['inputs_this_run']} inputs scored this run in {summary['seconds']} s ({rate:.2f} img/s)"
+            f"[score] done: {summary['inputs_this_run']} inputs scored this run in {summary['seconds']} s "
+            f"({rate:.2f} img/s){memory}"
         )
-    try:
-        for phase in (p for p in GLOBAL_PHASES if p in phases):
-            GlobalPhases(cfg, args.output, guard=lease.check).run(phase)
-    except PhaseOrderError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    for phase in (p for p in GLOBAL_PHASES if p in phases):
+        GlobalPhases(cfg, args.output, guard=lease.check).run(phase)
     ledger = read_ledger(args.output, ["status", "stage", "reason"])
     print(f"\n[curate] summary (all phases, {time.monotonic() - start:.1f} s this run)\n" + summary_table(ledger))
     return 0

@@ -50,6 +50,7 @@ from common.storage import (
     write_json_atomic,
 )
 from curation.final_write import UnitRecords, plan_output_shards, run_units
+from curation.records import manifest_advice
 
 FORMATS = ("webdataset",)
 _EXTENSIONS = {
@@ -188,7 +189,7 @@ def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None
         raise ExportError(
             f"{shards_uri}: no {LAYOUT.manifest_name}; point --shards at a curated output's shards folder"
         )
-    source = read_json(in_fs, manifest_path)
+    source = read_json(in_fs, manifest_path, fields={"shards": list}, advice=manifest_advice(in_fs, None))
     files = [s["file"] for s in source["shards"]]
     plan = plan_tars([s["rows"] for s in source["shards"]], samples_per_tar)
     settings = {

@@ -31,14 +31,16 @@ import yaml
 from PIL import Image, UnidentifiedImageError
 
 from common import schema
-from common.imageio import open_image, open_reduced
+from common.imageio import BOMB_ERRORS, open_image, open_reduced, safe_error
 from common.layout import GLOBAL_PHASES, LAYOUT, PHASES
 from common.progress import progress
-from common.storage import exists, join, read_json, resolve, write_bytes_atomic
+from common.storage import exists, join, resolve, write_bytes_atomic
 from curation.audit.verify import AuditResult
 from curation.config import CurateConfig
 from curation.ledger import funnel_steps, read_ledger, reason_code, stopped_by_stage
 from curation.phases import committed_records
+from curation.pool import TAR_SUFFIXES
+from curation.records import read_done, read_manifest, read_run_record
 
 LEDGER_COLUMNS = [
     "source",
@@ -135,7 +137,7 @@ class SourceReader:
         try:
             if sep and container.endswith(".parquet"):
                 return self._parquet_row(container, member)
-            if sep and container.endswith(".tar"):
+            if sep and container.lower().endswith(TAR_SUFFIXES):
                 return self._tar_member(container, member)
             fs, path = resolve(source)
             info = fs.get_file_info(path)
@@ -177,7 +179,7 @@ class SourceReader:
 
     def _tar_member(self, uri: str, member: str) -> bytes:
         fs, path = resolve(uri)
-        with fs.open_input_file(path) as f, tarfile.open(fileobj=f, mode="r:") as tar:
+        with fs.open_input_file(path) as f, tarfile.open(fileobj=f, mode="r:*") as tar:
             info = tar.getmember(member)
             self._check_size(info.size)
             data = tar.extractfile(info)
@@ -291,17 +293,20 @@ class Thumbnails:
             if hashlib.sha256(data).hexdigest() != t.key:
                 return "source changed since curation (its sha256 is not the ledger's key)"
         try:
-            w, h = open_image(data).size
-            if w * h > self.cfg.filters.max_pixels:
+            limit = self.cfg.filters.max_pixels
+            w, h = open_image(data, max_pixels=limit).size
+            if w * h > limit:
                 return f"not decoded: {w}x{h} is over filters.max_pixels"
-            img = open_reduced(data, max_side=self.options.thumb_side)
+            img = open_reduced(data, max_side=self.options.thumb_side, max_pixels=limit)
             img.thumbnail((self.options.thumb_side, self.options.thumb_side), Image.Resampling.LANCZOS)
             buf = io.BytesIO()
             img.save(buf, "JPEG", quality=75, optimize=True)
         except UnidentifiedImageError:
             return "does not decode: not an image format PIL knows"
+        except BOMB_ERRORS:
+            return "not decoded: a picture inside the file is over filters.max_pixels"
         except Exception as exc:  # noqa: BLE001 - an image that does not decode gets a placeholder saying so
-            return f"does not decode: {type(exc).__name__}: {exc}"
+            return f"does not decode: {safe_error(exc, data)}"
         return buf.getvalue()
 
 
@@ -437,17 +442,16 @@ class _Report:
             w, h = r["width"], r["height"]
             r["short_side"] = min(w, h) if w and h else None
             r["aspect_ratio"] = max(w, h) / min(w, h) if w and h else None
-        self.state = {}
+        self.state: dict[str, dict | None] = {}
         for name in ("run", *PHASES):
             rel = LAYOUT.run_record if name == "run" else LAYOUT.done(name)
-            self.state[name] = (
-                read_json(self.fs, join(self.root, rel)) if exists(self.fs, join(self.root, rel)) else None
-            )
-        self.manifest = (
-            read_json(self.fs, join(self.root, LAYOUT.manifest))
-            if exists(self.fs, join(self.root, LAYOUT.manifest))
-            else None
-        )
+            if not exists(self.fs, join(self.root, rel)):
+                self.state[name] = None
+            elif name == "run":
+                self.state[name] = read_run_record(self.fs, self.root)
+            else:
+                self.state[name] = read_done(self.fs, self.root, name)
+        self.manifest = read_manifest(self.fs, self.root) if exists(self.fs, join(self.root, LAYOUT.manifest)) else None
         self.dups = self._table(LAYOUT.dedup_decisions)
         self.sample = self._table(LAYOUT.sample_decisions)
 
@@ -731,11 +735,13 @@ class _Report:
         score = state.get("score")
         if score:
             rate = score["inputs_this_run"] / max(score["seconds"], 1e-9)
+            peak = score.get("peak_task_memory_mb")  # absent from records of older runs
+            memory = f"; peak task memory {peak} MiB of {score['task_memory_mb']} MiB requested" if peak else ""
             timing.append(
                 (
                     "score",
                     f"{score['seconds']:.1f} s for {score['inputs_this_run']} inputs scored in the last run "
-                    f"({rate:.2f} img/s; committed shards from earlier runs are not timed again)",
+                    f"({rate:.2f} img/s; committed shards from earlier runs are not timed again){memory}",
                 )
             )
         for phase in GLOBAL_PHASES:

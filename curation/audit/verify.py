@@ -29,10 +29,11 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from common import schema
-from common.imageio import open_reduced
+from common.imageio import open_reduced, safe_error
 from common.layout import GLOBAL_PHASES, LAYOUT
-from common.storage import exists, file_sha256, join, list_files, read_json, resolve
+from common.storage import DamagedRecordError, exists, file_sha256, join, list_files, resolve
 from curation.ledger import reason_code
+from curation.records import read_commit, read_done, read_manifest
 
 STATUSES = (schema.KEPT, schema.REJECTED, schema.ERROR, schema.DUPLICATE, schema.UNSAMPLED)
 
@@ -91,7 +92,7 @@ def _decode_error(data: bytes) -> str | None:
     try:
         open_reduced(data, max_side=64).load()
     except Exception as exc:  # noqa: BLE001 - any decoder failure is the finding
-        return f"{type(exc).__name__}: {exc}"
+        return safe_error(exc, data)
     return None
 
 
@@ -124,9 +125,13 @@ class _Auditor:
         self.fs, self.root = resolve(out_uri)
         self.problems: list[Problem] = []
         self.counts: Counter = Counter()
+        self.damaged_commits: set[str] = set()  # input shards whose commit record is damaged (reported once)
 
     def problem(self, file: str, row: int | None, what: str) -> None:
         self.problems.append(Problem(file, row, what))
+
+    def damaged(self, rel: str, exc: DamagedRecordError) -> None:
+        self.problem(rel, None, f"damaged record: {exc.problem}. {exc.what_to_do}")
 
     def path(self, rel: str) -> str:
         return join(self.root, rel)
@@ -148,9 +153,9 @@ class _Auditor:
             )
             return None
         try:
-            manifest = read_json(self.fs, self.path(LAYOUT.manifest))
-        except ValueError as exc:
-            self.problem(LAYOUT.manifest, None, f"not valid JSON: {exc}")
+            manifest = read_manifest(self.fs, self.root)
+        except DamagedRecordError as exc:
+            self.damaged(LAYOUT.manifest, exc)
             return None
         missing = [k for k in ("shards", "totals", "funnel", "schema_version", "config_hash") if k not in manifest]
         if missing:
@@ -313,7 +318,7 @@ class _Auditor:
         listed = {}
         for entry in entries:
             rel = f"{LAYOUT.final_ledger}/{entry['file']}"
-            if entry["shard_id"] not in records:
+            if entry["shard_id"] not in records and entry["shard_id"] not in self.damaged_commits:
                 self.problem(
                     rel, None, f"listed in the manifest for input shard {entry['shard_id']}, which has no commit record"
                 )
@@ -333,19 +338,27 @@ class _Auditor:
         """Check the final ledger against the commit records; return its rows with their file and row."""
         records = {}
         for path in list_files(self.fs, self.path(LAYOUT.score_commits), ".json"):
-            record = read_json(self.fs, path)
+            try:
+                record = read_commit(self.fs, self.root, path)
+            except DamagedRecordError as exc:
+                self.damaged(path[len(self.root) :].lstrip("/"), exc)
+                self.damaged_commits.add(path.rsplit("/", 1)[-1].removesuffix(".json"))
+                continue
             records[record["shard_id"]] = record
-        done_rel = LAYOUT.done("score")
-        if not exists(self.fs, self.path(done_rel)):
-            self.problem(done_rel, None, "missing: the score phase has not completed")
-        elif (want := read_json(self.fs, self.path(done_rel)).get("shards")) != len(records):
-            self.problem(
-                LAYOUT.score_commits, None, f"{len(records)} input shards committed, the score phase had {want}"
-            )
-        for phase in GLOBAL_PHASES:
+        for phase in ("score", *GLOBAL_PHASES):
             rel = LAYOUT.done(phase)
             if not exists(self.fs, self.path(rel)):
                 self.problem(rel, None, f"missing: phase {phase} has not completed")
+                continue
+            try:
+                done = read_done(self.fs, self.root, phase)
+            except DamagedRecordError as exc:
+                self.damaged(rel, exc)
+                continue
+            if phase == "score" and (want := done["shards"]) != len(records) + len(self.damaged_commits):
+                self.problem(
+                    LAYOUT.score_commits, None, f"{len(records)} input shards committed, the score phase had {want}"
+                )
         self.counts["inputs"] = sum(r["rows"] for r in records.values())
         if manifest is None:  # the manifest names the final-ledger files; its absence is reported already
             return []
@@ -356,23 +369,24 @@ class _Auditor:
         columns = ["source", "shard_id", "key", "status", "stage", "reason"]
         rows: list[dict] = []
         for rel, shard_id in sorted(expected.items()):
-            record = records[shard_id]
+            # a shard whose commit record is damaged (reported above): its rows still count, unchecked against inputs
+            commit = records.get(shard_id)
             inputs: dict[str, tuple[str, int]] = {}
-            for part in record["ledger_files"]:
+            for part in commit["ledger_files"] if commit else []:
                 t = self._read(part, ["source"])
                 for i, s in enumerate(t.column("source").to_pylist() if t is not None else []):
                     inputs.setdefault(s, (part, i))
-            if len(inputs) != record["rows"]:
+            if commit and len(inputs) != commit["rows"]:
                 self.problem(
                     LAYOUT.score_commit(shard_id),
                     None,
-                    f"records {record['rows']} inputs, its phase-1 ledger files hold {len(inputs)} distinct ones",
+                    f"records {commit['rows']} inputs, its phase-1 ledger files hold {len(inputs)} distinct ones",
                 )
             table = self._read(rel, columns)
             if table is None:
                 continue
-            if table.num_rows != record["rows"]:
-                self.problem(rel, None, f"{table.num_rows} rows for {record['rows']} inputs of shard {shard_id}")
+            if commit and table.num_rows != commit["rows"]:
+                self.problem(rel, None, f"{table.num_rows} rows for {commit['rows']} inputs of shard {shard_id}")
             seen: dict[str, int] = {}
             for i, row in enumerate(table.to_pylist()):
                 source = row["source"]
@@ -380,7 +394,7 @@ class _Auditor:
                     self.problem(rel, i, f"input {source} has a second row (first at row {seen[source]})")
                     continue
                 seen[source] = i
-                if source not in inputs:
+                if commit and source not in inputs:
                     self.problem(rel, i, f"{source} is not an input of shard {shard_id}")
                 if row["shard_id"] != shard_id:
                     self.problem(rel, i, f"shard_id {row['shard_id']!r}, expected {shard_id!r}")

@@ -1,0 +1,149 @@
+"""The curation output's JSON records read back, each with what to do when it is damaged.
+
+``common.storage.read_json`` checks a record's bytes and fields and names the file; this module knows what each
+record is for, and so the advice that redoes exactly what it recorded with the flags ``jobs.curate`` has.
+
+A damaged record is never taken for an absent one: an absent run record makes a rerun discard every result, an absent
+commit record makes it score its shard again under later phases recorded as done on the old results, an absent done
+record makes it redo a phase; each would redo or skip work without a word. Writes are atomic, so damage means the file
+was changed after it was written, and only the person who can look at it should choose.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.fs as pafs
+
+from common.layout import GLOBAL_PHASES, LAYOUT
+from common.storage import FieldTypes, display_path, join, read_json
+
+_NUMBER = (int, float)
+
+COMMIT_FIELDS: dict[str, FieldTypes] = {
+    "shard_id": str,
+    "rows": int,
+    "kept": int,
+    "ledger_files": list,
+    "scored_files": list,
+    "results_hash": str,
+}
+RUN_FIELDS: dict[str, FieldTypes] = {"results_hash": str, "input": str}
+SCORE_DONE_FIELDS: dict[str, FieldTypes] = {"shards": int, "inputs_this_run": int, "seconds": _NUMBER}
+PHASE_DONE_FIELDS: dict[str, FieldTypes] = {"settings_hash": str, "seconds": _NUMBER}
+
+
+def _shown(fs: pafs.FileSystem, root: str, rel: str) -> str:
+    return display_path(fs, join(root, rel))
+
+
+def _phase_records(fs: pafs.FileSystem, root: str, phases: tuple[str, ...]) -> str:
+    """The started and done records of ``phases``, in one brace pattern a shell expands."""
+    names = phases[0] if len(phases) == 1 else "{" + ",".join(phases) + "}"
+    return f"{_shown(fs, root, LAYOUT.state)}/{names}.{{started,done}}.json"
+
+
+def read_commit(fs: pafs.FileSystem, root: str, path: str) -> dict:
+    """An input shard's commit record (phase score), at ``path`` under ``_state/score/``."""
+    shard_id = path.rsplit("/", 1)[-1].removesuffix(".json")
+    later = _phase_records(fs, root, GLOBAL_PHASES)
+    return read_json(
+        fs,
+        path,
+        fields=COMMIT_FIELDS,
+        advice=(
+            f"It is input shard {shard_id}'s commit record (phase score). To score that shard again, delete it and "
+            f"{later} (so the later phases redo their work on its new results), then rerun the same command"
+        ),
+    )
+
+
+def read_run_record(fs: pafs.FileSystem, root: str, expected: dict | None = None) -> dict:
+    """The record of which input and settings made the output; ``expected``: what this command would write there."""
+    if expected is not None:
+        fix = (
+            f"If this command made the output, write it back as {json.dumps(expected, sort_keys=True)} and rerun to "
+            "resume; otherwise rerun with --new-run"
+        )
+    else:
+        fix = "Rerun jobs.curate with --new-run"
+    return read_json(
+        fs,
+        join(root, LAYOUT.run_record),
+        fields=RUN_FIELDS,
+        advice=f"It records which input and settings made this output. {fix} to discard its results and start over",
+    )
+
+
+def read_done(fs: pafs.FileSystem, root: str, phase: str) -> dict:
+    """A phase's done record, written when the phase completed."""
+    if phase == "score":
+        return read_json(
+            fs,
+            join(root, LAYOUT.done(phase)),
+            fields=SCORE_DONE_FIELDS,
+            advice=(
+                "It is phase score's done record. Delete it and rerun the same command: phase score writes it again "
+                "(committed input shards are not scored again)"
+            ),
+        )
+    return read_json(
+        fs,
+        join(root, LAYOUT.done(phase)),
+        fields=PHASE_DONE_FIELDS,
+        advice=(
+            f"It is phase {phase}'s done record. To redo phase {phase}, delete it and rerun the same command ({phase} "
+            "keeps the partitions it wrote; the phases after it are redone)"
+        ),
+    )
+
+
+def read_started(fs: pafs.FileSystem, root: str, phase: str) -> dict:
+    """A global phase's start record: the settings hash its partial outputs were written with."""
+    return read_json(
+        fs,
+        join(root, LAYOUT.started(phase)),
+        fields={"settings_hash": str},
+        advice=(
+            f"It is phase {phase}'s start record. Delete it and rerun the same command: phase {phase} starts over "
+            "(what it wrote so far is cleared)"
+        ),
+    )
+
+
+def read_unit(fs: pafs.FileSystem, path: str, step: str) -> dict:
+    """The receipt of a finished unit of a global step (``_state/<step>/<unit>.json``)."""
+    unit = path.rsplit("/", 1)[-1].removesuffix(".json")
+    return read_json(
+        fs,
+        path,
+        fields={"settings_hash": str, "receipt": dict},
+        advice=(
+            f"It is the receipt of unit {unit} of step {step}. Delete it and rerun the same command: that unit is done "
+            "again"
+        ),
+    )
+
+
+def step_advice(fs: pafs.FileSystem, root: str, phase: str) -> str:
+    """What to do about a damaged record that a global phase keeps among its outputs (a plan, a settings spec)."""
+    return (
+        f"It is a record of phase {phase}'s progress. To redo phase {phase}, delete "
+        f"{_shown(fs, root, LAYOUT.started(phase))} and rerun the same command: the phase starts over and clears what "
+        "it wrote, this file included"
+    )
+
+
+def manifest_advice(fs: pafs.FileSystem, root: str | None) -> str:
+    """What to do about a damaged manifest; ``root``: the output's root, when the reader knows it (None: a shards
+    folder read on its own)."""
+    done = _shown(fs, root, LAYOUT.done("write")) if root is not None else "the output's _state/write.done.json"
+    return (
+        "It is the write phase's manifest, the commit point of the final shards. To write it again, delete it and "
+        f"{done} and rerun the same jobs.curate command (the write phase rebuilds it from the units it recorded)"
+    )
+
+
+def read_manifest(fs: pafs.FileSystem, root: str, fields: dict[str, FieldTypes] | None = None) -> dict:
+    """The output's manifest (``shards/manifest.json``)."""
+    return read_json(fs, join(root, LAYOUT.manifest), fields=fields, advice=manifest_advice(fs, root))
