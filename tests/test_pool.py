@@ -84,10 +84,8 @@ def test_parquet_pool_with_struct_and_binary_columns(tmp_path):
     b = read_shard(root, shards[1], InputSettings(image_column="jpg"))
     assert b.num_rows == 5 and "null" in b.column("reason").to_pylist()[4]
     missing_column = read_shard(root, shards[0], InputSettings(image_column="nope"))
-    assert missing_column.num_rows == 4  # one row per image the footer promises, each saying what to do
-    assert all(
-        "no column 'nope'" in r and "input.image_column" in r for r in missing_column.column("reason").to_pylist()
-    )
+    (reason,) = missing_column.column("reason").to_pylist()  # one row for the file, saying what to do
+    assert "no column 'nope'" in reason and "input.image_column" in reason and "4 rows per the footer" in reason
 
 
 def test_webdataset_tars_and_a_truncated_tar(tmp_path):
