@@ -85,7 +85,7 @@ def write_bad_inputs(out: str | Path, person_jpeg: bytes) -> dict[str, str | Non
         (out / name).write_bytes(data)
         expected[name] = reason
     os.mkfifo(out / "named_pipe.jpg")
-    expected["named_pipe.jpg"] = "unreadable"
+    expected["named_pipe.jpg"] = "not_a_file"
     os.symlink("link_loop.jpg", out / "link_loop.jpg")
     expected["link_loop.jpg"] = "unreadable"
     return expected
