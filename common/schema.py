@@ -16,7 +16,7 @@ import json
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # 2: the pool's metadata (metadata_json, metadata_note; typed metadata in final shards)
 
 # Status values in the working table and the ledger.
 PENDING = "pending"  # still flowing through the stages
@@ -87,6 +87,10 @@ _IDENTITY = [
     pa.field("width", pa.int32()),  # after EXIF orientation (as stored for a declared bomb: its EXIF is not read)
     pa.field("height", pa.int32()),
     pa.field("orientation", pa.int8()),  # EXIF orientation tag (1 when absent or malformed, null when not read)
+    # The pool's metadata of the input (WebDataset sidecars, a Parquet pool's other columns) as one JSON object; in
+    # final shards only the fields that are not typed columns of ``metadata`` (see metadata_struct). Null: none.
+    pa.field("metadata_json", pa.string()),
+    pa.field("metadata_note", pa.string()),  # why some of the input's metadata was dropped or altered; null: none was
 ]
 
 # Every score a stage may write. All nullable: a rejected image keeps only the scores computed before.
@@ -155,10 +159,56 @@ def ledger_schema() -> pa.Schema:
     return pa.schema([*_FATE, *_IDENTITY, *_SCORES, *_GLOBAL])
 
 
-def curated_schema(embedding_dim: int | None) -> pa.Schema:
-    """Final curated shards: scored rows plus cluster ids; the embedding only when asked for."""
+def curated_schema(embedding_dim: int | None, metadata_fields: dict[str, str] | None = None) -> pa.Schema:
+    """Final curated shards: scored rows plus cluster ids; the pool's metadata fields that have one type across the
+    run as the struct column ``metadata`` (``metadata_fields``: name -> type, as ``typed_metadata_fields`` gives;
+    none: no such column); the embedding only when asked for."""
+    typed = [pa.field("metadata", metadata_struct(metadata_fields))] if metadata_fields else []
     embedding = [pa.field("embedding", embedding_type(embedding_dim))] if embedding_dim else []
-    return pa.schema([*_IDENTITY, image_field(), *_SCORES, _GLOBAL[2], *embedding])
+    return pa.schema([*_IDENTITY, *typed, image_field(), *_SCORES, _GLOBAL[2], *embedding])
+
+
+# --- the pool's metadata --------------------------------------------------------------------------------------------
+# Phase 1 carries each input's metadata as JSON text, so that no two shards need agree on anything. The writers record
+# which JSON types each field took (``metadata_types``); the write phase makes a field whose values share one type
+# across the run a typed field of the final shards' ``metadata`` struct (what datasets, DuckDB and pyarrow read as
+# columns), and leaves the others (types that disagree, lists, objects) in ``metadata_json``.
+
+METADATA_TYPES = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "string": pa.string()}
+MAX_TYPED_METADATA_FIELDS = 64  # more distinct fields than this (a pool of free-form JSON): the rest stay JSON
+
+
+def json_type(value: object) -> str:
+    """The JSON type name of a parsed value: bool, int, float, string, null or nested."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "string"
+    return "nested"
+
+
+def typed_metadata_fields(types: dict[str, list[str]]) -> dict[str, str]:
+    """Fields whose non-null values have one scalar type (ints and floats together: float), name -> type name."""
+    typed = {}
+    for name in sorted(types):
+        kinds = set(types[name]) - {"null"}
+        if kinds == {"int", "float"}:
+            kinds = {"float"}
+        if len(kinds) == 1 and (kind := next(iter(kinds))) in METADATA_TYPES:
+            typed[name] = kind
+        if len(typed) == MAX_TYPED_METADATA_FIELDS:
+            break
+    return typed
+
+
+def metadata_struct(fields: dict[str, str] | None) -> pa.DataType:
+    return pa.struct([pa.field(name, METADATA_TYPES[kind]) for name, kind in sorted((fields or {}).items())])
 
 
 def with_metadata(schema: pa.Schema, *, table: str, config_hash: str, extra: dict | None = None) -> pa.Schema:

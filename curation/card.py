@@ -41,8 +41,8 @@ def card_header(cfg: CurateConfig, manifest: dict) -> dict:
     return {
         "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": LAYOUT.shard_glob}]}],
         "dataset_info": {
-            "features": schema.hf_card_features(final_shard_schema(cfg)),
-            "splits": [{"name": "train", "num_examples": rows}],
+            "features": schema.hf_card_features(final_shard_schema(cfg, manifest.get("metadata_fields"))),
+            "splits": [{"name": "train", "num_bytes": manifest["totals"]["bytes"], "num_examples": rows}],
             "download_size": manifest["totals"]["bytes"],
         },
         "license": "other",  # a placeholder: the images keep their sources' terms (see the card's Licence section)
@@ -75,6 +75,21 @@ def funnel_markdown(cfg: CurateConfig, funnel: dict[str, int]) -> str:
     return "\n".join(lines)
 
 
+def metadata_markdown(manifest: dict) -> str:
+    """Which of the pool's metadata fields (sidecars, extra Parquet columns) the shards carry, and where."""
+    fields = manifest.get("metadata_fields") or {}
+    typed = ", ".join(f"`{name}` ({kind})" for name, kind in sorted(fields.items()))
+    return (
+        (
+            f"Typed columns of the `metadata` struct: {typed}. "
+            if typed
+            else "No metadata field has one type across the run. "
+        )
+        + "Fields of other or mixed types (lists, objects) are in `metadata_json`, one JSON object per row; "
+        "`metadata_note` says where an input's metadata was dropped or altered (not JSON, not UTF-8, too large)."
+    )
+
+
 def card_text(cfg: CurateConfig, manifest: dict) -> str:
     header = yaml.safe_dump(card_header(cfg, manifest), sort_keys=False, allow_unicode=True)
     totals = manifest["totals"]
@@ -98,6 +113,10 @@ Each row holds the **original encoded bytes** of one image (`image`, never re-en
 where it came from (`source`), what decode learned (`format`, `width`, `height`, ...) and every score of the
 curation: person boxes and head pose, technical quality, text coverage, pHash, balanced-sampling cluster ids.
 `shards/manifest.json` lists the shards with their sha256; `final_ledger/` records the fate of every input.
+
+## The pool's metadata
+
+{metadata_markdown(manifest)}
 
 ## Licence
 

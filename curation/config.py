@@ -12,7 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
-from common.config import Strict, config_hash, hash_json
+from common.config import Strict, hash_json
+from common.storage import RetryPolicy
 from curation.stage import StageSettings
 from curation.stages import stage_classes
 
@@ -32,6 +33,15 @@ class InputSettings(Strict):
     # of Ray, so a node runs no more of them at once than fit. None: what bounds one process's data
     # (CurateConfig.task_memory_mb); model stages hold their models on top, so raise it for large models.
     task_memory_mb: int | None = Field(None, ge=64)
+    # The pool's own metadata kept with each image: WebDataset sidecars (a .json's fields; .txt, .cls, ... as fields
+    # named by their extension) and a Parquet pool's other columns. "*" keeps every field; [] none.
+    metadata: list[str] = Field(default_factory=lambda: ["*"])
+    # per input, the metadata's JSON size (and each sidecar's): beyond it the field or sidecar is dropped with a note
+    max_metadata_kb: int = Field(64, ge=1)
+
+    def metadata_hash_part(self) -> dict:
+        """The input settings that change phase-1 results (what metadata the ledger and shards carry)."""
+        return {"metadata": self.metadata, "max_metadata_kb": self.max_metadata_kb}
 
 
 class OutputSettings(Strict):
@@ -324,10 +334,16 @@ class WriteSettings(Strict):
 class RaySettings(Strict):
     address: str | None = None  # None: join RAY_ADDRESS if set, else start a local Ray
     num_cpus: int | None = None  # local Ray only
-    # Reads of input shards and writes of results that fail with an I/O error (object store or network hiccup)
-    # are retried this many times before the job stops; both are idempotent. Lost actors and nodes are retried
-    # by Ray Data itself.
+    # Reads of input shards and writes of results that fail with a transient I/O error (an object store's hiccup or
+    # throttling, a network disk) are retried this many times in a row before the job stops; both are idempotent.
+    # Each retry waits a random time up to io_backoff_s x 2^n, at most io_backoff_max_s (exponential backoff with
+    # full jitter: workers throttled together do not retry in step). Lost actors and nodes are retried by Ray Data.
     io_retries: int = Field(3, ge=0)
+    io_backoff_s: float = Field(0.2, gt=0)
+    io_backoff_max_s: float = Field(20.0, gt=0)
+
+    def io_retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(self.io_retries, self.io_backoff_s, self.io_backoff_max_s)
 
 
 _WORKER_MB = 256  # a Ray worker process with pyarrow, numpy and Pillow loaded, before any data
@@ -418,10 +434,9 @@ class CurateConfig(Strict):
 
         The global phases hash their own sections (``phase_hash``), so they can be re-tuned without re-scoring.
         """
-        return config_hash(
-            self.model_copy(update={"stages": {n: StageSettings() for n in self.enabled_stages}}),
-            exclude={"input", "output", "ray", "dedup", "sample", "write"},
-        )
+        scoring = self.model_copy(update={"stages": {n: StageSettings() for n in self.enabled_stages}})
+        exclude = {"input", "output", "ray", "dedup", "sample", "write"}
+        return hash_json({**scoring.model_dump(mode="json", exclude=exclude), "input": self.input.metadata_hash_part()})
 
     def phase_hash(self, phase: str) -> str:
         """Hash of a global phase's settings and of every phase before it."""

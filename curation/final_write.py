@@ -38,6 +38,7 @@ from common import schema
 from common.layout import GLOBAL_PHASES, LAYOUT
 from common.storage import encode_parquet, exists, join, resolve, write_bytes_atomic, write_json_atomic
 from curation.config import CurateConfig, config_from_json
+from curation.metadata import merge_all, split_metadata
 from curation.records import read_unit
 
 
@@ -113,12 +114,13 @@ class _InOrder(Generic[K]):
         return self.table
 
 
-def final_shard_schema(cfg: CurateConfig) -> pa.Schema:
+def final_shard_schema(cfg: CurateConfig, metadata_fields: dict[str, str] | None = None) -> pa.Schema:
     """The final shards' schema with their file metadata: ours, and the features ``datasets`` reads (the image
-    column an ``Image``), so ``load_dataset("parquet", ...)`` decodes images with no cast."""
+    column an ``Image``), so ``load_dataset("parquet", ...)`` decodes images with no cast. ``metadata_fields``: the
+    pool's metadata fields typed in this run (the manifest's ``metadata_fields``)."""
     dim = cfg.embedding_dim if cfg.write.include_embedding else None
     target = schema.with_metadata(
-        schema.curated_schema(dim),
+        schema.curated_schema(dim, metadata_fields),
         table="curated",
         config_hash=cfg.results_hash(),
         extra={"embedding_model": cfg.models.embedding.name, "embedding_dim": cfg.embedding_dim},
@@ -148,7 +150,11 @@ def _write_output_shards(
         )
         return t.filter(t.column("selected"))
 
-    columns = [n for n in target.names if n != "cluster_ids"]  # the scored files have all but the cluster ids
+    # the scored files have all but the cluster ids and the typed metadata (made here from their metadata_json)
+    columns = [n for n in target.names if n not in ("cluster_ids", "metadata")]
+    typed = (
+        {f.name: _METADATA_KIND[f.type] for f in target.field("metadata").type} if "metadata" in target.names else {}
+    )
 
     def scored_of(shard_id: str) -> pa.Table:
         return pa.concat_tables(
@@ -170,11 +176,23 @@ def _write_output_shards(
                     "files (the output was changed by hand?); rerun with --phases score,dedup,sample,write"
                 )
             rows.append(table.take(at).append_column("cluster_ids", mine.column("cluster_ids")))
-        table = pa.concat_tables(rows).select(target.names).cast(target)
+        table = with_typed_metadata(pa.concat_tables(rows), typed).select(target.names).cast(target)
         shards.append(
             write_named_by_content(fs, root, LAYOUT.shards, f"part-{k:05d}", table, cfg, cfg.output.row_group_size)
         )
     return {"shards": shards}
+
+
+_METADATA_KIND = {t: kind for kind, t in schema.METADATA_TYPES.items()}
+
+
+def with_typed_metadata(table: pa.Table, typed: dict[str, str]) -> pa.Table:
+    """Rows whose ``metadata_json`` holds all their metadata, with the ``typed`` fields moved into ``metadata``."""
+    struct, rest = split_metadata(table.column("metadata_json").to_pylist(), typed)
+    table = table.set_column(
+        table.schema.get_field_index("metadata_json"), "metadata_json", pa.array(rest, pa.string())
+    )
+    return table if struct is None else table.append_column("metadata", struct)
 
 
 # --- final ledger -------------------------------------------------------------------------------------------------------
@@ -346,7 +364,8 @@ def write_phase(
     """Write the final shards and final ledger; returns the manifest (not yet switched to: the caller writes it)."""
     fs, root = resolve(out_uri)
     cfg_json = cfg.model_dump_json()
-    target = final_shard_schema(cfg)  # once per run: every shard task gets the same schema and metadata
+    metadata_fields = schema.typed_metadata_fields(merge_all(r.get("metadata_types") or {} for r in records.values()))
+    target = final_shard_schema(cfg, metadata_fields)  # once per run: every shard task gets the same schema
     window = max(2, 4 * int(ray.cluster_resources().get("CPU", 2)))
     selected = ray.get([_count_selected.remote(out_uri, sample_decisions_path(i)) for i in range(partitions)])
     plan = plan_output_shards(selected, cfg.write.rows_per_shard)
@@ -393,6 +412,7 @@ def write_phase(
         "config_hash": cfg.results_hash(),
         "settings_hash": settings_hash,
         "embedding_model": cfg.models.embedding.name,
+        "metadata_fields": metadata_fields,  # the pool's metadata fields typed in the shards' metadata struct
         "shards": shards,
         "final_ledger": [f for u in sorted(ledgers) for f in ledgers[u]["files"]],
         "totals": {

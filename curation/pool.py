@@ -48,7 +48,18 @@ import pyarrow.parquet as pq
 from common import schema
 from common.imageio import safe_error
 from common.layout import LAYOUT
-from common.storage import StorageError, display_uri, exists, is_local, join, redact, resolve, safe_name
+from common.storage import (
+    StorageError,
+    display_uri,
+    exists,
+    is_local,
+    is_store_failure,
+    join,
+    redact,
+    resolve,
+    safe_name,
+)
+from curation.metadata import InputMetadata, sample_key
 
 if TYPE_CHECKING:  # only: the config imports the stages, and the decode stage imports this module
     from curation.config import InputSettings
@@ -314,6 +325,12 @@ class ShardReader:
         """A seekable binary file. Local files open through Python, which takes names that are not UTF-8."""
         return open(path, "rb") if is_local(self.fs) else self.fs.open_input_file(path)
 
+    def _store_failed(self, exc: Exception) -> None:
+        """Re-raise a store's passing failure (throttling, a 5xx, a dropped connection): it says nothing about the
+        input, so it goes to the read's retries (``retry_io_stream``) instead of into the input's ledger row."""
+        if not is_local(self.fs) and is_store_failure(exc):
+            raise exc
+
     def _size(self, path: str) -> int | None:
         return os.stat(path).st_size if is_local(self.fs) else self.fs.get_file_info(path).size
 
@@ -376,6 +393,7 @@ class ShardReader:
                 return _row(source, None, f"file_too_large: more than {self.max_file_bytes} bytes, not read")
             return _row(source, data)
         except Exception as exc:  # noqa: BLE001 - any read failure becomes a ledger reason
+            self._store_failed(exc)
             return _row(source, None, f"unreadable: cannot read the file: {safe_error(exc)}")
 
     def _local_refusal(self, path: str) -> str | None:
@@ -404,6 +422,7 @@ class ShardReader:
             pf = pq.ParquetFile(self._open(path), buffer_size=_PARQUET_BUFFER)  # column chunks streamed
             meta = pf.metadata
         except Exception as exc:  # noqa: BLE001 - no footer: the whole file becomes one ledger row with the reason
+            self._store_failed(exc)
             yield _row(uri, None, f"unreadable: cannot read the Parquet file's footer: {safe_error(exc)}")
             return
         promised = meta.num_rows
@@ -419,6 +438,8 @@ class ShardReader:
             return
         column, source_column = self.settings.image_column, self.settings.source_column
         columns = [column] + ([source_column] if source_column else [])
+        metadata_columns = self._metadata_columns(pf.schema_arrow, columns)
+        columns += metadata_columns
         index = 0
         try:
             for group in range(meta.num_row_groups):
@@ -434,9 +455,10 @@ class ShardReader:
                     continue
                 batch_size = max(1, min(64, self.chunk_bytes * max(rows, 1) // max(image_bytes, 1)))
                 for batch in pf.iter_batches(batch_size=batch_size, row_groups=[group], columns=columns):
-                    yield from self._parquet_rows(batch, uri, index)
+                    yield from self._parquet_rows(batch, uri, index, metadata_columns)
                     index += batch.num_rows
         except Exception as exc:  # noqa: BLE001 - what was read stands; one row for the rest of the file
+            self._store_failed(exc)
             yield _row(
                 f"{uri}#<from row {index}>", None,
                 f"unreadable: unreadable from row {index} of the {promised} its footer promises: {safe_error(exc)}",
@@ -458,7 +480,19 @@ class ShardReader:
         )
         return rg.num_rows, image_bytes
 
-    def _parquet_rows(self, batch: pa.RecordBatch, uri: str, first: int) -> Iterator[dict]:
+    def _metadata_columns(self, file_schema: pa.Schema, taken: list[str]) -> list[str]:
+        """The file's columns that are its rows' metadata: those ``input.metadata`` names (all with "*"), but never
+        the image or name columns, nor bytes (a second image is not metadata)."""
+        wanted = self.settings.metadata
+        return [
+            f.name
+            for f in file_schema
+            if f.name not in taken
+            and ("*" in wanted or f.name in wanted)
+            and not any(is_binary(f.type) for is_binary in _BINARY_TYPES)
+        ]
+
+    def _parquet_rows(self, batch: pa.RecordBatch, uri: str, first: int, metadata_columns: list[str]) -> Iterator[dict]:
         images = batch.column(self.settings.image_column)
         if pa.types.is_struct(images.type):
             images = images.field("bytes")
@@ -467,54 +501,90 @@ class ShardReader:
         lengths = pc.binary_length(images).to_pylist()  # sizes checked before any cell becomes a Python object
         source_column = self.settings.source_column
         names = batch.column(source_column).to_pylist() if source_column else [None] * batch.num_rows
+        extra = batch.select(metadata_columns).to_pylist() if metadata_columns else None
         for i, (length, name) in enumerate(zip(lengths, names)):
             source = f"{uri}#{_as_name(name)}" if name is not None else f"{uri}#row={first + i}"
             if length is None:
-                yield _row(source, None, "unreadable: image bytes are null in the Parquet row")
+                row = _row(source, None, "unreadable: image bytes are null in the Parquet row")
             elif length > self.max_file_bytes:
-                yield _row(source, None, f"file_too_large: {length} bytes > {self.max_file_bytes}")
+                row = _row(source, None, f"file_too_large: {length} bytes > {self.max_file_bytes}")
             else:
-                yield _row(source, images[i].as_py())
+                row = _row(source, images[i].as_py())
+            if extra is not None:
+                meta = self._metadata()
+                for field, value in extra[i].items():
+                    meta.add(field, value)
+                yield from _with_metadata([row], meta)
+            else:
+                yield row
+
+    def _metadata(self) -> InputMetadata:
+        return InputMetadata(self.settings.metadata, self.settings.max_metadata_kb)
 
     def _tar(self, shard: InputShard) -> Iterator[dict]:
-        """Members are read as a stream; what a header claims is checked against what the file can hold."""
+        """Members are read as a stream; what a header claims is checked against what the file can hold. A sample's
+        rows wait for its last part (sidecars may follow the image), then leave with the sample's metadata."""
         (path,) = shard.paths
         uri = self.name(path)
         members = 0
+        sample: tuple[str | None, list[dict], InputMetadata] = (None, [], self._metadata())
         try:
             size = self._size(path)
             with self._open(path) as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
                 comptype = getattr(tar.fileobj, "comptype", "tar")
                 for member in tar:
-                    if member.isdir() or (member.isfile() and member.name.lower().endswith(SIDECAR_SUFFIXES)):
-                        continue  # folders, and the sidecars (json, txt, cls) of WebDataset samples, are not inputs
-                    members += 1
-                    source = f"{uri}#{printable(member.name)}"
-                    if not member.isfile():
-                        yield _row(source, None, f"not_a_file: a {_member_kind(member)} in the tar; only regular "
-                                                 "members are read (links are not followed)")  # fmt: skip
+                    if member.isdir():
                         continue
+                    key, extension = sample_key(member.name)
+                    if key != sample[0]:
+                        yield from _with_metadata(sample[1], sample[2])
+                        sample = (key, [], self._metadata())
+                    held, meta = sample[1], sample[2]
+                    sidecar = member.isfile() and member.name.lower().endswith(SIDECAR_SUFFIXES)
+                    source = f"{uri}#{printable(member.name)}"
+                    if not sidecar:
+                        members += 1
+                        if not member.isfile():
+                            held.append(_row(source, None, f"not_a_file: a {_member_kind(member)} in the tar; only "
+                                                           "regular members are read (links are not followed)"))  # fmt: skip
+                            continue
                     room = _room_left(member, comptype, size, stream.tell())
                     if room is not None and member.size > room:
-                        yield _row(source, None, f"unreadable: the member's header declares {member.size} bytes, "
-                                                 f"more than the file can hold after it ({room}); the tar is read no "
-                                                 "further")  # fmt: skip
+                        if sidecar:  # the sidecar has no row of its own: its sample's rows say it
+                            meta.note(f"sidecar {printable(member.name)} declares more bytes than the tar holds")
+                            source = f"{uri}#<after {members} members>"
+                        held.append(_row(source, None, f"unreadable: the member's header declares {member.size} "
+                                                       f"bytes, more than the file can hold after it ({room}); the "
+                                                       "tar is read no further"))  # fmt: skip
+                        yield from _with_metadata(held, meta)
                         return
+                    limit = (meta.limit if meta.enabled else 0) if sidecar else self.max_file_bytes
                     try:
-                        data = _read_member(tar, member, self.max_file_bytes)
+                        data = _read_member(tar, member, limit)
                     except Exception as exc:  # noqa: BLE001 - the member's own row says why; nothing after it is read
-                        yield _row(source, None, f"unreadable: {safe_error(exc)}; the tar is read no further")
+                        self._store_failed(exc)
+                        if sidecar:
+                            source = f"{uri}#<after {members} members>"
+                        held.append(_row(source, None, f"unreadable: {safe_error(exc)}; the tar is read no further"))
+                        yield from _with_metadata(held, meta)
                         return
-                    if data is None:
-                        yield _row(
-                            source, None, f"file_too_large: {member.size} bytes > {self.max_file_bytes}, not read"
+                    if sidecar:
+                        if meta.enabled:
+                            meta.add_sidecar(printable(member.name), extension, data, member.size)
+                    elif data is None:
+                        held.append(
+                            _row(source, None, f"file_too_large: {member.size} bytes > {self.max_file_bytes}, not read")
                         )
                     else:
-                        yield _row(source, data)
+                        held.append(_row(source, data))
+                yield from _with_metadata(sample[1], sample[2])
+                sample = (None, [], self._metadata())
                 cut = _archive_cut(tar, comptype, size)
                 if cut:
                     raise tarfile.ReadError(cut)
         except Exception as exc:  # noqa: BLE001 - a damaged tar keeps what was read plus one row for the rest
+            self._store_failed(exc)
+            yield from _with_metadata(sample[1], sample[2])
             yield _row(
                 f"{uri}#<after {members} members>",
                 None,
@@ -599,13 +669,23 @@ def _layout_problem(file_schema: pa.Schema, settings: InputSettings) -> str | No
     return None
 
 
+def _with_metadata(rows: list[dict], meta: InputMetadata) -> Iterator[dict]:
+    """A sample's rows, each with the sample's metadata."""
+    if not rows:
+        return
+    text, note = meta.result()
+    for row in rows:
+        row.update(metadata_json=text, metadata_note=note)
+        yield row
+
+
 def _row(source: str, data: bytes | None, error: str | None = None) -> dict:
     image = None if data is None else {"bytes": data, "path": source.rsplit("/", 1)[-1]}
     return {"source": source, "image": image, "reason": error}
 
 
 def _nbytes(row: dict) -> int:
-    return 256 + (len(row["image"]["bytes"]) if row["image"] else 0)
+    return 256 + (len(row["image"]["bytes"]) if row["image"] else 0) + len(row.get("metadata_json") or "")
 
 
 def _as_name(value) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import math
 import resource
 import sys
@@ -38,6 +39,7 @@ from common.layout import LAYOUT
 from common.storage import (
     delete_quietly,
     exists,
+    io_counts,
     join,
     list_files,
     redact,
@@ -49,8 +51,9 @@ from common.storage import (
     write_parquet_atomic,
 )
 from curation.config import CurateConfig, config_from_json
+from curation.metadata import merge_all, metadata_types
 from curation.pool import InputShard, ShardReader
-from curation.records import read_commit, read_run_record
+from curation.records import read_commit, read_run_record, run_record
 from curation.stage import StageRunner
 from curation.stages import stage_classes
 
@@ -126,14 +129,48 @@ def _shard_reader(cfg: CurateConfig, input_uri: str) -> ShardReader:
     return ShardReader(input_uri, cfg.input, cfg.embedding_dim, cfg.filters.max_file_bytes)
 
 
+# Columns the score chain hands on with the rows, like PEAK_RSS: the retried I/O calls and throttling answers of reading
+# them, each counted on one row (the chunk's first), so that a shard's rows add up to its read's counts.
+IO_COLUMNS = {"_io_retries": "io_retries", "_io_throttles": "io_throttles"}
+
+
+def _counted_chunks(chunks: Iterator[pa.Table]) -> Iterator[pa.Table]:
+    """``chunks`` with the I/O counts of making each (this process's, while the reader ran: stages fused into the
+    same task count their own) on its first row; a chunk without rows hands them on to the next."""
+    pending = dict.fromkeys(IO_COLUMNS.values(), 0)
+    while True:
+        before = io_counts()
+        chunk = next(chunks, None)
+        after = io_counts()
+        if chunk is None:
+            return
+        for key in pending:
+            pending[key] += after[key] - before[key]
+        for column, key in IO_COLUMNS.items():
+            values = np.zeros(chunk.num_rows, np.int64)
+            if chunk.num_rows:
+                values[0], pending[key] = pending[key], 0
+            chunk = chunk.append_column(column, pa.array(values))
+        yield chunk
+
+
+def io_note(counts: dict) -> str:
+    """The console's words for a phase's I/O retries and throttling answers; empty when there were none."""
+    retries, throttles = counts.get("io_retries", 0), counts.get("io_throttles", 0)
+    return f"; {retries} I/O retries ({throttles} throttled by the store)" if retries or throttles else ""
+
+
 def _read_shards(batch: pa.Table, cfg_json: str, input_uri: str) -> Iterator[pa.Table]:
     """Stream each input shard in chunks (a generator: Ray Data never holds a whole shard in one block)."""
     cfg = config_from_json(cfg_json)
     reader = _shard_reader(cfg, input_uri)
+    policy = cfg.ray.io_retry_policy()
     for row in batch.to_pylist():
         shard = InputShard.from_row(row)
         _reset_peak_rss()
-        for chunk in retry_io_stream(functools.partial(reader.read, shard), cfg.ray.io_retries):
+        first = reader.name(shard.paths[0]) if shard.paths else "no files"
+        what = f"reading input shard {shard.shard_id} ({first}{' and more' if len(shard.paths) > 1 else ''})"
+        for chunk in _counted_chunks(retry_io_stream(functools.partial(reader.read, shard), policy, what)):
             yield _raise_peak(chunk)
 
 
@@ -148,7 +185,20 @@ def _write_parts(batch: pa.Table, out_uri: str, cfg_json: str, results_hash: str
     is atomic and named by its content, so one retried after an I/O error leaves what one try would."""
     _reset_peak_rss()
     cfg = config_from_json(cfg_json)
-    return retry_io(lambda: _write_parts_once(batch, out_uri, cfg, results_hash), cfg.ray.io_retries)
+    seen = io_counts()
+    shards = sorted(set(batch.column("shard_id").to_pylist()))
+    what = f"writing the results of input shard(s) {', '.join(shards[:3])}{' ...' if len(shards) > 3 else ''}"
+    receipts = retry_io(
+        lambda: _write_parts_once(batch, out_uri, cfg, results_hash),
+        cfg.ray.io_retry_policy(),
+        f"{what} to {redact(out_uri)}",
+    )
+    now = io_counts()
+    for key in IO_COLUMNS.values():  # the writes' own counts go on the batch's first receipt
+        extra = np.zeros(receipts.num_rows, np.int64)
+        extra[:1] = now[key] - seen[key]
+        receipts = receipts.set_column(receipts.schema.get_field_index(key), key, pc.add(receipts.column(key), extra))
+    return receipts
 
 
 def _write_parts_once(batch: pa.Table, out_uri: str, cfg: CurateConfig, results_hash: str) -> pa.Table:
@@ -194,6 +244,10 @@ def _write_parts_once(batch: pa.Table, out_uri: str, cfg: CurateConfig, results_
                 "kept": kept.num_rows,
                 "ledger_file": ledger_file,  # relative to the output root
                 "scored_file": scored_file,
+                **{key: _column_sum(rows, column) for column, key in IO_COLUMNS.items()},
+                # which JSON types each metadata field of the kept rows took: the write phase types the columns
+                # (JSON text: a dict column of changing keys would not stay one Arrow type across receipts)
+                "metadata_types": json.dumps(metadata_types(kept.column("metadata_json").to_pylist())),
             }
         )
         before = pc.max(rows.column(PEAK_RSS)).as_py() if PEAK_RSS in rows.schema.names else None
@@ -202,6 +256,10 @@ def _write_parts_once(batch: pa.Table, out_uri: str, cfg: CurateConfig, results_
     for receipt, peak in zip(receipts, peaks):
         receipt["peak_rss_mb"] = _mib(max(peak, mine))
     return pa.Table.from_pylist(receipts)
+
+
+def _column_sum(table: pa.Table, column: str) -> int:
+    return int(pc.sum(table.column(column)).as_py() or 0) if column in table.schema.names else 0
 
 
 def score_in_process(cfg: CurateConfig, shards: list[InputShard], input_uri: str) -> pa.Table:
@@ -230,15 +288,18 @@ def claim_output(out_uri: str, results_hash: str, input_uri: str, new_run: bool)
     Deletes the results of an earlier run: call it holding the output's lease (``common.lease``)."""
     fs, root = resolve(out_uri)
     path = join(root, LAYOUT.run_record)
-    input_uri = redact(input_uri) if "://" in input_uri else resolve(input_uri)[1]  # no credentials in _state
+    record = run_record(results_hash, input_uri)  # no credentials in _state
+    input_uri = record["input"]
     if exists(fs, path) and not new_run:
-        run = read_run_record(fs, root, expected={"results_hash": results_hash, "input": input_uri})
+        run = read_run_record(fs, root, expected=record)
         if run["results_hash"] != results_hash or run["input"] != input_uri:
             raise RunMismatch(
                 f"{out_uri} holds a run of input {run['input']} with config hash {run['results_hash']}; this command has "
                 f"input {input_uri} and config hash {results_hash}. Rerun with the same input and settings to resume, "
                 "choose another --output, or pass --new-run to discard the old results."
             )
+        if run.get("input_store") != record["input_store"]:  # the same pool reached anew (another endpoint)
+            write_json_atomic(fs, path, {**run, "input_store": record["input_store"]})
         return
     for top in (LAYOUT.scored, LAYOUT.ledger):
         delete_quietly(fs, join(root, top))
@@ -247,7 +308,7 @@ def claim_output(out_uri: str, results_hash: str, input_uri: str, new_run: bool)
         for info in fs.get_file_info(pafs.FileSelector(state)):
             if info.path != join(root, LAYOUT.lease):
                 delete_quietly(fs, info.path)
-    write_json_atomic(fs, path, {"results_hash": results_hash, "input": input_uri})
+    write_json_atomic(fs, path, record)
 
 
 class _MapOptions(TypedDict):
@@ -356,6 +417,7 @@ class ScorePhase:
         start = time.monotonic()
         done_rows = 0
         peaks: dict[str, int] = {}  # MiB, per shard committed this run
+        io = dict.fromkeys(IO_COLUMNS.values(), 0)  # over the shards committed this run
         memory = self.task_memory() if todo else self.cfg.task_memory_mb * 2**20
         limit_mb, over = math.ceil(memory / 2**20), 0
         if todo:
@@ -369,6 +431,8 @@ class ScorePhase:
                     sizes[shard_id] = receipt["shard_size"]
                 got = parts[shard_id]
                 if shard_id in sizes and sum(r["rows"] for r in got) == sizes[shard_id]:
+                    for key in io:
+                        io[key] += sum(r[key] for r in got)
                     peak = peaks[shard_id] = self._commit(shard_id, parts.pop(shard_id))
                     over += peak > limit_mb
                     if peak > limit_mb and over <= _MAX_MEMORY_WARNINGS:
@@ -385,7 +449,7 @@ class ScorePhase:
                         next_report = elapsed + 10.0
                         self.log(
                             f"[score] committed {len(committed)}/{len(shards)} shards, {done_rows} inputs this run,"
-                            f" {done_rows / max(elapsed, 1e-9):.1f} img/s"
+                            f" {done_rows / max(elapsed, 1e-9):.1f} img/s{io_note(io)}"
                         )
             missing = [s.shard_id for s in todo if s.shard_id not in committed]
             if missing:
@@ -401,6 +465,7 @@ class ScorePhase:
             "peak_task_memory_shard": top,
             "task_memory_mb": limit_mb,
             "shards_over_task_memory": over,
+            **io,  # retried object-store / disk calls and throttling answers of the shards committed this run
         }
         write_json_atomic(
             self.fs, join(self.root, LAYOUT.done("score")), {**summary, "results_hash": self.results_hash}
@@ -417,6 +482,8 @@ class ScorePhase:
             "scored_files": sorted(r["scored_file"] for r in receipts if r["scored_file"]),
             "results_hash": self.results_hash,
             "peak_rss_mb": max(r["peak_rss_mb"] for r in receipts),
+            **{key: sum(r[key] for r in receipts) for key in IO_COLUMNS.values()},
+            "metadata_types": merge_all(json.loads(r["metadata_types"]) for r in receipts),
         }
         write_json_atomic(self.fs, self.commit_path(shard_id), record)
         return record["peak_rss_mb"]

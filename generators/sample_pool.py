@@ -598,6 +598,20 @@ def _write_folder(items: list[PoolItem], out: Path) -> list[tuple[str, PoolItem]
     return placed
 
 
+def pool_metadata(it: PoolItem, key: str) -> dict[str, Any]:
+    """What a crawler such as img2dataset records beside an image (its ``.json`` sidecar): where it came from, its
+    caption, licence and the size the crawler saw."""
+    facts = it.facts()
+    return {
+        "key": key,
+        "url": f"https://pool.example/{it.name}",
+        "caption": f"{it.category}: {it.variant}",
+        "license": "see the source package's licence",
+        "original_width": facts["width"],
+        "original_height": facts["height"],
+    }
+
+
 def _write_parquet(items: list[PoolItem], out: Path, seed: int) -> list[tuple[str, PoolItem]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -607,10 +621,12 @@ def _write_parquet(items: list[PoolItem], out: Path, seed: int) -> list[tuple[st
     placed = []
     for k, shard in enumerate(_shards(items, seed)):
         fname = f"pool-{k:05d}.parquet"
+        metadata = [pool_metadata(it, f"{k:05d}{r:04d}") for r, it in enumerate(shard)]
         table = pa.table(
             {
                 "image": pa.array([{"bytes": it.data, "path": it.name} for it in shard], IMAGE_TYPE),
                 "source": pa.array([it.name for it in shard], pa.string()),
+                **{name: [m[name] for m in metadata] for name in metadata[0]},
             }
         )
         pq.write_table(table, out / fname, compression="zstd", row_group_size=SHARD_ROWS)
@@ -624,11 +640,19 @@ def _write_webdataset(items: list[PoolItem], out: Path, seed: int) -> list[tuple
         fname = f"pool-{k:05d}.tar"
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-            for it in shard:
+            for r, it in enumerate(shard):
                 assert it.data is not None
                 info = storage.fixed_tarinfo(wds_member(it.name), len(it.data))
                 tar.addfile(info, io.BytesIO(it.data))
                 placed.append((f"{fname}#{info.name}", it))
+                # img2dataset's sidecars: the crawl's record and the caption
+                metadata = pool_metadata(it, f"{k:05d}{r:04d}")
+                stem = info.name.rsplit(".", 1)[0]
+                for member, data in (
+                    (f"{stem}.json", json.dumps(metadata).encode()),
+                    (f"{stem}.txt", metadata["caption"].encode()),
+                ):
+                    tar.addfile(storage.fixed_tarinfo(member, len(data)), io.BytesIO(data))
         (out / fname).write_bytes(buf.getvalue())
     return placed
 

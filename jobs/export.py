@@ -4,8 +4,9 @@ loaders read.
     python -m jobs.export --shards <out>/shards --format webdataset --output <dir or s3://...> [--samples-per-tar N]
 
 Each sample becomes ``<key>.<ext>``, the image's original bytes under the extension of their format (``.jpg``,
-``.png``, ...; never re-encoded), and ``<key>.json``, every other column of the shard (scores, boxes, head pose,
-source; no image bytes). ``<key>`` is the image's sha256, made safe where a shard holds anything else. Tars are
+``.png``, ...; never re-encoded), ``<key>.json``, every other column of the shard (scores, boxes, head pose,
+source; no image bytes) with the pool's metadata of the image as one object under ``metadata``, and its caption and class
+as the pool's sample had them (``<key>.txt``, ``<key>.cls``: the metadata fields of those names). ``<key>`` is the image's sha256, made safe where a shard holds anything else. Tars are
 ``part-NNNNNN.tar``: one per shard the manifest lists, or ``N`` samples each (in the manifest's order), so
 ``part-{000000..000041}.tar`` names them all; ``manifest.json`` beside them lists each tar's samples, bytes and
 sha256.
@@ -50,6 +51,7 @@ from common.storage import (
     write_json_atomic,
 )
 from curation.final_write import UnitRecords, plan_output_shards, run_units
+from curation.metadata import sidecars_of
 from curation.records import manifest_advice
 
 FORMATS = ("webdataset",)
@@ -125,6 +127,11 @@ def _row_slices(pf: pq.ParquetFile, start: int, stop: int):
         offset += n
 
 
+def merged_metadata(typed: dict | None, rest: str | None) -> dict:
+    """A row's pool metadata as one object: the typed fields (nulls left out) and the JSON rest."""
+    return {**{k: v for k, v in (typed or {}).items() if v is not None}, **(json.loads(rest) if rest else {})}
+
+
 # Ray tasks, as the curation phases: under `ray job submit` every node of the cluster writes tars (near the object
 # store the shards live on) and a local run gets a local Ray; a process pool would keep the work on one machine.
 @ray.remote(num_cpus=0.5)
@@ -151,10 +158,13 @@ def _write_tar(shards_uri: str, files: list[str], pieces: list[tuple[int, int, i
                         if key in seen:  # webdataset would merge two samples of one key
                             key = f"{key}-dup{samples}"
                         seen.add(key)
-                        meta = json.dumps(row, default=str).encode()
+                        pool_metadata = merged_metadata(row.pop("metadata", None), row.pop("metadata_json", None))
+                        meta = json.dumps({**row, "metadata": pool_metadata}, default=str).encode()
+                        sidecars = [(f"{key}.{ext}", data) for ext, data in sidecars_of(pool_metadata).items()]
                         for member, data in (
                             (f"{key}.{image_extension(row.get('format'), image)}", image),
                             (f"{key}.json", meta),
+                            *sidecars,
                         ):
                             tar.addfile(fixed_tarinfo(member, len(data)), io.BytesIO(data))
                         samples += 1

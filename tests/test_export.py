@@ -40,6 +40,12 @@ def _shard_rows(out: Path) -> dict[str, dict]:
     return {r["key"]: r for r in pa.concat_tables(tables).to_pylist()}
 
 
+def exported_json(row: dict) -> dict:
+    """What a sample's .json holds: the shard row's columns but the image, the pool's metadata as one object."""
+    meta = export.merged_metadata(row.get("metadata"), row.get("metadata_json"))
+    return {**{k: v for k, v in row.items() if k not in ("image", "metadata", "metadata_json")}, "metadata": meta}
+
+
 def _card(out: Path) -> tuple[dict, str]:
     text = (out / LAYOUT.card).read_text()
     _, header, body = text.split("---\n", 2)
@@ -98,7 +104,9 @@ def test_card_header_and_funnel_match_the_run(curated_run, repo_root):
         {"config_name": "default", "data_files": [{"split": "train", "path": "shards/part-*.parquet"}]}
     ]
     assert header["dataset_info"]["features"] == schema.hf_card_features(final_shard_schema(cfg))
-    assert header["dataset_info"]["splits"] == [{"name": "train", "num_examples": manifest["totals"]["rows"]}]
+    assert header["dataset_info"]["splits"] == [
+        {"name": "train", "num_bytes": manifest["totals"]["bytes"], "num_examples": manifest["totals"]["rows"]}
+    ]
     assert header["license"] == "other" and "placeholder" in body
     assert header["size_categories"] == ["n<1K"] and header["task_categories"]
 
@@ -174,7 +182,7 @@ def test_webdataset_export_round_trips(curated_run, tmp_path, per_tar, capsys):
         assert sample[ext] == row["image"]["bytes"]  # the original bytes, not re-encoded
         meta = json.loads(sample["json"])
         assert "image" not in meta
-        assert meta == {k: v for k, v in row.items() if k != "image"}
+        assert meta == exported_json(row)
     listing = json.loads((out / "manifest.json").read_text())
     assert [t["file"] for t in listing["tars"]] == [t.name for t in tars]
     for entry in listing["tars"]:
@@ -237,4 +245,4 @@ print(json.dumps({"rows": len(ds), "image": type(ds[0]["image"]).__module__.spli
     got = json.loads(done.stdout.strip().splitlines()[-1])
     truth = _shard_rows(curated_run)
     assert got["rows"] == len(truth) and got["image"] == got["wds_image"] == "PIL"
-    assert got["wds_json"] == {k: v for k, v in truth[got["key"]].items() if k != "image"}
+    assert got["wds_json"] == exported_json(truth[got["key"]])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import io
+import json
 import os
 import struct
 import sys
@@ -312,10 +313,14 @@ def test_all_formats_hold_the_same_inputs(pools, rows):
     members = {}
     for shard in sorted(pools["webdataset"].glob("*.tar")):
         with tarfile.open(shard) as tar:
-            names = tar.getnames()
+            names = [n for n in tar.getnames() if not n.endswith((".json", ".txt"))]  # img2dataset's sidecars
             assert 1 <= len(names) <= sp.SHARD_ROWS
-            for member in tar.getmembers():
-                members[member.name] = hashlib.sha256(tar.extractfile(member).read()).hexdigest()
+            for name in names:
+                members[name] = hashlib.sha256(tar.extractfile(name).read()).hexdigest()
+                stem = name.split(".", 1)[0]
+                sidecar = json.load(tar.extractfile(f"{stem}.json"))
+                assert sidecar["url"].endswith(".".join(name.split(".")[1:]))
+                assert tar.extractfile(f"{stem}.txt").read().decode() == sidecar["caption"]
     keys = [m.split(".", 1)[0] for m in members]
     assert len(set(keys)) == len(keys)  # one sample per key, and the key is everything before the first dot
     assert set(members.items()) == {(sp.wds_member(name), sha) for name, sha in expected}

@@ -208,7 +208,8 @@ class _Auditor:
         actual = pf.schema_arrow
         meta = schema.read_metadata(actual)
         dim = (meta.get("extra") or {}).get("embedding_dim") if "embedding" in actual.names else None
-        if (diff := _schema_difference(actual, schema.curated_schema(dim))) is not None:
+        expected = schema.curated_schema(dim, manifest.get("metadata_fields"))
+        if (diff := _schema_difference(actual, expected)) is not None:
             add(None, diff)
         for name, want in (
             ("table", "curated"),
