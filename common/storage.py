@@ -11,13 +11,17 @@ import contextlib
 import functools
 import json
 import os
+import random
 import re
 import tarfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from hashlib import sha256
 from typing import TypeVar
+from urllib.parse import quote, unquote
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -76,7 +80,37 @@ def is_local(fs: pafs.FileSystem) -> bool:
 
 
 def join(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
+    """``base`` and ``parts`` joined with ``/``. A filesystem path (no ``://``) is joined as it is; on a URI the
+    parts go before its query (``s3://b/runs/tiny?endpoint_override=...``: after it they would be read as the
+    query's last value) and are percent-encoded, as pyarrow decodes a URI's path."""
+    if "://" not in base:
+        return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
+    head, sep, query = base.partition("?")
+    return "/".join([head.rstrip("/"), *(quote(p.strip("/"), safe="/") for p in parts)]) + sep + query
+
+
+def basename(uri: str) -> str:
+    """The last part of a path or of a URI's path (its query left out, its percent-encoding decoded)."""
+    path = unquote(uri.split("://", 1)[1].partition("?")[0]) if "://" in uri else uri
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+# Query parameters that may carry a secret (pyarrow takes S3 credentials from the user info only; other stores may
+# take them in the query).
+_SECRET_PARAM = re.compile(r"key|secret|token|password|credential|signature", re.IGNORECASE)
+
+
+def without_credentials(uri: str) -> str:
+    """``uri`` without its user info and any query parameter that could hold a secret, its store settings
+    (``endpoint_override``, ``scheme``, ``region``) kept: what reaches the same store again, with the credentials
+    of the environment, and is safe to record."""
+    if "://" not in uri:
+        return uri
+    scheme, rest = uri.split("://", 1)
+    rest, _, query = rest.partition("?")
+    head, slash, tail = rest.partition("/")
+    kept = [p for p in query.split("&") if p and not _SECRET_PARAM.search(p.partition("=")[0])]
+    return f"{scheme}://{head.rsplit('@', 1)[-1]}{slash}{tail}" + ("?" + "&".join(kept) if kept else "")
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -259,23 +293,132 @@ def delete_quietly(fs: pafs.FileSystem, path: str) -> None:
         pass
 
 
-def retry_io(call: Callable[[], T], retries: int) -> T:
-    """``call()``, called again up to ``retries`` times when it raises ``OSError`` (a flaky object store or network
-    disk), with a growing pause; the last error propagates."""
-    for attempt in range(retries + 1):
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently a failed object-store or network-disk call is tried again: up to ``retries``
+    times, each after a pause drawn uniformly from 0 to ``base_s * 2**n`` capped at ``cap_s`` (exponential backoff
+    with full jitter: many workers throttled at once spread out instead of retrying in step). ``setting`` names the
+    knob, for the message when the retries run out."""
+
+    retries: int = 3
+    base_s: float = 0.2
+    cap_s: float = 20.0
+    setting: str = "ray.io_retries"
+
+    def delay(self, failures: int) -> float:
+        return random.uniform(0.0, min(self.cap_s, self.base_s * 2.0**failures))
+
+
+class RetriesExhausted(OSError):
+    """A call still failed with a transient I/O error after its retries; ``__cause__`` is the last error."""
+
+
+# What object stores answer when a client sends too many requests (S3 and its clones, GCS, Azure); pyarrow raises them
+# as OSError with the store's error code and HTTP status in the message.
+_THROTTLED = re.compile(
+    r"slow_?down|\b503\b|service.unavailable|throttl|too_?many_?requests|request_?limit_?exceeded", re.IGNORECASE
+)
+# Answers no retry changes: a missing bucket or key, refused credentials or permissions.
+_PERMANENT = re.compile(
+    r"access_?denied|no_?such_?(bucket|key)|invalid_?access_?key|signature_?does_?not_?match|invalid_?bucket_?name",
+    re.IGNORECASE,
+)
+
+_io_lock = threading.Lock()
+_io_counts = {"io_retries": 0, "io_throttles": 0}
+
+
+def io_counts() -> dict[str, int]:
+    """This process's retried I/O calls and throttling answers so far (``io_retries``, ``io_throttles``); the
+    difference of two readings is what happened between them."""
+    with _io_lock:
+        return dict(_io_counts)
+
+
+def _count(name: str) -> None:
+    with _io_lock:
+        _io_counts[name] += 1
+
+
+def is_throttled(exc: BaseException) -> bool:
+    """Whether ``exc`` is a store asking its client to slow down (SlowDown, 503, TooManyRequests, ...)."""
+    return isinstance(exc, OSError) and bool(_THROTTLED.search(str(exc)))
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether another try of the call that raised ``exc`` may succeed: a plain ``OSError`` (pyarrow's store and
+    network errors, a local EIO), a dropped connection or a timeout, unless the store refused for good. A missing
+    file, a permission error, a damaged archive (``BadGzipFile``) and exhausted retries are not."""
+    if isinstance(exc, RetriesExhausted) or not (
+        type(exc) is OSError or isinstance(exc, ConnectionError | TimeoutError)
+    ):
+        return False
+    return is_throttled(exc) or not _PERMANENT.search(str(exc))
+
+
+# A store or the network failing, as pyarrow words it (the AWS SDK's error codes, curl, an HTTP 5xx), as opposed to an
+# error about the bytes read (a damaged Parquet footer is an OSError too).
+_STORE_FAILURE = re.compile(
+    r"AWS Error|curlCode|HTTP status 5\d\d|connection (reset|refused|aborted|closed)|timed out", re.IGNORECASE
+)
+
+
+def is_store_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is an object store or the network failing for now (throttling, a 5xx, a dropped connection)
+    rather than a fact about the data: a reader of inputs lets it propagate, to be retried, instead of recording
+    the input as unreadable."""
+    if not is_transient(exc):
+        return False
+    return is_throttled(exc) or isinstance(exc, ConnectionError | TimeoutError) or bool(_STORE_FAILURE.search(str(exc)))
+
+
+def _retry_after(exc: OSError, failures: int, policy: RetryPolicy, what: str) -> bool:
+    """Count ``exc`` and sleep before the next try; False when it is not worth one (the caller re-raises it).
+    Raises ``RetriesExhausted`` naming ``what`` once ``policy.retries`` are spent."""
+    throttled = is_throttled(exc)
+    if throttled:
+        _count("io_throttles")
+    if not is_transient(exc):
+        return False
+    if failures >= policy.retries:
+        cause = "the store kept throttling it" if throttled else "the error persisted"
+        raise RetriesExhausted(
+            f"{what} failed {failures + 1} times in a row ({cause}); the last error: {exc}. Check that the store is "
+            f"reachable and not overloaded, then rerun, or allow more retries ({policy.setting}={policy.retries})"
+        ) from exc
+    _count("io_retries")
+    time.sleep(policy.delay(failures))
+    return True
+
+
+def _policy(retries: int | RetryPolicy) -> RetryPolicy:
+    return retries if isinstance(retries, RetryPolicy) else RetryPolicy(retries)
+
+
+def retry_io(call: Callable[[], T], retries: int | RetryPolicy, what: str = "an I/O call") -> T:
+    """``call()``, called again after a transient I/O error (``is_transient``: a flaky or throttling object store,
+    a network disk) up to ``retries`` times (a count or a ``RetryPolicy``), with jittered exponential backoff.
+    Other errors propagate at once; after the last retry ``RetriesExhausted`` names ``what`` and the last error.
+    Retries and throttling answers are counted in ``io_counts``."""
+    policy = _policy(retries)
+    failures = 0
+    while True:
         try:
             return call()
-        except OSError:
-            if attempt == retries:
+        except OSError as exc:
+            if not _retry_after(exc, failures, policy, what):
                 raise
-            time.sleep(min(2.0**attempt, 30.0))
-    raise AssertionError("unreachable")
+            failures += 1
 
 
-def retry_io_stream(open_stream: Callable[[], Iterator[T]], retries: int) -> Iterator[T]:
-    """The items of ``open_stream()``; after an ``OSError`` the stream is opened again and the items already yielded
-    are skipped (so it must yield the same items in the same order each time), up to ``retries`` times."""
-    yielded, failures = 0, 0
+def retry_io_stream(
+    open_stream: Callable[[], Iterator[T]], retries: int | RetryPolicy, what: str = "an I/O stream"
+) -> Iterator[T]:
+    """The items of ``open_stream()``; after a transient I/O error the stream is opened again and the items already
+    yielded are skipped (so it must yield the same items in the same order each time), up to ``retries`` times in a
+    row without a new item, as ``retry_io`` does."""
+    policy = _policy(retries)
+    yielded, failures, at_last_failure = 0, 0, 0
     while True:
         try:
             for position, item in enumerate(open_stream()):
@@ -283,11 +426,12 @@ def retry_io_stream(open_stream: Callable[[], Iterator[T]], retries: int) -> Ite
                     yielded += 1
                     yield item
             return
-        except OSError:
-            if failures == retries:
+        except OSError as exc:
+            if yielded > at_last_failure:  # it got further this time: a new run of failures
+                failures, at_last_failure = 0, yielded
+            if not _retry_after(exc, failures, policy, what):
                 raise
             failures += 1
-            time.sleep(min(2.0 ** (failures - 1), 30.0))
 
 
 def fixed_tarinfo(name: str, size: int) -> tarfile.TarInfo:

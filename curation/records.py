@@ -16,7 +16,7 @@ import json
 import pyarrow.fs as pafs
 
 from common.layout import GLOBAL_PHASES, LAYOUT
-from common.storage import FieldTypes, display_path, join, read_json
+from common.storage import FieldTypes, display_path, join, read_json, redact, resolve, without_credentials
 
 _NUMBER = (int, float)
 
@@ -56,6 +56,19 @@ def read_commit(fs: pafs.FileSystem, root: str, path: str) -> dict:
             f"{later} (so the later phases redo their work on its new results), then rerun the same command"
         ),
     )
+
+
+def input_name(input_uri: str) -> str:
+    """How the run record names a pool: a URI without its query or credentials, a local pool by its absolute path."""
+    return redact(input_uri) if "://" in input_uri else resolve(input_uri)[1]
+
+
+def run_record(results_hash: str, input_uri: str) -> dict:
+    """The run record of curating ``input_uri`` with settings of ``results_hash``. ``input`` is what a resume must
+    match; ``input_store`` reaches the pool again (the URI's query kept: endpoint, region, scheme; credentials
+    dropped), so that the report can read rejected inputs back from their store."""
+    store = without_credentials(input_uri) if "://" in input_uri else resolve(input_uri)[1]
+    return {"results_hash": results_hash, "input": input_name(input_uri), "input_store": store}
 
 
 def read_run_record(fs: pafs.FileSystem, root: str, expected: dict | None = None) -> dict:

@@ -6,6 +6,8 @@
 
 The report lands in <out>/report/index.html (a self-contained folder). Its thresholds and config section come from
 --config and overrides, as given to jobs.curate; the report says whether they match the hashes the run recorded.
+Rejected images are read back from the pool, on the store the run recorded (an object store's endpoint, region and
+scheme; never credentials): where the pool's URI carried credentials, pass it again with --input.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import argparse
 import sys
 
 from common.config import ConfigError, load_config
-from common.storage import DamagedRecordError, StorageError
+from common.storage import StorageError
 from curation.audit.report import ReportOptions, write_report
 from curation.audit.verify import audit
 from curation.config import CurateConfig
@@ -30,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-decode", action="store_true", help="skip decoding every image (hashes are still checked)")
     p.add_argument(
         "--workers", type=int, default=None, help="threads reading shards and images (default: min(8, CPUs))"
+    )
+    p.add_argument(
+        "--input", default=None, help="the pool as given to jobs.curate --input (default: the store the run recorded)"
     )
     p.add_argument("--seed", type=int, default=0, help="which random images the report's contact sheets show")
     p.add_argument("--per-sheet", type=int, default=ReportOptions.per_sheet, help="thumbnails per contact sheet")
@@ -51,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         source = " ".join([args.config or "built-in defaults", *args.overrides])
         options = ReportOptions(seed=args.seed, per_sheet=args.per_sheet, workers=args.workers or ReportOptions.workers)
         try:
-            write_report(args.output, cfg, result, config_source=source, options=options)
-        except DamagedRecordError as exc:  # one the audit does not read (the run record): the message names it
+            write_report(args.output, cfg, result, config_source=source, options=options, pool=args.input)
+        except StorageError as exc:  # a record the audit does not read (the run record), another pool's --input
             print(f"report not written: {exc}", file=sys.stderr)
             return 2 if result.ok else 1
         except Exception as exc:

@@ -22,7 +22,7 @@ from curation.config import CurateConfig
 from curation.ledger import read_ledger, summary_table
 from curation.phases import GlobalPhases, PhaseOrderError
 from curation.pool import InputShard, PoolError, list_shards, pin_listing, pinned_listing
-from curation.score import RunMismatch, ScorePhase, claim_output
+from curation.score import RunMismatch, ScorePhase, claim_output, io_note
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,7 +99,7 @@ def _run_phases(
         memory = f"; peak task memory {peak} MiB of the {summary['task_memory_mb']} MiB each requests" if peak else ""
         print(
             f"[score] done: {summary['inputs_this_run']} inputs scored this run in {summary['seconds']} s "
-            f"({rate:.2f} img/s){memory}"
+            f"({rate:.2f} img/s){memory}{io_note(summary)}"
         )
     for phase in (p for p in GLOBAL_PHASES if p in phases):
         GlobalPhases(cfg, args.output, guard=lease.check).run(phase)

@@ -59,20 +59,21 @@ def resolve_data(data_uri: str, val_uri: str | None) -> tuple[str, str]:
     missing = [s for s in ("train", "val") if not storage.exists(fs, storage.join(root, s))]
     if missing:
         raise DataError(
-            f"{data_uri} has no {' or '.join(f'{m}/' for m in missing)} folder; pass a folder written by "
+            f"{storage.redact(data_uri)} has no {' or '.join(f'{m}/' for m in missing)} folder; pass a folder written by "
             "`python -m jobs.make_synthetic --out <dir> --n N`, or the training shards with --val-data <shards>"
         )
     return _absolute(train), _absolute(val)
 
 
-def check_backbone(uri: str, cfg: FinetuneConfig) -> None:
-    fs, path = storage.resolve(uri)
+def check_backbone(backbone: str, cfg: FinetuneConfig) -> None:
+    fs, path = storage.resolve(backbone)
+    uri = storage.redact(backbone)  # named in messages
     if not storage.exists(fs, path):
         raise StorageError(
             f"--backbone {uri} does not exist (jobs.pretrain writes <storage>/<name>/backbone.safetensors)"
         )
     try:
-        _, meta = read_safetensors(uri)
+        _, meta = read_safetensors(backbone)
     except Exception as exc:  # noqa: BLE001 - any failure to parse means it is not a safetensors file
         raise StorageError(f"--backbone {uri} is not a safetensors file: {exc}") from None
     if "backbone_config" not in meta:
@@ -92,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         info = data.read_info(DataIndex.scan(train_uri), train_uri)
         val_index = DataIndex.scan(val_uri)
         if data.read_info(val_index, val_uri) != info:
-            raise DataError(f"{val_uri} labels differ from {train_uri} (classes, keypoints or image size)")
+            raise DataError(
+                f"{storage.redact(val_uri)} labels differ from {storage.redact(train_uri)} (classes, keypoints or "
+                "image size)"
+            )
         tasks.make(args.task, cfg, info)  # validates the task against the data and the config
         backbone = _absolute(args.backbone) if args.backbone else None
         if backbone:
@@ -114,9 +118,10 @@ def _finetune(args: argparse.Namespace, cfg: FinetuneConfig, spec: dict, info: d
         print(f"error: {exc}", file=sys.stderr)
         return 2
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    shown = storage.redact(run_uri)  # the console gets no query or credentials
     print(
-        f"[finetune] {'resuming' if resuming else 'starting'} {run_uri}: task={args.task} size={cfg.model.size} "
-        f"steps={cfg.steps} workers={cfg.ray.workers} backbone={backbone or 'random init'} "
+        f"[finetune] {'resuming' if resuming else 'starting'} {shown}: task={args.task} size={cfg.model.size} "
+        f"steps={cfg.steps} workers={cfg.ray.workers} backbone={storage.redact(backbone or 'random init')} "
         f"image {info.image_size[0]}x{info.image_size[1]}, {info.num_classes} classes, {info.num_keypoints} keypoints",
         flush=True,
     )
@@ -127,9 +132,9 @@ def _finetune(args: argparse.Namespace, cfg: FinetuneConfig, spec: dict, info: d
     final = {k: v for k, v in report["metrics"].items() if isinstance(v, float)}
     print(f"[finetune] done in {time.monotonic() - start:.0f} s; {args.task} at step {report['step']}: "
           + " ".join(f"{k}={v:.4f}" for k, v in final.items()))  # fmt: skip
-    print(f"[finetune] metrics:  {storage.join(run_uri, METRICS_FILE)}; {describe(cfg.log.backends, run_uri)}")
-    print(f"[finetune] pictures: {storage.join(run_uri, PICTURES)}/")
-    print(f"[finetune] model:    {storage.join(run_uri, FINETUNED_FILE)}")
+    print(f"[finetune] metrics:  {storage.join(shown, METRICS_FILE)}; {describe(cfg.log.backends, run_uri)}")
+    print(f"[finetune] pictures: {storage.join(shown, PICTURES)}/")
+    print(f"[finetune] model:    {storage.join(shown, FINETUNED_FILE)}")
     return 0
 
 

@@ -84,8 +84,9 @@ def _train(args: argparse.Namespace, cfg: PretrainConfig, run_uri: str, data_uri
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     per_step = cfg.samples_per_step()
+    shown = storage.redact(run_uri)  # the console gets no query or credentials
     print(
-        f"[pretrain] {'resuming' if resuming else 'starting'} {run_uri}: size={cfg.model.size} steps={cfg.steps} "
+        f"[pretrain] {'resuming' if resuming else 'starting'} {shown}: size={cfg.model.size} steps={cfg.steps} "
         f"workers={cfg.ray.workers} gpu={cfg.ray.use_gpu} global batch={per_step} "
         f"lr={peak_lr(cfg.optim, per_step):.3g} (optim.lr {cfg.optim.lr:g} x {per_step} / 256) "
         f"data={index.num_samples} samples in {index.num_units} row groups "
@@ -97,14 +98,15 @@ def _train(args: argparse.Namespace, cfg: PretrainConfig, run_uri: str, data_uri
     lease.check()  # the export below is this run's to write only while it holds the run
     latest = checkpoint.latest_committed(run_uri)
     print(f"[pretrain] done in {time.monotonic() - start:.0f} s")
-    print(f"[pretrain] checkpoints: {storage.join(run_uri, checkpoint.CHECKPOINTS)} (latest: {latest})")
-    print(f"[pretrain] metrics:     {storage.join(run_uri, METRICS)}/*.jsonl; {describe(cfg.log.backends, run_uri)}")
+    newest = storage.redact(latest) if latest else None
+    print(f"[pretrain] checkpoints: {storage.join(shown, checkpoint.CHECKPOINTS)} (latest: {newest})")
+    print(f"[pretrain] metrics:     {storage.join(shown, METRICS)}/*.jsonl; {describe(cfg.log.backends, run_uri)}")
     if latest is not None:
         for which in args.export:
             out = storage.join(run_uri, EXPORT_FILES[which])
             meta = export_backbone(latest, out, which)
             label = "backbone:" if which == "student" else f"{which}:"
-            print(f"[pretrain] {label:<12} {out} (size {meta['size']}, step {meta['step']})")
+            print(f"[pretrain] {label:<12} {storage.redact(out)} (size {meta['size']}, step {meta['step']})")
     return 0
 
 

@@ -101,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             raise DataError(f"--labels {max(labels)}: the training split holds {len(train.parts)} samples")
         evaluate, val_info = read_split(val_uri, args.val_limit)
         if val_info != info:
-            raise DataError(f"{val_uri} labels differ from {train_uri} (classes, keypoints or image size)")
+            raise DataError(
+                f"{storage.redact(val_uri)} labels differ from {storage.redact(train_uri)} (classes, keypoints or "
+                "image size)"
+            )
         model = build_backbone(cfg, backbone)
     except (ConfigError, DataError, StorageError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run.run(backbone_features(model, device), train, evaluate, info.parts)
     meta = read_safetensors(backbone)[1] if backbone else {}
     result["config"].update(
-        backbone=backbone or RANDOM,
+        backbone=storage.redact(backbone) if backbone else RANDOM,  # the result holds no query or credentials
         which=meta.get("which", "student") if backbone else None,
         pretrain_step=int(meta["step"]) if "step" in meta else None,
         size=cfg.model.size,
@@ -125,13 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     fs, path = storage.resolve(args.out)
     storage.write_json_atomic(fs, path, result)
     grey = " (grayscale)" if args.grayscale else ""
-    print(f"[probe] {backbone or f'random init, seed {args.seed}'}{grey}: {len(evaluate.parts)} evaluation images, "
+    shown = storage.redact(backbone) if backbone else f"random init, seed {args.seed}"
+    print(f"[probe] {shown}{grey}: {len(evaluate.parts)} evaluation images, "
           f"{result['timing']['total_s']:.1f} s")  # fmt: skip
     for n, r in result["results"].items():
         p, k, s = r["probe_best"], r["knn_best"], r["left_right_best"]
         print(f"[probe] {n} labels: probe mIoU {_f(p['miou'])} ({p['layer']}), k-NN mIoU {_f(k['miou'])} "
               f"({k['layer']}), left/right {_f(s['balanced_acc'])} ({s['layer']})")  # fmt: skip
-    print(f"[probe] result: {args.out}")
+    print(f"[probe] result: {storage.redact(args.out)}")
     return 0
 
 

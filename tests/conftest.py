@@ -1,6 +1,8 @@
+import contextlib
 import json
 import os
 import pathlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,48 @@ def tensorboard_scalars(run: Path) -> dict[str, dict[int, float]]:
         assert len(steps) == len(set(steps)), (tag, steps)
         out[tag] = {e.step: e.value for e in events.Scalars(tag)}
     return out
+
+
+@contextlib.contextmanager
+def moto_s3(*buckets: str) -> Iterator[tuple[object, str]]:
+    """A local S3 endpoint (a moto server on a free port of 127.0.0.1) holding ``buckets``; yields a pyarrow
+    filesystem on it and its ``host:port``. URIs reach it through their query:
+    ``s3://<bucket>/<key>?endpoint_override=<host:port>&scheme=http&region=us-east-1``."""
+    moto_server = pytest.importorskip("moto.server")
+    import pyarrow.fs as pafs
+
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")  # never ask a cloud's metadata service for keys
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        fs = pafs.S3FileSystem(
+            access_key="test", secret_key="test", endpoint_override=f"{host}:{port}", scheme="http",
+            region="us-east-1", allow_bucket_creation=True,
+        )  # fmt: skip
+        for bucket in buckets:
+            fs.create_dir(bucket)
+        yield fs, f"{host}:{port}"
+    finally:
+        server.stop()
+
+
+def s3_query(endpoint: str) -> str:
+    return f"?endpoint_override={endpoint}&scheme=http&region=us-east-1"
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """A local S3 endpoint (moto) with a bucket "curated", its credentials in the environment, and a URI query that
+    reaches it: ``(filesystem, "?endpoint_override=...")``."""
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(k, v)
+    with moto_s3("curated") as (fs, endpoint):
+        yield fs, s3_query(endpoint)
 
 
 @pytest.fixture(scope="session")

@@ -64,7 +64,7 @@ def step_uri(run_uri: str, step: int) -> str:
 
 
 def step_of(uri: str) -> int:
-    return int(uri.rstrip("/").rsplit("step_", 1)[1])
+    return int(storage.basename(uri).removeprefix("step_"))
 
 
 def _rank_world() -> tuple[int, int]:

@@ -18,10 +18,21 @@ RUN_FILE = "run.json"
 
 
 def run_uri_for(storage_path: str, name: str) -> str:
-    """Where Ray Train puts the run: ``<storage>/<name>`` (local paths made absolute, as Ray does)."""
+    """Where Ray Train puts the run: ``<storage>/<name>`` (local paths made absolute, as Ray does; a URI keeps its
+    query, which reaches the store)."""
     if "://" in storage_path:
         return storage.join(storage_path, name)
     return os.path.join(os.path.abspath(os.path.expanduser(storage_path)), name)
+
+
+def ray_storage(storage_path: str) -> dict:
+    """``RunConfig``'s storage arguments for ``storage_path``: a local folder as an absolute path; a URI as the
+    project's pyarrow filesystem and a plain path on it, so that Ray Train reaches the store the way every job
+    does (the URI's query: endpoint, region, scheme), and Ray never parses the URI on its own."""
+    fs, path = storage.resolve(storage_path)
+    if storage.is_local(fs):
+        return {"storage_path": path}
+    return {"storage_path": path, "storage_filesystem": fs}
 
 
 def claim_run(run_uri: str, identity: dict, info: dict | None = None) -> bool:
@@ -36,7 +47,7 @@ def claim_run(run_uri: str, identity: dict, info: dict | None = None) -> bool:
     for key, value in identity.items():
         if earlier.get(key) != value:
             raise ConfigError(
-                f"run {run_uri} was started with {key}={earlier.get(key)!r}, this command gives {value!r}; "
+                f"run {storage.redact(run_uri)} was started with {key}={earlier.get(key)!r}, this command gives {value!r}; "
                 "use a new --name for a different run"
             )
     return True
@@ -63,7 +74,7 @@ def launch(
         # imports first, which has no logging_config
         run_config=ray.train.RunConfig(  # type: ignore[call-arg]
             name=name,
-            storage_path=storage_path if "://" in storage_path else os.path.abspath(os.path.expanduser(storage_path)),
+            **ray_storage(storage_path),
             failure_config=ray.train.FailureConfig(max_failures=settings.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
             # Ray Train's own INFO lines (every rank's whole report at each checkpoint, worker-group start-up) stay

@@ -116,11 +116,15 @@ class Worker(ABC, Generic[C]):
         if commit["model_hash"] != self.model_hash():
             raise checkpoint.CheckpointError(f"{uri} was saved for another {self.hash_covers}; use a new run name")
         self.step = self.saved_step = commit["step"]
-        restored = {"checkpoint": uri, "saved_world_size": commit["world_size"], **self.restore_state(commit)}
+        restored = {
+            "checkpoint": storage.redact(uri),  # the run's records hold no query or credentials
+            "saved_world_size": commit["world_size"],
+            **self.restore_state(commit),
+        }
         if self.reports_checkpoints:
             restored["adopted"] = uri != from_ray
             if restored["adopted"]:
-                self._report(os.path.basename(uri), {"step": self.step})
+                self._report(storage.basename(uri), {"step": self.step})
         return restored
 
     # --- save ---
@@ -138,10 +142,10 @@ class Worker(ABC, Generic[C]):
         checkpoint.save(uri, self.model, self.optimizer, commit)
         self.saved_step = self.step
         if self.log:
-            self.log.write({"kind": "checkpoint", "step": self.step, "uri": uri, "reason": reason})
+            self.log.write({"kind": "checkpoint", "step": self.step, "uri": storage.redact(uri), "reason": reason})
             self.log.roll(self.step + 1)
         if self.reports_checkpoints:
-            self._report(os.path.basename(uri), {**(metrics or {}), "step": self.step})
+            self._report(storage.basename(uri), {**(metrics or {}), "step": self.step})
         elif self.rank == 0:
             checkpoint.keep_newest(self.run_uri, self.cfg.checkpoint.keep)
 

@@ -7,7 +7,9 @@ a copy of an object-store prefix) in any browser.
 Images come from where the output keeps them: survivors of phase 1 (kept, duplicate, unsampled) from the scored
 files; rejected images' bytes are not in the output, so they are read again from the ledger's ``source`` (a file
 or URI, ``<file.parquet>#row=<i>``, ``<shard.tar>#<member>``) when it is still readable and unchanged, and shown
-as a placeholder that says why otherwise. Thumbnails are small JPEGs named by the image's key: made once, shared
+as a placeholder that says why otherwise. A ledger names an object-store input without the query that reaches its
+store (an endpoint, a region), so such sources are opened on the pool's filesystem, which the run record keeps
+(``input_store``; ``write_report(pool=...)`` when the pool's credentials are in its URI). Thumbnails are small JPEGs named by the image's key: made once, shared
 by every section that shows the image, and reused by later reports of the same output.
 """
 
@@ -34,13 +36,13 @@ from common import schema
 from common.imageio import BOMB_ERRORS, open_image, open_reduced, safe_error
 from common.layout import GLOBAL_PHASES, LAYOUT, PHASES
 from common.progress import progress
-from common.storage import exists, join, resolve, write_bytes_atomic
+from common.storage import StorageError, exists, join, redact, resolve, write_bytes_atomic
 from curation.audit.verify import AuditResult
 from curation.config import CurateConfig
 from curation.ledger import funnel_steps, read_ledger, reason_code, stopped_by_stage
 from curation.phases import committed_records
 from curation.pool import TAR_SUFFIXES
-from curation.records import read_done, read_manifest, read_run_record
+from curation.records import input_name, read_done, read_manifest, read_run_record
 
 LEDGER_COLUMNS = [
     "source",
@@ -127,10 +129,20 @@ class SourceUnreadable(OSError):
 
 
 class SourceReader:
-    """The original bytes of an input named by a ledger ``source``."""
+    """The original bytes of an input named by a ledger ``source``; ``pool``: the pool's URI (with the query that
+    reaches its store), whose filesystem opens sources of its scheme by their path."""
 
-    def __init__(self, image_column: str = "image", max_bytes: int = 64 * 2**20):
-        self.image_column, self.max_bytes = image_column, max_bytes
+    def __init__(self, image_column: str = "image", max_bytes: int = 64 * 2**20, pool: str | None = None):
+        self.image_column, self.max_bytes, self.pool = image_column, max_bytes, pool
+
+    def _locate(self, name: str) -> tuple[pafs.FileSystem, str]:
+        """The filesystem and path of a ledger name: ``<scheme>://<path>`` is ``display_uri``'s name of a path on
+        the pool's filesystem; anything else is opened as it is."""
+        if self.pool and "://" in self.pool:
+            prefix = self.pool.split("://", 1)[0] + "://"
+            if name.startswith(prefix):
+                return resolve(self.pool)[0], name[len(prefix) :]
+        return resolve(name)
 
     def read(self, source: str) -> bytes:
         container, sep, member = source.rpartition("#")
@@ -139,7 +151,7 @@ class SourceReader:
                 return self._parquet_row(container, member)
             if sep and container.lower().endswith(TAR_SUFFIXES):
                 return self._tar_member(container, member)
-            fs, path = resolve(source)
+            fs, path = self._locate(source)
             info = fs.get_file_info(path)
             if info.type != pafs.FileType.File:
                 what = "missing" if info.type == pafs.FileType.NotFound else "not a file"
@@ -162,7 +174,7 @@ class SourceReader:
                 f"source not read: {member!r} names the row by input.source_column, not by its index"
             )
         index = int(member[4:])
-        fs, path = resolve(uri)
+        fs, path = self._locate(uri)
         pf = pq.ParquetFile(fs.open_input_file(path))
         start = 0
         for rg in range(pf.num_row_groups):
@@ -178,7 +190,7 @@ class SourceReader:
         raise SourceUnreadable(f"source not readable: {uri} has {start} rows, no row {index}")
 
     def _tar_member(self, uri: str, member: str) -> bytes:
-        fs, path = resolve(uri)
+        fs, path = self._locate(uri)
         with fs.open_input_file(path) as f, tarfile.open(fileobj=f, mode="r:*") as tar:
             info = tar.getmember(member)
             self._check_size(info.size)
@@ -425,9 +437,10 @@ class _Report:
         config_source: str,
         options: ReportOptions,
         log: Callable[[str], None],
+        pool: str | None = None,
     ):
         self.out_uri, self.cfg, self.audit, self.config_source = out_uri, cfg, audit, config_source
-        self.options, self.log = options, log
+        self.options, self.log, self.pool = options, log, pool
         self.fs, self.root = resolve(out_uri)
         self.rng = np.random.default_rng(options.seed)
         self.thumbs = Thumbnails(out_uri, cfg, options, log=log)
@@ -452,8 +465,21 @@ class _Report:
             else:
                 self.state[name] = read_done(self.fs, self.root, name)
         self.manifest = read_manifest(self.fs, self.root) if exists(self.fs, join(self.root, LAYOUT.manifest)) else None
+        self._find_pool(self.state["run"])
         self.dups = self._table(LAYOUT.dedup_decisions)
         self.sample = self._table(LAYOUT.sample_decisions)
+
+    def _find_pool(self, run: dict | None) -> None:
+        """Where rejected inputs are read back: the pool given, which must be the one curated, else the run record's
+        store of it."""
+        if self.pool is not None and run is not None and input_name(self.pool) != run["input"]:
+            raise StorageError(
+                f"--input {redact(self.pool)} is not the pool {redact(self.out_uri)} was curated from ({run['input']}): "
+                "give that pool's URI, or leave --input out to use the store the run recorded"
+            )
+        reader = self.thumbs.reader
+        if reader.pool is None:
+            reader.pool = self.pool or (run.get("input_store") or run["input"] if run else None)
 
     def _table(self, rel: str) -> list[dict]:
         path = join(self.root, rel)
@@ -871,9 +897,12 @@ def write_report(
     config_source: str = "defaults",
     options: ReportOptions = ReportOptions(),
     log: Callable[[str], None] = print,
+    pool: str | None = None,
 ) -> str:
-    """Write ``<out>/report/index.html`` (with its charts and thumbnails); returns its path."""
+    """Write ``<out>/report/index.html`` (with its charts and thumbnails); returns its path. ``pool``: the pool as
+    given to jobs.curate, where its URI holds credentials the run record does not keep (default: the record's
+    store of it)."""
     start = time.monotonic()
-    path = _Report(out_uri, cfg, audit, config_source, options, log).build()
+    path = _Report(out_uri, cfg, audit, config_source, options, log, pool).build()
     log(f"[report] {path} in {time.monotonic() - start:.1f} s")
     return path

@@ -258,31 +258,6 @@ def test_sha256_verification_catches_a_modified_shard(out, tmp_path, capsys):
 # --- an object-store data root with a query -------------------------------------------------------------------------
 
 
-@pytest.fixture
-def s3(monkeypatch):
-    """A local S3 endpoint (moto) and a URI prefix that reaches it only through its query."""
-    moto_server = pytest.importorskip("moto.server")
-    import pyarrow.fs as pafs
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(k, v)
-    fs = pafs.S3FileSystem(
-        endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1", allow_bucket_creation=True
-    )
-    fs.create_dir("curated")
-    yield fs, f"?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
-    server.stop()
-
-
 def test_an_s3_data_root_with_endpoint_override_is_indexed_and_read(s3, curated_run, tmp_path):
     import pyarrow.fs as pafs
 
