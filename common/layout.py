@@ -12,6 +12,8 @@ listing data files skip.
     _state/<phase>.started.json             a global phase's settings hash, written when it starts
     _state/<phase>.done.json                a phase's record, written last
     _state/<step>/<unit>.json               receipts of a global step's finished units
+    _state/takedown/<list id>.json          a takedown: the list, who, when, what it removed, the files it replaced
+    _state/takedown/<list id>.entries.parquet   the list's entries (keys, sources, URLs), which no version may hold
     scored/<shard_id>/part-*.parquet        phase 1's kept rows, with scores, hashes and embeddings
     ledger/<shard_id>/part-*.parquet        phase 1's ledger rows: one per input
     dedup/...                               phase 2's partitions (survivors, pairs, components, decisions)
@@ -27,6 +29,12 @@ from __future__ import annotations
 
 PHASES = ("score", "dedup", "sample", "write")
 GLOBAL_PHASES = PHASES[1:]
+TAKEDOWN = "takedown"  # the step after publishing that removes images (jobs.takedown): a stage of its own in funnels
+
+
+def funnel_phase(stage: str | None) -> str:
+    """The phase a ledger row's stage belongs to in a funnel: a global phase, the takedown, or score."""
+    return stage if stage in GLOBAL_PHASES or stage == TAKEDOWN else "score"
 
 
 class OutputLayout:
@@ -35,6 +43,7 @@ class OutputLayout:
     listing = "_state/inputs.parquet"
     run_record = "_state/run.json"
     score_commits = "_state/score"
+    takedowns = "_state/takedown"
 
     scored = "scored"
     ledger = "ledger"

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
+from common import watchdog
+
 T = TypeVar("T")
 
 EVERY_S = 10.0
@@ -29,6 +31,7 @@ class Progress:
 
     def update(self, n: int = 1) -> None:
         self.done += n
+        watchdog.beat(f"{self.label} {self.done}/{self.total} {self.unit}")
         now = self.clock()
         if now - self.last < self.every_s or self.done >= self.total:
             return

@@ -25,6 +25,7 @@ REJECTED = "rejected"  # a stage decided against it (see stage + reason)
 ERROR = "error"  # a stage raised on this image; reason holds the exception
 DUPLICATE = "duplicate"  # phase 2: a near-duplicate of the image named in duplicate_of
 UNSAMPLED = "unsampled"  # phase 3: not selected by balanced sampling (cluster_ids say where it fell)
+TAKEN_DOWN = "taken_down"  # removed from the published shards on request (jobs.takedown; reason names the list)
 
 HEAD_YAW_CLASSES = ("frontal", "left_profile", "right_profile", "not_visible")
 

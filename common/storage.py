@@ -75,6 +75,12 @@ def display_uri(root_uri: str, path: str) -> str:
     return f"{root_uri.split('://', 1)[0]}://{path}"
 
 
+def path_on_store(uri: str) -> str:
+    """The path a (redacted) URI names on its store, to open through the filesystem of another URI of that store:
+    how an output names a release it follows, whose query and credentials it never records."""
+    return uri.split("://", 1)[1] if "://" in uri else os.path.abspath(os.path.expanduser(uri))
+
+
 def is_local(fs: pafs.FileSystem) -> bool:
     return isinstance(fs, pafs.LocalFileSystem)
 

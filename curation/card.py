@@ -8,13 +8,12 @@ that rewrites the shards rewrites the card.
 
 from __future__ import annotations
 
+import pyarrow as pa
 import yaml
 
 from common import schema
 from common.layout import LAYOUT
 from common.storage import join, resolve, write_bytes_atomic
-from curation.config import CurateConfig
-from curation.final_write import final_shard_schema
 from curation.ledger import funnel_steps, stopped_in_funnel
 
 # The Hub's size categories: (upper bound, label), the first bound above the row count wins.
@@ -36,12 +35,12 @@ def size_category(rows: int) -> str:
     return next((label for bound, label in _SIZE_CATEGORIES if rows < bound), "n>1T")
 
 
-def card_header(cfg: CurateConfig, manifest: dict) -> dict:
+def card_header(manifest: dict) -> dict:
     rows = manifest["totals"]["rows"]
     return {
         "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": LAYOUT.shard_glob}]}],
         "dataset_info": {
-            "features": schema.hf_card_features(final_shard_schema(cfg, manifest.get("metadata_fields"))),
+            "features": schema.hf_card_features(card_schema(manifest)),
             "splits": [{"name": "train", "num_bytes": manifest["totals"]["bytes"], "num_examples": rows}],
             "download_size": manifest["totals"]["bytes"],
         },
@@ -57,7 +56,7 @@ def _pct(n: int, total: int) -> str:
     return f"{100.0 * n / total:.1f}%" if total else "-"
 
 
-def funnel_markdown(cfg: CurateConfig, funnel: dict[str, int]) -> str:
+def funnel_markdown(stages: list[str], funnel: dict[str, int]) -> str:
     """The manifest's funnel as a table: images reaching each stage, what stopped there, what was kept."""
     total = sum(funnel.values())
     kept = sum(n for name, n in funnel.items() if name.split("/")[2] == schema.KEPT)
@@ -66,7 +65,7 @@ def funnel_markdown(cfg: CurateConfig, funnel: dict[str, int]) -> str:
         "|---|---|---|---:|---:|",
         f"| | inputs | | {total} | {_pct(total, total)} |",
     ]
-    for step in funnel_steps(stopped_in_funnel(funnel), total, cfg.enabled_stages):
+    for step in funnel_steps(stopped_in_funnel(funnel), total, stages):
         lines.append(f"| {step.phase} | {step.stage} | reached | {step.reached} | {_pct(step.reached, total)} |")
         for status, code, n in step.outcomes:
             outcome = status + (f": {code}" if code and code != status else "")
@@ -90,16 +89,22 @@ def metadata_markdown(manifest: dict) -> str:
     )
 
 
-def card_text(cfg: CurateConfig, manifest: dict) -> str:
-    header = yaml.safe_dump(card_header(cfg, manifest), sort_keys=False, allow_unicode=True)
-    totals = manifest["totals"]
+def card_schema(manifest: dict) -> pa.Schema:
+    """The final shards' columns, as the manifest's first shard has them (the features a card lists)."""
+    dim = manifest.get("embedding_dim")
+    return schema.curated_schema(dim, manifest.get("metadata_fields"))
+
+
+def card_text(manifest: dict) -> str:
+    header = yaml.safe_dump(card_header(manifest), sort_keys=False, allow_unicode=True)
+    totals, cfg = manifest["totals"], manifest["curation"]
     return f"""---
 {header}---
 
 # Humans-1B curated images
 
-{totals["rows"]} human-centric images (at least one prominent person, short side >= {cfg.filters.min_short_side} px)
-in {totals["shards"]} Parquet shards, curated by Humans-1B with the `{cfg.profile}` profile (config hash
+{totals["rows"]} human-centric images (at least one prominent person, short side >= {cfg["min_short_side"]} px)
+in {totals["shards"]} Parquet shards, curated by Humans-1B with the `{cfg["profile"]}` profile (config hash
 `{manifest["config_hash"]}`, embedding model `{manifest["embedding_model"]}`).
 
 ```python
@@ -127,13 +132,13 @@ names each one); set the licence that applies before publishing.
 
 Each input stops at the first stage that rejects it; the counts are the run's final ledger.
 
-{funnel_markdown(cfg, manifest["funnel"])}
+{funnel_markdown(cfg["stages"], manifest["funnel"])}
 """
 
 
-def write_card(out_uri: str, cfg: CurateConfig, manifest: dict) -> str:
+def write_card(out_uri: str, manifest: dict) -> str:
     """Write ``<out>/README.md`` for the manifest just committed; returns its path."""
     fs, root = resolve(out_uri)
     path = join(root, LAYOUT.card)
-    write_bytes_atomic(fs, path, card_text(cfg, manifest).encode())
+    write_bytes_atomic(fs, path, card_text(manifest).encode())
     return path

@@ -222,6 +222,8 @@ def select_in_leaves(
     the earlier item, so items should come in uid order. Each leaf's result depends on its own items only.
     """
     leaf = leaf.astype(np.int64)
+    if leaf.size == 0:  # a bucket of a release's images only
+        return np.zeros(0, bool)
     if balance is None:
         group, group_budget = leaf, budget.astype(np.int64)
     else:
@@ -331,14 +333,23 @@ def _training_sample_task(
 
 @ray.remote(num_cpus=1)
 def _assign_task(
-    out_uri: str, index: int, survivor_file: str, decision_file: str, centroids: np.ndarray, buckets: int, balance: bool
+    out_uri: str,
+    index: int,
+    survivor_file: str,
+    decision_file: str,
+    centroids: np.ndarray,
+    buckets: int,
+    balance: bool,
+    chosen_from: int | None,
 ) -> tuple[np.ndarray, np.ndarray, bool]:
-    """Per-leaf counts (leaves, counts) of the file's alive survivors, and whether the work was already done."""
+    """Per-leaf counts (leaves, counts) of the file's alive survivors, and whether the work was already done; with
+    ``chosen_from``, the leaves of the chosen ones (uids from it on) come once more, as negative leaf numbers
+    (``-1 - leaf``)."""
     fs, root = resolve(out_uri)
     path = join(root, _buckets_path(index))
     if exists(fs, path):  # counts from the file: as a footer receipt they would cost every reader K1 entries
-        leaf = pq.read_table(path, columns=["leaf"], filesystem=fs).column("leaf").to_numpy()
-        return *np.unique(leaf, return_counts=True), True
+        done = pq.read_table(path, columns=["uid", "leaf"], filesystem=fs)
+        return *_leaf_counts(done.column("uid").to_numpy(), done.column("leaf").to_numpy(), chosen_from), True
     columns = ["uid", "embedding"] + (["balance"] if balance else [])
     uids, leaves, dists = [], [], []
     values: list[pa.Array] = []  # the balance key's chunks
@@ -360,7 +371,15 @@ def _assign_task(
         schema=_BUCKET_SCHEMA,
     )
     routed.write_routed(fs, path, rows, leaf % buckets, buckets)
-    return *np.unique(leaf, return_counts=True), False
+    return *_leaf_counts(uid, leaf, chosen_from), False
+
+
+def _leaf_counts(uid: np.ndarray, leaf: np.ndarray, chosen_from: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(leaves, counts) of every item, then of the chosen ones as ``-1 - leaf``."""
+    leaf = leaf.astype(np.int64)
+    if chosen_from is not None:
+        leaf = np.concatenate([leaf, -1 - leaf[uid >= chosen_from]])
+    return np.unique(leaf, return_counts=True)
 
 
 def _value_ranks(values: pa.ChunkedArray) -> np.ndarray:
@@ -383,9 +402,11 @@ def _select_task(
     mode: str,
     balance: bool,
     seed: int,
+    chosen_from: int | None,
 ) -> bool:
     """Selects inside the bucket's leaves and routes (uid, leaf, selected) back to the survivors files; returns
-    whether it was done before."""
+    whether it was done before. Items from ``chosen_from`` on are selected before (a release's), and ``budget``
+    counts the others only."""
     fs, root = resolve(out_uri)
     path = join(root, _selected_path(bucket))
     if exists(fs, path):
@@ -395,9 +416,14 @@ def _select_task(
     order = np.argsort(uid, kind="stable")
     uid, leaf = uid[order], t.column("leaf").to_numpy()[order]
     priority = t.column("distance").to_numpy()[order] if mode == "closest" else uid_uniform(uid, seed, _PRIORITY_STREAM)
-    mask = select_in_leaves(leaf, priority, budget, _value_ranks(t.column("balance"))[order] if balance else None, seed)
-    present = np.unique(leaf)
-    if not np.array_equal(np.bincount(leaf[mask], minlength=budget.size)[present], budget[present]):
+    chosen = uid >= chosen_from if chosen_from is not None else np.zeros(uid.size, bool)
+    values = _value_ranks(t.column("balance"))[order] if balance else None
+    mask = chosen.copy()
+    mask[~chosen] = select_in_leaves(
+        leaf[~chosen], priority[~chosen], budget, None if values is None else values[~chosen], seed
+    )
+    present = np.unique(leaf[~chosen])
+    if not np.array_equal(np.bincount(leaf[mask & ~chosen], minlength=budget.size)[present], budget[present]):
         raise AssertionError(f"bucket {bucket}: the selection differs from the leaf budgets")
     owner = route_index[np.searchsorted(route_min, uid, side="right") - 1]
     routed.write_routed(
@@ -526,6 +552,8 @@ def _train(
         len(survivor_files),
         window,
     ):
+        if not len(piece):  # a file none of whose alive items fell below the threshold (or with none alive)
+            continue
         if at + len(piece) > x.shape[0]:  # beyond 8 sigma: grow rather than fail
             x = np.concatenate([x[:at], np.empty((max(x.shape[0], len(piece)), dim), np.float32)])
             keys = np.concatenate([keys[:at], np.empty(max(keys.size, key.size))])
@@ -556,9 +584,14 @@ def run_sample(
     buckets: int | None = None,
     sample_size: int | None = None,
     log: Callable[[str], None] = print,
+    chosen_from: int | None = None,
 ) -> dict:
     """Balanced sampling of the alive survivors; writes ``sample/decisions/part-<i>.parquet`` per survivors file
     (``DECISIONS_SCHEMA``) and returns {inputs, selected, unsampled, levels, clusters_per_level}.
+
+    ``chosen_from``: survivors of uids from it on are a release's images, selected already: the clusters are made of
+    all survivors, each leaf's share of (chosen + the target) is filled with new images where the chosen ones leave
+    room (as evenly as the leaves allow), and the target counts the new images only.
 
     ``buckets``: select tasks (default: one per ``BUCKET_ROWS`` alive survivors). ``sample_size``: the training
     sample of the leaf k-means (default: ``settings.training_points_per_cluster`` per leaf, at most ``MAX_TRAINING_POINTS``;
@@ -617,11 +650,11 @@ def run_sample(
     if not all(exists(fs, join(root, decisions_path(i))) for i in range(n_files)):
         # 2. assign
         centroids_ref = ray.put(centroids[0])
-        counts, reused = np.zeros(n_leaves, np.int64), 0
+        counts, chosen, reused = np.zeros(n_leaves, np.int64), np.zeros(n_leaves, np.int64), 0
         for leaves, n, done in progress(
             _in_order(
                 lambda i: _assign_task.remote(
-                    out_uri, i, survivor_files[i], decision_files[i], centroids_ref, buckets, balance
+                    out_uri, i, survivor_files[i], decision_files[i], centroids_ref, buckets, balance, chosen_from
                 ),
                 n_files,
                 window,
@@ -631,7 +664,8 @@ def run_sample(
             log,
             unit="files",
         ):
-            counts[leaves] += n
+            counts[leaves[leaves >= 0]] += n[leaves >= 0]
+            chosen[-1 - leaves[leaves < 0]] += n[leaves < 0]
             reused += done
         if counts.sum() != alive:
             raise ValueError(
@@ -651,14 +685,20 @@ def run_sample(
             leaf_distance=np.zeros(0, np.float32),
             leaf_counts=counts,
         )
-        budget = sampling.leaf_budgets(hierarchy, target_count(alive, settings), np.random.default_rng(settings.seed))
+        rng = np.random.default_rng(settings.seed)
+        new = target_count(alive - int(chosen.sum()), settings)
+        budget = sampling.leaf_budgets(hierarchy, int(chosen.sum()) + new, rng)
+        if chosen.any():  # the chosen fill their leaves' shares first; the new images fill what is left, evenly
+            budget = sampling.water_fill(np.maximum(budget - chosen, 0), new, rng)
 
         # 4. select
         args = ray.put(budget), ray.put(route_min), ray.put(np.asarray(nonempty, np.int64))  # a tuple: arity checked
         reused = sum(
             progress(
                 _in_order(
-                    lambda b: _select_task.remote(out_uri, b, n_files, *args, settings.mode, balance, settings.seed),
+                    lambda b: _select_task.remote(
+                        out_uri, b, n_files, *args, settings.mode, balance, settings.seed, chosen_from
+                    ),
                     buckets,
                     window,
                 ),

@@ -14,6 +14,7 @@ from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from common.config import Strict, hash_json
 from common.storage import RetryPolicy
+from common.watchdog import WatchdogSettings
 from curation.stage import StageSettings
 from curation.stages import stage_classes
 
@@ -360,6 +361,7 @@ class CurateConfig(Strict):
     sample: SampleSettings = SampleSettings()
     write: WriteSettings = WriteSettings()
     ray: RaySettings = RaySettings()
+    watchdog: WatchdogSettings = WatchdogSettings()
 
     @field_validator("stages", mode="before")
     @classmethod
@@ -435,7 +437,7 @@ class CurateConfig(Strict):
         The global phases hash their own sections (``phase_hash``), so they can be re-tuned without re-scoring.
         """
         scoring = self.model_copy(update={"stages": {n: StageSettings() for n in self.enabled_stages}})
-        exclude = {"input", "output", "ray", "dedup", "sample", "write"}
+        exclude = {"input", "output", "ray", "dedup", "sample", "write", "watchdog"}
         return hash_json({**scoring.model_dump(mode="json", exclude=exclude), "input": self.input.metadata_hash_part()})
 
     def phase_hash(self, phase: str) -> str:

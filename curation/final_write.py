@@ -34,12 +34,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from common import schema
-from common.layout import GLOBAL_PHASES, LAYOUT
+from common import schema, watchdog
+from common.layout import LAYOUT
 from common.storage import encode_parquet, exists, join, resolve, write_bytes_atomic, write_json_atomic
 from curation.config import CurateConfig, config_from_json
+from curation.ledger import funnel_of
 from curation.metadata import merge_all, split_metadata
 from curation.records import read_unit
+from curation.takedown import Takedowns, applied_takedowns
 
 
 def dedup_decisions_path(index: int) -> str:
@@ -136,9 +138,11 @@ def _write_output_shards(
     scored_files: dict[str, list[str]],
     cfg_json: str,
     target: pa.Schema,
+    takedowns: Takedowns,
 ) -> dict:
     """Output shards ``first, first + 1, ...`` (``plan`` gives each one's slices of the partitions' selected rows):
-    the selected rows in uid (= shard_id, source) order, with their cluster ids, written with ``target``."""
+    the selected rows in uid (= shard_id, source) order, with their cluster ids, written with ``target``; images a
+    recorded takedown lists are left out."""
     cfg = config_from_json(cfg_json)
     fs, root = resolve(out_uri)
 
@@ -176,7 +180,7 @@ def _write_output_shards(
                     "files (the output was changed by hand?); rerun with --phases score,dedup,sample,write"
                 )
             rows.append(table.take(at).append_column("cluster_ids", mine.column("cluster_ids")))
-        table = with_typed_metadata(pa.concat_tables(rows), typed).select(target.names).cast(target)
+        table = with_typed_metadata(takedowns.without(pa.concat_tables(rows)), typed).select(target.names).cast(target)
         shards.append(
             write_named_by_content(fs, root, LAYOUT.shards, f"part-{k:05d}", table, cfg, cfg.output.row_group_size)
         )
@@ -250,17 +254,10 @@ def apply_decisions(ledger: pa.Table, dups: pa.Table | None, sample: pa.Table | 
     return ledger
 
 
-def funnel_of(ledger: pa.Table) -> Counter:
-    """``<phase>/<stage>/<status>/<reason code>`` counts, as the manifest's funnel."""
-    code = pc.fill_null(pc.utf8_slice_codeunits(ledger.column("reason"), 0, 10_000), "")
-    codes = [c.split(":", 1)[0] for c in code.to_pylist()]
-    stages = ledger.column("stage").to_pylist()
-    statuses = ledger.column("status").to_pylist()
-    return Counter(f"{s if s in GLOBAL_PHASES else 'score'}/{s}/{st}/{c}" for s, st, c in zip(stages, statuses, codes))
-
-
 @ray.remote(num_cpus=0.5)
-def _write_ledger_group(out_uri: str, shards: list[tuple[str, list[str], int | None]], cfg_json: str) -> dict:
+def _write_ledger_group(
+    out_uri: str, shards: list[tuple[str, list[str], int | None]], cfg_json: str, takedowns: Takedowns
+) -> dict:
     """Final-ledger files for a run of input shards: (shard_id, ledger files, survivor partition or None)."""
     cfg = config_from_json(cfg_json)
     fs, root = resolve(out_uri)
@@ -287,7 +284,8 @@ def _write_ledger_group(out_uri: str, shards: list[tuple[str, list[str], int | N
             return None if t is None else t.filter(pc.equal(t.column("shard_id"), shard_id))
 
         ledger = pa.concat_tables([pq.read_table(join(root, f), filesystem=fs) for f in ledger_files])
-        table = apply_decisions(ledger.cast(schema.ledger_schema()), of_shard(dups), of_shard(sample)).cast(target)
+        table = apply_decisions(ledger.cast(schema.ledger_schema()), of_shard(dups), of_shard(sample))
+        table = takedowns.mark(table).cast(target)
         funnel.update(funnel_of(table))
         files.append(
             {
@@ -349,6 +347,7 @@ def _collect(records: UnitRecords, pending: dict) -> Iterator[tuple[str, dict]]:
     unit = pending.pop(ready[0])
     receipt = ray.get(ready[0])
     records.put(unit, receipt)
+    watchdog.beat(f"{unit} written")
     yield unit, receipt
 
 
@@ -366,6 +365,7 @@ def write_phase(
     cfg_json = cfg.model_dump_json()
     metadata_fields = schema.typed_metadata_fields(merge_all(r.get("metadata_types") or {} for r in records.values()))
     target = final_shard_schema(cfg, metadata_fields)  # once per run: every shard task gets the same schema
+    takedowns = applied_takedowns(fs, root)  # images taken down stay down when the shards are written again
     window = max(2, 4 * int(ray.cluster_resources().get("CPU", 2)))
     selected = ray.get([_count_selected.remote(out_uri, sample_decisions_path(i)) for i in range(partitions)])
     plan = plan_output_shards(selected, cfg.write.rows_per_shard)
@@ -380,7 +380,7 @@ def write_phase(
     for partition, ks in starts.items():
         scored = {s: records[s]["scored_files"] for k in ks for p, _, _ in plan[k] for s in shards_in[p]}
         units[f"shards-{partition:06d}"] = lambda ks=ks, scored=scored: _write_output_shards.remote(
-            out_uri, ks[0], plan[ks[0] : ks[-1] + 1], scored, cfg_json, target
+            out_uri, ks[0], plan[ks[0] : ks[-1] + 1], scored, cfg_json, target, takedowns
         )
     unit_records = UnitRecords(fs, root, "write", settings_hash)
     started = time.monotonic()
@@ -397,7 +397,7 @@ def write_phase(
     if group:
         groups.append(group)
     ledger_units = {
-        f"ledger-{g:07d}": lambda g=g: _write_ledger_group.remote(out_uri, groups[g], cfg_json)
+        f"ledger-{g:07d}": lambda g=g: _write_ledger_group.remote(out_uri, groups[g], cfg_json, takedowns)
         for g in range(len(groups))
     }
     ledgers = dict(run_units(unit_records, ledger_units, window))
@@ -413,6 +413,14 @@ def write_phase(
         "settings_hash": settings_hash,
         "embedding_model": cfg.models.embedding.name,
         "metadata_fields": metadata_fields,  # the pool's metadata fields typed in the shards' metadata struct
+        # what the dataset card says of the curation, so that a takedown can rewrite the card from the manifest alone
+        "curation": {
+            "profile": cfg.profile,
+            "min_short_side": cfg.filters.min_short_side,
+            "stages": list(cfg.enabled_stages),
+        },
+        "embedding_dim": cfg.embedding_dim if cfg.write.include_embedding else None,  # in the shards, when there
+        "version": 1,  # a takedown publishes the next
         "shards": shards,
         "final_ledger": [f for u in sorted(ledgers) for f in ledgers[u]["files"]],
         "totals": {

@@ -7,10 +7,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from common import schema
-from common.layout import GLOBAL_PHASES, LAYOUT
+from common.layout import GLOBAL_PHASES, LAYOUT, TAKEDOWN, funnel_phase
 from common.storage import exists, join, list_files, resolve
 from curation.records import read_commit, read_manifest
 
@@ -92,12 +93,22 @@ def funnel_steps(stopped: dict[str, Counter], total: int, stage_order: Sequence[
     """How many of ``total`` inputs reached each stage and phase, and what stopped there (by status and reason
     code); scoring stages in ``stage_order``, then any other scoring stage that stopped images, then the global
     phases."""
-    scoring = [s for s in stage_order if s not in GLOBAL_PHASES]
-    scoring += sorted(s for s in stopped if s not in scoring and s not in GLOBAL_PHASES)
+    after = [*GLOBAL_PHASES, *([TAKEDOWN] if TAKEDOWN in stopped else [])]
+    scoring = [s for s in stage_order if s not in after]
+    scoring += sorted(s for s in stopped if s not in scoring and s not in after)
     remaining, steps = total, []
-    for stage in [*scoring, *GLOBAL_PHASES]:
+    for stage in [*scoring, *after]:
         counts = stopped.get(stage, Counter())
         outcomes = [(status, code, n) for (status, code), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
-        steps.append(FunnelStep("score" if stage not in GLOBAL_PHASES else stage, stage, remaining, outcomes))
+        steps.append(FunnelStep(funnel_phase(stage), stage, remaining, outcomes))
         remaining -= sum(n for *_, n in outcomes)
     return steps
+
+
+def funnel_of(ledger: pa.Table) -> Counter:
+    """``<phase>/<stage>/<status>/<reason code>`` counts, as the manifest's funnel."""
+    code = pc.fill_null(pc.utf8_slice_codeunits(ledger.column("reason"), 0, 10_000), "")
+    codes = [c.split(":", 1)[0] for c in code.to_pylist()]
+    stages = ledger.column("stage").to_pylist()
+    statuses = ledger.column("status").to_pylist()
+    return Counter(f"{funnel_phase(s)}/{s}/{st}/{c}" for s, st, c in zip(stages, statuses, codes))

@@ -27,12 +27,15 @@ deleted. A reader that goes through the manifest sees the complete old set or th
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
 import pyarrow.fs as pafs
 import ray
 
+from common import watchdog
+from common.config import hash_json
 from common.layout import GLOBAL_PHASES, LAYOUT
 from common.progress import progress
 from common.storage import (
@@ -58,6 +61,7 @@ from curation.final_write import (
 )
 from curation.phash_pairs import run_phash_pairs
 from curation.records import read_commit, read_done, read_started
+from curation.release import RELEASE_UID_MIN, Release, survey_release_partition
 
 
 class PhaseOrderError(RuntimeError):
@@ -98,12 +102,23 @@ class GlobalPhases:
         out_uri: str,
         log: Callable[[str], None] = print,
         guard: Callable[[], None] = lambda: None,
+        against: Release | None = None,
     ):
-        self.cfg, self.out_uri, self.log, self.guard = cfg, out_uri, log, guard
+        self.cfg, self.out_uri, self.log, self.guard, self.against = cfg, out_uri, log, guard, against
         self.fs, self.root = resolve(out_uri)
         self.records = {r["shard_id"]: r for r in committed_records(out_uri)}
         self.partitions = sv.plan_partitions(list(self.records.values()), cfg.dedup.rows_per_partition)
         self.survivor_files = [sv.partition_path(i) for i in range(len(self.partitions))]
+        # the release's kept images, as survivor partitions after the run's own (curation.release)
+        n = len(self.partitions)
+        self.release_files = [sv.partition_path(n + j) for j in range(against.partitions if against else 0)]
+
+    def phase_hash(self, phase: str) -> str:
+        """The phase's settings hash; with a release to curate against, that release's manifest too (a takedown
+        there, or another release, redoes the global phases)."""
+        if self.against is None:
+            return self.cfg.phase_hash(phase)
+        return hash_json({"settings": self.cfg.phase_hash(phase), "against": self.against.previous()})
 
     @property
     def window(self) -> int:
@@ -116,7 +131,7 @@ class GlobalPhases:
         ok = (
             exists(self.fs, _done_path(self.root, needed))
             if needed not in GLOBAL_PHASES
-            else phase_done(self.out_uri, needed, self.cfg.phase_hash(needed))
+            else phase_done(self.out_uri, needed, self.phase_hash(needed))
         )
         if not ok:
             raise PhaseOrderError(
@@ -129,7 +144,7 @@ class GlobalPhases:
         for later in LAYOUT.from_phase_on(phase):
             delete_quietly(self.fs, _done_path(self.root, later))
         started = join(self.root, LAYOUT.started(phase))
-        settings_hash = self.cfg.phase_hash(phase)
+        settings_hash = self.phase_hash(phase)
         if exists(self.fs, started) and read_started(self.fs, self.root, phase)["settings_hash"] == settings_hash:
             self.log(f"[{phase}] resuming: partitions written by the interrupted run are kept")
             for folder in LAYOUT.phase_folders(phase):
@@ -140,17 +155,18 @@ class GlobalPhases:
         write_json_atomic(self.fs, started, {"settings_hash": settings_hash})
 
     def _finish(self, phase: str, record: dict, start: float) -> None:
-        record = {**record, "settings_hash": self.cfg.phase_hash(phase), "seconds": round(time.monotonic() - start, 2)}
+        record = {**record, "settings_hash": self.phase_hash(phase), "seconds": round(time.monotonic() - start, 2)}
         self.guard()
         write_json_atomic(self.fs, _done_path(self.root, phase), record)
 
     def run(self, phase: str) -> dict:
-        if phase_done(self.out_uri, phase, self.cfg.phase_hash(phase)):
+        if phase_done(self.out_uri, phase, self.phase_hash(phase)):
             record = read_done(self.fs, self.root, phase)
             self.log(f"[{phase}] already done with these settings, skipped")
             return record
         self._require(phase)
         self.guard()
+        watchdog.stage(f"the {phase} phase")
         self._start(phase)
         start = time.monotonic()
         record = getattr(self, f"_{phase}")()
@@ -169,7 +185,12 @@ class GlobalPhases:
             )
             for i, (shards, path) in enumerate(zip(self.partitions, self.survivor_files))
         }
-        records = UnitRecords(self.fs, self.root, LAYOUT.survey_units, self.cfg.phase_hash("dedup"))
+        for j, path in enumerate(self.release_files):
+            assert self.against is not None  # release files exist only with a release
+            units[f"release-{j:06d}"] = functools.partial(
+                survey_release_partition.remote, self.against.uri, j, self.out_uri, path, cfg.embedding_dim
+            )
+        records = UnitRecords(self.fs, self.root, LAYOUT.survey_units, self.phase_hash("dedup"))
         total = 0
         survey = progress(
             run_units(records, units, self.window), "[dedup] survey", len(units), self.log, unit="partitions"
@@ -186,15 +207,16 @@ class GlobalPhases:
     def _dedup(self) -> dict:
         cfg = self.cfg.dedup
         n = self._survey()
+        files = self.survivor_files + self.release_files  # the release's images are linked like any survivor
         pair_files: dict[str, list[str]] = {}
         summaries = {}
         if "phash" in cfg.signals and n:
-            summaries["phash"] = run_phash_pairs(self.out_uri, self.survivor_files, cfg.phash_radius, log=self.log)
+            summaries["phash"] = run_phash_pairs(self.out_uri, files, cfg.phash_radius, log=self.log)
             pair_files["phash"] = self._listed(LAYOUT.phash_pairs)
         if "embedding" in cfg.signals and n:
             summaries["embedding"] = run_embedding_pairs(
                 self.out_uri,
-                self.survivor_files,
+                files,
                 cfg.embedding_threshold,
                 cfg.embedding_k,
                 cluster_size=cfg.cluster_size,
@@ -204,9 +226,10 @@ class GlobalPhases:
                 probe_z=cfg.probe_z,
             )
             pair_files["embedding"] = self._listed(LAYOUT.embedding_pairs)
-        result = run_components(self.out_uri, pair_files, self.survivor_files, log=self.log) if n else {}
-        self.log(f"[dedup] {n} survivors in {len(self.survivor_files)} partitions; {result}")
-        return {"inputs": n, "partitions": len(self.survivor_files), "pairs": summaries, "components": result}
+        result = run_components(self.out_uri, pair_files, files, log=self.log) if n else {}
+        released = f" (the release's kept images in {len(self.release_files)} of them)" if self.release_files else ""
+        self.log(f"[dedup] {n} survivors in {len(files)} partitions{released}; {result}")
+        return {"inputs": n, "partitions": len(files), "pairs": summaries, "components": result}
 
     def _listed(self, folder: str) -> list[str]:
         base = join(self.root, folder)
@@ -215,8 +238,10 @@ class GlobalPhases:
     # --- phase 3: sample -----------------------------------------------------------------------------------------
 
     def _sample(self) -> dict:
-        decisions = [dedup_decisions_path(i) for i in range(len(self.survivor_files))]
-        summary = run_sample(self.out_uri, self.survivor_files, decisions, self.cfg.sample, log=self.log)
+        files = self.survivor_files + self.release_files  # the release's images: clustered with, and chosen before
+        decisions = [dedup_decisions_path(i) for i in range(len(files))]
+        chosen_from = RELEASE_UID_MIN if self.release_files else None
+        summary = run_sample(self.out_uri, files, decisions, self.cfg.sample, log=self.log, chosen_from=chosen_from)
         self.log(f"[sample] {summary}")
         return summary
 
@@ -230,13 +255,15 @@ class GlobalPhases:
             self.records,
             partition_of,
             len(self.partitions),
-            self.cfg.phase_hash("write"),
+            self.phase_hash("write"),
             log=self.log,
         )
+        if self.against is not None:  # this output is the release's next version
+            manifest = {**manifest, "version": self.against.version + 1, "previous": self.against.previous()}
         self.guard()
         write_json_atomic(self.fs, join(self.root, LAYOUT.manifest), manifest)  # the switch to the new files
         removed = self._remove_unlisted(manifest)
-        write_card(self.out_uri, self.cfg, manifest)  # after the switch: the card describes the current shards
+        write_card(self.out_uri, manifest)  # after the switch: the card describes the current shards
         self.log(
             f"[write] {manifest['totals']['rows']} images in {len(manifest['shards'])} shards "
             f"({manifest['totals']['bytes']} bytes); {removed} files the manifest no longer lists removed"

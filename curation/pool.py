@@ -325,11 +325,14 @@ class ShardReader:
         """A seekable binary file. Local files open through Python, which takes names that are not UTF-8."""
         return open(path, "rb") if is_local(self.fs) else self.fs.open_input_file(path)
 
-    def _store_failed(self, exc: Exception) -> None:
-        """Re-raise a store's passing failure (throttling, a 5xx, a dropped connection): it says nothing about the
-        input, so it goes to the read's retries (``retry_io_stream``) instead of into the input's ledger row."""
+    def _store_failed(self, exc: Exception, name: str) -> None:
+        """Raise a store's passing failure (throttling, a 5xx, a dropped connection), naming the input ``name``: it
+        says nothing about the input, so it goes to the read's retries (``retry_io_stream``) instead of into the
+        input's ledger row."""
         if not is_local(self.fs) and is_store_failure(exc):
-            raise exc
+            if str(exc).startswith(f"{name}: "):  # named already (a tar member's read, raised through the tar's)
+                raise exc
+            raise OSError(f"{name}: {exc}") from exc  # a plain OSError, transient as the store's error was
 
     def _size(self, path: str) -> int | None:
         return os.stat(path).st_size if is_local(self.fs) else self.fs.get_file_info(path).size
@@ -393,7 +396,7 @@ class ShardReader:
                 return _row(source, None, f"file_too_large: more than {self.max_file_bytes} bytes, not read")
             return _row(source, data)
         except Exception as exc:  # noqa: BLE001 - any read failure becomes a ledger reason
-            self._store_failed(exc)
+            self._store_failed(exc, source)
             return _row(source, None, f"unreadable: cannot read the file: {safe_error(exc)}")
 
     def _local_refusal(self, path: str) -> str | None:
@@ -422,7 +425,7 @@ class ShardReader:
             pf = pq.ParquetFile(self._open(path), buffer_size=_PARQUET_BUFFER)  # column chunks streamed
             meta = pf.metadata
         except Exception as exc:  # noqa: BLE001 - no footer: the whole file becomes one ledger row with the reason
-            self._store_failed(exc)
+            self._store_failed(exc, uri)
             yield _row(uri, None, f"unreadable: cannot read the Parquet file's footer: {safe_error(exc)}")
             return
         promised = meta.num_rows
@@ -458,7 +461,7 @@ class ShardReader:
                     yield from self._parquet_rows(batch, uri, index, metadata_columns)
                     index += batch.num_rows
         except Exception as exc:  # noqa: BLE001 - what was read stands; one row for the rest of the file
-            self._store_failed(exc)
+            self._store_failed(exc, uri)
             yield _row(
                 f"{uri}#<from row {index}>", None,
                 f"unreadable: unreadable from row {index} of the {promised} its footer promises: {safe_error(exc)}",
@@ -562,7 +565,7 @@ class ShardReader:
                     try:
                         data = _read_member(tar, member, limit)
                     except Exception as exc:  # noqa: BLE001 - the member's own row says why; nothing after it is read
-                        self._store_failed(exc)
+                        self._store_failed(exc, uri)
                         if sidecar:
                             source = f"{uri}#<after {members} members>"
                         held.append(_row(source, None, f"unreadable: {safe_error(exc)}; the tar is read no further"))
@@ -583,7 +586,7 @@ class ShardReader:
                 if cut:
                     raise tarfile.ReadError(cut)
         except Exception as exc:  # noqa: BLE001 - a damaged tar keeps what was read plus one row for the rest
-            self._store_failed(exc)
+            self._store_failed(exc, uri)
             yield from _with_metadata(sample[1], sample[2])
             yield _row(
                 f"{uri}#<after {members} members>",

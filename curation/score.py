@@ -34,7 +34,7 @@ import pyarrow.fs as pafs
 import ray
 from ray.data import ActorPoolStrategy
 
-from common import schema
+from common import schema, watchdog
 from common.layout import LAYOUT
 from common.storage import (
     delete_quietly,
@@ -321,6 +321,9 @@ class _MapOptions(TypedDict):
     num_gpus: NotRequired[float]
 
 
+_IO_CPUS = 0.25  # the chain's reader and writer, mostly waiting on storage
+
+
 class ScorePhase:
     """Runs phase 1 for one output folder; resumable per input shard."""
 
@@ -378,7 +381,7 @@ class ScorePhase:
             _read_shards,  # type: ignore[arg-type]  # Ray types fn as taking the batch alone; fn_kwargs gives the rest
             batch_size=1,
             batch_format="pyarrow",
-            num_cpus=0.25,
+            num_cpus=_IO_CPUS,
             memory=memory,
             fn_kwargs={"cfg_json": cfg_json, "input_uri": self.input_uri},
         )
@@ -404,10 +407,21 @@ class ScorePhase:
             _write_parts,  # type: ignore[arg-type]  # Ray types fn as taking the batch alone; fn_kwargs gives the rest
             batch_size=self.cfg.input.files_per_shard,
             batch_format="pyarrow",
-            num_cpus=0.25,
+            num_cpus=_IO_CPUS,
             memory=memory,
             fn_kwargs={"out_uri": self.out_uri, "cfg_json": cfg_json, "results_hash": self.results_hash},
         )
+
+    def requests(self, memory: int) -> dict[str, dict[str, float]]:
+        """What each step of ``build``'s chain asks Ray for per task or actor: the watchdog names a stuck one."""
+
+        def ask(cpus: float, gpus: float = 0.0) -> dict[str, float]:
+            return {"CPU": cpus, "memory": memory} | ({"GPU": gpus} if gpus else {})
+
+        steps = {
+            f"stage {n}": ask(self.cfg.stages[n].num_cpus, self.cfg.stages[n].num_gpus) for n in self.cfg.enabled_stages
+        }
+        return {"the reader (_read_shards)": ask(_IO_CPUS), **steps, "the writer (_write_parts)": ask(_IO_CPUS)}
 
     def run(self, shards: list[InputShard]) -> dict:
         committed = self.committed()
@@ -420,12 +434,14 @@ class ScorePhase:
         io = dict.fromkeys(IO_COLUMNS.values(), 0)  # over the shards committed this run
         memory = self.task_memory() if todo else self.cfg.task_memory_mb * 2**20
         limit_mb, over = math.ceil(memory / 2**20), 0
+        watchdog.stage("the score phase", self.requests(memory))
         if todo:
             parts: dict[str, list[dict]] = defaultdict(list)
             sizes: dict[str, int] = {}  # known once the receipt of a shard's last chunk arrives
             next_report = 0.0
             for receipt in self.build(todo, memory).iter_rows():
                 shard_id = receipt["shard_id"]
+                watchdog.beat(f"results of input shard {shard_id} written ({len(committed)}/{len(shards)} committed)")
                 parts[shard_id].append(receipt)
                 if receipt["shard_size"] is not None:
                     sizes[shard_id] = receipt["shard_size"]

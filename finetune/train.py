@@ -231,7 +231,10 @@ class FinetuneWorker(Worker[FinetuneConfig]):
         self.val_index = DataIndex.scan(spec["val"])
         self.info = data.read_info(self.train_index, spec["train"])
         if data.read_info(self.val_index, spec["val"]) != self.info:
-            raise data.DataError(f"{spec['val']} labels differ from {spec['train']} (classes, keypoints or size)")
+            raise data.DataError(
+                f"{storage.redact(spec['val'])} labels differ from {storage.redact(spec['train'])} (classes, keypoints "
+                "or size)"
+            )
         self.task = make_task(spec["task"], cfg, self.info, cfg.model.backbone())
         self.output_hw = self.task.image_hw
         self.model = build_model(cfg, self.task, spec.get("backbone"), self.device)
@@ -249,8 +252,12 @@ class FinetuneWorker(Worker[FinetuneConfig]):
              "frozen": c.optim.freeze_backbone, "classes": self.info.num_classes, "keypoints": self.info.num_keypoints}
         )  # fmt: skip
 
+    def named_spec(self) -> dict:
+        """The run spec as the run's records name it: its URIs without query or credentials."""
+        return {k: v and storage.redact(v) for k, v in self.spec.items()}
+
     def train_state(self) -> dict:
-        return {"curve": self.curve, "spec": self.spec}
+        return {"curve": self.curve, "spec": self.named_spec()}
 
     def restore_state(self, commit: dict) -> dict:
         self.curve = commit["curve"]
@@ -406,8 +413,8 @@ class FinetuneWorker(Worker[FinetuneConfig]):
             "step": self.step,
             "metrics": final,
             "curve": self.curve,
-            "backbone": self.spec.get("backbone"),
-            "data": {"train": self.spec["train"], "val": self.spec["val"]},
+            "backbone": self.named_spec().get("backbone"),
+            "data": {"train": self.named_spec()["train"], "val": self.named_spec()["val"]},
             "config": self.cfg.model_dump(mode="json"),
         }
         storage.write_json_atomic(fs, storage.join(root, METRICS_FILE), _finite(report))

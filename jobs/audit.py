@@ -17,6 +17,7 @@ import sys
 
 from common.config import ConfigError, load_config
 from common.storage import StorageError
+from common.watchdog import Watchdog
 from curation.audit.report import ReportOptions, write_report
 from curation.audit.verify import audit
 from curation.config import CurateConfig
@@ -45,18 +46,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(CurateConfig, args.config, args.overrides) if args.report else None
-        result = audit(args.output, decode=not args.no_decode, workers=args.workers)
+        cfg = load_config(CurateConfig, args.config, args.overrides)  # watchdog.minutes too, with --report or not
+        with Watchdog("jobs.audit", cfg.watchdog.minutes):
+            result = audit(args.output, decode=not args.no_decode, workers=args.workers)
     except (ConfigError, StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(result.summary())
     if args.report:
-        assert cfg is not None  # loaded above for --report
         source = " ".join([args.config or "built-in defaults", *args.overrides])
         options = ReportOptions(seed=args.seed, per_sheet=args.per_sheet, workers=args.workers or ReportOptions.workers)
         try:
-            write_report(args.output, cfg, result, config_source=source, options=options, pool=args.input)
+            with Watchdog("jobs.audit", cfg.watchdog.minutes):
+                write_report(args.output, cfg, result, config_source=source, options=options, pool=args.input)
         except StorageError as exc:  # a record the audit does not read (the run record), another pool's --input
             print(f"report not written: {exc}", file=sys.stderr)
             return 2 if result.ok else 1

@@ -18,10 +18,12 @@ from common.layout import GLOBAL_PHASES, PHASES
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import DamagedRecordError, StorageError
+from common.watchdog import Watchdog
 from curation.config import CurateConfig
 from curation.ledger import read_ledger, summary_table
 from curation.phases import GlobalPhases, PhaseOrderError
 from curation.pool import InputShard, PoolError, list_shards, pin_listing, pinned_listing
+from curation.release import Release, ReleaseError, open_release
 from curation.score import RunMismatch, ScorePhase, claim_output, io_note
 
 
@@ -35,6 +37,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--output", required=True, help="output root (local or s3://)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
+    p.add_argument(
+        "--against",
+        default=None,
+        metavar="RELEASE",
+        help="a published curated output: its kept images count as chosen (copies of them are duplicates), and "
+        "this output becomes its next version",
+    )
     p.add_argument("--new-run", action="store_true", help="discard results of a different earlier run in --output")
     p.add_argument(
         "--break-lease", action="store_true", help="take --output over from another run that holds its lease"
@@ -61,18 +70,20 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
         # A resumed run works on the listing pinned by its first run, so the pool changing cannot remap shards.
         pinned = None if args.new_run or "score" not in phases else pinned_listing(args.output, cfg.input)
         shards = pinned if pinned is not None else list_shards(args.input, cfg.input) if "score" in phases else []
+        release = open_release(args.against, cfg.models.embedding.name) if args.against else None
         lease.acquire(force=args.break_lease)  # before claim_output can delete another run's results
         claim_output(args.output, cfg.results_hash(), args.input, args.new_run)
         if pinned is None and "score" in phases:
             pin_listing(args.output, shards, cfg.input)
-    except (ConfigError, PoolError, StorageError, RunMismatch, LeaseHeld) as exc:
+    except (ConfigError, PoolError, StorageError, RunMismatch, LeaseHeld, ReleaseError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     print(f"[curate] profile={cfg.profile} stages={','.join(cfg.enabled_stages)} config_hash={cfg.results_hash()}")
     try:
-        return _run_phases(cfg, args, lease, phases, shards, pinned is not None)
+        with Watchdog("jobs.curate", cfg.watchdog.minutes):
+            return _run_phases(cfg, args, lease, phases, shards, pinned is not None, release)
     except (PhaseOrderError, DamagedRecordError) as exc:  # a damaged record's message names it and what to do
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -85,6 +96,7 @@ def _run_phases(
     phases: list[str],
     shards: list[InputShard],
     resumed: bool,
+    release: Release | None,
 ) -> int:
     start = time.monotonic()
     if "score" in phases:
@@ -102,7 +114,7 @@ def _run_phases(
             f"({rate:.2f} img/s){memory}{io_note(summary)}"
         )
     for phase in (p for p in GLOBAL_PHASES if p in phases):
-        GlobalPhases(cfg, args.output, guard=lease.check).run(phase)
+        GlobalPhases(cfg, args.output, guard=lease.check, against=release).run(phase)
     ledger = read_ledger(args.output, ["status", "stage", "reason"])
     print(f"\n[curate] summary (all phases, {time.monotonic() - start:.1f} s this run)\n" + summary_table(ledger))
     return 0

@@ -46,10 +46,12 @@ from common.storage import (
     list_files,
     open_output_atomic,
     read_json,
+    redact,
     remove_temporaries,
     resolve,
     write_json_atomic,
 )
+from common.watchdog import Watchdog, WatchdogSettings
 from curation.final_write import UnitRecords, plan_output_shards, run_units
 from curation.metadata import sidecars_of
 from curation.records import manifest_advice
@@ -197,7 +199,7 @@ def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None
     manifest_path = join(in_root, LAYOUT.manifest_name)
     if not exists(in_fs, manifest_path):
         raise ExportError(
-            f"{shards_uri}: no {LAYOUT.manifest_name}; point --shards at a curated output's shards folder"
+            f"{redact(shards_uri)}: no {LAYOUT.manifest_name}; point --shards at a curated output's shards folder"
         )
     source = read_json(in_fs, manifest_path, fields={"shards": list}, advice=manifest_advice(in_fs, None))
     files = [s["file"] for s in source["shards"]]
@@ -260,6 +262,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--samples-per-tar", type=int, default=None, help="samples per tar (default: one tar per curated shard)"
     )
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument(
+        "--watchdog-minutes", type=float, default=WatchdogSettings().minutes,
+        help="minutes without a tar written before the job says what it waits for (0: never)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -270,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     init_ray(args.ray_address)
     try:
-        manifest = export_webdataset(args.shards, args.output, args.samples_per_tar)
+        with Watchdog("jobs.export", args.watchdog_minutes):
+            manifest = export_webdataset(args.shards, args.output, args.samples_per_tar)
     except (ExportError, StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -280,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     totals = manifest["totals"]
     print(
-        f"[export] {totals['samples']} samples in {totals['tars']} tars ({totals['bytes']} bytes) at {args.output}"
+        f"[export] {totals['samples']} samples in {totals['tars']} tars ({totals['bytes']} bytes) at {redact(args.output)}"
         + (f"; {totals['skipped']} rows without image bytes skipped" if totals["skipped"] else "")
     )
     return 0

@@ -22,6 +22,7 @@ from common.config import ConfigError, load_config
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import StorageError
+from common.watchdog import Watchdog
 from finetune import data, tasks
 from finetune.config import FinetuneConfig
 from finetune.train import FINETUNED_FILE, METRICS_FILE, PICTURES, fit
@@ -126,7 +127,8 @@ def _finetune(args: argparse.Namespace, cfg: FinetuneConfig, spec: dict, info: d
         flush=True,
     )
     start = time.monotonic()
-    fit(cfg, spec, args.storage, args.name)
+    with Watchdog("jobs.finetune", cfg.watchdog.minutes):
+        fit(cfg, spec, args.storage, args.name)
     fs, run = storage.resolve(run_uri)
     report = storage.read_json(fs, storage.join(run, METRICS_FILE))
     final = {k: v for k, v in report["metrics"].items() if isinstance(v, float)}

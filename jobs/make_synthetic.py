@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.unlabelled:
             shards = write_pool(args.out, args.n, cfg, args.seed, args, pool)
             print(f"[make_synthetic] {args.n} unlabelled renders at {cfg.height}x{cfg.width} in {shards} shards "
-                  f"in {args.out}")  # fmt: skip
+                  f"in {storage.redact(args.out)}")  # fmt: skip
             return 0
         for split, n in (("train", args.n), ("val", n_val), ("test", args.test)):
             if n:
@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         if pool:
             pool.shutdown()
     test = f" + {args.test} test" if args.test else ""
-    print(f"[make_synthetic] {args.n} train + {n_val} val{test} samples at {cfg.height}x{cfg.width} in {args.out}")
+    print(f"[make_synthetic] {args.n} train + {n_val} val{test} samples at {cfg.height}x{cfg.width} in "
+          f"{storage.redact(args.out)}")  # fmt: skip
     return 0
 
 

@@ -24,6 +24,7 @@ from common.config import ConfigError, load_config
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import StorageError
+from common.watchdog import Watchdog
 from pretrain.config import PretrainConfig
 from pretrain.data import DataError, ensure_index
 from pretrain.export import EXPORT_FILES, EXPORTS, export_backbone
@@ -94,7 +95,8 @@ def _train(args: argparse.Namespace, cfg: PretrainConfig, run_uri: str, data_uri
         flush=True,
     )
     start = time.monotonic()
-    fit(cfg, args.storage, args.name, data_uri)
+    with Watchdog("jobs.pretrain", cfg.watchdog.minutes):
+        fit(cfg, args.storage, args.name, data_uri)
     lease.check()  # the export below is this run's to write only while it holds the run
     latest = checkpoint.latest_committed(run_uri)
     print(f"[pretrain] done in {time.monotonic() - start:.0f} s")

@@ -98,7 +98,7 @@ class DataIndex:
 
         def actual(name: str) -> str:
             try:
-                return storage.file_sha256(fs, storage.join(root, name))
+                return storage.file_sha256(fs, posixpath.normpath(storage.join(root, name)))
             except FileNotFoundError:
                 return "missing"
 
@@ -168,7 +168,7 @@ class DataIndex:
                 "be half-written or left over). Pass the curate job's <out>/shards once its write phase has finished "
                 "(or a folder written by jobs.make_synthetic)"
             )
-        shards = storage.read_json(fs, manifest_path)["shards"]
+        shards = _versions_shards(fs, root, storage.read_json(fs, manifest_path), shown)
         if not shards:
             raise DataError(f"the manifest of {shown} lists no shards")
 
@@ -199,11 +199,38 @@ class DataIndex:
         return index
 
 
+def _versions_shards(fs, root: str, manifest: dict, shown: str) -> list[dict]:
+    """The shards of a manifest and of every release it follows (``previous``: an output curated ``--against``
+    another is its next version), the earlier ones named relative to ``root`` (``../../<release>/shards/...``). A
+    release is read on the data's store, at its current version (a takedown there applies here too)."""
+    shards = list(manifest["shards"])
+    seen = {root}
+    previous = manifest.get("previous")
+    while previous:
+        release = previous["release"]
+        folder = storage.join(storage.path_on_store(release), LAYOUT.shards)
+        if folder in seen:
+            raise DataError(f"the manifests under {shown} follow each other in a circle (at {folder})")
+        seen.add(folder)
+        path = storage.join(folder, LAYOUT.manifest_name)
+        if not storage.exists(fs, path):
+            raise DataError(
+                f"{shown} is the next version of {release}, whose {LAYOUT.manifest_name} is not on this store: a release "
+                "and its next versions must live on one store"
+            )
+        earlier = storage.read_json(fs, path)
+        prefix = posixpath.relpath(folder, root)
+        shards += [{**s, "file": f"{prefix}/{s['file']}"} for s in earlier["shards"]]
+        previous = earlier.get("previous")
+    return shards
+
+
 def open_shard(data_uri: str, name: str) -> pq.ParquetFile:
-    """The shard ``name`` (relative to the data folder ``data_uri``); a clear error when it is gone."""
+    """The shard ``name`` (relative to the data folder ``data_uri``; a release's, ``../``); a clear error when it is
+    gone."""
     fs, root = storage.resolve(data_uri)
     try:
-        return pq.ParquetFile(fs.open_input_file(storage.join(root, name)))
+        return pq.ParquetFile(fs.open_input_file(posixpath.normpath(storage.join(root, name))))
     except FileNotFoundError:
         raise DataError(
             f"{name} under {storage.redact(data_uri)} is gone: the data was rewritten or removed after this run indexed "

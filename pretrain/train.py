@@ -385,4 +385,5 @@ def fit(cfg: PretrainConfig, storage_path: str, name: str, data_uri: str | None 
     """Run (or resume) the training run ``name`` under ``storage_path`` on the connected Ray cluster; ``data_uri``
     opens the data (default: the folder name the run's index recorded, enough unless its URI carries a query)."""
     config = {"config": cfg.model_dump(mode="json"), "run_uri": run_uri_for(storage_path, name), "data_uri": data_uri}
-    return launch(train_loop, config, cfg.ray, storage_path, name, keep=cfg.checkpoint.keep)
+    reader = {"the data reader (data.read_cpus)": {"CPU": cfg.data.read_cpus}}  # each worker's Ray Data tasks
+    return launch(train_loop, config, cfg.ray, storage_path, name, keep=cfg.checkpoint.keep, requests=reader)

@@ -125,6 +125,22 @@ def curated_run(sample_pool, ray_local, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def wds_curated_run(ray_local, tmp_path_factory) -> tuple[Path, Path]:
+    """(pool, out): a 40-input WebDataset sample pool with img2dataset's sidecars, curated with the lite profile.
+
+    Shared by the whole session: read it, or copy it before changing anything.
+    """
+    from jobs import curate
+
+    base = tmp_path_factory.mktemp("wds_curated_run")
+    pool, out = base / "pool", base / "out"
+    assert make_sample_pool.main(["--out", str(pool), "--format", "webdataset", "--n", "40"]) == 0
+    argv = ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(pool), "--output", str(out)]
+    assert curate.main(argv) == 0
+    return pool, out
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny tensors: one thread is fastest, and OpenMP workers spin badly on a shared two-core machine."""

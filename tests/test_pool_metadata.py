@@ -18,7 +18,7 @@ from curation.ledger import read_ledger
 from curation.metadata import merge_all, metadata_types, sample_key, split_metadata
 from curation.pool import list_shards
 from generators.sample_pool import read_manifest
-from jobs import curate, export, make_sample_pool
+from jobs import export
 from tests.test_pool import _jpeg, read_shard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -209,14 +209,9 @@ def test_at_most_a_bounded_number_of_fields_are_typed():
 # --- end to end: a WebDataset pool with img2dataset's sidecars ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def wds_run(tmp_path_factory, ray_local):
-    base = tmp_path_factory.mktemp("metadata")
-    pool, out = base / "pool", base / "out"
-    assert make_sample_pool.main(["--out", str(pool), "--format", "webdataset", "--n", "40"]) == 0
-    argv = ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(pool), "--output", str(out)]
-    assert curate.main(argv) == 0
-    return pool, out
+@pytest.fixture()
+def wds_run(wds_curated_run):
+    return wds_curated_run
 
 
 def _truth(pool: Path) -> dict[str, dict]:

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from common.config import Strict
+from common.watchdog import WatchdogSettings
 from training.metrics_sinks import Backend, check_backends
 
 
@@ -61,6 +62,7 @@ class TrainingConfig(Strict):
     checkpoint: CheckpointSettings = CheckpointSettings()
     log: LogSettings = LogSettings()
     ray: RaySettings = RaySettings()
+    watchdog: WatchdogSettings = WatchdogSettings()
 
     @abstractmethod
     def samples_per_step(self, workers: int | None = None) -> int:

@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import Callable
 
-from common import storage
+from common import storage, watchdog
 from common.config import ConfigError
 from training.config import RaySettings
 
@@ -55,11 +55,11 @@ def claim_run(run_uri: str, identity: dict, info: dict | None = None) -> bool:
 
 def launch(
     loop: Callable[[dict], None], loop_config: dict, settings: RaySettings, storage_path: str, name: str,
-    keep: int | None = None,
+    keep: int | None = None, requests: watchdog.Requests | None = None,
 ):  # fmt: skip
     """``loop(loop_config)`` on a Ray Train worker group sized by ``settings``; Ray Train's run (its checkpoint
     registry, restarts after failures) lives in ``<storage_path>/<name>`` and keeps the newest ``keep`` checkpoints
-    reported to it."""
+    reported to it. ``requests``: what the loop's own Ray tasks ask for, named when the driver's watchdog reports."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -81,5 +81,11 @@ def launch(
             # in its log files; the console gets rank 0's progress lines and Ray Train's warnings and errors
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
+    )
+    watchdog.stage(
+        "the Ray Train run",
+        requests,
+        groups={"the Ray Train worker group (ray.workers x ray.cpus_per_worker)": resources},  # one bundle a worker
+        follow=watchdog.progress_key(run_uri_for(storage_path, name)),  # the steps rank 0 relays (training.worker)
     )
     return trainer.fit()

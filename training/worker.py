@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import storage
+from common import storage, watchdog
 from training import checkpoint
 from training.config import TrainingConfig
 from training.metrics import MetricsLog
@@ -62,9 +62,21 @@ class Worker(ABC, Generic[C]):
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.ray_storage = ctx.get_storage()
         self.device = ray.train.torch.get_device()
+        if self.rank == 0:  # the driver's watchdog follows the run's steps (common.watchdog)
+            watchdog.relay(watchdog.progress_key(run_uri))
         self.step = 0
         self.saved_step: int | None = None  # the step of the newest checkpoint, restored or saved
         self.log: MetricsLog | None = None  # rank 0's, from ``resume`` on
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        # each step a loop takes (and the one a resume restores) is the progress the driver's watchdog watches
+        self._step = value
+        watchdog.beat(f"step {value}/{self.cfg.steps}")
 
     @abstractmethod
     def model_hash(self) -> str:

@@ -816,9 +816,10 @@ class _Report:
             for sid, title, parts in sections
         )
         note = f'<p class="note">{_esc(LITE_NOTE)}</p>' if self.cfg.profile == "lite" else ""
+        shown = redact(self.out_uri)  # the page may be shared: no query or credentials
         page = (
-            f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>Curation report: {_esc(self.out_uri)}</title>"
-            f"<style>{_CSS}</style></head><body><h1>Curation report</h1><p><code>{_esc(self.out_uri)}</code></p>{note}"
+            f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>Curation report: {_esc(shown)}</title>"
+            f"<style>{_CSS}</style></head><body><h1>Curation report</h1><p><code>{_esc(shown)}</code></p>{note}"
             f"<nav>{nav}</nav>{body}</body></html>"
         )
         write_bytes_atomic(self.fs, join(report, "index.html"), page.encode())

@@ -10,13 +10,16 @@ one, and what is wrong:
 - the manifest lists one final-ledger file per committed input shard, with its sha256, and ``final_ledger/``
   holds nothing else; each covers every input of its shard exactly once (the inputs are the phase-1 ledger's rows,
   counted in the shard's commit record); its funnel equals the manifest's; its kept rows are exactly the shards'
-  rows.
+  rows;
+- no image a recorded takedown lists (``_state/takedown/``) is in a listed shard, every takedown finished, and the
+  files a takedown replaced are gone once its grace has passed.
 
 Everything goes through ``common.storage``, so ``s3://bucket/prefix`` is audited like a local folder.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import os
 import time
@@ -25,17 +28,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from common import schema
+from common import schema, watchdog
 from common.imageio import open_reduced, safe_error
-from common.layout import GLOBAL_PHASES, LAYOUT
-from common.storage import DamagedRecordError, exists, file_sha256, join, list_files, resolve
+from common.layout import GLOBAL_PHASES, LAYOUT, funnel_phase
+from common.storage import DamagedRecordError, exists, file_sha256, join, list_files, path_on_store, resolve
 from curation.ledger import reason_code
 from curation.records import read_commit, read_done, read_manifest
+from curation.takedown import Takedowns, listed_rows, record_path, recorded_entries, takedown_records
 
-STATUSES = (schema.KEPT, schema.REJECTED, schema.ERROR, schema.DUPLICATE, schema.UNSAMPLED)
+STATUSES = (schema.KEPT, schema.REJECTED, schema.ERROR, schema.DUPLICATE, schema.UNSAMPLED, schema.TAKEN_DOWN)
 
 
 @dataclass(frozen=True, order=True)
@@ -69,8 +74,7 @@ class AuditResult:
 
 def funnel_key(stage: str | None, status: str, reason: str | None) -> str:
     """The manifest's funnel bucket of a final-ledger row: ``<phase>/<stage>/<status>/<reason code>``."""
-    phase = stage if stage in GLOBAL_PHASES else "score"
-    return f"{phase}/{stage}/{status}/{reason_code(reason)}"
+    return f"{funnel_phase(stage)}/{stage}/{status}/{reason_code(reason)}"
 
 
 @dataclass
@@ -180,6 +184,16 @@ class _Auditor:
                     None,
                     f"totals.{key} is {manifest['totals'].get(key)}, its shards add up to {value}",
                 )
+        previous = manifest.get("previous")
+        if previous:  # the release this output is the next version of: read on this store, as training reads it
+            release = previous["release"]
+            path = join(path_on_store(release), LAYOUT.manifest)
+            if not exists(self.fs, path):
+                self.problem(
+                    LAYOUT.manifest,
+                    None,
+                    f"the next version of {release}, whose {LAYOUT.manifest} is not on this store (training would stop)",
+                )
         return manifest
 
     def check_shard(self, entry: dict, manifest: dict) -> tuple[list[Problem], _ShardRows]:
@@ -262,10 +276,13 @@ class _Auditor:
     def shards(self, manifest: dict) -> list[_ShardRows]:
         entries = manifest["shards"]
         with ThreadPoolExecutor(max_workers=max(1, self.workers)) as pool:
-            results = list(pool.map(lambda e: self.check_shard(e, manifest), entries))
+            results = []
+            for result in pool.map(lambda e: self.check_shard(e, manifest), entries):
+                results.append(result)
+                watchdog.beat(f"[audit] {len(results)}/{len(entries)} shards checked")
         listed = {f"{LAYOUT.shards}/{e['file']}" for e in entries}
         for rel in self._files_under(LAYOUT.shards):
-            if rel not in listed and rel != LAYOUT.manifest:
+            if rel not in listed and rel != LAYOUT.manifest and not self.replaced_by_takedown(rel):
                 self.problem(rel, None, "not in the manifest (a stray file: readers globbing *.parquet would read it)")
         counts = Counter(e["file"] for e in entries)
         for name, n in counts.items():
@@ -365,7 +382,7 @@ class _Auditor:
             return []
         expected = self._listed_ledger(manifest, records)
         for rel in self._files_under(LAYOUT.final_ledger):
-            if rel not in expected:
+            if rel not in expected and not self.replaced_by_takedown(rel):
                 self.problem(rel, None, "not a final-ledger file the manifest lists (a stray file)")
         columns = ["source", "shard_id", "key", "status", "stage", "reason"]
         rows: list[dict] = []
@@ -420,6 +437,59 @@ class _Auditor:
         self.counts["ledger_rows"] = len(rows)
         return rows
 
+    # --- takedowns ------------------------------------------------------------------------------------------------
+
+    def load_takedowns(self) -> None:
+        """The takedown records, and the files each replaced that may still be there (until its grace ends)."""
+        self.takedowns: list[dict] = []
+        self.replaced: set[str] = set()  # files takedowns replaced: not strays (reported here when past their grace)
+        try:
+            records = takedown_records(self.fs, self.root)
+        except DamagedRecordError as exc:
+            self.damaged(LAYOUT.takedowns, exc)
+            return
+        now = dt.datetime.now(dt.UTC)
+        for record in records:
+            rel = record_path(record["id"])
+            if record["status"] != "done":
+                self.problem(rel, None, "a takedown that did not finish: run the same jobs.takedown command again")
+            self.takedowns.append(record)
+            if record.get("purged"):
+                continue
+            for replaced in record["superseded"]:
+                self.replaced.add(replaced)
+                if dt.datetime.fromisoformat(record["delete_after"]) > now:
+                    self.counts["replaced_in_grace"] += 1
+                elif exists(self.fs, self.path(replaced)):
+                    self.problem(
+                        replaced,
+                        None,
+                        f"replaced by takedown {record['id']} and kept past its grace ({record['delete_after']}): it "
+                        "may hold a taken-down image; run jobs.takedown again to delete it",
+                    )
+
+    def replaced_by_takedown(self, rel: str) -> bool:
+        return rel in self.replaced
+
+    def check_takedowns(self, manifest: dict) -> None:
+        """No image a recorded list names is in a shard the manifest lists."""
+        if not self.takedowns:
+            return
+        lists = Takedowns(
+            tuple((tuple(recorded_entries(self.fs, self.root, r).to_pylist()), r["id"]) for r in self.takedowns)
+        )
+        for entry in manifest["shards"]:
+            rel = f"{LAYOUT.shards}/{entry['file']}"
+            try:
+                names = pq.read_schema(self.path(rel), filesystem=self.fs).names
+                columns = [c for c in ("key", "source", "metadata", "metadata_json") if c in names]
+                table = pq.read_table(self.path(rel), columns=columns, filesystem=self.fs)
+            except Exception:  # noqa: BLE001 - missing or damaged shards are reported by check_shard
+                continue
+            for entries, list_id in lists.lists:
+                for row in pc.indices_nonzero(listed_rows(table, pa.array(entries, pa.string()))).to_pylist():
+                    self.problem(rel, row, f"holds {table.column('source')[row]}, which takedown {list_id} removed")
+
     def cross_check(self, manifest: dict, shard_rows: list[_ShardRows], ledger: list[dict]) -> None:
         funnel = Counter(funnel_key(r["stage"], r["status"], r["reason"]) for r in ledger)
         for key in sorted(set(funnel) | set(manifest["funnel"])):
@@ -461,11 +531,13 @@ def audit(out_uri: str, *, decode: bool = True, workers: int | None = None) -> A
     """Verify the curated output at ``out_uri`` (local or ``s3://``); see the module docstring for the checks."""
     start = time.monotonic()
     auditor = _Auditor(out_uri, decode, workers or min(8, os.cpu_count() or 1))
+    auditor.load_takedowns()
     manifest = auditor.manifest()
     shard_rows = auditor.shards(manifest) if manifest else []
     ledger = auditor.ledger(manifest)
     if manifest:
         auditor.cross_check(manifest, shard_rows, ledger)
+        auditor.check_takedowns(manifest)
     order = {p: i for i, p in enumerate(auditor.problems)}  # stable: by file, then row, then finding order
     problems = sorted(dict.fromkeys(auditor.problems), key=lambda p: (p.file, -1 if p.row is None else p.row, order[p]))
     counts = {k: auditor.counts[k] for k in ("shards", "shard_rows", "images_decoded", "inputs", "ledger_rows")}

@@ -1,0 +1,77 @@
+"""Remove listed images from a published curated output.
+
+    python -m jobs.takedown --output <out> --list <file> [--by NAME] [--grace-minutes 60]
+    ray job submit --working-dir . -- python -m jobs.takedown --output s3://bucket/curated --list s3://bucket/list.txt
+
+The list names images by key (sha256 of the image bytes), ledger source, or the pool's ``url``, one a line (``#``
+starts a comment). Only the shards that hold a listed image are rewritten; the manifest switches to the next version
+in one atomic write, the final ledger records each removal (status ``taken_down``, the reason naming the list and
+the date) and ``_state/takedown/<list id>.json`` records who asked, when and what was removed. The replaced files
+stay ``--grace-minutes`` for trainers that indexed the previous manifest, then the next takedown run deletes them
+(``--grace-minutes 0``: at once). The same command again is a no-op that finishes what a killed run left;
+``jobs.audit`` checks that nothing a recorded list names is in the shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import sys
+
+from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
+from common.ray_utils import init_ray
+from common.storage import DamagedRecordError, StorageError
+from curation.takedown import TakedownError, read_list, run_takedown
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.takedown", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--output", required=True, help="a curated output (local or s3://), as given to jobs.curate")
+    p.add_argument("--list", required=True, help="keys, sources or URLs to remove, one a line (local or s3://)")
+    p.add_argument("--by", default=None, help="who asked for the takedown, for the record (default: this user)")
+    p.add_argument(
+        "--grace-minutes",
+        type=float,
+        default=60.0,
+        help="keep the replaced files this long for trainers reading the previous manifest (default 60)",
+    )
+    p.add_argument("--ray-address", default=None, help="join this cluster (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--break-lease", action="store_true", help="take the output's lease from a live holder")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.grace_minutes < 0:
+        print("error: --grace-minutes must be 0 or more", file=sys.stderr)
+        return 2
+    try:
+        lst = read_list(args.list)  # before the lease and Ray: a bad list writes nothing
+    except (TakedownError, StorageError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    lease = Lease(args.output, holder="jobs.takedown", on_lost=interrupt_main)
+    return exit_code_holding(lease, lambda: _takedown(args, lst, lease))
+
+
+def _takedown(args: argparse.Namespace, lst, lease: Lease) -> int:
+    try:
+        lease.acquire(force=args.break_lease)
+        init_ray(args.ray_address)
+        record = run_takedown(
+            args.output, lst, by=args.by or getpass.getuser(), grace_minutes=args.grace_minutes, guard=lease.check
+        )
+    except (TakedownError, StorageError, DamagedRecordError, LeaseHeld) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"[takedown] done: {len(record['removed'])} images of list {record['id']} are out of {args.output} "
+        f"(manifest version {record['version']}); check with: python -m jobs.audit {args.output}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

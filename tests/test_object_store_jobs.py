@@ -1,0 +1,294 @@
+"""Every job on the object-store URIs curation takes: ``s3://bucket/prefix?endpoint_override=...&scheme=http&...``,
+on a local S3 (moto). Pretraining and fine-tuning keep their runs there (Ray Train included, through the project's
+pyarrow filesystem) and resume from their checkpoints; probing, exporting, auditing and the report read and write
+there; no query or credentials end up in what the jobs write or print.
+
+The URIs carry their credentials as user info (``s3://user:secret@bucket/...``): Ray's worker processes, started
+before a test sets environment variables, reach the store with them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+import torch
+from conftest import moto_s3, s3_query
+from PIL import Image
+
+from common import storage
+from common.layout import LAYOUT
+from finetune.train import load_finetuned
+from jobs import audit as audit_job
+from jobs import curate, make_synthetic, probe
+from jobs import export as export_job
+from jobs import finetune as finetune_job
+from jobs import pretrain as pretrain_job
+from pretrain.export import BACKBONE_FILE, load_backbone
+from training import checkpoint as ckpt
+from training.metrics import latest_per_step, read_metrics
+from training.runner import ray_storage, run_uri_for
+
+REPO = Path(__file__).resolve().parents[1]
+SECRET = "runsecret"
+CREDS = f"runuser:{SECRET}"
+PRETRAIN = [  # the tiny config, a few small steps
+    "checkpoint.every=2",
+    "checkpoint.keep=2",
+    "objective.views.global_size=[64,48]",
+    "objective.views.local_size=[32,32]",
+    "optim.warmup_steps=1",
+    "data.batch_size=1",
+    "log.every=1",
+]
+FINETUNE = ["checkpoint.every=2", "log.every=2", "eval.visualise=1", "eval.max_samples=4", "data.batch_size=2"]
+CURATE = [  # only the stages the global phases need
+    "stages.person.enabled=false",
+    "stages.head_pose.enabled=false",
+    "stages.quality.enabled=false",
+    "stages.text_overlay.enabled=false",
+]
+
+
+@pytest.fixture(scope="module")
+def store():
+    """A local S3 with buckets ``data`` and ``runs``: ``(filesystem, host:port)``."""
+    with moto_s3("data", "runs") as (fs, endpoint):
+        yield fs, endpoint
+
+
+def s3(store, path: str) -> str:
+    """The URI of ``bucket/key`` on the test store, as a user gives it: credentials and endpoint in it."""
+    return f"s3://{CREDS}@{path}{s3_query(store[1])}"
+
+
+def _objects(fs: pafs.FileSystem, prefix: str) -> dict[str, bytes]:
+    infos = fs.get_file_info(pafs.FileSelector(prefix, recursive=True))
+    return {i.path: fs.open_input_stream(i.path).read() for i in infos if i.type == pafs.FileType.File}
+
+
+def _no_secrets(fs: pafs.FileSystem, prefix: str, store_records: tuple[str, ...] = ()) -> None:
+    """No object under ``prefix`` holds the credentials, nor the endpoint's query but the ``store_records`` whose
+    purpose is to reach the store again."""
+    for path, data in _objects(fs, prefix).items():
+        assert SECRET.encode() not in data, path
+        assert b"endpoint_override" not in data or path in store_records, path
+
+
+# --- URIs ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_uri_joins_its_path_before_its_query():
+    base = "s3://u:p@bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http&region=us-east-1"
+    run = storage.join(base, "tiny", "checkpoints/")
+    assert run == "s3://u:p@bucket/runs/tiny/checkpoints?endpoint_override=127.0.0.1:9000&scheme=http&region=us-east-1"
+    assert run_uri_for(base, "tiny") == storage.join(base, "tiny")
+    # parts are percent-encoded, as pyarrow decodes a URI's path; a filesystem path is joined as it is
+    odd = storage.join("s3://bucket/runs?region=us-east-1", "a b#1?", "step_000000002")
+    assert odd == "s3://bucket/runs/a%20b%231%3F/step_000000002?region=us-east-1"
+    assert pafs.FileSystem.from_uri(odd)[1] == "bucket/runs/a b#1?/step_000000002"
+    assert storage.join("bucket/pool/what?.jpg", "x") == "bucket/pool/what?.jpg/x"
+    assert storage.basename(odd) == "step_000000002" and storage.basename("/runs/tiny/") == "tiny"
+    assert ckpt.step_of(ckpt.step_uri(base, 12)) == 12
+    assert storage.redact(run) == "s3://bucket/runs/tiny/checkpoints"
+    assert (
+        storage.without_credentials(base)
+        == "s3://bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http&region=us-east-1"
+    )
+    assert storage.without_credentials("gs://b/p?access_token=x&project=y") == "gs://b/p?project=y"
+
+
+def test_ray_train_gets_the_projects_filesystem_and_a_plain_path(tmp_path):
+    given = ray_storage("s3://bucket/runs?endpoint_override=127.0.0.1:9&scheme=http&region=us-east-1")
+    assert given["storage_path"] == "bucket/runs"  # a path on the filesystem, no scheme, no query
+    assert given["storage_filesystem"].__reduce__()[1][0]["endpoint_override"] == "127.0.0.1:9"  # what Ray pickles
+    assert ray_storage(str(tmp_path / "runs")) == {"storage_path": str(tmp_path / "runs")}
+
+
+# --- pretraining and fine-tuning ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pretrained(store, curated_run, ray_local):
+    """A tiny pretraining run on the store: 4 steps, then the same command with steps=6 (a resume); returns the run's
+    URI and the console of both commands."""
+    fs, _ = store
+    pafs.copy_files(
+        str(curated_run / "shards"), "data/shards", source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs
+    )
+    args = ["--config", str(REPO / "configs/pretrain/tiny.yaml"), "--data", s3(store, "data/shards"),
+            "--storage", s3(store, "runs/pretrain"), "--name", "tiny", *PRETRAIN]  # fmt: skip
+    consoles = []
+    for steps in (4, 6):
+        with contextlib.redirect_stdout(io.StringIO()) as console:
+            assert pretrain_job.main([*args, f"steps={steps}"]) == 0
+        consoles.append(console.getvalue())
+    return storage.join(s3(store, "runs/pretrain"), "tiny"), consoles
+
+
+@pytest.mark.slow  # two pretraining commands on Ray Train
+def test_pretraining_on_an_object_store_trains_resumes_and_exports(store, pretrained):
+    fs, _ = store
+    run, consoles = pretrained
+    assert [step for step, _, committed in ckpt.list_checkpoints(run) if committed] == [4, 6]  # keep=2
+    train = latest_per_step(read_metrics(run))
+    assert sorted(train) == [1, 2, 3, 4, 5, 6]
+    (resume,) = read_metrics(run, "resume")
+    # Ray Train handed back the checkpoint it had registered on the store: the run resumed from it, not adopted it
+    assert resume["step"] == 4 and resume["adopted"] is False
+    assert resume["checkpoint"] == "s3://runs/pretrain/tiny/checkpoints/step_000000004"
+    names = {info.base_name for info in fs.get_file_info(pafs.FileSelector("runs/pretrain/tiny"))}
+    assert {"run.json", "checkpoints", "metrics", BACKBONE_FILE} <= names
+    assert any(n.startswith("checkpoint_manager_snapshot") or n.startswith(".validate") for n in names), names
+    backbone = load_backbone(storage.join(run, BACKBONE_FILE))
+    assert ckpt.read_safetensors(storage.join(run, BACKBONE_FILE))[1]["step"] == "6"
+    assert torch.isfinite(backbone(torch.zeros(1, 3, 64, 48)).patches).all()
+    assert json.loads(fs.open_input_stream("runs/pretrain/tiny/run.json").read())["data"] == "s3://data/shards"
+    assert "[pretrain] resuming s3://runs/pretrain/tiny:" in consoles[1]
+    assert "[pretrain] backbone:    s3://runs/pretrain/tiny/backbone.safetensors (size tiny, step 6)" in consoles[1]
+    for console in consoles:
+        assert SECRET not in console and "endpoint_override" not in console
+    _no_secrets(fs, "runs/pretrain")
+
+
+@pytest.fixture(scope="module")
+def labelled(store) -> str:
+    args = ["--out", s3(store, "data/labelled"), "--n", "8", "--val", "4", "--height", "64", "--width", "48",
+            "--rows-per-shard", "8", "--row-group-size", "4"]  # fmt: skip
+    assert make_synthetic.main(args) == 0
+    return s3(store, "data/labelled")
+
+
+@pytest.mark.slow  # a pretraining run (two commands) and, here, what it feeds
+def test_finetuning_on_an_object_store_from_a_pretrained_backbone_resumes(store, pretrained, labelled, capsys):
+    fs, _ = store
+    backbone = storage.join(pretrained[0], BACKBONE_FILE)
+    args = ["--task", "seg", "--config", str(REPO / "configs/finetune/tiny.yaml"), "--data", labelled,
+            "--storage", s3(store, "runs/finetune"), "--name", "seg", "--backbone", backbone, *FINETUNE]  # fmt: skip
+    capsys.readouterr()
+    assert finetune_job.main([*args, "steps=4"]) == 0
+    assert finetune_job.main([*args, "steps=6"]) == 0
+    console = capsys.readouterr().out
+    run = storage.join(s3(store, "runs/finetune"), "seg")
+    (resume,) = read_metrics(run, "resume")
+    assert resume["step"] == 4 and resume["checkpoint"] == "s3://runs/finetune/seg/checkpoints/step_000000004"
+    assert [step for step, _, _ in ckpt.list_checkpoints(run)] == [4, 6]  # pruned by the worker (keep=2)
+    report = json.loads(fs.open_input_stream("runs/finetune/seg/metrics.json").read())
+    assert report["task"] == "seg" and report["step"] == 6 and 0 <= report["metrics"]["mIoU"] <= 1
+    assert fs.get_file_info("runs/finetune/seg/pictures").type == pafs.FileType.Directory
+    _, task = load_finetuned(storage.join(run, "finetuned.safetensors"))
+    assert task.name == "seg"
+    spec = json.loads(fs.open_input_stream("runs/finetune/seg/run.json").read())
+    assert (
+        spec["backbone"] == "s3://runs/pretrain/tiny/backbone.safetensors"
+        and spec["train"] == "s3://data/labelled/train"
+    )
+    assert (
+        "[finetune] resuming s3://runs/finetune/seg:" in console
+        and "[finetune] model:    s3://runs/finetune/seg/" in console
+    )
+    assert SECRET not in console and "endpoint_override" not in console
+    _no_secrets(fs, "runs/finetune")
+
+
+@pytest.mark.slow  # a pretraining run (two commands) and, here, what it feeds
+def test_probing_reads_and_writes_the_object_store(store, pretrained, labelled, capsys):
+    fs, _ = store
+    backbone = storage.join(pretrained[0], BACKBONE_FILE)
+    out = s3(store, "runs/probe/result.json")
+    args = ["--data", labelled, "--backbone", backbone, "--out", out, "--iters", "3", "--k", "2", "--threads", "1"]
+    assert probe.main(args) == 0
+    result = json.loads(fs.open_input_stream("runs/probe/result.json").read())
+    assert result["config"]["backbone"] == "s3://runs/pretrain/tiny/backbone.safetensors"
+    assert (
+        result["config"]["train"] == "s3://data/labelled/train" and result["config"]["eval"] == "s3://data/labelled/val"
+    )
+    console = capsys.readouterr().out
+    assert "[probe] result: s3://runs/probe/result.json" in console and SECRET not in console
+
+
+# --- curation, its report and the export -------------------------------------------------------------------------
+
+
+def _photo(seed: int, size: tuple[int, int]) -> bytes:
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (size[1] // 20, size[0] // 20, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(blocks).resize(size, Image.NEAREST).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+_TILE = re.compile(
+    r'<figure class="tile[^"]*" title="([^"]*)">(?:<span[^>]*>[^<]*</span>)?'
+    r'(?:<img src="([^"]+)"|<div class="placeholder">([^<]*)</div>)'
+)
+
+
+def _tiles(page: str, section: str) -> dict[str, tuple[str | None, str | None]]:
+    """source -> (thumbnail, placeholder) of the tiles in one section of the report."""
+    body = page.split(f'<section id="{section}">', 1)[1].split("</section>", 1)[0]
+    return {m[1]: (m[2] or None, m[3] or None) for m in _TILE.finditer(body)}
+
+
+@pytest.fixture(scope="module")
+def curated(store, ray_local) -> str:
+    """A small pool on the store (3 photos to keep, 2 too small), curated into an output on the store."""
+    fs, _ = store
+    for i in range(5):
+        size = (480, 400) if i < 3 else (200, 150)
+        with fs.open_output_stream(f"data/pool/img-{i}.jpg") as f:
+            f.write(_photo(i, size))
+    out = s3(store, "runs/curated")
+    args = ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", s3(store, "data/pool"), "--output", out]
+    assert curate.main([*args, *CURATE]) == 0
+    return out
+
+
+def test_the_report_shows_rejected_images_of_an_object_store_pool(store, curated, monkeypatch, capsys):
+    fs, endpoint = store
+    record = json.loads(fs.open_input_stream(f"runs/curated/{LAYOUT.run_record}").read())
+    assert record["input"] == "s3://data/pool" and record["input_store"] == f"s3://data/pool{s3_query(endpoint)}"
+    # the report reads the pool on the store the run recorded, with the environment's credentials
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "runuser")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    lite = [*CURATE, "--config", str(REPO / "configs/curate/lite.yaml")]  # the overrides as jobs.curate had them
+    assert audit_job.main([curated, *lite, "--report"]) == 0
+    page = fs.open_input_stream("runs/curated/report/index.html").read().decode()
+    rejected = _tiles(page, "rejected")
+    assert sorted(rejected) == ["s3://data/pool/img-3.jpg", "s3://data/pool/img-4.jpg"]
+    for source, (thumb, why) in rejected.items():
+        assert thumb and why is None, (source, why)
+        assert fs.get_file_info(f"runs/curated/report/{thumb}").size > 0
+    kept = _tiles(page, "kept")
+    assert kept and all(thumb for thumb, _ in kept.values())  # from the scored files on the store
+    _no_secrets(fs, "runs/curated", store_records=(f"runs/curated/{LAYOUT.run_record}",))
+    # the pool given again (credentials in its URI) is the one curated; another pool is refused, naming both
+    assert audit_job.main([curated, *lite, "--report", "--input", s3(store, "data/pool")]) == 0
+    capsys.readouterr()
+    assert audit_job.main([curated, *lite, "--report", "--input", s3(store, "data/other")]) == 2
+    err = capsys.readouterr().err
+    assert "--input s3://data/other is not the pool s3://runs/curated was curated from (s3://data/pool)" in err
+    assert SECRET not in err
+
+
+def test_exporting_curated_shards_between_object_store_folders(store, curated, ray_local):
+    fs, _ = store
+    shards = storage.join(curated, LAYOUT.shards)
+    out = s3(store, "runs/wds")
+    assert export_job.main(["--shards", shards, "--format", "webdataset", "--output", out]) == 0
+    manifest = json.loads(fs.open_input_stream("runs/wds/manifest.json").read())
+    samples = sum(t["samples"] for t in manifest["tars"])
+    curated_rows = json.loads(fs.open_input_stream(f"runs/curated/{LAYOUT.manifest}").read())["totals"]["rows"]
+    assert samples == curated_rows > 0
+    members = []
+    for t in manifest["tars"]:
+        with tarfile.open(fileobj=io.BytesIO(fs.open_input_stream(f"runs/wds/{t['file']}").read())) as tar:
+            members += tar.getnames()
+    assert len([m for m in members if m.endswith(".jpg")]) == samples
