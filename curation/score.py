@@ -304,9 +304,10 @@ def claim_output(out_uri: str, results_hash: str, input_uri: str, new_run: bool)
     for top in (LAYOUT.scored, LAYOUT.ledger):
         delete_quietly(fs, join(root, top))
     state = join(root, LAYOUT.state)
-    if exists(fs, state):  # all of it but the lease this run holds
+    if exists(fs, state):  # all of it but the lease this run holds and the takedowns, which bind every run
+        keep = {join(root, LAYOUT.lease), join(root, LAYOUT.takedowns)}
         for info in fs.get_file_info(pafs.FileSelector(state)):
-            if info.path != join(root, LAYOUT.lease):
+            if info.path not in keep:
                 delete_quietly(fs, info.path)
     write_json_atomic(fs, path, record)
 

@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from common import schema
+from common import schema, watchdog
 from common.layout import LAYOUT, TAKEDOWN
 from common.storage import (
     StorageError,
@@ -223,8 +223,12 @@ def _in_window(task, calls: list[tuple], window: int) -> list:
     for args in calls:
         if len(pending) >= window:
             results.append(ray.get(pending.pop(0)))
+            watchdog.beat()
         pending.append(task.remote(*args))
-    return results + ray.get(pending)
+    for ref in pending:
+        results.append(ray.get(ref))
+        watchdog.beat()
+    return results
 
 
 # --- the step ---------------------------------------------------------------------------------------------------------
@@ -277,6 +281,7 @@ def run_takedown(
     entries = pa.table({"entry": pa.array(lst.entries, pa.string())})
     write_parquet_atomic(fs, join(root, entries_path(lst.id)), entries, row_group_size=100_000)
     window = max(2, 2 * int(ray.cluster_resources().get("CPU", 2)))
+    watchdog.stage("the takedown's shard scan and rewrites")
     files = [s["file"] for s in manifest["shards"]]
     entries_ref = ray.put(list(lst.entries))
     scans = [(out_uri, files[i : i + _SHARDS_PER_SCAN], entries_ref) for i in range(0, len(files), _SHARDS_PER_SCAN)]

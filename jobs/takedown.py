@@ -21,6 +21,7 @@ import sys
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import DamagedRecordError, StorageError
+from common.watchdog import Watchdog, WatchdogSettings
 from curation.takedown import TakedownError, read_list, run_takedown
 
 
@@ -39,6 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--ray-address", default=None, help="join this cluster (default: RAY_ADDRESS, else a local Ray)")
     p.add_argument("--break-lease", action="store_true", help="take the output's lease from a live holder")
+    p.add_argument(
+        "--watchdog-minutes", type=float, default=WatchdogSettings().minutes,
+        help="minutes without a shard scanned or rewritten before the job says what it waits for (0: never)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -60,9 +65,10 @@ def _takedown(args: argparse.Namespace, lst, lease: Lease) -> int:
     try:
         lease.acquire(force=args.break_lease)
         init_ray(args.ray_address)
-        record = run_takedown(
-            args.output, lst, by=args.by or getpass.getuser(), grace_minutes=args.grace_minutes, guard=lease.check
-        )
+        with Watchdog("jobs.takedown", args.watchdog_minutes):
+            record = run_takedown(
+                args.output, lst, by=args.by or getpass.getuser(), grace_minutes=args.grace_minutes, guard=lease.check
+            )
     except (TakedownError, StorageError, DamagedRecordError, LeaseHeld) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

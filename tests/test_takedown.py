@@ -14,6 +14,7 @@ from common.layout import LAYOUT
 from curation import takedown as td
 from curation.audit.verify import audit
 from curation.ledger import read_ledger
+from curation.score import claim_output
 from jobs import curate
 from jobs import takedown as job
 
@@ -149,6 +150,10 @@ def test_a_later_write_phase_keeps_taken_down_images_out(out, tmp_path):
     assert all(_ledger(out)[s]["status"] == schema.TAKEN_DOWN for s in sources)
     result = audit(str(out))
     assert result.ok, result.summary()
+    # a new run on the output discards its results, never its takedowns
+    records = sorted(p.name for p in (out / LAYOUT.takedowns).iterdir())
+    claim_output(str(out), "another-config", pool, new_run=True)
+    assert sorted(p.name for p in (out / LAYOUT.takedowns).iterdir()) == records and not (out / LAYOUT.scored).exists()
 
 
 def test_a_bad_list_is_refused_before_anything_is_written(out, tmp_path, capsys):
