@@ -30,8 +30,8 @@ from common.storage import exists, join, list_files, redact, resolve, write_parq
 from curation.records import read_manifest
 from curation.survivors import UID_SHIFT, partition_path, survivors_schema
 
-# Release survivors' input-shard ordinals start here: far above any run's own shard count (2^30 input shards), and
-# uids stay below 2^63.
+# Release survivors' partition ordinals start here: far above any run's own shard count (2^30 input shards), so uids
+# stay below 2^63 for up to 2^30 release partitions.
 RELEASE_ORDINAL = 1 << 30
 RELEASE_UID_MIN = RELEASE_ORDINAL << UID_SHIFT
 RELEASE_SHARD_PREFIX = "release:"
@@ -73,10 +73,6 @@ def open_release(uri: str, embedding_model: str) -> Release:
     return Release(uri, partitions, manifest.get("version", 1), digest, manifest["embedding_model"])
 
 
-def is_release(uid: np.ndarray) -> np.ndarray:
-    return (uid >> UID_SHIFT) >= RELEASE_ORDINAL
-
-
 @ray.remote(num_cpus=0.5)
 def survey_release_partition(release_uri: str, index: int, out_uri: str, path: str, dim: int) -> dict:
     """Write the kept images of the release's survivor partition ``index`` as the run's survivor file ``path``."""
@@ -88,10 +84,11 @@ def survey_release_partition(release_uri: str, index: int, out_uri: str, path: s
         chosen = picked.filter(picked.column("selected")).column("uid")
     else:  # every survivor of the partition was a duplicate
         chosen = pa.array([], pa.int64())
-    table = survivors.filter(pc.is_in(survivors.column("uid"), value_set=chosen))
-    uid = table.column("uid").to_numpy()
-    ordinal = (uid >> UID_SHIFT) + RELEASE_ORDINAL
-    table = table.set_column(0, "uid", pa.array((ordinal << UID_SHIFT) | (uid & ((1 << UID_SHIFT) - 1))))
+    table = survivors.filter(pc.is_in(survivors.column("uid"), value_set=chosen))  # in uid order, as written
+    # uids of their own: ordinal RELEASE_ORDINAL + index, rank in the partition (the release's own uids may already
+    # be a release's, when it was curated against another)
+    uid = np.int64(RELEASE_ORDINAL + index) << UID_SHIFT | np.arange(table.num_rows, dtype=np.int64)
+    table = table.set_column(0, "uid", pa.array(uid))
     table = table.set_column(
         1, "shard_id", pc.binary_join_element_wise(RELEASE_SHARD_PREFIX, table.column("shard_id"), "")
     )
@@ -101,7 +98,3 @@ def survey_release_partition(release_uri: str, index: int, out_uri: str, path: s
         out_fs, join(out_root, path), table.cast(survivors_schema(dim)), row_group_size=10_000, compression="lz4"
     )
     return {"path": path, "rows": table.num_rows, "missing_embedding": 0}
-
-
-def is_release_shard(shard_id: str) -> bool:
-    return shard_id.startswith(RELEASE_SHARD_PREFIX)
