@@ -150,3 +150,20 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Leave with pytest's own exit status once everything is reported: native threads of Ray, gRPC and moto that
+    outlive the session can crash the interpreter's teardown (exit 139 after a green summary)."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    status = getattr(config, "_humans1b_exitstatus", None)
+    if status is not None:
+        os._exit(int(status))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config._humans1b_exitstatus = exitstatus
