@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -238,50 +237,28 @@ def test_missing_output_is_a_problem_not_a_crash(tmp_path):
     assert _where(result.problems, LAYOUT.manifest, None, "missing")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_audit_and_report_on_s3(curated_run, lite, monkeypatch):
+def test_audit_and_report_on_s3(curated_run, lite, s3):
     """The same checks through pyarrow's S3 filesystem (a local moto server), and a report written back to S3."""
-    moto_server = pytest.importorskip("moto.server")
     import pyarrow.fs as pafs
 
-    port = _free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        for k, v in {
-            "AWS_ACCESS_KEY_ID": "test",
-            "AWS_SECRET_ACCESS_KEY": "test",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }.items():
-            monkeypatch.setenv(k, v)
-        s3 = pafs.S3FileSystem(
-            endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1", allow_bucket_creation=True
-        )
-        s3.create_dir("curated")
-        pafs.copy_files(
-            str(curated_run),
-            "curated/out",
-            source_filesystem=pafs.LocalFileSystem(),
-            destination_filesystem=s3,
-            use_threads=False,
-        )
-        uri = f"s3://curated/out?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
-        result = audit(uri)
-        assert result.ok, result.summary()
-        assert result.counts["shard_rows"] == _manifest(curated_run)["totals"]["rows"]
-        index = write_report(uri, lite, result, log=lambda _: None)
-        assert index == "curated/out/report/index.html"
-        assert s3.get_file_info(index).size > 0
-        rel = _shard(curated_run, 1)[1]
-        s3.delete_file(f"curated/out/{rel}")
-        assert _where(audit(uri).problems, rel, None, "missing")
-    finally:
-        server.stop()
+    fs, query = s3
+    pafs.copy_files(
+        str(curated_run),
+        "curated/out",
+        source_filesystem=pafs.LocalFileSystem(),
+        destination_filesystem=fs,
+        use_threads=False,
+    )
+    uri = f"s3://curated/out{query}"
+    result = audit(uri)
+    assert result.ok, result.summary()
+    assert result.counts["shard_rows"] == _manifest(curated_run)["totals"]["rows"]
+    index = write_report(uri, lite, result, log=lambda _: None)
+    assert index == "curated/out/report/index.html"
+    assert fs.get_file_info(index).size > 0
+    rel = _shard(curated_run, 1)[1]
+    fs.delete_file(f"curated/out/{rel}")
+    assert _where(audit(uri).problems, rel, None, "missing")
 
 
 # --- report ---------------------------------------------------------------------------------------------------
