@@ -33,9 +33,9 @@ from common import schema
 from common.config import load_config
 from common.ray_utils import init_ray
 from curation.config import CurateConfig
-from curation.pool import list_shards
-from curation.score import ScorePhase, claim_output, score_in_process, stage_runner
-from curation.stage import _FAULT, REJECT, StageRunner, Update
+from curation.score.phase import ScorePhase, claim_output, score_in_process, stage_runner
+from curation.score.pool import list_shards
+from curation.score.stage import _FAULT, REJECT, StageRunner, Update
 from jobs import make_sample_pool
 
 REPO = Path(__file__).resolve().parents[1]

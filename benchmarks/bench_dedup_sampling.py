@@ -23,15 +23,15 @@ import time
 import faiss
 import numpy as np
 
-from curation.dedup import (
+from curation.phases.dedup.kernels import plan_bands
+from curation.phases.reference import (
     brute_force_hash_pairs,
     build_ivf_partition,
     embedding_pairs,
     ivf_block_pairs,
     phash_pairs,
-    plan_bands,
 )
-from curation.sampling import balanced_select, hierarchical_kmeans
+from curation.phases.sample.kmeans import balanced_select, hierarchical_kmeans
 
 
 def timed(fn):

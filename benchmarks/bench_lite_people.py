@@ -15,7 +15,7 @@ changed); its own ``curation`` package and ``configs/curate/lite.yaml`` run in a
     (``curation.stages.yolo.estimate_head_pose``) run on the same person's nose, eye and ear keypoints (the lite
     keypoints: the full profile's YOLO pose weights are not in a package);
 (d) lite scoring end to end on the sample pool (``jobs.make_sample_pool``, default size): every lite stage in one
-    process, batch by batch (``curation.score.score_in_process``), images per second, and how many inputs end
+    process, batch by batch (``curation.score.phase.score_in_process``), images per second, and how many inputs end
     otherwise than the pool's manifest expects.
 
 Both sides run one after the other at the same priority; the machine may be shared, so compare the ratios.
@@ -69,21 +69,21 @@ def _timed_batches(stage, rows: list[dict], size: int) -> tuple[float, list[dict
 def _runner(stage_name: str, cfg):
     """A set-up stage runner, in this tree or in a baseline that builds runners from the config's JSON."""
     try:
-        from curation.score import stage_runner
+        from curation.score.phase import stage_runner
     except ImportError:
-        from curation.stage import StageRunner
+        from curation.score.stage import StageRunner
 
         return StageRunner(stage_name, cfg.model_dump_json())
     return stage_runner(stage_name, cfg)
 
 
 def scoring_in_process(cfg, pool: Path) -> dict:
-    """Phase 1 in this process, batch by batch, as ``curation.score.score_in_process`` runs it, with the CPU time
+    """Phase 1 in this process, batch by batch, as ``curation.score.phase.score_in_process`` runs it, with the CPU time
     of each stage (its native threads included) and the rows it saw still pending."""
     import pyarrow as pa
 
-    from curation.pool import list_shards
-    from curation.score import _finalise, _shard_reader
+    from curation.score.phase import _finalise, _shard_reader
+    from curation.score.pool import list_shards
 
     runners = [(name, _runner(name, cfg), cfg.stages[name].batch_size) for name in cfg.enabled_stages]
     reader = _shard_reader(cfg, str(pool))
@@ -107,8 +107,8 @@ def scoring_in_process(cfg, pool: Path) -> dict:
 def ray_scoring(cfg, pool: Path) -> dict:
     """Phase 1 on a local Ray with 2 CPUs, as a curation job runs it (the lite config's actor pools)."""
     from common.ray_utils import init_ray
-    from curation.pool import list_shards
-    from curation.score import ScorePhase, claim_output
+    from curation.score.phase import ScorePhase, claim_output
+    from curation.score.pool import list_shards
 
     init_ray(num_cpus=2)
     out = pool.parent / f"scored-{os.getpid()}"
@@ -123,7 +123,7 @@ def worker(images: Path, pool: Path | None, with_ray: bool = False) -> dict:
     """Measure the tree whose ``curation`` package is importable here."""
     from common.config import load_config
     from curation.config import CurateConfig
-    from curation.stage import REJECT
+    from curation.score.stage import REJECT
 
     root = Path(sys.modules["curation"].__file__).resolve().parents[1]
     cfg = load_config(CurateConfig, root / "configs" / "curate" / "lite.yaml", [])

@@ -208,7 +208,7 @@ class Sampler(threading.Thread):
 def run_phases(out: str, cpus: int, overrides: list[str]) -> dict:
     import ray
 
-    from curation.phases import GlobalPhases
+    from curation.phases.pipeline import GlobalPhases
 
     cfg = config(overrides)
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="ERROR")

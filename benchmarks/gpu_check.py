@@ -9,7 +9,7 @@ Four parts, each in its own process with its own share of ``--total-s`` and a ha
 process group is killed); a part that fails or runs out of time is reported with its error and what it measured so
 far, and the next part still runs. The parts:
 
-1. ``curation``: the full profile's phase 1 on Ray Data (``curation.score.ScorePhase``: read and decode on CPU tasks,
+1. ``curation``: the full profile's phase 1 on Ray Data (``curation.score.phase.ScorePhase``: read and decode on CPU tasks,
    YOLO11m detection + YOLO11m-pose and OpenCLIP ViT-L-14 + the aesthetic head on GPU actors, pHash) over a few
    thousand images cycled from the package photos, re-encoded at web sizes (long side 1024-2048 px). The models are
    the real architectures with random weights, saved into a temporary model store and loaded through the store's
@@ -419,8 +419,8 @@ def run_score_phase(cfg, pool: Path, out: Path, sampler: GpuSampler) -> dict:
     the result that completes a quarter of them to the one that completes three quarters), where the pipeline is
     full and not yet draining; it is left out when those results came in a burst (under a quarter of the wall
     time: a pool too small to stream, as in the smoke mode)."""
-    from curation.pool import list_shards
-    from curation.score import ScorePhase
+    from curation.score.phase import ScorePhase
+    from curation.score.pool import list_shards
 
     shards = list_shards(str(pool), cfg.input)
     phase = ScorePhase(cfg, str(out), str(pool), log=lambda line: None)

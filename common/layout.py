@@ -22,7 +22,7 @@ listing data files skip.
     shards/manifest.json                    the current shards and final-ledger files: the commit point of "write"
     final_ledger/<shard_id>-<sha256>.parquet   the ledger with every phase applied
     report/                                 the HTML report (jobs.report)
-    README.md                               the dataset card (curation.card): what load_dataset("<out>") reads
+    README.md                               the dataset card (curation.phases.write.card): what load_dataset("<out>") reads
 """
 
 from __future__ import annotations

@@ -6,12 +6,9 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
 from typing import TypedDict
 
 import ray
-
-from common import watchdog
 
 # Ray log lines that tell a user nothing to act on, by the logger that writes them: the start of each message. Ray's
 # warnings about resources and failures, and its progress bars, are kept.
@@ -109,19 +106,3 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     else:
         # "local": always a fresh Ray for this process, even where a `ray start` cluster runs on the machine
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
-
-
-def as_completed(launches: Iterable[Callable[[], ray.ObjectRef]], window: int) -> Iterator:
-    """Call each launch (it starts one Ray task) with at most ``window`` tasks in flight, so the driver's object
-    refs stay bounded however many tasks a step has; yields their results as they finish (each a watchdog beat)."""
-    pending: list[ray.ObjectRef] = []
-    for launch in launches:
-        if len(pending) >= window:
-            ready, pending = ray.wait(pending, num_returns=1)
-            watchdog.beat("a task finished")
-            yield ray.get(ready[0])
-        pending.append(launch())
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
-        watchdog.beat("a task finished")
-        yield ray.get(ready[0])

@@ -15,7 +15,7 @@ from pydantic import Field, StringConstraints, field_validator, model_validator
 from common.config import Strict, hash_json
 from common.storage import RetryPolicy
 from common.watchdog import WatchdogSettings
-from curation.stage import StageSettings
+from curation.score.stage import StageSettings
 from curation.stages import stage_classes
 
 
@@ -126,7 +126,7 @@ class PhashSettings(Strict):
 
 
 class ModelStoreSettings(Strict):
-    """Where model references resolve (curation/models.py): a local path, a URI (s3://, gs://, file://; fetched once
+    """Where model references resolve (curation/models/store.py): a local path, a URI (s3://, gs://, file://; fetched once
     per node into ``cache_dir``), a bare file name looked up under ``roots``, or ``hf-hub:org/repo[/file]``, looked up
     under ``roots`` as ``org/repo[/file]`` (a mirror) and fetched from the Hugging Face hub only when ``online``.
     Any model reference may instead be a ``PinnedModel`` mapping (``ref``, ``sha256``, ``revision``)."""
@@ -304,7 +304,7 @@ class DedupSettings(Strict):
     # times larger are split inside their task.
     cluster_size: int | None = Field(None, ge=2)
     # A survivor near a cluster boundary is also searched in up to max_probes neighbouring clusters, those within
-    # probe_z of the expected offset of a near-duplicate (curation.embedding_pairs.ProbeRule): more finds more
+    # probe_z of the expected offset of a near-duplicate (curation.phases.dedup.embedding_pairs.ProbeRule): more finds more
     # pairs across boundaries and writes more rows.
     max_probes: int = Field(7, ge=0)
     probe_z: float = Field(1.0, gt=0)

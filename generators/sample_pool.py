@@ -17,7 +17,7 @@ format, and ``category`` in the manifest):
 - ``odd``: unusual but valid inputs decode must accept (a JPEG named .png, CMYK JPEG, 16-bit grey PNG, palette PNG
   with transparency, a JPEG stored landscape with EXIF orientation 6 so it displays portrait).
 
-Output formats and how the pipeline names each input (``path`` in the manifest; ``curation.pool`` names the input
+Output formats and how the pipeline names each input (``path`` in the manifest; ``curation.score.pool`` names the input
 ``<pool root>/<path>``):
 
 - ``folder``: files under ``<category>/``; path ``people/bus_flip.jpg``.

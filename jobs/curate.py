@@ -20,11 +20,11 @@ from common.ray_utils import init_ray
 from common.storage import DamagedRecordError, StorageError
 from common.watchdog import Watchdog
 from curation.config import CurateConfig
-from curation.ledger import read_ledger, summary_table
-from curation.phases import GlobalPhases, PhaseOrderError
-from curation.pool import InputShard, PoolError, list_shards, pin_listing, pinned_listing
-from curation.release import Release, ReleaseError, open_release
-from curation.score import RunMismatch, ScorePhase, claim_output, io_note
+from curation.phases.pipeline import GlobalPhases, PhaseOrderError
+from curation.phases.release import Release, ReleaseError, open_release
+from curation.score.ledger import read_ledger, summary_table
+from curation.score.phase import RunMismatch, ScorePhase, claim_output, io_note
+from curation.score.pool import InputShard, PoolError, list_shards, pin_listing, pinned_listing
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

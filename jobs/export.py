@@ -52,9 +52,10 @@ from common.storage import (
     write_json_atomic,
 )
 from common.watchdog import Watchdog, WatchdogSettings
-from curation.final_write import UnitRecords, plan_output_shards, run_units
-from curation.metadata import sidecars_of
+from curation.phases.runtime import UnitRecords, run_units, task_window
+from curation.phases.write.shards import plan_output_shards
 from curation.records import manifest_advice
+from curation.score.metadata import sidecars_of
 
 FORMATS = ("webdataset",)
 _EXTENSIONS = {
@@ -222,7 +223,7 @@ def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None
         name: lambda pieces=pieces, name=name: _write_tar.remote(shards_uri, files, pieces, out_uri, name)
         for name, pieces in zip(names, plan)
     }
-    window = max(2, 4 * int(ray.cluster_resources().get("CPU", 2)))
+    window = task_window(per_cpu=4)
     started, tars, step = time.monotonic(), {}, max(1, len(plan) // 20)
     for name, receipt in run_units(records, units, window):
         tars[name] = receipt

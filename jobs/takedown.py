@@ -22,7 +22,7 @@ from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import DamagedRecordError, StorageError
 from common.watchdog import Watchdog, WatchdogSettings
-from curation.takedown import TakedownError, read_list, run_takedown
+from curation.phases.write.takedown import TakedownError, read_list, run_takedown
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

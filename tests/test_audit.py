@@ -39,7 +39,7 @@ from curation.audit.report import (
 )
 from curation.audit.verify import Problem, audit, funnel_key
 from curation.config import CurateConfig
-from curation.ledger import read_ledger, reason_code
+from curation.score.ledger import read_ledger, reason_code
 from jobs import audit as audit_job
 
 LITE = "configs/curate/lite.yaml"

@@ -10,7 +10,7 @@ import pytest
 from conftest import start_local_ray
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from curation.ledger import read_ledger
+from curation.score.ledger import read_ledger
 
 pytestmark = pytest.mark.slow
 

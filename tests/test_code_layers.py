@@ -99,6 +99,57 @@ def test_packages_import_only_the_layers_below_them():
     assert not wrong, wrong
 
 
+# Inside curation: sub-package -> the sub-packages of curation it may import (config and records are shared by all).
+CURATION_ALLOWED = {
+    "models": {"config"},
+    "score": {"config", "records", "stages"},
+    "stages": {"config", "score", "models"},
+    "phases": {"config", "records", "score"},
+    "audit": {"config", "records", "score", "phases"},
+}
+
+
+def _curation_part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "curation" and len(parts) > 1 else None
+
+
+def test_curation_sub_packages_import_only_their_layers():
+    """The score phase and the stages never import the global phases or the audit; the models never import a stage."""
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in _graph().items()
+        if (a := _curation_part(module)) in CURATION_ALLOWED
+        for target in targets
+        if (b := _curation_part(target)) is not None and b != a and b not in CURATION_ALLOWED[a]
+    )
+    assert not wrong, wrong
+
+
+def test_curation_holds_only_its_sub_packages_and_shared_modules():
+    """A new module goes into the sub-package of its layer (or is one of the two modules every layer shares)."""
+    top = sorted(p.name for p in (REPO / "curation").glob("*.py") if p.name != "__init__.py")
+    assert top == ["config.py", "records.py"], top
+    assert {p.name for p in (REPO / "curation").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(
+        CURATION_ALLOWED
+    )
+
+
+def test_the_readme_code_map_names_every_curation_module():
+    text = (REPO / "README.md").read_text()
+    start = text.index("Inside `curation/`")
+    code_map = text[start : text.index("\n\n", text.index("| `audit/`", start))]
+    missing = []
+    for path in sorted((REPO / "curation").rglob("*.py")):
+        rel = path.relative_to(REPO / "curation")
+        if path.name == "__init__.py" or rel.parts[0] == "stages":
+            continue  # packages and stages are named by their folder
+        row = next((line for line in code_map.splitlines() if f"| `{'/'.join(rel.parts[:-1])}/` |" in line), "")
+        if f"`{rel.name}`" not in (row if len(rel.parts) > 1 else code_map):
+            missing.append(str(rel))
+    assert not missing, missing
+
+
 def test_no_import_cycle_even_through_deferred_imports():
     assert _cycles(_graph()) == []
 

@@ -17,8 +17,8 @@ from common import ray_utils
 from common.progress import Progress, progress
 from common.storage import retry_io, retry_io_stream
 from curation.config import CurateConfig
-from curation.pool import list_shards
-from curation.score import ScorePhase
+from curation.score.phase import ScorePhase
+from curation.score.pool import list_shards
 
 REPO = Path(__file__).resolve().parents[1]
 

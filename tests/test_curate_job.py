@@ -12,7 +12,7 @@ import pytest
 
 from common import schema
 from curation.config import CurateConfig
-from curation.ledger import committed_files, read_ledger, reason_code
+from curation.score.ledger import committed_files, read_ledger, reason_code
 from jobs import curate, make_sample_pool
 
 LITE = "configs/curate/lite.yaml"

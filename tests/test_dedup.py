@@ -13,19 +13,16 @@ from PIL import Image, ImageEnhance
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
-from curation import dedup
-from curation.dedup import (
+from curation.phases import reference
+from curation.phases.dedup import kernels as dedup
+from curation.phases.dedup.kernels import band_pairs, build_band_table, collapse_exact, plan_bands, resolve_duplicates
+from curation.phases.reference import (
     EmbeddingPairs,
     HashPairs,
-    band_pairs,
     brute_force_hash_pairs,
-    build_band_table,
-    collapse_exact,
     embedding_pairs,
     pairs_from_unique,
     phash_pairs,
-    plan_bands,
-    resolve_duplicates,
 )
 
 faiss.omp_set_num_threads(2)
@@ -209,10 +206,10 @@ def test_ivf_huge_list_is_searched_in_pieces(planted_embeddings):
     """Many identical embeddings make one list huge; pieces merged by ResultHeap give the same neighbours."""
     x = planted_embeddings[:4000].copy()
     x[:1500] = x[0]
-    part = dedup.build_ivf_partition(x, nlist=20)
+    part = reference.build_ivf_partition(x, nlist=20)
     lists = range(part.nlist)
-    whole = dedup.ivf_block_pairs(x, part, lists, 5, 0.9)
-    pieces = dedup.ivf_block_pairs(x, part, lists, 5, 0.9, max_candidates=300)
+    whole = reference.ivf_block_pairs(x, part, lists, 5, 0.9)
+    pieces = reference.ivf_block_pairs(x, part, lists, 5, 0.9, max_candidates=300)
     key = lambda p: set(zip(p[0].tolist(), p[1].tolist()))  # noqa: E731
     # ties among identical vectors may pick different equal neighbours: compare the non-tied part and sizes
     assert len(whole[0]) == len(pieces[0])

@@ -23,8 +23,8 @@ from common import schema
 from common.config import load_config
 from common.layout import LAYOUT
 from curation.config import CurateConfig
-from curation.final_write import final_shard_schema
-from curation.ledger import read_ledger, reason_code
+from curation.phases.write.shards import final_shard_schema
+from curation.score.ledger import read_ledger, reason_code
 from jobs import curate, export
 
 LITE = "configs/curate/lite.yaml"

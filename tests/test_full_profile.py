@@ -22,9 +22,9 @@ from common.config import ConfigError, load_config
 from common.imageio import decode
 from curation import models
 from curation.config import CurateConfig
-from curation.ledger import committed_files, read_ledger, reason_code
-from curation.score import stage_runner
-from curation.stage import REJECT
+from curation.score.ledger import committed_files, read_ledger, reason_code
+from curation.score.phase import stage_runner
+from curation.score.stage import REJECT
 from curation.stages.clip import ClipStage
 from curation.stages.yolo import (
     HEAD_MODEL,

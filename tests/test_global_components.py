@@ -1,4 +1,4 @@
-"""Distributed components and keep rule (curation.components) against the single-process kernel
+"""Distributed components and keep rule (curation.phases.dedup.components) against the single-process kernel
 (dedup.resolve_duplicates) on small synthetic survivors and pair files."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from curation import dedup as dd
-from curation.components import WORK_DIR, ComponentsError, decisions_path, run_components
-from curation.survivors import make_uid, survivors_schema
+from curation.phases.dedup import kernels as dd
+from curation.phases.dedup.components import WORK_DIR, ComponentsError, decisions_path, run_components
+from curation.phases.survivors import make_uid, survivors_schema
 
 DIM = 4
 

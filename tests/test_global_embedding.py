@@ -1,5 +1,5 @@
-"""Embedding near-duplicate pairs as Ray tasks over survivor partitions (curation.embedding_pairs) against the exact
-single-process search (curation.dedup)."""
+"""Embedding near-duplicate pairs as Ray tasks over survivor partitions (curation.phases.dedup.embedding_pairs) against the exact
+single-process search (curation.phases.dedup.kernels)."""
 
 import numpy as np
 import pyarrow as pa
@@ -7,9 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from common.storage import join, resolve, write_parquet_atomic
-from curation import dedup as dd
-from curation import embedding_pairs as ep
-from curation.survivors import make_uid, partition_path, survivors_schema
+from curation.phases import reference
+from curation.phases.dedup import embedding_pairs as ep
+from curation.phases.survivors import make_uid, partition_path, survivors_schema
 
 THRESHOLD, K = 0.95, 8
 
@@ -71,7 +71,7 @@ def _read_pairs(out) -> tuple[list[pa.Table], set]:
 
 
 def _exact(x: np.ndarray, uid: np.ndarray) -> set:
-    exact = dd.embedding_pairs(x, THRESHOLD, K, flat_max=10**9)
+    exact = reference.embedding_pairs(x, THRESHOLD, K, flat_max=10**9)
     return set(zip(uid[exact.i].tolist(), uid[exact.j].tolist()))
 
 

@@ -1,4 +1,4 @@
-"""Distributed pHash pairs (curation.phash_pairs) list exactly the pairs of the single-process kernels."""
+"""Distributed pHash pairs (curation.phases.dedup.phash_pairs) list exactly the pairs of the single-process kernels."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from common.storage import resolve, write_parquet_atomic
-from curation import dedup as dd
-from curation.phash_pairs import PAIR_SCHEMA, SHUFFLE_DIR, plan_pairs, run_phash_pairs
-from curation.survivors import make_uid, partition_path, survivors_schema
+from curation.phases import reference as single_process
+from curation.phases.dedup.phash_pairs import PAIR_SCHEMA, SHUFFLE_DIR, plan_pairs, run_phash_pairs
+from curation.phases.survivors import make_uid, partition_path, survivors_schema
 
 DIM = 4
 
@@ -83,7 +83,7 @@ def reference(uid, hashes, valid, radius: int, *, brute: bool) -> list[tuple[int
     order = np.argsort(uid)
     keep = valid[order]
     u, h = uid[order][keep], hashes[order][keep]
-    p = dd.brute_force_hash_pairs(h, radius) if brute else dd.phash_pairs(h, radius)
+    p = single_process.brute_force_hash_pairs(h, radius) if brute else single_process.phash_pairs(h, radius)
     return sorted(zip(u[p.i].tolist(), u[p.j].tolist(), p.distance.tolist()))
 
 

@@ -1,5 +1,5 @@
-"""The partitioned sample phase (curation/cluster_sampling.py) against the single-process kernel
-(curation/sampling.py): the same selection when trained on everything, exact sizes, balance no worse, whole small
+"""The partitioned sample phase (curation/phases/sample/cluster_sampling.py) against the single-process kernel
+(curation/phases/sample/kmeans.py): the same selection when trained on everything, exact sizes, balance no worse, whole small
 clusters, independence from partitioning, deterministic bytes, resume."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from curation import cluster_sampling as cs
-from curation import sampling
 from curation.config import SampleSettings
-from curation.survivors import make_uid, survivors_schema
+from curation.phases import reference
+from curation.phases.sample import cluster_sampling as cs
+from curation.phases.sample import kmeans as sampling
+from curation.phases.survivors import make_uid, survivors_schema
 
 faiss.omp_set_num_threads(2)
 
@@ -99,7 +100,7 @@ def test_trained_on_everything_it_selects_what_the_single_process_kernel_selects
     summary = cs.run_sample(str(tmp_path), *files, settings, buckets=4, sample_size=10**6, log=lambda _: None)
 
     alive = np.setdiff1d(np.arange(x.shape[0]), dropped)
-    single = sampling.balanced_sample(x[alive], size=1500, n_clusters=[60, 8], mode="closest", seed=4)
+    single = reference.balanced_sample(x[alive], size=1500, n_clusters=[60, 8], mode="closest", seed=4)
     got = read_decisions(tmp_path, 3)
     assert summary == {
         "inputs": alive.size,
@@ -130,7 +131,7 @@ def test_exact_size_and_balance_no_worse_than_single_process(ray_local, tmp_path
         settings = SampleSettings(target_fraction=0.1, clusters=[100, 16], balance_key="head_yaw_class", seed=seed)
         summary = cs.run_sample(str(tmp_path), *files, settings, buckets=3, sample_size=4000, log=lambda _: None)
         chosen = np.flatnonzero(read_decisions(tmp_path, 4).column("selected").to_numpy())
-        single = sampling.balanced_sample(
+        single = reference.balanced_sample(
             x[alive], fraction=0.1, n_clusters=[100, 16], mode="closest", balance_key=codes, seed=seed
         )
         assert chosen.size == single.indices.size == summary["selected"] == round(0.1 * alive.size)

@@ -465,7 +465,7 @@ def test_runtime_env_ships_code_and_configs_but_not_data(tmp_path):
     files = {
         "jobs/curate.py": "",
         "configs/curate/lite.yaml": "",
-        "curation/stage.py": "",
+        "curation/score/stage.py": "",
         "pyproject.toml": "",
         "sample_pool/files/a.jpg": "x",
         "out/curated/shards/part-00000.parquet": "x",
@@ -484,7 +484,7 @@ def test_runtime_env_ships_code_and_configs_but_not_data(tmp_path):
     assert shipped == {
         "jobs/curate.py",
         "configs/curate/lite.yaml",
-        "curation/stage.py",
+        "curation/score/stage.py",
         "pyproject.toml",
         "curation/out_of_range.py",
     }

@@ -14,7 +14,7 @@ from PIL import Image
 
 from common import schema
 from curation.config import CurateConfig
-from curation.stage import REJECT
+from curation.score.stage import REJECT
 from curation.stages.people import HeadPoseStage, PersonStage, group_skeletons, yaw_class
 from generators.labelled_photos import person_check, precision_recall, upscaled_rgb
 

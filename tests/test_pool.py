@@ -9,7 +9,7 @@ from PIL import Image
 
 from common import schema
 from curation.config import InputSettings
-from curation.pool import PoolError, ShardReader, list_shards
+from curation.score.pool import PoolError, ShardReader, list_shards
 
 
 def read_shard(root, shard, settings: InputSettings | None = None):

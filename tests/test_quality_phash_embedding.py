@@ -23,7 +23,7 @@ from sklearn.datasets import load_sample_image
 from common import schema
 from common.imageio import decode
 from curation.config import CurateConfig
-from curation.stage import REJECT
+from curation.score.stage import REJECT
 from curation.stages.embedding import LITE_NAME, EmbeddingStage
 from curation.stages.phash import PhashStage, hamming, hash_to_int
 from curation.stages.quality import PARTS, QualityStage

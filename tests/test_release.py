@@ -14,8 +14,8 @@ from PIL import Image, ImageOps
 
 from common.layout import LAYOUT
 from curation.audit.verify import audit
-from curation.ledger import read_ledger
-from curation.release import ReleaseError, open_release
+from curation.phases.release import ReleaseError, open_release
+from curation.score.ledger import read_ledger
 from jobs import curate, make_synthetic
 from pretrain.data import DataIndex
 

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from common import schema
-from curation.ledger import read_ledger, reason_code
+from curation.score.ledger import read_ledger, reason_code
 from generators.hostile_inputs import write_bad_inputs
 from generators.sample_pool import ultralytics_assets
 from jobs import curate

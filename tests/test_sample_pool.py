@@ -21,8 +21,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from common.imageio import _to_mode, open_image
 from curation.config import CurateConfig, InputSettings
-from curation.pool import ShardReader, list_shards
-from curation.stage import REJECT
+from curation.score.pool import ShardReader, list_shards
+from curation.score.stage import REJECT
 from curation.stages.decode import DecodeStage
 from generators import sample_pool as sp
 from jobs import make_sample_pool as cli

@@ -6,9 +6,9 @@ import faiss
 import numpy as np
 import pytest
 
-from curation.sampling import (
+from curation.phases.reference import balanced_sample
+from curation.phases.sample.kmeans import (
     ClusterHierarchy,
-    balanced_sample,
     balanced_select,
     hierarchical_kmeans,
     leaf_budgets,

@@ -10,12 +10,12 @@ import curation.stages
 from common import schema
 from common.config import ConfigError, load_config
 from curation.config import CurateConfig
-from curation.pool import list_shards
-from curation.score import score_in_process
-from curation.stage import Stage
+from curation.score.phase import score_in_process
+from curation.score.pool import list_shards
+from curation.score.stage import Stage
 
 PORTRAIT_FILTER = """
-from curation.stage import Row, Stage, StageSettings, Update, reject
+from curation.score.stage import Row, Stage, StageSettings, Update, reject
 
 
 class PortraitFilterStage(Stage):

@@ -28,9 +28,9 @@ from common.config import load_config
 from common.layout import LAYOUT
 from common.storage import RetriesExhausted, RetryPolicy, io_counts, retry_io, retry_io_stream
 from curation.config import CurateConfig
-from curation.ledger import read_ledger
-from curation.pool import list_shards
-from curation.score import _read_shards
+from curation.score.ledger import read_ledger
+from curation.score.phase import _read_shards
+from curation.score.pool import list_shards
 from jobs import curate
 
 REPO = Path(__file__).resolve().parents[1]

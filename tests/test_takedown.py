@@ -11,10 +11,10 @@ import pytest
 
 from common import schema
 from common.layout import LAYOUT
-from curation import takedown as td
 from curation.audit.verify import audit
-from curation.ledger import read_ledger
-from curation.score import claim_output
+from curation.phases.write import takedown as td
+from curation.score.ledger import read_ledger
+from curation.score.phase import claim_output
 from jobs import curate
 from jobs import takedown as job
 

@@ -12,8 +12,8 @@ import pytest
 
 from common import watchdog
 from common.config import ConfigError, load_config
-from common.ray_utils import as_completed
 from common.watchdog import Snapshot, Waiting, Watchdog, describe
+from curation.phases.runtime import run_tasks
 
 GIB = 2**30
 
@@ -214,7 +214,7 @@ def test_a_job_that_progresses_prints_nothing(ray_local):
     lines: list[str] = []
     with Watchdog("test job", 0.05, log=lines.append) as dog:
         dog.stage("the score phase")
-        done = list(as_completed((lambda i=i: work.remote(i) for i in range(30)), window=2))  # each one a beat
+        done = list(run_tasks((lambda i=i: work.remote(i) for i in range(30)), window=2))  # each one a beat
     assert sorted(done) == list(range(30))
     assert lines == []
     assert dog.last_progress == "a task finished"

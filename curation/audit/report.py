@@ -39,10 +39,10 @@ from common.progress import progress
 from common.storage import StorageError, exists, join, redact, resolve, write_bytes_atomic
 from curation.audit.verify import AuditResult
 from curation.config import CurateConfig
-from curation.ledger import funnel_steps, read_ledger, reason_code, stopped_by_stage
-from curation.phases import committed_records
-from curation.pool import TAR_SUFFIXES
+from curation.phases.pipeline import committed_records
 from curation.records import input_name, read_done, read_manifest, read_run_record
+from curation.score.ledger import funnel_steps, read_ledger, reason_code, stopped_by_stage
+from curation.score.pool import TAR_SUFFIXES
 
 LEDGER_COLUMNS = [
     "source",

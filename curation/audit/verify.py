@@ -36,9 +36,9 @@ from common import schema, watchdog
 from common.imageio import open_reduced, safe_error
 from common.layout import GLOBAL_PHASES, LAYOUT, funnel_phase
 from common.storage import DamagedRecordError, exists, file_sha256, join, list_files, path_on_store, resolve
-from curation.ledger import reason_code
+from curation.phases.write.takedown import Takedowns, listed_rows, record_path, recorded_entries, takedown_records
 from curation.records import read_commit, read_done, read_manifest
-from curation.takedown import Takedowns, listed_rows, record_path, recorded_entries, takedown_records
+from curation.score.ledger import reason_code
 
 STATUSES = (schema.KEPT, schema.REJECTED, schema.ERROR, schema.DUPLICATE, schema.UNSAMPLED, schema.TAKEN_DOWN)
 

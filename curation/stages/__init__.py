@@ -5,7 +5,7 @@ entry under ``stages`` in a config."""
 import importlib
 import pkgutil
 
-from curation.stage import Stage
+from curation.score.stage import Stage
 
 
 def stage_classes() -> dict[str, type[Stage]]:

@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from common.imageio import open_reduced
-from curation.stage import Row, Stage, Update, reject
+from curation.score.stage import Row, Stage, Update, reject
 
 _INTERPOLATION = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
 

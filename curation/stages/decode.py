@@ -27,8 +27,8 @@ from common.imageio import (
     safe_error,
     sequence_frames,
 )
-from curation.pool import split_read_reason
-from curation.stage import Row, Stage, StageSettings, Update, reject
+from curation.score.pool import split_read_reason
+from curation.score.stage import Row, Stage, StageSettings, Update, reject
 
 _DRAFT_SCALES = (1, 2, 4, 8)  # libjpeg's draft reductions; other formats decode at scale 1
 

@@ -23,7 +23,7 @@ from functools import lru_cache
 import numpy as np
 
 from common.imageio import decode
-from curation.stage import Row, Stage, StageSettings, Update
+from curation.score.stage import Row, Stage, StageSettings, Update
 
 LITE_NAME = "lite-colour-gradient-v1"
 NATIVE_DIM = 384

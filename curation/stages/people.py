@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import numpy as np
 
 from common.imageio import decode
-from curation.stage import Row, Stage, StageSettings, Update, reject
+from curation.score.stage import Row, Stage, StageSettings, Update, reject
 
 if TYPE_CHECKING:
     from curation.config import Filters

@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image
 
 from common.imageio import open_reduced
-from curation.stage import Row, Stage, StageSettings, Update
+from curation.score.stage import Row, Stage, StageSettings, Update
 
 
 def hash_to_int(hash_bits: np.ndarray) -> int:

@@ -32,7 +32,7 @@ import numpy as np
 
 from common.imageio import decode
 from common.schema import QUALITY_PARTS_TYPE
-from curation.stage import Row, Stage, StageSettings, Update, reject
+from curation.score.stage import Row, Stage, StageSettings, Update, reject
 
 PARTS = tuple(field.name for field in QUALITY_PARTS_TYPE)
 _FLOOR = 0.01

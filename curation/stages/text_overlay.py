@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from common.imageio import decode
-from curation.stage import Row, Stage, StageSettings, Update, reject
+from curation.score.stage import Row, Stage, StageSettings, Update, reject
 
 
 def text_area_fraction(boxes: list[np.ndarray], height: int, width: int) -> float:

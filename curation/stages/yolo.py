@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from common.imageio import decode
-from curation.stage import Row, Stage, Update
+from curation.score.stage import Row, Stage, Update
 from curation.stages.people import PERSON_COLUMNS, Face, order_main_first, person_update, prominence, yaw_class
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.config import InputSettings
-from curation.ledger import reason_code
-from curation.pool import ShardReader, list_shards
+from curation.score.ledger import reason_code
+from curation.score.pool import ShardReader, list_shards
 from tests.hostile.test_pool_inputs import MB, add_member, ledger_rows, photo, read_all, run
 
 BLOCK = tarfile.BLOCKSIZE
@@ -266,7 +266,7 @@ READ_PEAK = """
 import sys
 import pyarrow.parquet  # the reader's own imports, so that the baseline below holds them
 from curation.config import InputSettings
-from curation.pool import ShardReader, list_shards
+from curation.score.pool import ShardReader, list_shards
 settings = InputSettings(read_chunk_mb=8, max_row_group_mb=int(sys.argv[2]))
 (shard,) = list_shards(sys.argv[1], settings)
 def peak_mb():  # VmHWM: this process's own peak (ru_maxrss would carry the parent's across fork and exec)

@@ -15,6 +15,7 @@ import torch
 from common.config import ConfigError, load_config
 from curation import models
 from curation.config import CurateConfig
+from curation.models import yolo as yolo_models
 
 FULL = Path(__file__).resolve().parents[2] / "configs" / "curate" / "full.yaml"
 
@@ -143,7 +144,7 @@ def test_random_init_yolo_checkpoints_load_through_the_real_loader(yolo_pts, nam
     loaded = models.load_yolo(path)
     assert type(loaded) is type(saved)
     for module in loaded.modules():  # every layer is its own class again, not the unpickler's stand-in
-        assert not isinstance(type(module), models._NotCallable)
+        assert not isinstance(type(module), yolo_models._NotCallable)
     for a, b in zip(loaded.state_dict().values(), saved.state_dict().values(), strict=True):
         assert torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-3)  # .pt files store fp16
     with torch.inference_mode():

@@ -22,7 +22,7 @@ from common.config import load_config
 from common.layout import LAYOUT
 from common.lease import Lease, LeaseHeld, LeaseLost
 from curation.config import CurateConfig
-from curation.phases import GlobalPhases
+from curation.phases.pipeline import GlobalPhases
 from jobs import curate
 from jobs import pretrain as pretrain_job
 from pretrain import data

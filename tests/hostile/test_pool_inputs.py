@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 
 from curation.config import InputSettings
-from curation.ledger import read_ledger, reason_code
-from curation.pool import ShardReader, list_shards
+from curation.score.ledger import read_ledger, reason_code
+from curation.score.pool import ShardReader, list_shards
 from jobs import curate
 
 LITE = "configs/curate/lite.yaml"

@@ -264,7 +264,7 @@ def test_a_request_the_cluster_cannot_hold_for_every_process_at_once_is_lowered(
     import ray
 
     from common.config import load_config
-    from curation.score import ScorePhase
+    from curation.score.phase import ScorePhase
 
     cfg = load_config(CurateConfig, repo_root / "configs/curate/lite.yaml")
     node = {"Alive": True, "Resources": {"memory": 4 * 2**30}}

@@ -21,6 +21,7 @@ a scan task reads the small columns of ``_SHARDS_PER_SCAN`` shards, a rewrite ta
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -48,9 +49,10 @@ from common.storage import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from curation.card import write_card
-from curation.ledger import funnel_of
+from curation.phases.runtime import run_tasks, task_window
+from curation.phases.write.card import write_card
 from curation.records import read_manifest
+from curation.score.ledger import funnel_of
 
 _SHARDS_PER_SCAN = 64
 URL_FIELD = "url"  # the pool's metadata field that names where an image came from (img2dataset's)
@@ -218,17 +220,7 @@ def _rewrite_ledger(out_uri: str, entry: dict, sources: list[str], reason: str) 
 
 def _in_window(task, calls: list[tuple], window: int) -> list:
     """``task.remote(*args)`` for each of ``calls``, at most ``window`` at a time; the results in order."""
-    pending: list[ray.ObjectRef] = []
-    results = []
-    for args in calls:
-        if len(pending) >= window:
-            results.append(ray.get(pending.pop(0)))
-            watchdog.beat()
-        pending.append(task.remote(*args))
-    for ref in pending:
-        results.append(ray.get(ref))
-        watchdog.beat()
-    return results
+    return list(run_tasks((functools.partial(task.remote, *args) for args in calls), window, ordered=True))
 
 
 # --- the step ---------------------------------------------------------------------------------------------------------
@@ -280,7 +272,7 @@ def run_takedown(
     at = pending["at"] if pending is not None else _now()  # a rerun after a kill writes the same files
     entries = pa.table({"entry": pa.array(lst.entries, pa.string())})
     write_parquet_atomic(fs, join(root, entries_path(lst.id)), entries, row_group_size=100_000)
-    window = max(2, 2 * int(ray.cluster_resources().get("CPU", 2)))
+    window = task_window()
     watchdog.stage("the takedown's shard scan and rewrites")
     files = [s["file"] for s in manifest["shards"]]
     entries_ref = ray.put(list(lst.entries))

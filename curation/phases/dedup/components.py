@@ -1,7 +1,7 @@
 """Dedup's last step as Ray tasks: connected components over the pair tables, one survivor kept per component.
 
 Input: the pair files of every signal (columns ``a``, ``b``: survivor uids; other columns ignored), in signal
-priority order, and the survivor files (``curation.survivors``: uid-sorted, disjoint uid ranges). Output:
+priority order, and the survivor files (``curation.phases.survivors``: uid-sorted, disjoint uid ranges). Output:
 ``dedup/decisions/part-<i>.parquet`` for survivor file ``i``: its dropped survivors, by uid, with the key of the
 survivor kept instead and the signal that linked them. Decisions are exactly those of ``dedup.resolve_duplicates``
 on the whole graph (same components, same kept item, same ``duplicate_of`` and ``linked_by``) with the ``score``,
@@ -30,7 +30,7 @@ some pair, hash-partitioned into P partitions; a survivor without pairs is kept 
    ``dedup.resolve_duplicates`` on them (the kernel itself, on a monotone relabelling of the uids: same keep order,
    same breadth-first parents), and ``write`` gathers the dropped rows of each survivor file of a group.
 
-Shuffles are ``curation.routed`` files (one per task, row groups per destination). Each task skips itself when its
+Shuffles are ``curation.phases.routed`` files (one per task, row groups per destination). Each task skips itself when its
 last output exists and returns the receipt stored in that file's footer, so a rerun redoes only missing work and
 the driver takes the same path; every output is a deterministic function of its inputs, so reruns are
 byte-identical. The driver holds per-task receipts and file names only: O(P * rounds + F).
@@ -48,6 +48,7 @@ files to the 2500 file groups have 20 KB footers. The driver: O(P) receipts per 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections import Counter
@@ -55,7 +56,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from hashlib import sha256
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -66,17 +67,16 @@ import ray
 from common.layout import LAYOUT
 from common.progress import Progress
 from common.storage import delete_quietly, exists, join, read_json, resolve, write_json_atomic, write_parquet_atomic
-from curation import dedup as dd
-from curation.records import step_advice
-from curation.routed import (
-    RemoteFunction,
+from curation.phases.dedup import kernels as dd
+from curation.phases.routed import (
     read_plain,
     read_receipt,
     read_routed,
-    run_windowed,
     write_plain,
     write_routed,
 )
+from curation.phases.runtime import run_tasks, task_window
+from curation.records import step_advice
 
 WORK_DIR, DECISIONS_DIR = LAYOUT.components, LAYOUT.dedup_decisions
 SUMMARY = f"{DECISIONS_DIR}/_summary.json"
@@ -648,10 +648,13 @@ def run_components(
     # O(F) file boundaries, shared by every task through the object store (not copied into each call)
     layout_here = _layout(fs, root, survivor_files, n_parts, files_per_task)
     layout = ray.put(layout_here)
-    window = window or max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    window = window or task_window()
 
-    def run(calls: Sequence[tuple[RemoteFunction, tuple]], what: str = "tasks") -> list[dict]:
-        return run_windowed(calls, window, Progress(f"[components] {what}", len(calls), log, unit="tasks"))
+    def run(calls: Sequence[tuple[Any, tuple]], what: str = "tasks") -> list[dict]:
+        """``fn.remote(*args)`` for each ``(fn, args)``; the results in call order."""
+        shown = Progress(f"[components] {what}", len(calls), log, unit="tasks")
+        launches = (functools.partial(fn.remote, *args) for fn, args in calls)
+        return list(run_tasks(launches, window, ordered=True, progress=shown))
 
     # 1-2: edges
     routes = [_work("pairs", f"{code:03d}-{k:06d}.parquet") for k, (code, _) in enumerate(pair_list)]

@@ -51,7 +51,7 @@ from pydantic import Field, field_validator
 
 from common import schema
 from common.config import Strict
-from curation.ledger import reason_code
+from curation.score.ledger import reason_code
 
 if TYPE_CHECKING:
     from curation.config import CurateConfig

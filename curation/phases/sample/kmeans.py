@@ -252,18 +252,6 @@ def balanced_select(
     return np.sort(chosen)
 
 
-@dataclass(frozen=True)
-class Selection:
-    """Selected item indices (sorted) and the hierarchy they were drawn from (per-item cluster ids per level)."""
-
-    indices: np.ndarray
-    hierarchy: ClusterHierarchy
-
-    @property
-    def cluster_ids(self) -> np.ndarray:
-        return self.hierarchy.assignments
-
-
 def target_size(n: int, size: int | None = None, fraction: float | None = None) -> int:
     """The number of items to select: an absolute ``size`` or a ``fraction`` of ``n`` (exactly one of them)."""
     if (size is None) == (fraction is None):
@@ -276,28 +264,3 @@ def target_size(n: int, size: int | None = None, fraction: float | None = None) 
     if size < 0:
         raise ValueError(f"size must be >= 0, got {size}")
     return min(int(size), n)
-
-
-def balanced_sample(
-    x: np.ndarray,
-    *,
-    size: int | None = None,
-    fraction: float | None = None,
-    n_clusters: Sequence[int] | None = None,
-    mode: Mode = "random",
-    balance_key: np.ndarray | None = None,
-    seed: int = 0,
-    **kmeans_kwargs,
-) -> Selection:
-    """Hierarchical k-means on the embeddings ``x`` followed by balanced selection of ``size`` (or ``fraction``).
-
-    ``n_clusters`` defaults to two levels: about sqrt(N) leaves and a tenth of that on top (at least 2 each).
-    Remaining keyword arguments go to ``hierarchical_kmeans``.
-    """
-    n = x.shape[0]
-    count = target_size(n, size, fraction)
-    if n_clusters is None:
-        k1 = max(2, round(np.sqrt(n)))
-        n_clusters = (k1, max(2, k1 // 10))
-    hierarchy = hierarchical_kmeans(x, n_clusters, seed=seed, **kmeans_kwargs)
-    return Selection(balanced_select(hierarchy, count, mode=mode, balance_key=balance_key, seed=seed), hierarchy)

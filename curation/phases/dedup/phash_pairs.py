@@ -69,7 +69,6 @@ import ray
 
 from common.layout import LAYOUT
 from common.progress import progress
-from common.ray_utils import as_completed
 from common.storage import (
     delete_quietly,
     exists,
@@ -80,7 +79,8 @@ from common.storage import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from curation import dedup as dd
+from curation.phases.dedup import kernels as dd
+from curation.phases.runtime import run_tasks, task_window
 from curation.records import step_advice
 
 SHUFFLE_DIR = "_shuffle"  # "_" names are skipped by readers listing the pair files
@@ -411,12 +411,12 @@ def run_phash_pairs(
         f"[phash pairs] {n_rows} survivors, radius {radius}: {len(plan.bands.bands)} bands, "
         f"{len(plan.families)} families, {plan.partitions} partitions ({len(missing)} to do)"
     )
-    window = max_in_flight or max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    window = max_in_flight or task_window()
     maps, reduces = [], []
     if missing:
         maps = list(
             progress(
-                as_completed(
+                run_tasks(
                     (
                         functools.partial(_map_task.remote, out_uri, out_dir, f, m, plan, missing)
                         for m, f in enumerate(survivor_files)
@@ -431,7 +431,7 @@ def run_phash_pairs(
         )
         reduces = list(
             progress(
-                as_completed(
+                run_tasks(
                     (
                         functools.partial(
                             _reduce_task.remote, out_uri, out_dir, p, len(survivor_files), plan, max_kernel_hashes

@@ -27,8 +27,8 @@ import ray
 
 from common.layout import LAYOUT
 from common.storage import exists, join, list_files, redact, resolve, write_parquet_atomic
+from curation.phases.survivors import UID_SHIFT, partition_path, survivors_schema
 from curation.records import read_manifest
-from curation.survivors import UID_SHIFT, partition_path, survivors_schema
 
 # Release survivors' partition ordinals start here: far above any run's own shard count (2^30 input shards), so uids
 # stay below 2^63 for up to 2^30 release partitions.

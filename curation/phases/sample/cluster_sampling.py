@@ -1,7 +1,7 @@
 """Phase 3 "sample" as Ray tasks over the survivors' partitions: the hierarchical balanced sampling of
-``curation.sampling`` (Vo et al. 2024) with a driver that never holds per-item data.
+``curation.phases.sample.kmeans`` (Vo et al. 2024) with a driver that never holds per-item data.
 
-Inputs: the survivors files (``curation.survivors``) and, per survivors file, the dedup decisions file listing the
+Inputs: the survivors files (``curation.phases.survivors``) and, per survivors file, the dedup decisions file listing the
 uids it dropped (absent: none dropped). The survivors that are not dropped are the "alive" ones. Steps:
 
 1. train: the training set is the ``sample_size`` alive items of lowest hash of (uid, seed): uniform, and
@@ -12,7 +12,7 @@ uids it dropped (absent: none dropped). The survivors that are not dropped are t
    ``sample/hierarchy.parquet`` (level, cluster, parent, centroid), which later steps and reruns read.
 2. assign: a task per survivors file gives each alive item its leaf and squared distance to the leaf centroid and
    writes the rows (uid, leaf, distance, balance) routed to buckets by leaf (``leaf % buckets``) into
-   ``sample/work/buckets/part-<i>.parquet`` (``curation.routed``: one file per task); it returns its per-leaf
+   ``sample/work/buckets/part-<i>.parquet`` (``curation.phases.routed``: one file per task); it returns its per-leaf
    counts.
 3. budget: the driver splits the target over the leaves top-down (``sampling.leaf_budgets`` on the per-leaf counts:
    a cluster smaller than its share is taken whole, the rest goes to its siblings).
@@ -46,11 +46,11 @@ decisions file is written.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -65,8 +65,10 @@ import ray
 from common.layout import LAYOUT
 from common.progress import progress
 from common.storage import delete_quietly, exists, join, read_json, resolve, write_json_atomic, write_parquet_atomic
-from curation import routed, sampling
 from curation.config import SampleSettings
+from curation.phases import routed
+from curation.phases.runtime import run_tasks, task_window
+from curation.phases.sample import kmeans as sampling
 from curation.records import step_advice
 
 RUN_FILE, HIERARCHY_FILE = LAYOUT.sample_run, LAYOUT.sample_hierarchy
@@ -483,13 +485,7 @@ class _Laps:
 
 def _in_order(submit: Callable[[int], ray.ObjectRef], count: int, window: int) -> Iterator:
     """Results of ``submit(0..count-1)`` in order, with at most ``window`` tasks in flight."""
-    pending: deque = deque()
-    for i in range(count):
-        if len(pending) >= window:
-            yield ray.get(pending.popleft())
-        pending.append(submit(i))
-    while pending:
-        yield ray.get(pending.popleft())
+    return run_tasks((functools.partial(submit, i) for i in range(count)), window, ordered=True)
 
 
 # --- the driver -------------------------------------------------------------------------------------------------
@@ -621,7 +617,7 @@ def run_sample(
     buckets = buckets or max(1, math.ceil(alive / BUCKET_ROWS))
     inputs = [*survivor_files, *decision_files]
     _reset_if_changed(fs, root, _fingerprint(settings, buckets, sample_size, [*facts, *dropped_facts], inputs), log)
-    window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    window = task_window()
     balance = settings.balance_key is not None
 
     if alive == 0:

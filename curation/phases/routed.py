@@ -1,4 +1,4 @@
-"""Routed Parquet files: the shuffle between two steps of a distributed phase, plus a bounded task window.
+"""Routed Parquet files: the shuffle between two steps of a distributed phase.
 
 A task that sends rows to ``n_dest`` partitions of the next step writes ONE file: its rows grouped by destination,
 each destination's rows in row groups of their own, and the footer holding the row count of each destination
@@ -14,16 +14,13 @@ rerun because its output exists returns the same receipt, and a driver whose con
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-import ray
 
-from common.progress import Progress
 from common.storage import exists, write_bytes_atomic, write_parquet_atomic
 
 ROUTES, RECEIPT = b"routes", b"receipt"
@@ -92,31 +89,3 @@ def read_receipt(fs: pafs.FileSystem, path: str) -> dict | None:
     with fs.open_input_file(path) as f:
         metadata = pq.ParquetFile(f).schema_arrow.metadata or {}
     return json.loads(metadata.get(RECEIPT, b"{}"))
-
-
-class RemoteFunction(Protocol):
-    """A ``@ray.remote`` function of any arity (Ray types each arity as its own class)."""
-
-    @property
-    def remote(self) -> Callable[..., ray.ObjectRef[Any]]: ...
-
-
-def run_windowed(calls: Sequence[tuple[RemoteFunction, tuple]], window: int, progress: Progress | None = None) -> list:
-    """``fn.remote(*args)`` for each ``(fn, args)``, at most ``window`` in flight; results in call order.
-    ``progress`` is told of each finished call."""
-    results: list = [None] * len(calls)
-    pending: dict = {}
-
-    def collect() -> None:
-        done, _ = ray.wait(list(pending), num_returns=1)
-        results[pending.pop(done[0])] = ray.get(done[0])
-        if progress:
-            progress.update()
-
-    for index, (fn, args) in enumerate(calls):
-        if len(pending) >= window:
-            collect()
-        pending[fn.remote(*args)] = index
-    while pending:
-        collect()
-    return results

@@ -66,7 +66,6 @@ import ray
 
 from common.layout import LAYOUT
 from common.progress import progress
-from common.ray_utils import as_completed
 from common.storage import (
     delete_quietly,
     exists,
@@ -78,7 +77,8 @@ from common.storage import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from curation import dedup as dd
+from curation.phases.dedup import kernels as dd
+from curation.phases.runtime import run_tasks, task_window
 from curation.records import step_advice
 
 PAIRS_DIR, BUCKETS_DIR = LAYOUT.embedding_pairs, LAYOUT.embedding_buckets
@@ -94,7 +94,6 @@ POINTS_PER_CENTROID = 64  # k-means training rows per centroid
 KMEANS_ITERATIONS = 10
 HOLDOUT_EVERY = 5  # every 5th sample row predicts cluster sizes: training rows sit closer to their centroids
 SATURATED_WARNING = 0.2  # see ProbeRule
-TASK_WINDOW = 64  # Ray tasks in flight at once
 
 
 def pairs_path(bucket: int) -> str:
@@ -280,7 +279,7 @@ def _draw_sample(out_uri: str, files: list[str], counts: np.ndarray, size: int, 
         for i, (f, q) in enumerate(zip(files, quotas))
         if q
     ]
-    for i, rows in as_completed(calls, TASK_WINDOW):
+    for i, rows in run_tasks(calls, task_window()):
         sample[offsets[i] : offsets[i + 1]] = rows
     return sample
 
@@ -585,12 +584,12 @@ def run_embedding_pairs(
         shared = ray.put((probes.centroids(_load_centroids(fs, root)), bucket_of))
         assigned = list(
             progress(
-                as_completed(
+                run_tasks(
                     (
                         functools.partial(_assign_file.remote, out_uri, f, i, shared, probes, missing)
                         for i, f in enumerate(survivor_files)
                     ),
-                    TASK_WINDOW,
+                    task_window(),
                 ),
                 "[embedding pairs] assign",
                 len(survivor_files),
@@ -605,12 +604,12 @@ def run_embedding_pairs(
     settings = SearchSettings(k, threshold, probes, layout)
     receipts = list(
         progress(
-            as_completed(
+            run_tasks(
                 (
                     functools.partial(_search_bucket.remote, out_uri, b, len(survivor_files), settings)
                     for b in range(n_buckets)
                 ),
-                TASK_WINDOW,
+                task_window(),
             ),
             "[embedding pairs] search",
             n_buckets,

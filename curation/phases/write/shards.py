@@ -3,7 +3,7 @@
 Inputs, all on the output store: the committed phase-1 files (scored and ledger parts per input shard), the dedup
 decisions (``dedup/decisions/part-<i>.parquet``: the dropped survivors of survivor partition ``i``) and the sample
 decisions (``sample/decisions/part-<i>.parquet``: every dedup survivor of partition ``i`` with its cluster ids and
-whether it was selected). Partition ``i`` covers a contiguous run of input shards (``curation.survivors``).
+whether it was selected). Partition ``i`` covers a contiguous run of input shards (``curation.phases.survivors``).
 
 - Final shards: the selected images in global (shard_id, source) order, ``write.rows_per_shard`` per shard. The
   driver reads one count per partition, cuts the global order into output shards and gives each output shard's
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from hashlib import sha256
 from typing import Generic, TypeVar
 
@@ -34,14 +34,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from common import schema, watchdog
+from common import schema
 from common.layout import LAYOUT
-from common.storage import encode_parquet, exists, join, resolve, write_bytes_atomic, write_json_atomic
+from common.storage import encode_parquet, exists, join, resolve, write_bytes_atomic
 from curation.config import CurateConfig, config_from_json
-from curation.ledger import funnel_of
-from curation.metadata import merge_all, split_metadata
-from curation.records import read_unit
-from curation.takedown import Takedowns, applied_takedowns
+from curation.phases.runtime import UnitRecords, run_units, task_window
+from curation.phases.write.takedown import Takedowns, applied_takedowns
+from curation.score.ledger import funnel_of
+from curation.score.metadata import merge_all, split_metadata
 
 
 def dedup_decisions_path(index: int) -> str:
@@ -301,56 +301,6 @@ def _write_ledger_group(
 # --- the phase ----------------------------------------------------------------------------------------------------------
 
 
-class UnitRecords:
-    """Receipts of finished units of a global step in ``_state/<step>/<unit>.json``, valid for one settings hash."""
-
-    def __init__(self, fs, root: str, step: str, settings_hash: str):
-        self.fs, self.root, self.step, self.settings_hash = fs, root, step, settings_hash
-
-    def path(self, unit: str) -> str:
-        return join(self.root, LAYOUT.units(self.step), f"{unit}.json")
-
-    def get(self, unit: str) -> dict | None:
-        path = self.path(unit)
-        if not exists(self.fs, path):
-            return None
-        record = read_unit(self.fs, path, self.step)
-        return record["receipt"] if record["settings_hash"] == self.settings_hash else None
-
-    def put(self, unit: str, receipt: dict) -> None:
-        write_json_atomic(self.fs, self.path(unit), {"settings_hash": self.settings_hash, "receipt": receipt})
-
-
-def run_units(
-    records: UnitRecords, units: Mapping[str, Callable[[], ray.ObjectRef]], window: int
-) -> Iterator[tuple[str, dict]]:
-    """Run the units not yet recorded, at most ``window`` at a time; yields (unit, receipt) for every unit, recorded
-    ones included, in completion order."""
-    pending: dict[ray.ObjectRef, str] = {}
-    todo = []
-    for unit, launch in units.items():
-        done = records.get(unit)
-        if done is not None:
-            yield unit, done
-        else:
-            todo.append((unit, launch))
-    for unit, launch in todo:
-        if len(pending) >= window:
-            yield from _collect(records, pending)
-        pending[launch()] = unit
-    while pending:
-        yield from _collect(records, pending)
-
-
-def _collect(records: UnitRecords, pending: dict) -> Iterator[tuple[str, dict]]:
-    ready, _ = ray.wait(list(pending), num_returns=1)
-    unit = pending.pop(ready[0])
-    receipt = ray.get(ready[0])
-    records.put(unit, receipt)
-    watchdog.beat(f"{unit} written")
-    yield unit, receipt
-
-
 def write_phase(
     cfg: CurateConfig,
     out_uri: str,
@@ -366,7 +316,7 @@ def write_phase(
     metadata_fields = schema.typed_metadata_fields(merge_all(r.get("metadata_types") or {} for r in records.values()))
     target = final_shard_schema(cfg, metadata_fields)  # once per run: every shard task gets the same schema
     takedowns = applied_takedowns(fs, root)  # images taken down stay down when the shards are written again
-    window = max(2, 4 * int(ray.cluster_resources().get("CPU", 2)))
+    window = task_window(per_cpu=4)
     selected = ray.get([_count_selected.remote(out_uri, sample_decisions_path(i)) for i in range(partitions)])
     plan = plan_output_shards(selected, cfg.write.rows_per_shard)
     shards_in: dict[int, list[str]] = {}

@@ -59,7 +59,7 @@ from common.storage import (
     resolve,
     safe_name,
 )
-from curation.metadata import InputMetadata, sample_key
+from curation.score.metadata import InputMetadata, sample_key
 
 if TYPE_CHECKING:  # only: the config imports the stages, and the decode stage imports this module
     from curation.config import InputSettings

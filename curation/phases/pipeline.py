@@ -2,18 +2,18 @@
 
 The driver never gathers survivors: it holds the committed input shards' records, the list of survivor partitions
 and per-partition or per-cluster summaries. Every step is a set of Ray tasks that read and write Parquet partitions
-beside the output (``curation.survivors`` describes the partitioning):
+beside the output (``curation.phases.survivors`` describes the partitioning):
 
     dedup/survivors/part-<i>.parquet        survey: each survivor's uid, names, scores, pHash and embedding
-    dedup/pairs/phash/part-<p>.parquet      exact pHash pairs (curation.phash_pairs)
-    dedup/pairs/embedding/part-<b>.parquet  embedding pairs within k-means clusters (curation.embedding_pairs)
-    dedup/decisions/part-<i>.parquet        dropped survivors of partition i: kept key, signal (curation.components)
+    dedup/pairs/phash/part-<p>.parquet      exact pHash pairs (curation.phases.dedup.phash_pairs)
+    dedup/pairs/embedding/part-<b>.parquet  embedding pairs within k-means clusters (curation.phases.dedup.embedding_pairs)
+    dedup/decisions/part-<i>.parquet        dropped survivors of partition i: kept key, signal (curation.phases.dedup.components)
     sample/decisions/part-<i>.parquet       every dedup survivor of partition i: cluster ids, selected
-                                            (curation.cluster_sampling)
-    shards/part-NNNNN-<digest>.parquet      final curated shards (curation.final_write)
+                                            (curation.phases.sample.cluster_sampling)
+    shards/part-NNNNN-<digest>.parquet      final curated shards (curation.phases.write.shards)
     final_ledger/<shard_id>-<digest>.parquet   the ledger with every phase applied: one row per input
     shards/manifest.json                    the current shards and final-ledger files, totals, funnel
-    README.md                               the dataset card for Hugging Face datasets and the Hub (curation.card)
+    README.md                               the dataset card for Hugging Face datasets and the Hub (curation.phases.write.card)
 
 Resume: a phase records ``_state/<phase>.started.json`` with its settings hash; a rerun with the same settings keeps
 every partition already written (a step's output file, written atomically, is its own commit record) and redoes
@@ -47,21 +47,20 @@ from common.storage import (
     resolve,
     write_json_atomic,
 )
-from curation import survivors as sv
-from curation.card import write_card
-from curation.cluster_sampling import run_sample
-from curation.components import run_components
 from curation.config import CurateConfig
-from curation.embedding_pairs import run_embedding_pairs
-from curation.final_write import (
-    UnitRecords,
+from curation.phases import survivors as sv
+from curation.phases.dedup.components import run_components
+from curation.phases.dedup.embedding_pairs import run_embedding_pairs
+from curation.phases.dedup.phash_pairs import run_phash_pairs
+from curation.phases.release import RELEASE_UID_MIN, Release, survey_release_partition
+from curation.phases.runtime import Phase, UnitRecords, run_units, task_window
+from curation.phases.sample.cluster_sampling import run_sample
+from curation.phases.write.card import write_card
+from curation.phases.write.shards import (
     dedup_decisions_path,
-    run_units,
     write_phase,
 )
-from curation.phash_pairs import run_phash_pairs
 from curation.records import read_commit, read_done, read_started
-from curation.release import RELEASE_UID_MIN, Release, survey_release_partition
 
 
 class PhaseOrderError(RuntimeError):
@@ -109,9 +108,14 @@ class GlobalPhases:
         self.records = {r["shard_id"]: r for r in committed_records(out_uri)}
         self.partitions = sv.plan_partitions(list(self.records.values()), cfg.dedup.rows_per_partition)
         self.survivor_files = [sv.partition_path(i) for i in range(len(self.partitions))]
-        # the release's kept images, as survivor partitions after the run's own (curation.release)
+        # the release's kept images, as survivor partitions after the run's own (curation.phases.release)
         n = len(self.partitions)
         self.release_files = [sv.partition_path(n + j) for j in range(against.partitions if against else 0)]
+        steps = {"dedup": self._dedup, "sample": self._sample, "write": self._write}
+        self.phases = {
+            name: Phase(name, LAYOUT.needs(name), functools.partial(self.phase_hash, name), steps[name])
+            for name in GLOBAL_PHASES
+        }
 
     def phase_hash(self, phase: str) -> str:
         """The phase's settings hash; with a release to curate against, that release's manifest too (a takedown
@@ -122,12 +126,12 @@ class GlobalPhases:
 
     @property
     def window(self) -> int:
-        return max(2, 4 * int(ray.cluster_resources().get("CPU", 2)))
+        return task_window(per_cpu=4)
 
     # --- bookkeeping ---------------------------------------------------------------------------------------------
 
     def _require(self, phase: str) -> None:
-        needed = LAYOUT.needs(phase)
+        needed = self.phases[phase].needs
         ok = (
             exists(self.fs, _done_path(self.root, needed))
             if needed not in GLOBAL_PHASES
@@ -159,18 +163,19 @@ class GlobalPhases:
         self.guard()
         write_json_atomic(self.fs, _done_path(self.root, phase), record)
 
-    def run(self, phase: str) -> dict:
-        if phase_done(self.out_uri, phase, self.phase_hash(phase)):
-            record = read_done(self.fs, self.root, phase)
-            self.log(f"[{phase}] already done with these settings, skipped")
+    def run(self, name: str) -> dict:
+        phase = self.phases[name]
+        if phase_done(self.out_uri, name, phase.fingerprint()):
+            record = read_done(self.fs, self.root, name)
+            self.log(f"[{name}] already done with these settings, skipped")
             return record
-        self._require(phase)
+        self._require(name)
         self.guard()
-        watchdog.stage(f"the {phase} phase")
-        self._start(phase)
+        watchdog.stage(f"the {name} phase")
+        self._start(name)
         start = time.monotonic()
-        record = getattr(self, f"_{phase}")()
-        self._finish(phase, record, start)
+        record = phase.run()
+        self._finish(name, record, start)
         return record
 
     # --- phase 2: dedup ------------------------------------------------------------------------------------------

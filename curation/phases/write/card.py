@@ -14,7 +14,7 @@ import yaml
 from common import schema
 from common.layout import LAYOUT
 from common.storage import join, resolve, write_bytes_atomic
-from curation.ledger import funnel_steps, stopped_in_funnel
+from curation.score.ledger import funnel_steps, stopped_in_funnel
 
 # The Hub's size categories: (upper bound, label), the first bound above the row count wins.
 _SIZE_CATEGORIES = [

@@ -51,10 +51,10 @@ from common.storage import (
     write_parquet_atomic,
 )
 from curation.config import CurateConfig, config_from_json
-from curation.metadata import merge_all, metadata_types
-from curation.pool import InputShard, ShardReader
 from curation.records import read_commit, read_run_record, run_record
-from curation.stage import StageRunner
+from curation.score.metadata import merge_all, metadata_types
+from curation.score.pool import InputShard, ShardReader
+from curation.score.stage import StageRunner
 from curation.stages import stage_classes
 
 
