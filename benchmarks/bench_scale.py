@@ -93,7 +93,7 @@ def synthesise(
         counts = list(pool.map(_synthesise_shard, jobs))
     fs, root = resolve(str(out))
     write_json_atomic(fs, join(root, LAYOUT.run_record), {"results_hash": cfg.results_hash(), "input": "synthetic"})
-    write_json_atomic(fs, join(root, LAYOUT.done("score")), {"shards": n_shards, "results_hash": cfg.results_hash()})
+    write_json_atomic(fs, join(root, LAYOUT.done("score")), {"shards": n_shards, "settings_hash": cfg.results_hash()})
     return {"phash": sum(counts), "embedding": sum(counts)}
 
 

@@ -3,7 +3,9 @@
 Curation writes it, the audit, the report and the ledger reader check it, and training reads its manifest; all of them
 ask ``LAYOUT`` for a path or a phase name, so renaming a folder is a change here and nowhere else. Paths are relative
 to the output root (join them with ``common.storage.join``); names starting with ``_`` are bookkeeping that readers
-listing data files skip.
+listing data files skip. Every file one step writes and another step, the audit or a reader opens is named here; a
+step's scratch files inside its own work folder (``dedup/components/``, ``sample/work/``, a pair folder's
+``_shuffle/``) are the step's to name.
 
     _state/lease.json                       the output's lease (common.lease)
     _state/inputs.parquet                   the input shards the first run listed, pinned for every resume
@@ -110,6 +112,27 @@ class OutputLayout:
     def part(folder: str, index: int) -> str:
         """Partition ``index`` of a partitioned folder (survivors, decisions, pairs, work)."""
         return f"{folder}/part-{index:06d}.parquet"
+
+    @staticmethod
+    def pair_part(folder: str, partition: int) -> str:
+        """Partition ``partition`` of a pair folder (``phash_pairs``, ``embedding_pairs``), which components read."""
+        return f"{folder}/part-{partition:05d}.parquet"
+
+    components_summary = f"{dedup_decisions}/_summary.json"
+
+    def takedown_record(self, list_id: str) -> str:
+        return f"{self.takedowns}/{list_id}.json"
+
+    def takedown_entries(self, list_id: str) -> str:
+        return f"{self.takedowns}/{list_id}.entries.parquet"
+
+    def dedup_decision(self, index: int) -> str:
+        """The dropped survivors of survivor partition ``index``, with the key each duplicates."""
+        return self.part(self.dedup_decisions, index)
+
+    def sample_decision(self, index: int) -> str:
+        """Every dedup survivor of survivor partition ``index``, with its cluster ids and whether it is selected."""
+        return self.part(self.sample_decisions, index)
 
 
 LAYOUT = OutputLayout()

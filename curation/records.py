@@ -16,7 +16,7 @@ import json
 import pyarrow.fs as pafs
 
 from common.layout import GLOBAL_PHASES, LAYOUT
-from common.storage import FieldTypes, display_path, join, read_json, redact, resolve, without_credentials
+from common.storage import FieldTypes, display_path, join, list_files, read_json, redact, resolve, without_credentials
 
 _NUMBER = (int, float)
 
@@ -56,6 +56,13 @@ def read_commit(fs: pafs.FileSystem, root: str, path: str) -> dict:
             f"{later} (so the later phases redo their work on its new results), then rerun the same command"
         ),
     )
+
+
+def read_commits(fs: pafs.FileSystem, root: str) -> dict[str, dict]:
+    """Every committed input shard's commit record, by shard id (one per input shard: 10^5-10^6 small files at 1B
+    images, read by the driver once per phase)."""
+    paths = list_files(fs, join(root, LAYOUT.score_commits), ".json")
+    return {r["shard_id"]: r for r in (read_commit(fs, root, p) for p in paths)}
 
 
 def input_name(input_uri: str) -> str:

@@ -11,8 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from common.layout import LAYOUT
 from curation.phases.dedup import kernels as dd
-from curation.phases.dedup.components import WORK_DIR, ComponentsError, decisions_path, run_components
+from curation.phases.dedup.components import WORK_DIR, ComponentsError, run_components
 from curation.phases.survivors import make_uid, survivors_schema
 
 DIM = 4
@@ -138,7 +139,7 @@ def decisions(root: Path, survivors: Survivors) -> dict[int, tuple[str, str]]:
     out = {}
     for i, f in enumerate(survivors.files):
         held = set(pq.read_table(root / f, columns=["uid"]).column("uid").to_pylist())
-        t = pq.read_table(root / decisions_path(i))
+        t = pq.read_table(root / LAYOUT.dedup_decision(i))
         rows = t.to_pylist()
         assert t.column("uid").to_pylist() == sorted(t.column("uid").to_pylist())
         assert all(r["uid"] in held for r in rows), "a decision sits in another survivor file's partition"
@@ -237,7 +238,7 @@ def test_no_pairs_keeps_everyone_and_unknown_uids_are_refused(ray_local, tmp_pat
     pairs = write_pairs(tmp_path, survivors, {"phash": (empty, empty)}, files_per_signal=1)
     summary = run_components(str(tmp_path), pairs, survivors.files, log=lambda m: None)
     assert summary["dropped"] == 0 and summary["components"] == 0 and summary["rounds"] == 0
-    assert all(pq.read_table(tmp_path / decisions_path(i)).num_rows == 0 for i in range(2))
+    assert all(pq.read_table(tmp_path / LAYOUT.dedup_decision(i)).num_rows == 0 for i in range(2))
 
     bad = tmp_path / "dedup/pairs/bad.parquet"
     pq.write_table(pa.table({"a": [int(survivors.table.column("uid")[0].as_py())], "b": [make_uid(99, 0)]}), bad)

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from common.layout import LAYOUT
 from curation.config import SampleSettings
 from curation.phases import reference
 from curation.phases.sample import cluster_sampling as cs
@@ -78,7 +79,7 @@ def write_survivors(
 
 
 def read_decisions(root: Path, n_files: int) -> pa.Table:
-    return pa.concat_tables([pq.read_table(root / cs.decisions_path(i)) for i in range(n_files)])
+    return pa.concat_tables([pq.read_table(root / LAYOUT.sample_decision(i)) for i in range(n_files)])
 
 
 def entropy(counts: np.ndarray) -> float:
@@ -190,7 +191,7 @@ def test_independent_of_partitioning_and_deterministic(ray_local, tmp_path, data
         rows = [i for i, lv in enumerate(got["level"]) if lv == level]
         assert np.array_equal(np.asarray([got["centroid"][i] for i in rows], np.float32), want.centroids[level])
     for i in range(5):
-        b, c = (tmp_path / name / cs.decisions_path(i) for name in "bc")
+        b, c = (tmp_path / name / LAYOUT.sample_decision(i) for name in "bc")
         assert b.read_bytes() == c.read_bytes()
 
 
@@ -200,7 +201,7 @@ def test_reruns_skip_done_work_and_restart_on_changed_settings(ray_local, tmp_pa
     settings = SampleSettings(target_count=500, clusters=[30, 5])
     logs: list[str] = []
     first = cs.run_sample(str(tmp_path), *files, settings, buckets=2, log=logs.append)
-    outputs = {i: tmp_path / cs.decisions_path(i) for i in range(3)}
+    outputs = {i: tmp_path / LAYOUT.sample_decision(i) for i in range(3)}
     before = {i: (p.read_bytes(), p.stat().st_mtime_ns) for i, p in outputs.items()}
 
     # everything done: nothing rewritten

@@ -527,22 +527,20 @@ def test_the_prototype_layer_is_frozen_for_its_first_steps_as_dinov2(repo_root) 
 
 
 def _short_run(cfg, images: torch.Tensor, window: int = 10) -> list[dict[str, float]]:
-    """The worker's step (``pretrain.train.optimizer_update``: schedules, frozen prototypes, clipping, AdamW, EMA)
+    """The worker's step (``pretrain.train.Trainer.train_step``: schedules, frozen prototypes, clipping, AdamW, EMA)
     for ``cfg.steps`` steps at the config's global batch, in this process; the means of the objective's terms over
     each ``window`` steps, with the collapse those show (read with the images the diagnostics were taken over: the
     whole global batch here)."""
-    from pretrain.train import build_optimizer, optimizer_update
+    from pretrain.train import Trainer
 
     torch.manual_seed(0)
     obj = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=cfg.steps)
-    optimizer = build_optimizer(obj, cfg.optim)
-    params = [p for p in obj.parameters() if p.requires_grad]
-    batch, gen, history, windows = cfg.samples_per_step(), _gen(), [], []
+    trainer = Trainer(obj, cfg, torch.device("cpu"))
+    batch, gen, history, windows = trainer.global_batch, _gen(), [], []
     for step in range(cfg.steps):
-        out = obj(images[torch.randint(len(images), (batch,), generator=gen)], step, gen)
-        out["loss"].backward()
-        optimizer_update(obj, optimizer, params, step, cfg, batch)
-        history.append({k: out[k].item() for k in TERMS})
+        drawn = images[torch.randint(len(images), (batch,), generator=gen)]
+        terms, _ = trainer.train_step(step, drawn.chunk(cfg.optim.grad_accum))
+        history.append(dict(zip(TERMS, terms.tolist())))
         if len(history) == window:
             means = {k: sum(h[k] for h in history) / window for k in TERMS}
             means["collapse"] = collapse_state(means, cfg.objective.cl.prototypes, batch)

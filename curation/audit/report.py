@@ -39,8 +39,7 @@ from common.progress import progress
 from common.storage import StorageError, exists, join, redact, resolve, write_bytes_atomic
 from curation.audit.verify import AuditResult
 from curation.config import CurateConfig
-from curation.phases.pipeline import committed_records
-from curation.records import input_name, read_done, read_manifest, read_run_record
+from curation.records import input_name, read_commits, read_done, read_manifest, read_run_record
 from curation.score.ledger import funnel_steps, read_ledger, reason_code, stopped_by_stage
 from curation.score.pool import TAR_SUFFIXES
 
@@ -279,7 +278,7 @@ class Thumbnails:
         by_shard: dict[str, set[str]] = defaultdict(set)
         for t in tiles:
             by_shard[t.shard_id].add(t.source)
-        records = {r["shard_id"]: r for r in committed_records(self.out_uri)} if by_shard else {}
+        records = read_commits(*resolve(self.out_uri)) if by_shard else {}
         found: dict[str, bytes] = {}
         for shard_id, sources in by_shard.items():
             for rel in records.get(shard_id, {}).get("scored_files", []):

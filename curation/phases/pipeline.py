@@ -57,10 +57,9 @@ from curation.phases.runtime import Phase, UnitRecords, run_units, task_window
 from curation.phases.sample.cluster_sampling import run_sample
 from curation.phases.write.card import write_card
 from curation.phases.write.shards import (
-    dedup_decisions_path,
     write_phase,
 )
-from curation.records import read_commit, read_done, read_started
+from curation.records import read_commits, read_done, read_started
 
 
 class PhaseOrderError(RuntimeError):
@@ -77,11 +76,6 @@ def phase_done(out_uri: str, phase: str, settings_hash: str | None = None) -> bo
     if not exists(fs, path):
         return False
     return settings_hash is None or read_done(fs, root, phase)["settings_hash"] == settings_hash
-
-
-def committed_records(out_uri: str) -> list[dict]:
-    fs, root = resolve(out_uri)
-    return [read_commit(fs, root, p) for p in list_files(fs, join(root, LAYOUT.score_commits), ".json")]
 
 
 @ray.remote(num_cpus=0.5)
@@ -105,7 +99,7 @@ class GlobalPhases:
     ):
         self.cfg, self.out_uri, self.log, self.guard, self.against = cfg, out_uri, log, guard, against
         self.fs, self.root = resolve(out_uri)
-        self.records = {r["shard_id"]: r for r in committed_records(out_uri)}
+        self.records = read_commits(self.fs, self.root)
         self.partitions = sv.plan_partitions(list(self.records.values()), cfg.dedup.rows_per_partition)
         self.survivor_files = [sv.partition_path(i) for i in range(len(self.partitions))]
         # the release's kept images, as survivor partitions after the run's own (curation.phases.release)
@@ -132,12 +126,9 @@ class GlobalPhases:
 
     def _require(self, phase: str) -> None:
         needed = self.phases[phase].needs
-        ok = (
-            exists(self.fs, _done_path(self.root, needed))
-            if needed not in GLOBAL_PHASES
-            else phase_done(self.out_uri, needed, self.phase_hash(needed))
-        )
-        if not ok:
+        # score's settings are the run's, which claiming the output already checked
+        fingerprint = self.phases[needed].fingerprint() if needed in self.phases else None
+        if not phase_done(self.out_uri, needed, fingerprint):
             raise PhaseOrderError(
                 f"phase {phase} needs phase {needed} to be complete with these settings; run --phases {needed},{phase}"
             )
@@ -244,7 +235,7 @@ class GlobalPhases:
 
     def _sample(self) -> dict:
         files = self.survivor_files + self.release_files  # the release's images: clustered with, and chosen before
-        decisions = [dedup_decisions_path(i) for i in range(len(files))]
+        decisions = [LAYOUT.dedup_decision(i) for i in range(len(files))]
         chosen_from = RELEASE_UID_MIN if self.release_files else None
         summary = run_sample(self.out_uri, files, decisions, self.cfg.sample, log=self.log, chosen_from=chosen_from)
         self.log(f"[sample] {summary}")

@@ -12,17 +12,14 @@ import pyarrow.parquet as pq
 
 from common import schema
 from common.layout import GLOBAL_PHASES, LAYOUT, TAKEDOWN, funnel_phase
-from common.storage import exists, join, list_files, resolve
-from curation.records import read_commit, read_manifest
+from common.storage import exists, join, resolve
+from curation.records import read_commits, read_manifest
 
 
 def committed_files(out_uri: str, kind: str) -> list[str]:
     """Paths (relative to the output root) of committed phase-1 files: kind is "ledger" or "scored"."""
     fs, root = resolve(out_uri)
-    files: list[str] = []
-    for path in list_files(fs, join(root, LAYOUT.score_commits), ".json"):
-        files.extend(read_commit(fs, root, path)[f"{kind}_files"])
-    return sorted(files)
+    return sorted(f for record in read_commits(fs, root).values() for f in record[f"{kind}_files"])
 
 
 def read_ledger(out_uri: str, columns: list[str] | None = None) -> pa.Table:

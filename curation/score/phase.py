@@ -41,7 +41,6 @@ from common.storage import (
     exists,
     io_counts,
     join,
-    list_files,
     redact,
     remove_temporaries,
     resolve,
@@ -51,7 +50,7 @@ from common.storage import (
     write_parquet_atomic,
 )
 from curation.config import CurateConfig, config_from_json
-from curation.records import read_commit, read_run_record, run_record
+from curation.records import read_commits, read_run_record, run_record
 from curation.score.metadata import merge_all, metadata_types
 from curation.score.pool import InputShard, ShardReader
 from curation.score.stage import StageRunner
@@ -337,9 +336,7 @@ class ScorePhase:
         return join(self.root, LAYOUT.score_commit(shard_id))
 
     def committed(self) -> dict[str, dict]:
-        paths = list_files(self.fs, join(self.root, LAYOUT.score_commits), ".json")
-        records = [read_commit(self.fs, self.root, p) for p in paths]
-        return {r["shard_id"]: r for r in records}
+        return read_commits(self.fs, self.root)
 
     def task_memory(self) -> int:
         """Bytes of memory each process of the chain requests of Ray: ``input.task_memory_mb``, lowered where the
@@ -485,7 +482,7 @@ class ScorePhase:
             **io,  # retried object-store / disk calls and throttling answers of the shards committed this run
         }
         write_json_atomic(
-            self.fs, join(self.root, LAYOUT.done("score")), {**summary, "results_hash": self.results_hash}
+            self.fs, join(self.root, LAYOUT.done("score")), {**summary, "settings_hash": self.results_hash}
         )
         return summary
 

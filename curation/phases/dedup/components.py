@@ -53,7 +53,6 @@ import json
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from hashlib import sha256
 from typing import Any, NamedTuple
@@ -75,11 +74,11 @@ from curation.phases.routed import (
     write_plain,
     write_routed,
 )
-from curation.phases.runtime import run_tasks, task_window
+from curation.phases.runtime import map_footers, parquet_rows, run_tasks, task_window
 from curation.records import step_advice
 
 WORK_DIR, DECISIONS_DIR = LAYOUT.components, LAYOUT.dedup_decisions
-SUMMARY = f"{DECISIONS_DIR}/_summary.json"
+SUMMARY = LAYOUT.components_summary
 SURVIVOR_COLUMNS = ["uid", "shard_id", "source", "key", "score", "width", "height"]
 
 EDGES = pa.schema([("src", pa.int64()), ("dst", pa.int64()), ("code", pa.int8())])
@@ -113,10 +112,6 @@ DECISIONS = pa.schema(
 
 class ComponentsError(RuntimeError):
     """The components cannot be computed as asked (rounds exhausted, uids that are no survivor's)."""
-
-
-def decisions_path(index: int) -> str:
-    return LAYOUT.part(DECISIONS_DIR, index)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -186,14 +181,8 @@ def _uid_range(fs, path: str) -> tuple[int, int] | None:
         return int(bounds["min"].as_py()), int(bounds["max"].as_py())
 
 
-def _num_rows(fs, path: str) -> int:
-    with fs.open_input_file(path) as f:
-        return pq.ParquetFile(f).metadata.num_rows
-
-
 def _layout(fs, root: str, survivor_files: Sequence[str], n_parts: int, files_per_task: int) -> Layout:
-    with ThreadPoolExecutor(16) as pool:  # footers only; threads hide object-store latency
-        ranges = list(pool.map(lambda f: _uid_range(fs, join(root, f)), survivor_files))
+    ranges = map_footers(lambda f: _uid_range(fs, join(root, f)), survivor_files)
     held = [(i, r) for i, r in enumerate(ranges) if r is not None]
     first = np.asarray([r[0] for _, r in held], np.int64)
     last = np.asarray([r[1] for _, r in held], np.int64)
@@ -497,7 +486,7 @@ def _write_task(out_uri: str, layout: Layout, dropped: list[str], group: int, ou
     fs, root = resolve(out_uri)
     paths = [join(root, o) for o in outputs]
     if all(exists(fs, p) for p in paths):
-        return {"rows": sum(_num_rows(fs, p) for p in paths)}
+        return {"rows": sum(parquet_rows(fs, paths))}
     t = read_routed(fs, [join(root, p) for p in dropped], group, DECISIONS).sort_by("uid")
     file = layout.file_of(_column(t, "uid"))
     for index, path in zip(layout.files_of_group(group), paths):
@@ -601,7 +590,7 @@ def run_components(
     keep_work: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Components of the pairs of every signal and the keep rule; writes ``decisions_path(i)`` per survivor file.
+    """Components of the pairs of every signal and the keep rule; writes ``LAYOUT.dedup_decision(i)`` per survivor file.
 
     ``pair_files`` maps each signal to its pair files (relative to ``out_uri``), in priority order: a pair that
     two signals link counts as the first's. ``partitions`` (P) defaults to twice the pair rows over
@@ -616,8 +605,7 @@ def run_components(
         raise ValueError("at most 127 signals")
     pair_list = [(code, path) for code, s in enumerate(signals) for path in pair_files[s]]
     if partitions is None:
-        with ThreadPoolExecutor(16) as pool:
-            pair_rows = sum(pool.map(lambda p: _num_rows(fs, join(root, p[1])), pair_list))
+        pair_rows = sum(parquet_rows(fs, [join(root, path) for _, path in pair_list]))
         partitions = math.ceil(2 * pair_rows / edges_per_partition)
     n_parts = max(1, int(partitions))
     local_edges = edges_per_partition if local_edges is None else local_edges
@@ -629,7 +617,7 @@ def run_components(
         "files_per_task": int(files_per_task),
     }
     plan_digest = sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
-    outputs = [decisions_path(i) for i in range(len(survivor_files))]
+    outputs = [LAYOUT.dedup_decision(i) for i in range(len(survivor_files))]
     summary_path, plan_path = join(root, SUMMARY), join(root, _work("plan.json"))
     advice = step_advice(fs, root, "dedup")
     previous = read_json(fs, summary_path, fields={"plan": str}, advice=advice) if exists(fs, summary_path) else None

@@ -55,7 +55,6 @@ import json
 import math
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from hashlib import sha256
 
@@ -78,7 +77,7 @@ from common.storage import (
     write_parquet_atomic,
 )
 from curation.phases.dedup import kernels as dd
-from curation.phases.runtime import run_tasks, task_window
+from curation.phases.runtime import parquet_rows, run_tasks, task_window
 from curation.records import step_advice
 
 PAIRS_DIR, BUCKETS_DIR = LAYOUT.embedding_pairs, LAYOUT.embedding_buckets
@@ -97,7 +96,7 @@ SATURATED_WARNING = 0.2  # see ProbeRule
 
 
 def pairs_path(bucket: int) -> str:
-    return f"{PAIRS_DIR}/part-{bucket:05d}.parquet"
+    return LAYOUT.pair_part(PAIRS_DIR, bucket)
 
 
 def bucket_path(bucket: int, file_index: int) -> str:
@@ -538,10 +537,7 @@ def run_embedding_pairs(
     inputs and settings are kept: a rerun does only what is missing. Returns a summary for the phase's record.
     """
     fs, root = resolve(out_uri)
-    with ThreadPoolExecutor(16) as pool:  # footers only; threads hide an object store's latency
-        counts = np.asarray(
-            list(pool.map(lambda f: pq.read_metadata(join(root, f), filesystem=fs).num_rows, survivor_files)), np.int64
-        )
+    counts = np.asarray(parquet_rows(fs, [join(root, f) for f in survivor_files]), np.int64)
     n = int(counts.sum())
     cluster_size = cluster_size or default_cluster_size(n)
     layout = Layout(

@@ -56,7 +56,6 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from hashlib import sha256
 
@@ -80,7 +79,7 @@ from common.storage import (
     write_parquet_atomic,
 )
 from curation.phases.dedup import kernels as dd
-from curation.phases.runtime import run_tasks, task_window
+from curation.phases.runtime import parquet_rows, run_tasks, task_window
 from curation.records import step_advice
 
 SHUFFLE_DIR = "_shuffle"  # "_" names are skipped by readers listing the pair files
@@ -253,10 +252,6 @@ def _shuffle_path(root: str, out_dir: str, partition: int, map_index: int) -> st
     return join(root, out_dir, SHUFFLE_DIR, f"{partition:05d}", f"{map_index:06d}.parquet")
 
 
-def _part_name(partition: int) -> str:
-    return f"part-{partition:05d}.parquet"
-
-
 def _runs(sorted_keys: np.ndarray) -> np.ndarray:
     """True where a run of equal values starts."""
     return np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]]) if sorted_keys.size else np.empty(0, bool)
@@ -303,7 +298,7 @@ def _reduce_task(
     """All pairs whose reporting group lives in this partition, sorted, as one file; then drop the shuffle input."""
     cpu = time.process_time()
     fs, root = resolve(out_uri)
-    out_path = join(root, out_dir, _part_name(partition))
+    out_path = join(root, LAYOUT.pair_part(out_dir, partition))
     if exists(fs, out_path):
         return {"partition": partition, "skipped": True}
     parts = [pq.read_table(_shuffle_path(root, out_dir, partition, m), filesystem=fs) for m in range(n_maps)]
@@ -357,17 +352,6 @@ def _reduce_task(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _count_rows(fs: pafs.FileSystem, paths: Sequence[str]) -> int:
-    """Rows of Parquet files from their footers (threads: on an object store each is a round trip)."""
-
-    def rows(path: str) -> int:
-        with fs.open_input_file(path) as f:
-            return pq.ParquetFile(f).metadata.num_rows
-
-    with ThreadPoolExecutor(16) as pool:
-        return sum(pool.map(rows, paths))
-
-
 def _claim(fs: pafs.FileSystem, folder: str, spec: dict, log: Callable[[str], None], advice: str) -> None:
     """Resume only what was started with the same settings and inputs; anything else is cleared first."""
     path = join(folder, SPEC_FILE)
@@ -400,13 +384,13 @@ def run_phash_pairs(
     start = time.monotonic()
     fs, root = resolve(out_uri)
     folder = join(root, out_dir)
-    n_rows = _count_rows(fs, [join(root, f) for f in survivor_files])
+    n_rows = sum(parquet_rows(fs, [join(root, f) for f in survivor_files]))
     plan = plan_pairs(n_rows, radius, partitions, n_bands=n_bands, rows_per_partition=rows_per_partition)
     inputs = sha256("\n".join(survivor_files).encode()).hexdigest()
     _claim(fs, folder, {**plan.describe(), "inputs": inputs}, log, step_advice(fs, root, "dedup"))
 
     present = {path.rpartition("/")[2] for path in list_files(fs, folder, ".parquet")}
-    missing = [p for p in range(plan.partitions) if _part_name(p) not in present]
+    missing = [p for p in range(plan.partitions) if LAYOUT.pair_part(out_dir, p).rpartition("/")[2] not in present]
     log(
         f"[phash pairs] {n_rows} survivors, radius {radius}: {len(plan.bands.bands)} bands, "
         f"{len(plan.families)} families, {plan.partitions} partitions ({len(missing)} to do)"
@@ -448,7 +432,7 @@ def run_phash_pairs(
         )
     delete_quietly(fs, join(folder, SHUFFLE_DIR))
     done = [r for r in reduces if not r["skipped"]]
-    n_pairs = _count_rows(fs, [join(folder, _part_name(p)) for p in range(plan.partitions)])
+    n_pairs = sum(parquet_rows(fs, [join(root, LAYOUT.pair_part(out_dir, p)) for p in range(plan.partitions)]))
     summary = {
         **plan.describe(),
         "survivors": n_rows,

@@ -52,7 +52,6 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,7 +66,7 @@ from common.progress import progress
 from common.storage import delete_quietly, exists, join, read_json, resolve, write_json_atomic, write_parquet_atomic
 from curation.config import SampleSettings
 from curation.phases import routed
-from curation.phases.runtime import run_tasks, task_window
+from curation.phases.runtime import map_footers, run_tasks, task_window
 from curation.phases.sample import kmeans as sampling
 from curation.records import step_advice
 
@@ -93,10 +92,6 @@ _BUCKET_SCHEMA = pa.schema(
     [("uid", pa.int64()), ("leaf", pa.int32()), ("distance", pa.float32()), ("balance", pa.string())]
 )
 _SELECTED_SCHEMA = pa.schema([("uid", pa.int64()), ("leaf", pa.int32()), ("selected", pa.bool_())])
-
-
-def decisions_path(index: int) -> str:
-    return LAYOUT.part(DECISIONS_DIR, index)
 
 
 def _buckets_path(index: int) -> str:
@@ -440,7 +435,7 @@ def _assemble_task(
 ) -> tuple[int, int, bool]:
     """Writes the file's decisions; returns (rows, selected, done before)."""
     fs, root = resolve(out_uri)
-    path = join(root, decisions_path(index))
+    path = join(root, LAYOUT.sample_decision(index))
     if exists(fs, path):
         selected = pq.read_table(path, columns=["selected"], filesystem=fs).column("selected")
         return len(selected), int(pc.sum(selected).as_py() or 0), True
@@ -467,7 +462,7 @@ def _assemble_task(
         },
         schema=DECISIONS_SCHEMA,
     )
-    _write(fs, root, decisions_path(index), table, row_group_size=10_000)
+    _write(fs, root, LAYOUT.sample_decision(index), table, row_group_size=10_000)
     return uid.size, int(table.column("selected").to_numpy().sum()), False
 
 
@@ -598,9 +593,8 @@ def run_sample(
     laps = _Laps()
     fs, root = resolve(out_uri)
     n_files = len(survivor_files)
-    with ThreadPoolExecutor(16) as pool:  # footers only; object stores answer faster in parallel
-        facts = list(pool.map(lambda p: _file_facts(fs, join(root, p), "uid"), survivor_files))
-        dropped_facts = list(pool.map(lambda p: _file_facts(fs, join(root, p), None), decision_files))
+    facts = map_footers(lambda p: _file_facts(fs, join(root, p), "uid"), survivor_files)
+    dropped_facts = map_footers(lambda p: _file_facts(fs, join(root, p), None), decision_files)
     if any(f is None for f in facts):
         raise FileNotFoundError(f"missing survivors files: {[p for p, f in zip(survivor_files, facts) if f is None]}")
     survivors = [f for f in facts if f is not None]  # every file's, as just checked
@@ -622,8 +616,8 @@ def run_sample(
 
     if alive == 0:
         for i in range(n_files):
-            if not exists(fs, join(root, decisions_path(i))):
-                _write(fs, root, decisions_path(i), DECISIONS_SCHEMA.empty_table(), row_group_size=10_000)
+            if not exists(fs, join(root, LAYOUT.sample_decision(i))):
+                _write(fs, root, LAYOUT.sample_decision(i), DECISIONS_SCHEMA.empty_table(), row_group_size=10_000)
         log("[sample] 0 after dedup, 0 selected")
         return {"inputs": 0, "selected": 0, "unsampled": 0, "levels": 0, "clusters_per_level": []}
 
@@ -643,7 +637,7 @@ def run_sample(
     per_level = [int(c.shape[0]) for c in centroids]
     cluster_ids_ref = ray.put(cluster_ids)
 
-    if not all(exists(fs, join(root, decisions_path(i))) for i in range(n_files)):
+    if not all(exists(fs, join(root, LAYOUT.sample_decision(i))) for i in range(n_files)):
         # 2. assign
         centroids_ref = ray.put(centroids[0])
         counts, chosen, reused = np.zeros(n_leaves, np.int64), np.zeros(n_leaves, np.int64), 0

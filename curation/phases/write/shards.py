@@ -44,14 +44,6 @@ from curation.score.ledger import funnel_of
 from curation.score.metadata import merge_all, split_metadata
 
 
-def dedup_decisions_path(index: int) -> str:
-    return LAYOUT.part(LAYOUT.dedup_decisions, index)
-
-
-def sample_decisions_path(index: int) -> str:
-    return LAYOUT.part(LAYOUT.sample_decisions, index)
-
-
 def write_named_by_content(
     fs, root: str, folder: str, stem: str, table: pa.Table, cfg: CurateConfig, row_group_size: int
 ) -> dict:
@@ -148,7 +140,7 @@ def _write_output_shards(
 
     def selected_of(partition: int) -> pa.Table:
         t = pq.read_table(
-            join(root, sample_decisions_path(partition)),
+            join(root, LAYOUT.sample_decision(partition)),
             columns=["uid", "source", "shard_id", "cluster_ids", "selected"],
             filesystem=fs,
         )
@@ -271,11 +263,11 @@ def _write_ledger_group(
                 _read_if_exists(
                     fs,
                     root,
-                    dedup_decisions_path(partition),
+                    LAYOUT.dedup_decision(partition),
                     ["source", "shard_id", "duplicate_of", "duplicate_signal"],
                 ),
                 _read_if_exists(
-                    fs, root, sample_decisions_path(partition), ["source", "shard_id", "cluster_ids", "selected"]
+                    fs, root, LAYOUT.sample_decision(partition), ["source", "shard_id", "cluster_ids", "selected"]
                 ),
             )
         dups, sample = decisions[partition] if partition is not None else (None, None)
@@ -317,7 +309,7 @@ def write_phase(
     target = final_shard_schema(cfg, metadata_fields)  # once per run: every shard task gets the same schema
     takedowns = applied_takedowns(fs, root)  # images taken down stay down when the shards are written again
     window = task_window(per_cpu=4)
-    selected = ray.get([_count_selected.remote(out_uri, sample_decisions_path(i)) for i in range(partitions)])
+    selected = ray.get([_count_selected.remote(out_uri, LAYOUT.sample_decision(i)) for i in range(partitions)])
     plan = plan_output_shards(selected, cfg.write.rows_per_shard)
     shards_in: dict[int, list[str]] = {}
     for shard_id, partition in partition_of.items():

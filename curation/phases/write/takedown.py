@@ -230,12 +230,7 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()
 
 
-def record_path(list_id: str) -> str:
-    return f"{LAYOUT.takedowns}/{list_id}.json"
-
-
-def entries_path(list_id: str) -> str:
-    return f"{LAYOUT.takedowns}/{list_id}.entries.parquet"
+record_path, entries_path = LAYOUT.takedown_record, LAYOUT.takedown_entries
 
 
 def takedown_records(fs, root: str) -> list[dict]:
