@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from common.layout import LAYOUT
-from curation.config import SampleSettings
 from curation.phases import reference
 from curation.phases.sample import cluster_sampling as cs
 from curation.phases.sample import kmeans as sampling
 from curation.phases.survivors import make_uid, survivors_schema
+from curation.settings import SampleSettings
 
 faiss.omp_set_num_threads(2)
 

@@ -8,8 +8,8 @@ import pytest
 from PIL import Image
 
 from common import schema
-from curation.config import InputSettings
 from curation.score.pool import PoolError, ShardReader, list_shards
+from curation.settings import InputSettings
 
 
 def read_shard(root, shard, settings: InputSettings | None = None):

@@ -12,11 +12,11 @@ import pytest
 
 from common import schema
 from common.layout import LAYOUT
-from curation.config import InputSettings
 from curation.phases.write.shards import with_typed_metadata
 from curation.score.ledger import read_ledger
 from curation.score.metadata import merge_all, metadata_types, sample_key, split_metadata
 from curation.score.pool import list_shards
+from curation.settings import InputSettings
 from generators.sample_pool import read_manifest
 from jobs import export
 from tests.test_pool import _jpeg, read_shard

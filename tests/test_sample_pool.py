@@ -20,9 +20,10 @@ import pytest
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from common.imageio import _to_mode, open_image
-from curation.config import CurateConfig, InputSettings
+from curation.config import CurateConfig
 from curation.score.pool import ShardReader, list_shards
 from curation.score.stage import REJECT
+from curation.settings import InputSettings
 from curation.stages.decode import DecodeStage
 from generators import sample_pool as sp
 from jobs import make_sample_pool as cli

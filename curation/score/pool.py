@@ -62,7 +62,7 @@ from common.storage import (
 from curation.score.metadata import InputMetadata, sample_key
 
 if TYPE_CHECKING:  # only: the config imports the stages, and the decode stage imports this module
-    from curation.config import InputSettings
+    from curation.settings import InputSettings
 
 # Members of a WebDataset sample that describe its picture (labels, captions, URLs, features): not inputs. Every other
 # regular member is an input, whatever its suffix: the decode stage tells a picture from the rest.

@@ -47,14 +47,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray
-from pydantic import Field, field_validator
 
 from common import schema
-from common.config import Strict
 from curation.score.ledger import reason_code
+from curation.settings import CurationSettings, StageSettings
 
 if TYPE_CHECKING:
-    from curation.config import CurateConfig
+    pass
 
 REJECT = "reject"  # key of an update dict that rejects the row; its value is "reason_code: detail"
 _FAULT = "_fault"  # key of an update dict that makes the row an error row; its value is the ledger reason
@@ -66,25 +65,6 @@ _STUCK_ROWS_NAMESPACE = "humans1b_stuck_rows"
 
 Row = dict[str, Any]
 Update = dict[str, Any]
-
-
-class StageSettings(Strict):
-    enabled: bool = True
-    batch_size: int = Field(16, ge=1)
-    num_cpus: float = Field(1.0, gt=0)
-    num_gpus: float = Field(0.0, ge=0)
-    # (min, max) actors for model stages; task stages ignore it.
-    actors: tuple[int, int] = (1, 2)
-    # Time limit per image of a stage call (a batch of n rows gets n times this); a row past it is an error row
-    # (stage_timeout). None: no limit.
-    timeout_s: float | None = Field(60.0, gt=0)
-
-    @field_validator("actors")
-    @classmethod
-    def _actors_ordered(cls, v: tuple[int, int]) -> tuple[int, int]:
-        if not 1 <= v[0] <= v[1]:
-            raise ValueError("actors must be [min, max] with 1 <= min <= max")
-        return v
 
 
 class Stage:
@@ -115,7 +95,7 @@ class Stage:
             )
         Stage.registry[cls.name] = cls
 
-    def __init__(self, cfg: CurateConfig):
+    def __init__(self, cfg: CurationSettings):
         self.cfg = cfg
         self.settings = cfg.stages[self.name]
 
@@ -278,7 +258,7 @@ def _record_funnel(stage: str, updates: list[Update], seconds: float) -> None:
 class StageRunner:
     """Ray Data callable around one stage: ``pa.Table -> pa.Table`` over the working schema."""
 
-    def __init__(self, stage_class: type[Stage], cfg: CurateConfig):
+    def __init__(self, stage_class: type[Stage], cfg: CurationSettings):
         self.stage: Stage = stage_class(cfg)
         try:
             self.stage.setup()

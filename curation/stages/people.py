@@ -37,7 +37,7 @@ from common.imageio import decode
 from curation.score.stage import Row, Stage, StageSettings, Update, reject
 
 if TYPE_CHECKING:
-    from curation.config import Filters
+    from curation.settings import Filters
 
 # -- the body-part graph ---------------------------------------------------------------------------------------------
 

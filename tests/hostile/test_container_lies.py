@@ -17,9 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from curation.config import InputSettings
 from curation.score.ledger import reason_code
 from curation.score.pool import ShardReader, list_shards
+from curation.settings import InputSettings
 from tests.hostile.test_pool_inputs import MB, add_member, ledger_rows, photo, read_all, run
 
 BLOCK = tarfile.BLOCKSIZE
@@ -265,7 +265,7 @@ def test_every_arrow_binary_type_is_image_bytes(tmp_path, arrow_type):
 READ_PEAK = """
 import sys
 import pyarrow.parquet  # the reader's own imports, so that the baseline below holds them
-from curation.config import InputSettings
+from curation.settings import InputSettings
 from curation.score.pool import ShardReader, list_shards
 settings = InputSettings(read_chunk_mb=8, max_row_group_mb=int(sys.argv[2]))
 (shard,) = list_shards(sys.argv[1], settings)

@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from curation.config import InputSettings
 from curation.score.ledger import read_ledger, reason_code
 from curation.score.pool import ShardReader, list_shards
+from curation.settings import InputSettings
 from jobs import curate
 
 LITE = "configs/curate/lite.yaml"

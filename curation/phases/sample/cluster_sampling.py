@@ -64,11 +64,11 @@ import ray
 from common.layout import LAYOUT
 from common.progress import progress
 from common.storage import delete_quietly, exists, join, read_json, resolve, write_json_atomic, write_parquet_atomic
-from curation.config import SampleSettings
 from curation.phases import routed
 from curation.phases.runtime import map_footers, run_tasks, task_window
 from curation.phases.sample import kmeans as sampling
 from curation.records import step_advice
+from curation.settings import SampleSettings
 
 RUN_FILE, HIERARCHY_FILE = LAYOUT.sample_run, LAYOUT.sample_hierarchy
 DECISIONS_DIR, WORK_DIR = LAYOUT.sample_decisions, LAYOUT.sample_work
