@@ -18,8 +18,8 @@ import argparse
 import os
 import platform
 import shutil
+import sys
 import tempfile
-import time
 import timeit
 from pathlib import Path
 
@@ -29,6 +29,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from PIL import Image
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.timing import timed
 from common import schema
 from common.config import load_config
 from common.ray_utils import init_ray
@@ -39,12 +42,6 @@ from curation.score.stage import _FAULT, REJECT, StageRunner, Update
 from jobs import make_sample_pool
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
 
 
 def ray_score(cfg: CurateConfig, pool: Path, out: Path) -> float:

@@ -18,11 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import time
+import sys
+from pathlib import Path
 
 import faiss
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.timing import timed
 from curation.phases.dedup.kernels import plan_bands
 from curation.phases.reference import (
     brute_force_hash_pairs,
@@ -32,12 +36,6 @@ from curation.phases.reference import (
     phash_pairs,
 )
 from curation.phases.sample.kmeans import balanced_select, hierarchical_kmeans
-
-
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
 
 
 def pair_keys(i: np.ndarray, j: np.ndarray, n: int) -> np.ndarray:

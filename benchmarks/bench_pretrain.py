@@ -5,7 +5,8 @@
 Both train the same tiny model with the same objective and optimiser on the same images at the same size:
 
 - plain: one process, no process group, no FSDP; the images decoded up front and held in memory as uint8
-  batches, cycled; the worker's optimiser, clipping and teacher update.
+  batches, cycled; the worker's own step (``pretrain.train.Trainer.train_step``: objective, learning-rate and
+  weight-decay schedules, clipping, AdamW, teacher update).
 - local FSDP2: the same loop on the worker's FSDP2 model (world 1, in this process): separates what FSDP2 costs
   from what Ray Train and Ray Data cost.
 - ray: ``pretrain.train.fit`` (Ray Train V2 worker group, FSDP2, Ray Data read + decode + crop tasks streaming
@@ -23,7 +24,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -31,13 +31,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import timed
 from common.config import load_config
 from common.ray_utils import init_ray
 from pretrain import data
 from pretrain.backbone import build
 from pretrain.config import PretrainConfig
 from pretrain.objective import JointObjective
-from pretrain.train import build_model, build_optimizer, fit, optimizer_update
+from pretrain.train import Trainer, build_model, fit
 from training.metrics import read_metrics
 from training.runner import run_uri_for
 
@@ -51,24 +52,19 @@ def in_memory_batches(cfg: PretrainConfig, shards: str, batch: int) -> list[torc
 
 
 def local_loop(cfg: PretrainConfig, batches: list[torch.Tensor], steps: int, warmup: int, fsdp: bool) -> list[float]:
-    """Step times of the same step as the worker's, in this process: the plain model or its FSDP2 form (world 1)."""
+    """Step times of the worker's step (``pretrain.train.Trainer.train_step``) in this process: on the plain model
+    or its FSDP2 form (world 1)."""
+    device = torch.device("cpu")
     torch.manual_seed(cfg.seed)
     if fsdp:
-        model = build_model(cfg, torch.device("cpu"))
+        model = build_model(cfg, device)
     else:
         model = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=cfg.steps)
-    optimizer = build_optimizer(model, cfg.optim)
-    params = [p for p in model.parameters() if p.requires_grad]
-    generator = torch.Generator()
-    times = []
+    trainer = Trainer(model, cfg, device)
+    accum, times = cfg.optim.grad_accum, []
     for step in range(warmup + steps):
-        t = time.perf_counter()
-        for micro in range(cfg.optim.grad_accum):
-            generator.manual_seed(step * 1000 + micro)
-            images = batches[(step * cfg.optim.grad_accum + micro) % len(batches)]
-            (model(images, step, generator)["loss"] / cfg.optim.grad_accum).backward()
-        optimizer_update(model, optimizer, params, step, cfg, cfg.samples_per_step())
-        times.append(time.perf_counter() - t)
+        micro_batches = [batches[(step * accum + micro) % len(batches)] for micro in range(accum)]
+        times.append(timed(lambda step=step, micro_batches=micro_batches: trainer.train_step(step, micro_batches))[0])
     return times[warmup:]
 
 

@@ -4,10 +4,11 @@
         --variant shipped --variant "k16:objective.cl.prototypes=16 data.batch_size=8" [--plot curves.png]
 
 Each variant is the tiny config (``--config``) plus its overrides (``name:key=value key=value``; a bare name is the
-config as it is). Every variant trains the same way the worker does (``pretrain.train.optimizer_update``: schedules,
+config as it is). Every variant trains with the worker's step (``pretrain.train.Trainer.train_step``: schedules,
 frozen prototypes, clipping, AdamW, EMA teacher) on the plain model in this process, on the shards' images decoded
-once; the global batch (``data.batch_size x ray.workers``) is one batch here, so the diagnostics and the collapse
-rules are over the whole global batch (a worker reads them over its micro-batch). Prints, per variant, a row every ``--every`` steps
+once; the global batch (``data.batch_size x ray.workers``) is one batch here (``optim.grad_accum`` micro-batches of
+it), so the diagnostics and the collapse rules are over the whole global batch (a worker reads them over its
+micro-batch). Prints, per variant, a row every ``--every`` steps
 with the means over that window: MAE, L_CL against ln K, KoLeo, the teacher targets' entropy and information,
 prototypes used, [CLS] spread and the collapse named; then a summary of where each variant ended. ``--json`` keeps
 the curves, ``--plot`` draws them (matplotlib).
@@ -32,7 +33,7 @@ from pretrain import data
 from pretrain.backbone import build
 from pretrain.config import PretrainConfig
 from pretrain.objective import TERMS, JointObjective, collapse_state
-from pretrain.train import build_optimizer, optimizer_update
+from pretrain.train import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,11 +47,9 @@ def run_variant(cfg: PretrainConfig, images: torch.Tensor, every: int, seed: int
     """Train ``cfg.steps`` steps; one record per ``every`` steps (means over the window)."""
     torch.manual_seed(cfg.seed)
     model = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=cfg.steps)
-    optimizer = build_optimizer(model, cfg.optim)
-    params = [p for p in model.parameters() if p.requires_grad]
-    batch = cfg.samples_per_step()
+    trainer = Trainer(model, cfg, torch.device("cpu"), seed=seed)
+    batch = trainer.global_batch
     order = torch.Generator().manual_seed(seed)
-    generator = torch.Generator()
     perm, cursor, window, records = torch.randperm(len(images), generator=order), 0, [], []
     for step in range(cfg.steps):
         rows = []
@@ -60,11 +59,8 @@ def run_variant(cfg: PretrainConfig, images: torch.Tensor, every: int, seed: int
             take = min(batch - len(rows), len(perm) - cursor)
             rows += perm[cursor : cursor + take].tolist()
             cursor += take
-        generator.manual_seed(seed * 1_000_003 + step)
-        out = model(images[rows], step, generator)
-        out["loss"].backward()
-        update = optimizer_update(model, optimizer, params, step, cfg, batch)
-        window.append(torch.stack([out[k].detach().float() for k in TERMS]).tolist())
+        terms, update = trainer.train_step(step, images[rows].chunk(cfg.optim.grad_accum))
+        window.append(terms.tolist())
         if (step + 1) % every == 0 or step + 1 == cfg.steps:
             means = dict(zip(TERMS, (statistics.fmean(col) for col in zip(*window))))
             means["info"] = means["batch_entropy"] - means["teacher_entropy"]

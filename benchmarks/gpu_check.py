@@ -62,6 +62,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.timing import synchronize, timed  # noqa: E402
+
 PARTS = ("curation", "pretrain", "data_wait", "value")
 # of the time left when the part starts: at the default 720 s, 158 / 137 / 94 / 331 s when each part uses all of its own
 SHARE = {"curation": 0.22, "pretrain": 0.19, "data_wait": 0.13, "value": 0.46}
@@ -268,26 +270,6 @@ class Deadline:
         return self.at - time.monotonic()
 
 
-def synchronize() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``fn`` after one warm-up call, with the GPU's queue drained around each call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        synchronize()
-        start = time.perf_counter()
-        fn()
-        synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 class GpuSampler:
     """GPU utilisation (%) and memory in use (MiB), sampled in a thread from nvidia-smi (else torch's NVML
     query); no samples where neither is there."""
@@ -466,6 +448,10 @@ def time_split(cfg, images: list[bytes], batch: int) -> dict[str, float]:
     yolo.setup()
     clip.setup()
     m, repeats = cfg.models.yolo, 3
+
+    def seconds(fn: Callable[[], object]) -> float:  # median of the repeats after a warm-up call
+        return timed(fn, repeats, warmup=1)[0]
+
     pool = ThreadPoolExecutor(yolo.threads)  # as the stages decode: a thread pool of the stage's CPU share
     decoded = list(pool.map(lambda r: decode(r["image"]["bytes"], max_side=m.imgsz), rows))
     letterbox = LetterBox((m.imgsz, m.imgsz), auto=False, stride=32)
@@ -487,24 +473,24 @@ def time_split(cfg, images: list[bytes], batch: int) -> dict[str, float]:
         clip_in = ((clip_host.to(clip.device).permute(0, 3, 1, 2).float() - clip.mean) / clip.std).to(clip.dtype)
         emb = torch.nn.functional.normalize(clip.clip.model.encode_image(clip_in).float(), dim=-1)
         parts = {
-            "yolo: decode (CPU threads)": timed(
-                lambda: list(pool.map(lambda r: decode(r["image"]["bytes"], max_side=m.imgsz), rows)), repeats
+            "yolo: decode (CPU threads)": seconds(
+                lambda: list(pool.map(lambda r: decode(r["image"]["bytes"], max_side=m.imgsz), rows))
             ),
-            "yolo: host-to-device copy": timed(lambda: yolo_host.to(yolo.device), repeats),
-            **({"yolo: detector forward": timed(lambda: yolo.det(yolo_in), repeats)} if yolo.det is not None else {}),
-            "yolo: pose forward": timed(lambda: yolo.pose(yolo_in), repeats),
-            "yolo: whole stage call": timed(lambda: yolo.process_batch(rows), repeats),
-            "clip: decode + resize (CPU threads)": timed(clip_decode, repeats),
-            "clip: host-to-device copy": timed(lambda: clip_host.to(clip.device), repeats),
-            "clip: image tower forward": timed(lambda: clip.clip.model.encode_image(clip_in), repeats),
-            "clip: aesthetic head": timed(lambda: clip.head(emb), repeats),
-            "clip: whole stage call": timed(lambda: clip.process_batch(rows), repeats),
+            "yolo: host-to-device copy": seconds(lambda: yolo_host.to(yolo.device)),
+            **({"yolo: detector forward": seconds(lambda: yolo.det(yolo_in))} if yolo.det is not None else {}),
+            "yolo: pose forward": seconds(lambda: yolo.pose(yolo_in)),
+            "yolo: whole stage call": seconds(lambda: yolo.process_batch(rows)),
+            "clip: decode + resize (CPU threads)": seconds(clip_decode),
+            "clip: host-to-device copy": seconds(lambda: clip_host.to(clip.device)),
+            "clip: image tower forward": seconds(lambda: clip.clip.model.encode_image(clip_in)),
+            "clip: aesthetic head": seconds(lambda: clip.head(emb)),
+            "clip: whole stage call": seconds(lambda: clip.process_batch(rows)),
         }
         if torch.cuda.is_available():  # what pinned host buffers would save on the copies
             for name, host, device in (("yolo", yolo_host, yolo.device), ("clip", clip_host, clip.device)):
                 pinned = host.pin_memory()
-                parts[f"{name}: host-to-device copy, pinned"] = timed(
-                    lambda pinned=pinned, device=device: pinned.to(device, non_blocking=True), repeats
+                parts[f"{name}: host-to-device copy, pinned"] = seconds(
+                    lambda pinned=pinned, device=device: pinned.to(device, non_blocking=True)
                 )
     return {name: round(1000 * s / batch, 3) for name, s in parts.items()}
 
@@ -584,33 +570,27 @@ def set_activation_checkpointing(model, on: bool) -> None:
 
 
 def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadline) -> dict:
-    """Step time of the worker's step (``pretrain.train``: objective, clipped AdamW step, EMA teacher) on random
-    uint8 images, median of ``steps`` after ``warmup``; throughput, memory and MFU from it."""
+    """Step time of the worker's step (``pretrain.train.Trainer.train_step``: the objective, the learning-rate and
+    weight-decay schedules, clipping, AdamW, the EMA teacher) on random uint8 images, median of ``steps`` after
+    ``warmup``; throughput, memory and MFU from it."""
     import torch
 
-    from pretrain.train import build_optimizer, optimizer_update, peak_flops, train_flops_per_image
+    from pretrain.train import Trainer, peak_flops, train_flops_per_image
 
-    optimizer = build_optimizer(model, cfg.optim)
-    params = [p for p in model.parameters() if p.requires_grad]
-    generator = torch.Generator(device=device)
+    trainer = Trainer(model, cfg, device)  # one process: the global batch is its optim.grad_accum micro-batches
     images = torch.randint(0, 256, (cfg.data.batch_size, 3, *cfg.image_size), dtype=torch.uint8, device=device)
+    micro_batches = [images] * cfg.optim.grad_accum
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for step in range(warmup + steps):
         if step > warmup and deadline.left() < _MARGIN_S:
             break  # enough for a figure; the next setting may not fit otherwise
-        synchronize()
-        start = time.perf_counter()
-        generator.manual_seed(step)
-        model(images, step, generator)["loss"].backward()
-        optimizer_update(model, optimizer, params, step, cfg, cfg.data.batch_size)  # one process, one micro-batch
-        synchronize()
-        times.append(time.perf_counter() - start)
+        times.append(timed(lambda step=step: trainer.train_step(step, micro_batches))[0])
     timed_steps = times[warmup:] or times[-1:]
     step_s = statistics.median(timed_steps)
     flops_per_image, tokens_per_image = train_flops_per_image(cfg)
-    images_per_s = cfg.data.batch_size / step_s
+    images_per_s = trainer.global_batch / step_s
     peak = peak_flops(cfg, device)
     return {
         "step_s": round(step_s, 4),
@@ -789,17 +769,18 @@ def part_data_wait(sz: Sizes, deadline: Deadline, report: PartReport, context: d
 
 
 def pretrain_in_memory(cfg, shards: Path, device, deadline: Deadline, record: Callable[[dict], None]):
-    """The worker's step (``pretrain.train``: the objective, ``optimizer_update``'s schedules, clipping, AdamW and EMA
-    teacher; bf16 autocast where the config's precision says so) in this process, on the curated pool decoded once
-    (``pretrain.data.load_images``) and held in device memory as uint8: no Ray, no data wait. The global batch is one
-    batch, drawn in epochs of a seeded shuffle. Returns the trained objective; ``record`` gets a line of loss terms
-    (means over the window) 20 times a run, then the run's speed."""
+    """The worker's step (``pretrain.train.Trainer.train_step``: the objective, the learning-rate and weight-decay
+    schedules, clipping, AdamW and EMA teacher; bf16 autocast where the config's precision says so) in this process,
+    on the curated pool decoded once (``pretrain.data.load_images``) and held in device memory as uint8: no Ray, no
+    data wait. The global batch is drawn in epochs of a seeded shuffle and split into ``optim.grad_accum``
+    micro-batches. Returns the trained objective; ``record`` gets a line of loss terms (means over the window) 20
+    times a run, then the run's speed."""
     import torch
 
     from pretrain import data
     from pretrain.backbone import build
     from pretrain.objective import TERMS, JointObjective
-    from pretrain.train import build_optimizer, optimizer_update, peak_flops, train_flops_per_image
+    from pretrain.train import Trainer, peak_flops, train_flops_per_image
 
     started = time.monotonic()
     pool = data.load_images(str(shards), cfg.image_size).to(device)
@@ -807,10 +788,8 @@ def pretrain_in_memory(cfg, shards: Path, device, deadline: Deadline, record: Ca
     decode_s = time.monotonic() - started
     torch.manual_seed(cfg.seed)
     model = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=cfg.steps).to(device)
-    optimizer = build_optimizer(model, cfg.optim)
-    params = [p for p in model.parameters() if p.requires_grad]
-    batch, bf16 = cfg.samples_per_step(), device.type == "cuda" and cfg.precision == "bf16"
-    order, views = torch.Generator(device=device).manual_seed(cfg.seed), torch.Generator(device=device)
+    trainer = Trainer(model, cfg, device)
+    batch, order = trainer.global_batch, torch.Generator(device=device).manual_seed(cfg.seed)
     perm, cursor = torch.randperm(len(pool), generator=order, device=device), 0
     every, window = max(1, cfg.steps // 20), []
     warm, warm_at = min(10, cfg.steps - 1), time.monotonic()  # speed from the step after the warm-up ones
@@ -827,12 +806,8 @@ def pretrain_in_memory(cfg, shards: Path, device, deadline: Deadline, record: Ca
             take = min(need, len(perm) - cursor)
             rows.append(perm[cursor : cursor + take])
             cursor, need = cursor + take, need - take
-        views.manual_seed(cfg.seed * 1_000_003 + step)
-        with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
-            out = model(pool[torch.cat(rows)], step, views)
-        out["loss"].backward()
-        update = optimizer_update(model, optimizer, params, step, cfg, batch)
-        window.append(torch.stack([out[k].detach().float() for k in TERMS]))
+        terms, update = trainer.train_step(step, pool[torch.cat(rows)].chunk(cfg.optim.grad_accum))
+        window.append(terms)
         if (step + 1) % every == 0 or step + 1 == cfg.steps:
             means = torch.stack(window).mean(0).tolist()  # the one read-back of the window
             record({"step": step + 1, **{k: round(v, 4) for k, v in zip(TERMS, means)}, "lr": update["lr"]})

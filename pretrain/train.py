@@ -11,7 +11,9 @@ sharding, schedules, checkpoints and metrics log are the shared training runtime
   warm-up to the peak ``optim.lr x global batch / 256`` (``training.schedules.peak_lr``) then cosine learning
   rate, cosine weight decay, both by optimiser step (so gradient accumulation does not stretch them); gradient
   clipping on the global norm. Under accumulation only the last micro-batch reduces.
-- Randomness of views and masks: a generator reseeded from (seed, step, micro-batch, rank) at each micro-batch, so
+- The step (``Trainer.train_step``, the one the benchmarks time too): per micro-batch the objective's forward and
+  backward, then the schedules, clipping, the AdamW step and the teacher's EMA update (``optimizer_update``).
+  Randomness of views and masks: a generator reseeded from (seed, step, micro-batch, rank) at each micro-batch, so
   a resumed run draws exactly what the uninterrupted run would have.
 - Checkpoints (``training/worker.py``) every ``checkpoint.every`` steps, at the end, and when Ray Train reports
   an imminent preemption; each is reported to Ray Train in place, and a restarted worker group (or a rerun of the
@@ -23,12 +25,13 @@ sharding, schedules, checkpoints and metrics log are the shared training runtime
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -105,6 +108,49 @@ def optimizer_update(
     grad_norm = optimizer_step(optimizer, params, cfg.optim.grad_clip)
     momentum = model.update_teacher(step)
     return {"lr": lr, "wd": wd, "momentum": momentum, "grad_norm": grad_norm}
+
+
+class Trainer:
+    """The pretraining step: what the worker trains with and the benchmarks time.
+
+    Per micro-batch the objective's forward, its views and masks drawn from a generator reseeded from (seed, step,
+    micro-batch, rank), and the backward of its share of the loss (on a sharded model only the last micro-batch
+    reduces); then ``optimizer_update``: this step's learning rate and weight decay, clipping, the AdamW step, the
+    teacher's EMA update. On a GPU with ``precision: bf16`` a sharded model (``build_model``) computes in bf16 by
+    FSDP2's policy, a plain one under autocast. ``world`` sets the global batch the learning rate scales with
+    (default the config's workers); ``seed`` the view and mask draws (default the config's).
+    """
+
+    def __init__(
+        self, model: JointObjective, cfg: PretrainConfig, device: torch.device, *, rank: int = 0,
+        world: int | None = None, seed: int | None = None,
+    ) -> None:  # fmt: skip
+        self.model, self.cfg, self.rank = model, cfg, rank
+        self.seed = cfg.seed if seed is None else seed
+        self.global_batch = cfg.samples_per_step(world)
+        self.optimizer = build_optimizer(model, cfg.optim)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.generator = torch.Generator(device=device)
+        self.autocast = not isinstance(model, FSDPModule) and device.type == "cuda" and cfg.precision == "bf16"
+        self.device_type = device.type
+
+    def train_step(self, step: int, micro_batches: Iterable[Tensor]) -> tuple[Tensor, dict[str, float | Tensor]]:
+        """Optimiser step ``step`` over ``optim.grad_accum`` micro-batches of uint8 images [B, 3, H, W], each taken
+        from ``micro_batches`` when its turn comes. Returns the objective's ``TERMS`` (means over the micro-batches,
+        still on the device: read them when logging) and ``optimizer_update``'s lr, wd, momentum and gradient norm."""
+        accum, terms = self.cfg.optim.grad_accum, []
+        for micro, images in enumerate(micro_batches):
+            if isinstance(self.model, FSDPModule):
+                self.model.set_requires_gradient_sync(micro == accum - 1)
+            self.generator.manual_seed(_seed(self.seed, step, micro, self.rank))
+            with torch.autocast(self.device_type, torch.bfloat16) if self.autocast else contextlib.nullcontext():
+                out = self.model(images, step, self.generator)
+            (out["loss"] / accum).backward()
+            terms.append(torch.stack([out[k].detach().float() for k in TERMS]))
+        if len(terms) != accum:
+            raise ValueError(f"step {step} got {len(terms)} micro-batches; optim.grad_accum is {accum}")
+        update = optimizer_update(self.model, self.optimizer, self.params, step, self.cfg, self.global_batch)
+        return torch.stack(terms).mean(0), update
 
 
 def _local(t: Tensor) -> Tensor:
@@ -202,9 +248,8 @@ class PretrainWorker(Worker[PretrainConfig]):
     def __init__(self, cfg: PretrainConfig, run_uri: str, data_uri: str | None = None) -> None:
         super().__init__(cfg, run_uri)
         self.model = build_model(cfg, self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.generator = torch.Generator(device=self.device)
+        self.trainer = Trainer(self.model, cfg, self.device, rank=self.rank, world=self.world)
+        self.optimizer = self.trainer.optimizer
         self.index = data.load_index(run_uri, data_uri)
         self.position, self.samples_seen = data.DataPosition(), 0
         self.flops_per_image, self.tokens_per_image = train_flops_per_image(cfg)
@@ -238,7 +283,7 @@ class PretrainWorker(Worker[PretrainConfig]):
         import ray.train
 
         c = self.cfg
-        accum, per_step = c.optim.grad_accum, c.samples_per_step(self.world)
+        per_step = c.samples_per_step(self.world)
         batches = data.stream(
             self.index, c, position=self.position, steps=c.steps - self.step, world=self.world, rank=self.rank
         )
@@ -247,24 +292,13 @@ class PretrainWorker(Worker[PretrainConfig]):
         last_metrics: dict = {}
         preemption_saved = False
         while self.step < c.steps:
-            step, data_wait, terms, keys = self.step, 0.0, [], []
-            for micro in range(accum):
-                t = time.perf_counter()
-                batch = next(batches)
-                data_wait += time.perf_counter() - t
-                images = batch.images.to(self.device, non_blocking=True)
-                # fully_shard (build_model) made the model an FSDPModule
-                cast(FSDPModule, self.model).set_requires_gradient_sync(micro == accum - 1)
-                self.generator.manual_seed(_seed(c.seed, step, micro, self.rank))
-                out = self.model(images, step, self.generator)
-                (out["loss"] / accum).backward()
-                terms.append(torch.stack([out[k].detach().float() for k in TERMS]))  # read at log time only
-                keys += batch.keys
-            update = optimizer_update(self.model, self.optimizer, self.params, step, c, per_step)
+            waits: list[float] = []
+            keys: list[str] = []
+            terms, update = self.trainer.train_step(self.step, self._micro_batches(batches, waits, keys))
             self.step += 1
             self.position = data.advance(self.position, per_step, self.index.num_samples)
             self.samples_seen += per_step
-            window.add(torch.stack(terms).mean(0), cast(Tensor, update["grad_norm"]), data_wait)
+            window.add(terms, cast(Tensor, update["grad_norm"]), sum(waits, 0.0))
             self._fault_drill()
             if c.log.record_keys:
                 self._record_keys(keys)
@@ -283,6 +317,16 @@ class PretrainWorker(Worker[PretrainConfig]):
             self.log.close()
 
     # --- pieces of a step ---
+
+    def _micro_batches(self, batches: Iterator[data.Batch], waits: list[float], keys: list[str]) -> Iterator[Tensor]:
+        """A step's micro-batches on the device, each read from the stream when the step takes it; the wait for
+        each goes to ``waits``, its sample keys to ``keys``."""
+        for _ in range(self.cfg.optim.grad_accum):
+            t = time.perf_counter()
+            batch = next(batches)
+            waits.append(time.perf_counter() - t)
+            keys += batch.keys
+            yield batch.images.to(self.device, non_blocking=True)
 
     def _record_keys(self, keys: list[str]) -> None:
         gathered: list[list[str]] = [[] for _ in range(self.world)]
