@@ -390,3 +390,34 @@ def test_head_roll_follows_a_rotation_of_the_photo(person_stage, head_stage, pho
     # Counter-clockwise rotation raises the eye on the image's right: negative roll; clockwise: positive.
     assert rolls[15] < 0 < rolls[-15]
     assert rolls[-15] - rolls[15] == pytest.approx(30, abs=10)
+
+
+def test_both_runtimes_of_the_person_graph_give_the_same_people(photos):
+    """OpenVINO (the default where it imports) and cv2.dnn run the same graph in fp32: on every photo of the labelled
+    check and the module's photos, the same verdicts and the same persons, boxes and keypoints within 1e-4 of the
+    image size."""
+
+    def on(runtime: str) -> CurateConfig:
+        cfg = CurateConfig()
+        return cfg.model_copy(
+            update={
+                "models": cfg.models.model_copy(
+                    update={"person": cfg.models.person.model_copy(update={"runtime": runtime})}
+                )
+            }
+        )
+
+    stages = {runtime: _stage(PersonStage, on(runtime)) for runtime in ("openvino", "opencv")}
+    assert {r: s.network.runtime for r, s in stages.items()} == {"openvino": "openvino", "opencv": "opencv"}
+    checked = [(p.name, p.rgb) for p in person_check(MIN_SIDE)] + list(photos.items())
+    rows = [_row(rgb, name) for name, rgb in checked]
+    got = {r: s.process_batch(rows) for r, s in stages.items()}
+    for (name, rgb), a, b in zip(checked, got["openvino"], got["opencv"]):
+        assert a.get(REJECT, "").split(":")[0] == b.get(REJECT, "").split(":")[0], name
+        assert a["person_count"] == b["person_count"], name
+        side = max(rgb.shape[:2])
+        for pa_, pb_ in zip(a["persons"] or [], b["persons"] or []):
+            box_a = np.array([pa_[k] for k in ("x0", "y0", "x1", "y1")])
+            box_b = np.array([pb_[k] for k in ("x0", "y0", "x1", "y1")])
+            assert np.abs(box_a - box_b).max() <= 1e-4 * side, (name, box_a, box_b)
+            assert np.abs(np.subtract(pa_["keypoints"], pb_["keypoints"])).max() <= 1e-4 * side, name

