@@ -93,6 +93,8 @@ class TextOverlayStage(Stage):
         # rapidocr ignores a thread count above os.cpu_count() (and then uses every core): clamp it.
         det.engine_cfg.intra_op_num_threads = min(self.threads, os.cpu_count() or 1)
         det.engine_cfg.inter_op_num_threads = 1
+        # Its memory arena keeps the activation buffers between images (rapidocr turns it off: ~15% slower here).
+        det.engine_cfg.enable_cpu_mem_arena = True
         # An explicit model_path makes rapidocr skip its download step entirely.
         det.model_path = str(_det_model_path(det))
         # Images arrive already decoded at max_side; "max" keeps them at that size (rounded to multiples of 32)
@@ -101,6 +103,12 @@ class TextOverlayStage(Stage):
         det.limit_side_len = settings.max_side
         det.box_thresh = settings.box_score
         self.detector = TextDetector(det)
+        # rapidocr normalises in float64 (its mean and std are float64 arrays) and then casts to float32: the same
+        # preprocessing in float32 is ~3x faster and gives the same boxes. It builds the preprocessing on every call;
+        # build it once.
+        preprocess = self.detector.get_preprocess()
+        preprocess.mean, preprocess.std = preprocess.mean.astype(np.float32), preprocess.std.astype(np.float32)
+        self.detector.get_preprocess = lambda: preprocess  # type: ignore[method-assign]
 
     def process_batch(self, rows: list[Row]) -> list[Update]:
         return [self._one(row) for row in rows]
