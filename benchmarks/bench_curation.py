@@ -48,7 +48,7 @@ def ray_score(cfg: CurateConfig, pool: Path, out: Path) -> float:
     shutil.rmtree(out, ignore_errors=True)
     claim_output(str(out), cfg.results_hash(), str(pool), new_run=True)
     shards = list_shards(str(pool), cfg.input)
-    seconds, _ = timed(lambda: ScorePhase(cfg, str(out), str(pool), log=lambda _: None).run(shards))
+    seconds, _ = timed(lambda: ScorePhase(cfg, str(out), str(pool)).run(shards))
     return seconds
 
 

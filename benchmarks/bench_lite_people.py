@@ -115,7 +115,7 @@ def ray_scoring(cfg, pool: Path) -> dict:
     claim_output(str(out), cfg.results_hash(), str(pool), new_run=True)
     shards = list_shards(str(pool), cfg.input)
     start = time.perf_counter()
-    ScorePhase(cfg, str(out), str(pool), log=lambda _: None).run(shards)
+    ScorePhase(cfg, str(out), str(pool)).run(shards)
     return {"ray_s": time.perf_counter() - start}
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import math
 import os
 import shutil
@@ -212,13 +213,17 @@ def run_phases(out: str, cpus: int, overrides: list[str]) -> dict:
 
     cfg = config(overrides)
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="ERROR")
+    lines = logging.StreamHandler(sys.stderr)  # the phases' progress; stdout carries the report
+    lines.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger("curation").addHandler(lines)
+    logging.getLogger("curation").setLevel(logging.INFO)
     sampler = Sampler()
     sampler.start()
     report = {}
     for phase in PHASES:
         sampler.take()
         start = time.monotonic()
-        record = GlobalPhases(cfg, out, log=lambda line: print(line, file=sys.stderr)).run(phase)
+        record = GlobalPhases(cfg, out).run(phase)
         seconds = time.monotonic() - start
         rss, shm = sampler.take()
         report[phase] = {"seconds": seconds, "rss": rss, "shm": shm, "record": record}

@@ -405,7 +405,7 @@ def run_score_phase(cfg, pool: Path, out: Path, sampler: GpuSampler) -> dict:
     from curation.score.pool import list_shards
 
     shards = list_shards(str(pool), cfg.input)
-    phase = ScorePhase(cfg, str(out), str(pool), log=lambda line: None)
+    phase = ScorePhase(cfg, str(out), str(pool))
     start, arrivals, rows, kept = time.monotonic(), [], 0, 0  # arrivals: (time, images done)
     for receipt in phase.build(shards).iter_rows():
         rows += receipt["rows"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import _thread
 import json
+import logging
 import os
 import socket
 import sys
@@ -48,6 +49,8 @@ HEARTBEAT_S = 30.0
 STALE_S = 300.0
 # The wait between writing a claim and reading it back; it must exceed a contender's read-to-write time.
 SETTLE_S = {"local": 0.5, "remote": 2.0}
+
+log = logging.getLogger(__name__)
 
 
 class LeaseHeld(RuntimeError):
@@ -138,13 +141,12 @@ class Lease:
         heartbeat_s: float = HEARTBEAT_S,
         stale_s: float = STALE_S,
         settle_s: float | None = None,
-        log: Callable[[str], None] = print,
         on_lost: Callable[[LeaseLost], None] | None = None,
     ) -> None:
         if stale_s < 3 * heartbeat_s:
             raise ValueError(f"stale_s ({stale_s}) must be several heartbeats ({heartbeat_s} s each)")
         self.root_uri, self.uri = root_uri, redact(root_uri)
-        self.heartbeat_s, self.stale_s, self.log, self.on_lost = heartbeat_s, stale_s, log, on_lost
+        self.heartbeat_s, self.stale_s, self.on_lost = heartbeat_s, stale_s, on_lost
         self.settle_s = settle_s
         self.holder = holder or os.path.basename(sys.argv[0] or "python")
         self.token = uuid.uuid4().hex
@@ -200,7 +202,7 @@ class Lease:
         except DamagedRecordError as exc:
             if not force:
                 raise LeaseHeld(str(exc)) from None
-            self.log(
+            log.info(
                 f"[lease] taking over the lease on {self.uri}: --break-lease was given ({exc.path}: {exc.problem})"
             )
             current = None
@@ -208,7 +210,7 @@ class Lease:
             reason = "--break-lease was given" if force else self._free_to_take(current)
             if reason is None:
                 raise self._refusal(current, "")
-            self.log(f"[lease] taking over the lease on {self.uri} from {_describe(current)}: {reason}")
+            log.info(f"[lease] taking over the lease on {self.uri} from {_describe(current)}: {reason}")
         now = time.time()
         pid = os.getpid()
         self.record = {
@@ -263,12 +265,12 @@ class Lease:
                 assert self.record is not None  # set before this thread starts; cleared only after it is joined
                 write_json_atomic(self.fs, self.path, {**self.record, "heartbeat": time.time()})
             except LeaseLost as exc:
-                self.log(f"[lease] {exc}")
+                log.warning(f"[lease] {exc}")
                 if self.on_lost is not None:
                     self.on_lost(exc)
                 return
             except OSError as exc:  # a store hiccup: the next beat retries; stale_s spans many beats
-                self.log(f"[lease] heartbeat on {self.uri} failed, retrying: {exc}")
+                log.warning(f"[lease] heartbeat on {self.uri} failed, retrying: {exc}")
 
     def release(self) -> None:
         """Stop the heartbeat and delete the record if it is still ours."""

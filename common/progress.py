@@ -1,11 +1,13 @@
 """Progress lines for long loops that have no progress bar: done/total, rate and time left, every ~10 s.
 
 Used by the global curation phases (loops over partitions, buckets, clusters), the report's thumbnails and
-fine-tuning's evaluation. Quiet for loops that finish within the interval: their summary line says enough.
+fine-tuning's evaluation. Quiet for loops that finish within the interval: their summary line says enough. Lines go
+to ``log``: the caller's logger's ``info`` (``common.console`` shows it), this module's by default.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
@@ -13,6 +15,8 @@ from typing import TypeVar
 from common import watchdog
 
 T = TypeVar("T")
+
+_log = logging.getLogger(__name__)
 
 EVERY_S = 10.0
 
@@ -22,7 +26,7 @@ class Progress:
     last one (or since the start), until the work is done."""
 
     def __init__(
-        self, label: str, total: int, log: Callable[[str], None] = print, unit: str = "items",
+        self, label: str, total: int, log: Callable[[str], None] = _log.info, unit: str = "items",
         every_s: float = EVERY_S, clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
         self.label, self.total, self.log, self.unit, self.every_s, self.clock = label, total, log, unit, every_s, clock
@@ -44,7 +48,7 @@ class Progress:
         )
 
 
-def progress(items: Iterable[T], label: str, total: int, log: Callable[[str], None] = print, unit: str = "items",
+def progress(items: Iterable[T], label: str, total: int, log: Callable[[str], None] = _log.info, unit: str = "items",
              **kwargs) -> Iterator[T]:  # fmt: skip
     """``items`` unchanged, with a ``Progress`` line every ~10 s as they are consumed."""
     bar = Progress(label, total, log, unit, **kwargs)

@@ -22,6 +22,7 @@ watchdog's own thread is logged once.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import re
 import sys
@@ -34,6 +35,8 @@ from dataclasses import dataclass, field
 from pydantic import Field
 
 from common.config import Strict
+
+_log = logging.getLogger(__name__)
 
 # who in the job -> the resources each of its tasks or actors asks Ray for (``{"CPU": 0.5, "memory": 2**30}``)
 Requests = Mapping[str, Mapping[str, float]]
@@ -129,7 +132,7 @@ class Watchdog:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
         self.job, self.minutes, self.ray_timeout_s, self.clock = job, minutes, ray_timeout_s, clock
-        self.log = log or _print
+        self.log = log or _log.info  # the console handler flushes each line: a stuck job's block is not held back
         self.period = 60.0 * minutes
         self._lock = threading.Lock()
         self._stage = _Stage()
@@ -290,10 +293,6 @@ class _Stage:
     requests: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     groups: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     follow: str | None = None
-
-
-def _print(text: str) -> None:
-    print(text, flush=True)  # a stuck job writes nothing after it: the block must not wait in a pipe's buffer
 
 
 def _ray_up() -> bool:

@@ -16,6 +16,7 @@ import argparse
 import sys
 
 from common.config import ConfigError, load_config
+from common.console import configure_console
 from common.storage import StorageError
 from common.watchdog import Watchdog
 from curation.audit.report import ReportOptions, write_report
@@ -44,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_console()
     args = parse_args(argv)
     try:
         cfg = load_config(CurateConfig, args.config, args.overrides)  # watchdog.minutes too, with --report or not

@@ -14,6 +14,7 @@ import sys
 import time
 
 from common.config import ConfigError, load_config
+from common.console import configure_console
 from common.layout import GLOBAL_PHASES, PHASES
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
@@ -55,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_console()
     args = parse_args(argv)
     lease = Lease(args.output, holder="jobs.curate", on_lost=interrupt_main)
     return exit_code_holding(lease, lambda: _curate(args, lease))

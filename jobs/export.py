@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import io
 import json
+import logging
 import re
 import sys
 import tarfile
@@ -34,6 +35,7 @@ import pyarrow.parquet as pq
 import ray
 from PIL import Image, UnidentifiedImageError
 
+from common.console import configure_console
 from common.layout import LAYOUT
 from common.ray_utils import init_ray
 from common.storage import (
@@ -71,6 +73,7 @@ _EXTENSIONS = {
     "JPEG2000": "jp2",
 }  # MPO: a JPEG stream with a second picture after it
 _NOT_IN_KEY = re.compile(r"[^A-Za-z0-9_-]+")
+log = logging.getLogger("jobs.export")  # by name: under `python -m jobs.export` this module is __main__
 
 
 class ExportError(RuntimeError):
@@ -190,7 +193,7 @@ def plan_tars(rows: list[int], samples_per_tar: int | None) -> list[list[tuple[i
     return plan_output_shards(rows, samples_per_tar)
 
 
-def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None, log=print) -> dict:
+def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None) -> dict:
     """Write the tars not yet written and the export's manifest; returns the manifest."""
     in_fs, in_root = resolve(shards_uri)
     out_fs, out_root = resolve(out_uri)
@@ -215,7 +218,7 @@ def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None
     records = _TarRecords(out_fs, out_root, "export", settings_hash)
     names = [tar_name(k) for k in range(len(plan))]
     already = sum(records.get(name) is not None for name in names)
-    log(
+    log.info(
         f"[export] {sum(s['rows'] for s in source['shards'])} samples of {len(files)} shards into {len(plan)} tars; "
         f"{already} already written, skipped"
     )
@@ -228,7 +231,7 @@ def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None
     for name, receipt in run_units(records, units, window):
         tars[name] = receipt
         if len(tars) % step == 0 or len(tars) == len(plan):
-            log(f"[export] {len(tars)}/{len(plan)} tars ({time.monotonic() - started:.1f} s)")
+            log.info(f"[export] {len(tars)}/{len(plan)} tars ({time.monotonic() - started:.1f} s)")
     entries = [tars[name] for name in names]
     manifest = {
         "format": "webdataset",
@@ -271,6 +274,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_console()
     args = parse_args(argv)
     if args.samples_per_tar is not None and args.samples_per_tar < 1:
         print("error: --samples-per-tar must be at least 1", file=sys.stderr)

@@ -19,6 +19,7 @@ import time
 
 from common import storage
 from common.config import ConfigError, load_config
+from common.console import configure_console
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import StorageError
@@ -87,6 +88,7 @@ def check_backbone(backbone: str, cfg: FinetuneConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_console()
     args = parse_args(argv)
     try:
         cfg = load_config(FinetuneConfig, args.config, args.overrides)

@@ -13,6 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from common.console import configure_console
 from generators.sample_pool import DEFAULT_N, FORMATS, MANIFEST, MIN_N, FixtureMissing, make_sample_pool, summary_lines
 
 
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_console()
     args = parse_args(argv)
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):

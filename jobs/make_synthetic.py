@@ -30,6 +30,7 @@ from PIL import Image
 
 from common import schema, storage
 from common.config import hash_json
+from common.console import configure_console
 from finetune.data import encode_row
 from finetune.labels import COCO_KEYPOINTS, PARTS, keypoints
 from generators.humanoids import RenderConfig, render
@@ -172,6 +173,7 @@ def write_split(
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_console()
     args = parse_args(argv)
     n_val = args.val if args.val is not None else max(8, args.n // 5)
     try:

@@ -21,6 +21,7 @@ import time
 
 from common import storage
 from common.config import ConfigError, load_config
+from common.console import configure_console
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import StorageError
@@ -61,6 +62,7 @@ def _exports(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_console()
     args = parse_args(argv)
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides)

@@ -30,6 +30,7 @@ import torch
 
 from common import storage
 from common.config import ConfigError, load_config
+from common.console import configure_console
 from common.storage import StorageError
 from finetune.config import FinetuneConfig
 from finetune.frozen_eval import FrozenEval, ProbeSettings, backbone_features, read_split
@@ -85,6 +86,7 @@ def _config(args: argparse.Namespace, backbone: str | None) -> FinetuneConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_console()
     args = parse_args(argv)
     started = time.perf_counter()
     try:

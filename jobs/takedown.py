@@ -18,6 +18,7 @@ import argparse
 import getpass
 import sys
 
+from common.console import configure_console
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import DamagedRecordError, StorageError
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_console()
     args = parse_args(argv)
     if args.grace_minutes < 0:
         print("error: --grace-minutes must be 0 or more", file=sys.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -253,7 +254,7 @@ def test_audit_and_report_on_s3(curated_run, lite, s3):
     result = audit(uri)
     assert result.ok, result.summary()
     assert result.counts["shard_rows"] == _manifest(curated_run)["totals"]["rows"]
-    index = write_report(uri, lite, result, log=lambda _: None)
+    index = write_report(uri, lite, result)
     assert index == "curated/out/report/index.html"
     assert fs.get_file_info(index).size > 0
     rel = _shard(curated_run, 1)[1]
@@ -390,14 +391,14 @@ def test_histogram_draws_the_configured_threshold(curated_run, lite):
     assert values[rejected].max() < lite.filters.min_quality <= values[~rejected].min()
 
 
-def test_thumbnails_are_made_once(reported, lite):
+def test_thumbnails_are_made_once(reported, lite, caplog):
     thumbs = reported / "report" / "thumbs"
     before = {p.name: p.stat().st_mtime_ns for p in thumbs.iterdir()}
     assert before
-    lines: list[str] = []
-    write_report(str(reported), lite, log=lines.append)
+    caplog.set_level(logging.INFO, logger="curation")
+    write_report(str(reported), lite)
     assert {p.name: p.stat().st_mtime_ns for p in thumbs.iterdir()} == before
-    assert any(" 0 new thumbnails" in line for line in lines)
+    assert any(" 0 new thumbnails" in line for line in caplog.messages)
 
 
 def _photo_bytes() -> list[bytes]:

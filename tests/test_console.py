@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from common import ray_utils
+from common import console, ray_utils
 from common.progress import Progress, progress
 from common.storage import retry_io, retry_io_stream
 from curation.config import CurateConfig
@@ -125,6 +125,39 @@ def test_a_training_job_prints_rank_zero_lines_and_no_ray_noise(curated_run, ray
     steps = [int(m) for m in re.findall(r"\[pretrain\] step (\d+)/4", console)]
     assert steps and len(steps) == len(set(steps)), steps  # two workers, one line per step: rank 0's
     assert (tmp_path / "quiet" / "tensorboard").is_dir()
+
+
+def test_our_messages_print_alone_once_on_the_current_stdout_and_reach_caplog_and_a_file(
+    capsys, caplog, tmp_path, monkeypatch
+):
+    monkeypatch.delenv(console.FILE_ENV, raising=False)
+    console.configure_console()
+    console.configure_console(file=str(tmp_path / "job.log"))  # idempotent: still one console handler
+    loggers = [logging.getLogger(name) for name in console.PACKAGES]
+    to_file = [h for h in loggers[0].handlers if isinstance(h, logging.FileHandler)]
+    try:
+        console.configure_console(file=str(tmp_path / "job.log"))
+        for logger in loggers:
+            assert [type(h) for h in logger.handlers].count(console._Stdout) == 1 and logger.propagate
+            assert [h for h in logger.handlers if isinstance(h, logging.FileHandler)] == to_file
+        caplog.set_level(logging.INFO, logger="curation")
+        logging.getLogger("curation.phases.pipeline").info("[dedup] survey 1/2 partitions (50%)")
+        logging.getLogger("curation.score.phase").warning("[score] warning: over the limit")
+        logging.getLogger("common.lease").debug("not shown")
+        assert capsys.readouterr().out == "[dedup] survey 1/2 partitions (50%)\n[score] warning: over the limit\n"
+        assert caplog.messages == ["[dedup] survey 1/2 partitions (50%)", "[score] warning: over the limit"]
+        to_file[0].flush()
+        written = (tmp_path / "job.log").read_text().splitlines()
+        assert [line.split(" ", 2)[2] for line in written] == [
+            "INFO curation.phases.pipeline: [dedup] survey 1/2 partitions (50%)",
+            "WARNING curation.score.phase: [score] warning: over the limit",
+        ]
+    finally:
+        for logger in loggers:
+            for handler in to_file:
+                logger.removeHandler(handler)
+        for handler in to_file:
+            handler.close()
 
 
 def test_progress_lines_come_every_interval_with_done_total_and_rate():

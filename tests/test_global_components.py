@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import NamedTuple
 
@@ -175,7 +176,6 @@ def test_decisions_match_single_process(ray_local, case, tmp_path, partitions, l
         partitions,
         local_edges=local_edges,
         files_per_task=files_per_task,
-        log=lambda m: None,
     )
     want = reference(survivors, graph)
     got = decisions(out, survivors)
@@ -194,25 +194,23 @@ def test_long_chain_converges_and_max_rounds_stops(ray_local, tmp_path):
     graph = {"phash": (order[:-1], order[1:]), "embedding": (np.empty(0, np.int64), np.empty(0, np.int64))}
     pairs = write_pairs(tmp_path, survivors, graph, files_per_signal=2)
     with pytest.raises(ComponentsError, match="max_rounds=2"):
-        run_components(
-            str(tmp_path), pairs, survivors.files, partitions=2, max_rounds=2, local_edges=0, log=lambda m: None
-        )
-    summary = run_components(str(tmp_path), pairs, survivors.files, partitions=2, local_edges=0, log=lambda m: None)
+        run_components(str(tmp_path), pairs, survivors.files, partitions=2, max_rounds=2, local_edges=0)
+    summary = run_components(str(tmp_path), pairs, survivors.files, partitions=2, local_edges=0)
     assert 2 < summary["rounds"] <= 25 and summary["components"] == 1 and summary["dropped"] == n - 1
     assert decisions(tmp_path, survivors) == reference(survivors, graph)
 
 
-def test_rerun_skips_finished_work_and_is_byte_identical(ray_local, case, tmp_path):
+def test_rerun_skips_finished_work_and_is_byte_identical(ray_local, case, tmp_path, caplog):
     root, survivors, _graph, pairs = case
     out = copy_inputs(root, tmp_path / "out", survivors, pairs)
-    args = dict(partitions=3, local_edges=0, keep_work=True, log=lambda m: None)
+    args = dict(partitions=3, local_edges=0, keep_work=True)
     first = run_components(str(out), pairs, survivors.files, **args)
     written = {p: p.read_bytes() for p in sorted((out / "dedup/decisions").glob("*.parquet"))}
     work = {p: p.stat().st_mtime_ns for p in (out / WORK_DIR).rglob("*.parquet")}
 
-    lines: list[str] = []
-    assert run_components(str(out), pairs, survivors.files, **{**args, "log": lines.append}) == first
-    assert any("skipped" in line for line in lines)
+    caplog.set_level(logging.INFO, logger="curation")
+    assert run_components(str(out), pairs, survivors.files, **args) == first
+    assert any("skipped" in line for line in caplog.messages)
 
     # an interrupted run: the summary, one decisions file and some of the later work are missing
     (out / "dedup/decisions/_summary.json").unlink()
@@ -236,11 +234,11 @@ def test_no_pairs_keeps_everyone_and_unknown_uids_are_refused(ray_local, tmp_pat
     survivors = write_survivors(tmp_path, n_files=2, shards_per_file=1, rows_per_shard=50, seed=5)
     empty = np.empty(0, np.int64)
     pairs = write_pairs(tmp_path, survivors, {"phash": (empty, empty)}, files_per_signal=1)
-    summary = run_components(str(tmp_path), pairs, survivors.files, log=lambda m: None)
+    summary = run_components(str(tmp_path), pairs, survivors.files)
     assert summary["dropped"] == 0 and summary["components"] == 0 and summary["rounds"] == 0
     assert all(pq.read_table(tmp_path / LAYOUT.dedup_decision(i)).num_rows == 0 for i in range(2))
 
     bad = tmp_path / "dedup/pairs/bad.parquet"
     pq.write_table(pa.table({"a": [int(survivors.table.column("uid")[0].as_py())], "b": [make_uid(99, 0)]}), bad)
     with pytest.raises(ComponentsError, match="no survivor file"):
-        run_components(str(tmp_path), {"phash": ["dedup/pairs/bad.parquet"]}, survivors.files, log=lambda m: None)
+        run_components(str(tmp_path), {"phash": ["dedup/pairs/bad.parquet"]}, survivors.files)

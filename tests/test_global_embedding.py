@@ -78,7 +78,7 @@ def _exact(x: np.ndarray, uid: np.ndarray) -> set:
 def test_recall_against_the_exact_search_each_pair_once(ray_local, tmp_path):
     x = _embeddings(8000, 128, seed=0)
     files, uid = _write_survivors(tmp_path, x, 1500)
-    summary = ep.run_embedding_pairs(str(tmp_path), files, THRESHOLD, K, buckets=3, log=lambda _: None)
+    summary = ep.run_embedding_pairs(str(tmp_path), files, THRESHOLD, K, buckets=3)
     tables, got = _read_pairs(tmp_path)
     want = _exact(x, uid)
 
@@ -100,9 +100,9 @@ def test_clusters_too_fine_for_the_threshold_are_reported_and_coarser_ones_recov
     x = _embeddings(6000, 128, seed=5, centre_norm=12.5)  # one blob at cosine ~0.9 holds most: natural pairs
     files, uid = _write_survivors(tmp_path, x, 1500)
     want = _exact(x, uid)
-    fine = ep.run_embedding_pairs(str(tmp_path), files, THRESHOLD, K, log=lambda _: None)
+    fine = ep.run_embedding_pairs(str(tmp_path), files, THRESHOLD, K)
     recall_fine = len(want & _read_pairs(tmp_path)[1]) / len(want)
-    coarse = ep.run_embedding_pairs(str(tmp_path), files, THRESHOLD, K, cluster_size=1500, log=lambda _: None)
+    coarse = ep.run_embedding_pairs(str(tmp_path), files, THRESHOLD, K, cluster_size=1500)
     recall_coarse = len(want & _read_pairs(tmp_path)[1]) / len(want)
     assert len(want) > 400
     assert fine["saturated"] > ep.SATURATED_WARNING and recall_fine < 0.97
@@ -112,7 +112,7 @@ def test_clusters_too_fine_for_the_threshold_are_reported_and_coarser_ones_recov
 def test_one_cluster_is_the_exact_search(ray_local, tmp_path):
     x = _embeddings(600, 32, seed=1)
     files, uid = _write_survivors(tmp_path, x, 250)
-    summary = ep.run_embedding_pairs(str(tmp_path), files, THRESHOLD, K, cluster_size=10_000, log=lambda _: None)
+    summary = ep.run_embedding_pairs(str(tmp_path), files, THRESHOLD, K, cluster_size=10_000)
     assert summary["clusters"] == 1
     assert _read_pairs(tmp_path)[1] == _exact(x, uid)
 
@@ -122,7 +122,7 @@ def test_rerun_skips_what_exists_and_rewrites_the_same_bytes(ray_local, tmp_path
     files, _ = _write_survivors(tmp_path, x, 1000)
 
     def run() -> dict:
-        return ep.run_embedding_pairs(str(tmp_path), files, THRESHOLD, K, buckets=3, log=lambda _: None)
+        return ep.run_embedding_pairs(str(tmp_path), files, THRESHOLD, K, buckets=3)
 
     first = run()
     paths = sorted((tmp_path / ep.PAIRS_DIR).glob("part-*.parquet"))
@@ -137,7 +137,7 @@ def test_rerun_skips_what_exists_and_rewrites_the_same_bytes(ray_local, tmp_path
     assert {p: p.read_bytes() for p in paths} == {p: b for p, (b, _) in before.items()}
     assert paths[0].stat().st_mtime_ns == before[paths[0]][1]
 
-    other = ep.run_embedding_pairs(str(tmp_path), files, 0.98, K, buckets=2, log=lambda _: None)
+    other = ep.run_embedding_pairs(str(tmp_path), files, 0.98, K, buckets=2)
     assert other["buckets_searched"] == other["buckets"] == 2  # other settings: planned and searched anew
     assert len(list((tmp_path / ep.PAIRS_DIR).glob("part-*.parquet"))) == 2
 
@@ -202,5 +202,5 @@ def test_fewer_than_two_survivors_give_an_empty_pair_file(ray_local, tmp_path, n
     files, _ = (
         _write_survivors(tmp_path, _embeddings(max(n, 2), 16, seed=4)[:n].reshape(n, 16), 10) if n else ([], None)
     )
-    summary = ep.run_embedding_pairs(str(tmp_path), files, THRESHOLD, K, log=lambda _: None)
+    summary = ep.run_embedding_pairs(str(tmp_path), files, THRESHOLD, K)
     assert summary["pairs"] == 0 and pq.read_table(tmp_path / ep.pairs_path(0)).num_rows == 0

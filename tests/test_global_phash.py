@@ -88,7 +88,7 @@ def reference(uid, hashes, valid, radius: int, *, brute: bool) -> list[tuple[int
 
 
 def run(out: Path, files: list[str], radius: int, **kwargs) -> dict:
-    return run_phash_pairs(str(out), files, radius, log=lambda _: None, **kwargs)
+    return run_phash_pairs(str(out), files, radius, **kwargs)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ clusters, independence from partitioning, deterministic bytes, resume."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import faiss
@@ -98,7 +99,7 @@ def test_trained_on_everything_it_selects_what_the_single_process_kernel_selects
     x, _, balance, dropped = data
     files = write_survivors(tmp_path, x, balance, dropped, n_files=3)
     settings = SampleSettings(target_count=1500, clusters=[60, 8], mode="closest", balance_key=None, seed=4)
-    summary = cs.run_sample(str(tmp_path), *files, settings, buckets=4, sample_size=10**6, log=lambda _: None)
+    summary = cs.run_sample(str(tmp_path), *files, settings, buckets=4, sample_size=10**6)
 
     alive = np.setdiff1d(np.arange(x.shape[0]), dropped)
     single = reference.balanced_sample(x[alive], size=1500, n_clusters=[60, 8], mode="closest", seed=4)
@@ -130,7 +131,7 @@ def test_exact_size_and_balance_no_worse_than_single_process(ray_local, tmp_path
     ours, theirs = [], []
     for seed in range(4):
         settings = SampleSettings(target_fraction=0.1, clusters=[100, 16], balance_key="head_yaw_class", seed=seed)
-        summary = cs.run_sample(str(tmp_path), *files, settings, buckets=3, sample_size=4000, log=lambda _: None)
+        summary = cs.run_sample(str(tmp_path), *files, settings, buckets=3, sample_size=4000)
         chosen = np.flatnonzero(read_decisions(tmp_path, 4).column("selected").to_numpy())
         single = reference.balanced_sample(
             x[alive], fraction=0.1, n_clusters=[100, 16], mode="closest", balance_key=codes, seed=seed
@@ -148,7 +149,7 @@ def test_clusters_below_their_share_are_taken_whole_and_closest_first(ray_local,
     x, _, balance, dropped = data
     files = write_survivors(tmp_path, x, balance, dropped, n_files=2)
     settings = SampleSettings(target_count=3000, clusters=[40], mode="closest", balance_key="head_yaw_class")
-    cs.run_sample(str(tmp_path), *files, settings, buckets=2, sample_size=3000, log=lambda _: None)
+    cs.run_sample(str(tmp_path), *files, settings, buckets=2, sample_size=3000)
     got = read_decisions(tmp_path, 2)
     leaf = np.asarray(got.column("cluster_ids").to_pylist())[:, 0]
     selected = got.column("selected").to_numpy()
@@ -177,7 +178,7 @@ def test_independent_of_partitioning_and_deterministic(ray_local, tmp_path, data
     for name, n_files, buckets in (("a", 2, 1), ("b", 5, 4), ("c", 5, 4)):
         root = tmp_path / name
         files = write_survivors(root, x, balance, dropped, n_files=n_files)
-        cs.run_sample(str(root), *files, settings, buckets=buckets, sample_size=5000, log=lambda _: None)
+        cs.run_sample(str(root), *files, settings, buckets=buckets, sample_size=5000)
         runs.append(read_decisions(root, n_files))
     assert runs[0].equals(runs[1])
 
@@ -195,42 +196,47 @@ def test_independent_of_partitioning_and_deterministic(ray_local, tmp_path, data
         assert b.read_bytes() == c.read_bytes()
 
 
-def test_reruns_skip_done_work_and_restart_on_changed_settings(ray_local, tmp_path, data):
+def test_reruns_skip_done_work_and_restart_on_changed_settings(ray_local, tmp_path, data, caplog):
     x, _, balance, dropped = data
     files = write_survivors(tmp_path, x[:3000], balance[:3000], dropped[dropped < 3000], n_files=3)
     settings = SampleSettings(target_count=500, clusters=[30, 5])
-    logs: list[str] = []
-    first = cs.run_sample(str(tmp_path), *files, settings, buckets=2, log=logs.append)
+    caplog.set_level(logging.INFO, logger="curation")
+    first = cs.run_sample(str(tmp_path), *files, settings, buckets=2)
     outputs = {i: tmp_path / LAYOUT.sample_decision(i) for i in range(3)}
     before = {i: (p.read_bytes(), p.stat().st_mtime_ns) for i, p in outputs.items()}
 
     # everything done: nothing rewritten
-    assert cs.run_sample(str(tmp_path), *files, settings, buckets=2, log=logs.append) == first
-    assert "3 of 3 decision files done before" in logs[-1]
+    assert cs.run_sample(str(tmp_path), *files, settings, buckets=2) == first
+    assert "3 of 3 decision files done before" in caplog.messages[-1]
     assert all(p.stat().st_mtime_ns == before[i][1] for i, p in outputs.items())
 
     # a lost decisions file and a lost assignment: only those are redone, byte-identical
     outputs[1].unlink()
     (tmp_path / "sample/work/buckets/part-000002.parquet").unlink()
-    logs.clear()
-    assert cs.run_sample(str(tmp_path), *files, settings, buckets=2, log=logs.append) == first
-    assert any("(2 of 3 files done before)" in line for line in logs) and "2 of 3 decision files" in logs[-1]
+    caplog.clear()
+    assert cs.run_sample(str(tmp_path), *files, settings, buckets=2) == first
+    assert (
+        any("(2 of 3 files done before)" in line for line in caplog.messages)
+        and "2 of 3 decision files" in caplog.messages[-1]
+    )
     assert all(p.read_bytes() == before[i][0] for i, p in outputs.items())
     assert outputs[0].stat().st_mtime_ns == before[0][1]
 
     # other settings: the old outputs are cleared, not mixed in
-    logs.clear()
-    other = cs.run_sample(str(tmp_path), *files, settings.model_copy(update={"seed": 9}), buckets=2, log=logs.append)
-    assert "changed" in logs[0] and "0 of 3 decision files" in logs[-1] and other["selected"] == 500
+    caplog.clear()
+    other = cs.run_sample(str(tmp_path), *files, settings.model_copy(update={"seed": 9}), buckets=2)
+    assert (
+        "changed" in caplog.messages[0] and "0 of 3 decision files" in caplog.messages[-1] and other["selected"] == 500
+    )
 
 
 def test_tiny_and_empty_inputs(ray_local, tmp_path, data):
     x, _, balance, _ = data
     files = write_survivors(tmp_path / "tiny", x[:6], balance[:6], np.array([2]), n_files=2)
-    summary = cs.run_sample(str(tmp_path / "tiny"), *files, SampleSettings(target_count=3), log=lambda _: None)
+    summary = cs.run_sample(str(tmp_path / "tiny"), *files, SampleSettings(target_count=3))
     assert summary == {"inputs": 5, "selected": 3, "unsampled": 2, "levels": 1, "clusters_per_level": [1]}
 
     files = write_survivors(tmp_path / "gone", x[:6], balance[:6], np.arange(6), n_files=2)
-    summary = cs.run_sample(str(tmp_path / "gone"), *files, SampleSettings(target_count=3), log=lambda _: None)
+    summary = cs.run_sample(str(tmp_path / "gone"), *files, SampleSettings(target_count=3))
     assert summary["inputs"] == 0 and read_decisions(tmp_path / "gone", 2).num_rows == 0
     assert read_decisions(tmp_path / "gone", 2).schema.equals(cs.DECISIONS_SCHEMA)

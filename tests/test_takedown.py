@@ -121,9 +121,9 @@ def test_a_takedown_killed_midway_and_rerun_removes_exactly_the_listed(out, tmp_
         else:
             m.setattr(td, "write_card", killed)
         with pytest.raises(KeyboardInterrupt):
-            td.run_takedown(str(out), lst, by="t", grace_minutes=0, log=lambda _: None)
+            td.run_takedown(str(out), lst, by="t", grace_minutes=0)
     assert audit(str(out)).problems  # the record says the takedown did not finish
-    record = td.run_takedown(str(out), lst, by="t", grace_minutes=0, log=lambda _: None)
+    record = td.run_takedown(str(out), lst, by="t", grace_minutes=0)
     assert {r["source"] for r in record["removed"]} == sources
     assert {r["source"] for r in _rows(out)} == kept_before - sources
     assert _manifest(out)["version"] == 2

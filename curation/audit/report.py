@@ -18,10 +18,11 @@ from __future__ import annotations
 import hashlib
 import html
 import io
+import logging
 import tarfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -42,6 +43,8 @@ from curation.config import CurateConfig
 from curation.records import input_name, read_commits, read_done, read_manifest, read_run_record
 from curation.score.ledger import funnel_steps, read_ledger, reason_code, stopped_by_stage
 from curation.score.pool import TAR_SUFFIXES
+
+log = logging.getLogger(__name__)
 
 LEDGER_COLUMNS = [
     "source",
@@ -224,9 +227,8 @@ class Thumbnails:
         cfg: CurateConfig,
         options: ReportOptions,
         reader: SourceReader | None = None,
-        log: Callable[[str], None] = print,
     ):
-        self.out_uri, self.cfg, self.options, self.log = out_uri, cfg, options, log
+        self.out_uri, self.cfg, self.options = out_uri, cfg, options
         self.fs, self.root = resolve(out_uri)
         self.reader = reader or SourceReader(cfg.input.image_column, cfg.filters.max_file_bytes)
         self.dir = join(self.root, LAYOUT.report, "thumbs")
@@ -260,7 +262,7 @@ class Thumbnails:
         scored_bytes = self._scored_bytes([t for t in todo.values() if t.scored])
         with ThreadPoolExecutor(max_workers=max(1, self.options.workers)) as pool:
             jpegs = pool.map(lambda t: self._jpeg(t, scored_bytes.get(t.source)), todo.values())
-            made = dict(zip(todo, progress(jpegs, "[report] thumbnails", len(todo), self.log, unit="images")))
+            made = dict(zip(todo, progress(jpegs, "[report] thumbnails", len(todo), log.info, unit="images")))
         results: dict[str, tuple[str | None, str | None]] = {}
         for key, jpeg in made.items():  # written from one thread: object stores take one upload at a time best
             if isinstance(jpeg, str):
@@ -435,14 +437,13 @@ class _Report:
         audit: AuditResult | None,
         config_source: str,
         options: ReportOptions,
-        log: Callable[[str], None],
         pool: str | None = None,
     ):
         self.out_uri, self.cfg, self.audit, self.config_source = out_uri, cfg, audit, config_source
-        self.options, self.log, self.pool = options, log, pool
+        self.options, self.pool = options, pool
         self.fs, self.root = resolve(out_uri)
         self.rng = np.random.default_rng(options.seed)
-        self.thumbs = Thumbnails(out_uri, cfg, options, log=log)
+        self.thumbs = Thumbnails(out_uri, cfg, options)
         self.charts: dict[str, bytes] = {}
 
     # --- data --------------------------------------------------------------------------------------------------
@@ -822,7 +823,7 @@ class _Report:
             f"<nav>{nav}</nav>{body}</body></html>"
         )
         write_bytes_atomic(self.fs, join(report, "index.html"), page.encode())
-        self.log(f"[report] {len(self.charts)} charts, {len(tiles)} tiles, {self.thumbs.made} new thumbnails")
+        log.info(f"[report] {len(self.charts)} charts, {len(tiles)} tiles, {self.thumbs.made} new thumbnails")
         return join(report, "index.html")
 
 
@@ -896,13 +897,12 @@ def write_report(
     *,
     config_source: str = "defaults",
     options: ReportOptions = ReportOptions(),
-    log: Callable[[str], None] = print,
     pool: str | None = None,
 ) -> str:
     """Write ``<out>/report/index.html`` (with its charts and thumbnails); returns its path. ``pool``: the pool as
     given to jobs.curate, where its URI holds credentials the run record does not keep (default: the record's
     store of it)."""
     start = time.monotonic()
-    path = _Report(out_uri, cfg, audit, config_source, options, log, pool).build()
-    log(f"[report] {path} in {time.monotonic() - start:.1f} s")
+    path = _Report(out_uri, cfg, audit, config_source, options, pool).build()
+    log.info(f"[report] {path} in {time.monotonic() - start:.1f} s")
     return path

@@ -28,6 +28,7 @@ deleted. A reader that goes through the manifest sees the complete old set or th
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 
@@ -61,6 +62,8 @@ from curation.phases.write.shards import (
 )
 from curation.records import read_commits, read_done, read_started
 
+log = logging.getLogger(__name__)
+
 
 class PhaseOrderError(RuntimeError):
     """A phase was asked for before the phase it needs has completed."""
@@ -93,11 +96,10 @@ class GlobalPhases:
         self,
         cfg: CurateConfig,
         out_uri: str,
-        log: Callable[[str], None] = print,
         guard: Callable[[], None] = lambda: None,
         against: Release | None = None,
     ):
-        self.cfg, self.out_uri, self.log, self.guard, self.against = cfg, out_uri, log, guard, against
+        self.cfg, self.out_uri, self.guard, self.against = cfg, out_uri, guard, against
         self.fs, self.root = resolve(out_uri)
         self.records = read_commits(self.fs, self.root)
         self.partitions = sv.plan_partitions(list(self.records.values()), cfg.dedup.rows_per_partition)
@@ -141,7 +143,7 @@ class GlobalPhases:
         started = join(self.root, LAYOUT.started(phase))
         settings_hash = self.phase_hash(phase)
         if exists(self.fs, started) and read_started(self.fs, self.root, phase)["settings_hash"] == settings_hash:
-            self.log(f"[{phase}] resuming: partitions written by the interrupted run are kept")
+            log.info(f"[{phase}] resuming: partitions written by the interrupted run are kept")
             for folder in LAYOUT.phase_folders(phase):
                 remove_temporaries(self.fs, join(self.root, folder), recursive=True)
             return
@@ -158,7 +160,7 @@ class GlobalPhases:
         phase = self.phases[name]
         if phase_done(self.out_uri, name, phase.fingerprint()):
             record = read_done(self.fs, self.root, name)
-            self.log(f"[{name}] already done with these settings, skipped")
+            log.info(f"[{name}] already done with these settings, skipped")
             return record
         self._require(name)
         self.guard()
@@ -189,7 +191,7 @@ class GlobalPhases:
         records = UnitRecords(self.fs, self.root, LAYOUT.survey_units, self.phase_hash("dedup"))
         total = 0
         survey = progress(
-            run_units(records, units, self.window), "[dedup] survey", len(units), self.log, unit="partitions"
+            run_units(records, units, self.window), "[dedup] survey", len(units), log.info, unit="partitions"
         )
         for path, receipt in survey:
             if receipt["missing_embedding"]:
@@ -207,7 +209,7 @@ class GlobalPhases:
         pair_files: dict[str, list[str]] = {}
         summaries = {}
         if "phash" in cfg.signals and n:
-            summaries["phash"] = run_phash_pairs(self.out_uri, files, cfg.phash_radius, log=self.log)
+            summaries["phash"] = run_phash_pairs(self.out_uri, files, cfg.phash_radius)
             pair_files["phash"] = self._listed(LAYOUT.phash_pairs)
         if "embedding" in cfg.signals and n:
             summaries["embedding"] = run_embedding_pairs(
@@ -217,14 +219,13 @@ class GlobalPhases:
                 cfg.embedding_k,
                 cluster_size=cfg.cluster_size,
                 seed=self.cfg.sample.seed,
-                log=self.log,
                 max_probes=cfg.max_probes,
                 probe_z=cfg.probe_z,
             )
             pair_files["embedding"] = self._listed(LAYOUT.embedding_pairs)
-        result = run_components(self.out_uri, pair_files, files, log=self.log) if n else {}
+        result = run_components(self.out_uri, pair_files, files) if n else {}
         released = f" (the release's kept images in {len(self.release_files)} of them)" if self.release_files else ""
-        self.log(f"[dedup] {n} survivors in {len(files)} partitions{released}; {result}")
+        log.info(f"[dedup] {n} survivors in {len(files)} partitions{released}; {result}")
         return {"inputs": n, "partitions": len(files), "pairs": summaries, "components": result}
 
     def _listed(self, folder: str) -> list[str]:
@@ -237,8 +238,8 @@ class GlobalPhases:
         files = self.survivor_files + self.release_files  # the release's images: clustered with, and chosen before
         decisions = [LAYOUT.dedup_decision(i) for i in range(len(files))]
         chosen_from = RELEASE_UID_MIN if self.release_files else None
-        summary = run_sample(self.out_uri, files, decisions, self.cfg.sample, log=self.log, chosen_from=chosen_from)
-        self.log(f"[sample] {summary}")
+        summary = run_sample(self.out_uri, files, decisions, self.cfg.sample, chosen_from=chosen_from)
+        log.info(f"[sample] {summary}")
         return summary
 
     # --- phase 4: write ------------------------------------------------------------------------------------------
@@ -252,7 +253,6 @@ class GlobalPhases:
             partition_of,
             len(self.partitions),
             self.phase_hash("write"),
-            log=self.log,
         )
         if self.against is not None:  # this output is the release's next version
             manifest = {**manifest, "version": self.against.version + 1, "previous": self.against.previous()}
@@ -260,7 +260,7 @@ class GlobalPhases:
         write_json_atomic(self.fs, join(self.root, LAYOUT.manifest), manifest)  # the switch to the new files
         removed = self._remove_unlisted(manifest)
         write_card(self.out_uri, manifest)  # after the switch: the card describes the current shards
-        self.log(
+        log.info(
             f"[write] {manifest['totals']['rows']} images in {len(manifest['shards'])} shards "
             f"({manifest['totals']['bytes']} bytes); {removed} files the manifest no longer lists removed"
         )

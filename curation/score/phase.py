@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import math
 import resource
 import sys
@@ -55,6 +56,8 @@ from curation.score.metadata import merge_all, metadata_types
 from curation.score.pool import InputShard, ShardReader
 from curation.score.stage import StageRunner
 from curation.stages import stage_classes
+
+log = logging.getLogger(__name__)
 
 
 def stage_runner(stage_name: str, cfg: CurateConfig) -> StageRunner:
@@ -327,8 +330,8 @@ _IO_CPUS = 0.25  # the chain's reader and writer, mostly waiting on storage
 class ScorePhase:
     """Runs phase 1 for one output folder; resumable per input shard."""
 
-    def __init__(self, cfg: CurateConfig, out_uri: str, input_uri: str, log: Callable[[str], None] = print):
-        self.cfg, self.out_uri, self.input_uri, self.log = cfg, out_uri, input_uri, log
+    def __init__(self, cfg: CurateConfig, out_uri: str, input_uri: str):
+        self.cfg, self.out_uri, self.input_uri = cfg, out_uri, input_uri
         self.fs, self.root = resolve(out_uri)
         self.results_hash = cfg.results_hash()
 
@@ -352,7 +355,7 @@ class ScorePhase:
         )
         fits = int(min(max(nodes, default=0.0), sum(nodes) / at_once))
         if 0 < fits < want:
-            self.log(
+            log.info(
                 f"[score] input.task_memory_mb={self.cfg.task_memory_mb}: the {at_once} processes the score chain "
                 f"needs at once would not fit in the cluster's memory ({sum(nodes) / 2**20:.0f} MiB); each requests "
                 f"{fits / 2**20:.0f} MiB instead"
@@ -425,7 +428,7 @@ class ScorePhase:
         committed = self.committed()
         todo = [s for s in shards if s.shard_id not in committed]
         self._clear_uncommitted(shards, committed)
-        self.log(f"[score] {len(shards)} input shards, {len(committed)} already committed, {len(todo)} to score")
+        log.info(f"[score] {len(shards)} input shards, {len(committed)} already committed, {len(todo)} to score")
         start = time.monotonic()
         done_rows = 0
         peaks: dict[str, int] = {}  # MiB, per shard committed this run
@@ -450,7 +453,7 @@ class ScorePhase:
                     peak = peaks[shard_id] = self._commit(shard_id, parts.pop(shard_id))
                     over += peak > limit_mb
                     if peak > limit_mb and over <= _MAX_MEMORY_WARNINGS:
-                        self.log(
+                        log.warning(
                             f"[score] warning: a process scoring input shard {shard_id} peaked at {peak} MiB, over "
                             f"the {limit_mb} MiB each requests of Ray (input.task_memory_mb): raise it, or lower "
                             "input.read_chunk_mb or filters.max_pixels"
@@ -461,7 +464,7 @@ class ScorePhase:
                     elapsed = time.monotonic() - start
                     if elapsed >= next_report or len(committed) == len(shards):
                         next_report = elapsed + 10.0
-                        self.log(
+                        log.info(
                             f"[score] committed {len(committed)}/{len(shards)} shards, {done_rows} inputs this run,"
                             f" {done_rows / max(elapsed, 1e-9):.1f} img/s{io_note(io)}"
                         )

@@ -5,6 +5,7 @@ and an object-store data root used as given, query included."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -30,7 +31,6 @@ from pretrain import data
 REPO = Path(__file__).resolve().parents[2]
 LITE = str(REPO / "configs/curate/lite.yaml")
 CURATED_WITH = ["write.rows_per_shard=4"]  # the settings of conftest's curated_run
-QUIET = {"log": lambda _: None}
 
 
 def _foreign_lease(root: Path, heartbeat_age: float) -> dict:
@@ -71,7 +71,7 @@ def test_of_racing_claimants_exactly_one_wins_and_the_others_are_told_who(tmp_pa
     start, outcomes = threading.Barrier(4), []
 
     def claim() -> None:
-        lease = Lease(str(tmp_path / "out"), holder="jobs.curate", settle_s=0.3, **QUIET)
+        lease = Lease(str(tmp_path / "out"), holder="jobs.curate", settle_s=0.3)
         start.wait()
         try:
             outcomes.append(lease.acquire())
@@ -93,7 +93,7 @@ def test_of_racing_claimants_exactly_one_wins_and_the_others_are_told_who(tmp_pa
     assert not (tmp_path / "out" / LAYOUT.lease).exists()
 
 
-def test_a_killed_holder_on_this_machine_is_taken_over_at_once(tmp_path):
+def test_a_killed_holder_on_this_machine_is_taken_over_at_once(tmp_path, caplog):
     out = tmp_path / "out"
     holder = subprocess.Popen(
         [
@@ -109,37 +109,35 @@ def test_a_killed_holder_on_this_machine_is_taken_over_at_once(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(LeaseHeld, match=f"pid {holder.pid}"):
-            Lease(str(out), settle_s=0, **QUIET).acquire()
+            Lease(str(out), settle_s=0).acquire()
     finally:
         holder.kill()
         holder.wait()
-    said = []
-    Lease(str(out), settle_s=0, log=said.append).acquire().release()
-    assert "has ended" in said[0]
+    caplog.set_level(logging.INFO, logger="common.lease")
+    Lease(str(out), settle_s=0).acquire().release()
+    assert "has ended" in caplog.messages[0]
 
 
-def test_a_stale_lease_is_taken_over_and_a_live_one_is_not(tmp_path):
+def test_a_stale_lease_is_taken_over_and_a_live_one_is_not(tmp_path, caplog):
     root = tmp_path / "out"
     _foreign_lease(root, heartbeat_age=20)
     with pytest.raises(LeaseHeld) as refused:
-        Lease(str(root), settle_s=0, **QUIET).acquire()
+        Lease(str(root), settle_s=0).acquire()
     assert "host other-node" in str(refused.value) and "Ray job raysubmit_other" in str(refused.value)
     assert "last heartbeat 20 s ago" in str(refused.value)
     _foreign_lease(root, heartbeat_age=600)
-    said = []
-    lease = Lease(str(root), settle_s=0, log=said.append).acquire()
-    assert "heartbeat is 10 min old" in said[0]
+    caplog.set_level(logging.INFO, logger="common.lease")
+    lease = Lease(str(root), settle_s=0).acquire()
+    assert "heartbeat is 10 min old" in caplog.messages[0]
     lease.release()
 
 
 def test_a_heartbeat_that_finds_the_lease_taken_reports_the_loss(tmp_path):
     lost = threading.Event()
-    holder = Lease(
-        str(tmp_path), heartbeat_s=0.05, stale_s=1, settle_s=0, on_lost=lambda _: lost.set(), **QUIET
-    ).acquire()
+    holder = Lease(str(tmp_path), heartbeat_s=0.05, stale_s=1, settle_s=0, on_lost=lambda _: lost.set()).acquire()
     for _ in range(5):  # a heartbeat landing inside the breaker's settle time wins that round: the breaker retries
         try:
-            Lease(str(tmp_path), settle_s=0.1, **QUIET).acquire(force=True)
+            Lease(str(tmp_path), settle_s=0.1).acquire(force=True)
             break
         except LeaseHeld:
             continue
@@ -168,8 +166,8 @@ def test_a_rewrite_switches_readers_from_the_whole_old_set_to_the_whole_new_one(
     old_manifest = (out / LAYOUT.manifest).read_bytes()
     old = data.DataIndex.scan(str(out / "shards"))
     cfg = load_config(CurateConfig, LITE, ["write.rows_per_shard=3"])
-    holder = Lease(str(out), settle_s=0, **QUIET).acquire()
-    rival = Lease(str(out), settle_s=0, **QUIET)
+    holder = Lease(str(out), settle_s=0).acquire()
+    rival = Lease(str(out), settle_s=0)
     seen_during = []
 
     def guard() -> None:  # before the phase's deletions, before the manifest switch, before the done record
@@ -179,7 +177,7 @@ def test_a_rewrite_switches_readers_from_the_whole_old_set_to_the_whole_new_one(
         holder.check()
 
     with pytest.raises(LeaseLost):
-        GlobalPhases(cfg, str(out), guard=guard, **QUIET).run("write")
+        GlobalPhases(cfg, str(out), guard=guard).run("write")
     assert (out / LAYOUT.manifest).read_bytes() == old_manifest
     during = seen_during[0]
     assert during.files == old.files and during.num_samples == old.num_samples
@@ -189,8 +187,8 @@ def test_a_rewrite_switches_readers_from_the_whole_old_set_to_the_whole_new_one(
     rival.release()
     holder.release()
 
-    rerun = Lease(str(out), settle_s=0, **QUIET).acquire()
-    GlobalPhases(cfg, str(out), guard=rerun.check, **QUIET).run("write")
+    rerun = Lease(str(out), settle_s=0).acquire()
+    GlobalPhases(cfg, str(out), guard=rerun.check).run("write")
     rerun.release()
     new = data.DataIndex.scan(str(out / "shards"), verify_sha256=True)
     assert new.num_samples == old.num_samples and set(new.files).isdisjoint(old.files)
@@ -212,8 +210,8 @@ def test_a_resumed_phase_removes_the_temporaries_of_writes_a_kill_cut_short(out,
     for path in leftovers:
         path.write_bytes(b"cut short")
     decisions = {p.name: p.read_bytes() for p in (out / "sample" / "decisions").glob("part-*.parquet")}
-    lease = Lease(str(out), settle_s=0, **QUIET).acquire()
-    GlobalPhases(cfg, str(out), guard=lease.check, **QUIET).run("sample")
+    lease = Lease(str(out), settle_s=0).acquire()
+    GlobalPhases(cfg, str(out), guard=lease.check).run("sample")
     lease.release()
     assert not [p for p in leftovers if p.exists()]
     assert not list(out.rglob("_tmp-*"))
@@ -281,9 +279,9 @@ def test_an_s3_data_root_with_endpoint_override_is_indexed_and_read(s3, curated_
     batch = data.read_segments(segments, index.root, (32, 24), person_crop=True)
     assert batch["image"].shape == (index.num_samples, 32, 24, 3) and len(set(batch["key"])) == index.num_samples
 
-    lease = Lease(f"s3://curated/out{query}", settle_s=0.2, **QUIET).acquire()  # the lease works there too
+    lease = Lease(f"s3://curated/out{query}", settle_s=0.2).acquire()  # the lease works there too
     with pytest.raises(LeaseHeld):
-        Lease(f"s3://curated/out{query}", settle_s=0.2, **QUIET).acquire()
+        Lease(f"s3://curated/out{query}", settle_s=0.2).acquire()
     lease.release()
     assert fs.get_file_info(f"curated/out/{LAYOUT.lease}").type == pafs.FileType.NotFound
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import re
 import shutil
 from contextlib import redirect_stdout
@@ -260,7 +261,9 @@ def test_task_memory_defaults_to_what_bounds_a_process_and_can_be_set():
     assert cfg.results_hash() == CurateConfig.model_validate({"input": {"task_memory_mb": 3000}}).results_hash()
 
 
-def test_a_request_the_cluster_cannot_hold_for_every_process_at_once_is_lowered(repo_root, monkeypatch, tmp_path):
+def test_a_request_the_cluster_cannot_hold_for_every_process_at_once_is_lowered(
+    repo_root, monkeypatch, tmp_path, caplog
+):
     import ray
 
     from common.config import load_config
@@ -270,16 +273,16 @@ def test_a_request_the_cluster_cannot_hold_for_every_process_at_once_is_lowered(
     node = {"Alive": True, "Resources": {"memory": 4 * 2**30}}
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "nodes", lambda: [node])
-    said: list[str] = []
-    phase = ScorePhase(cfg, str(tmp_path / "out"), str(tmp_path), log=said.append)
+    caplog.set_level(logging.INFO, logger="curation")
+    phase = ScorePhase(cfg, str(tmp_path / "out"), str(tmp_path))
     # reader + writer + decode, quality, phash, embedding + person's 2 actors, head_pose's and text_overlay's 1
     assert phase.task_memory() == 4 * 2**30 // 10
-    assert said == [
+    assert caplog.messages == [
         "[score] input.task_memory_mb=1250: the 10 processes the score chain needs at once would not fit in the "
         "cluster's memory (4096 MiB); each requests 410 MiB instead"
     ]
     node["Resources"]["memory"] = 64 * 2**30
-    assert phase.task_memory() == 1250 * 2**20 and len(said) == 1
+    assert phase.task_memory() == 1250 * 2**20 and len(caplog.messages) == 1
 
 
 # --- the reader itself ----------------------------------------------------------------------------------------------
@@ -315,15 +318,15 @@ def test_read_json_leaves_absent_files_to_the_caller_and_names_store_files_by_ur
     assert display_path(s3, "bucket/out/_state/run.json") == "s3://bucket/out/_state/run.json"
 
 
-def test_a_damaged_lease_is_held_until_broken(tmp_path):
+def test_a_damaged_lease_is_held_until_broken(tmp_path, caplog):
     record = tmp_path / LAYOUT.lease
     record.parent.mkdir(parents=True)
     record.write_text('{"token": ')
-    said: list[str] = []
+    caplog.set_level(logging.INFO, logger="common.lease")
     with pytest.raises(LeaseHeld, match=r"damaged record .*lease\.json: not valid JSON .*--break-lease"):
-        Lease(str(tmp_path), settle_s=0, log=said.append).acquire()
-    lease = Lease(str(tmp_path), settle_s=0, log=said.append).acquire(force=True)
-    assert "--break-lease was given" in said[-1]
+        Lease(str(tmp_path), settle_s=0).acquire()
+    lease = Lease(str(tmp_path), settle_s=0).acquire(force=True)
+    assert "--break-lease was given" in caplog.messages[-1]
     record.write_text("[")  # another writer's bytes while this run holds it: the run stops, it does not crash
     with pytest.raises(LeaseLost, match="is damaged"):
         lease.check()

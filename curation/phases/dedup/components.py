@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -76,6 +77,8 @@ from curation.phases.routed import (
 )
 from curation.phases.runtime import map_footers, parquet_rows, run_tasks, task_window
 from curation.records import step_advice
+
+log = logging.getLogger(__name__)
 
 WORK_DIR, DECISIONS_DIR = LAYOUT.components, LAYOUT.dedup_decisions
 SUMMARY = LAYOUT.components_summary
@@ -517,7 +520,6 @@ def _label_components(
     local_edges: int,
     max_rounds: int,
     run: Callable[[list], list[dict]],
-    log: Callable[[str], None],
 ) -> tuple[list[str], int, bool]:
     """Steps 3-5: the routed label files of every node in some pair, the rounds run, whether one task finished."""
     # 3-4: contraction rounds, then the rest in one task
@@ -526,7 +528,9 @@ def _label_components(
         if remaining <= local_edges:
             labels = [_work(f"round-{rounds + 1:03d}", "labels-local.parquet")]
             done = run([(_finish_task, (out_uri, layout, adjacency, labels[0]))])[0]
-            log(f"[components] {remaining} directed edges left: finished in one task ({done['components']} components)")
+            log.info(
+                f"[components] {remaining} directed edges left: finished in one task ({done['components']} components)"
+            )
             finished_locally = True
             break
         if rounds == max_rounds:
@@ -564,7 +568,7 @@ def _label_components(
             ]
         )
         routed, remaining = True, sum(r["edges"] for r in receipts)
-        log(f"[components] round {rounds}: {remaining} directed edges left")
+        log.info(f"[components] round {rounds}: {remaining} directed edges left")
 
     # 5: labels back through the rounds
     for r in range(rounds, 0, -1):
@@ -588,7 +592,6 @@ def run_components(
     survivor_batch_rows: int = 65_536,
     window: int | None = None,
     keep_work: bool = False,
-    log: Callable[[str], None] = print,
 ) -> dict:
     """Components of the pairs of every signal and the keep rule; writes ``LAYOUT.dedup_decision(i)`` per survivor file.
 
@@ -624,12 +627,12 @@ def run_components(
     if previous is None and exists(fs, plan_path):
         previous = {"plan": read_json(fs, plan_path, fields={"digest": str}, advice=advice)["digest"]}
     if previous is not None and previous["plan"] != plan_digest:
-        log("[components] inputs or partitioning changed: earlier components work and decisions removed")
+        log.info("[components] inputs or partitioning changed: earlier components work and decisions removed")
         delete_quietly(fs, join(root, WORK_DIR))
         delete_quietly(fs, join(root, DECISIONS_DIR))
         previous = None
     if previous and "summary" in previous and all(exists(fs, join(root, o)) for o in outputs):
-        log("[components] decisions already written, skipped")
+        log.info("[components] decisions already written, skipped")
         return previous["summary"]
     write_json_atomic(fs, plan_path, {"digest": plan_digest, **plan})
 
@@ -640,7 +643,7 @@ def run_components(
 
     def run(calls: Sequence[tuple[Any, tuple]], what: str = "tasks") -> list[dict]:
         """``fn.remote(*args)`` for each ``(fn, args)``; the results in call order."""
-        shown = Progress(f"[components] {what}", len(calls), log, unit="tasks")
+        shown = Progress(f"[components] {what}", len(calls), log.info, unit="tasks")
         launches = (functools.partial(fn.remote, *args) for fn, args in calls)
         return list(run_tasks(launches, window, ordered=True, progress=shown))
 
@@ -656,10 +659,10 @@ def run_components(
     edge_calls = [(_edges_task, (out_uri, layout, routes, p, edges[p])) for p in range(n_parts)]
     remaining = sum(r["edges"] for r in run(edge_calls, "edge partitions"))
     distinct_edges = remaining // 2
-    log(f"[components] {pair_counts} pairs: {distinct_edges} distinct edges in {n_parts} partitions")
+    log.info(f"[components] {pair_counts} pairs: {distinct_edges} distinct edges in {n_parts} partitions")
 
     labels, rounds, finished_locally = _label_components(
-        out_uri, layout, edges, remaining, n_parts, local_edges, max_rounds, run, log
+        out_uri, layout, edges, remaining, n_parts, local_edges, max_rounds, run
     )
 
     # 6: keep rule
@@ -700,7 +703,7 @@ def run_components(
         "finished_locally": finished_locally,
         "partitions": n_parts,
     }
-    log(
+    log.info(
         f"[components] {nodes} survivors in {summary['components']} groups; {summary['dropped']} dropped {by_signal}; "
         f"{rounds} rounds"
     )

@@ -52,9 +52,9 @@ import functools
 import heapq
 import io
 import json
+import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from hashlib import sha256
 
@@ -79,6 +79,8 @@ from common.storage import (
 from curation.phases.dedup import kernels as dd
 from curation.phases.runtime import parquet_rows, run_tasks, task_window
 from curation.records import step_advice
+
+log = logging.getLogger(__name__)
 
 PAIRS_DIR, BUCKETS_DIR = LAYOUT.embedding_pairs, LAYOUT.embedding_buckets
 CENTROIDS_FILE, PLAN_FILE = LAYOUT.embedding_centroids, LAYOUT.embedding_plan
@@ -316,9 +318,8 @@ def balance_buckets(rows: np.ndarray, buckets: int) -> np.ndarray:
 @ray.remote(num_cpus=1)
 def _make_plan(out_uri: str, files: list[str], counts: np.ndarray, layout: Layout, probes: ProbeRule) -> dict:
     """Sample, train the centroids (written to ``CENTROIDS_FILE``), pack the clusters into buckets; returns the plan
-    and its log lines. A Ray task, so that the driver never holds the training sample."""
-    lines: list[str] = []
-    log = lines.append
+    and its log lines, (level, message) pairs. A Ray task, so that the driver never holds the training sample."""
+    lines: list[tuple[int, str]] = []
     n = int(counts.sum())
     k = math.ceil(n / layout.cluster_size)
     size = min(layout.sample_size, POINTS_PER_CENTROID * k * HOLDOUT_EVERY // (HOLDOUT_EVERY - 1))  # + held out
@@ -334,15 +335,21 @@ def _make_plan(out_uri: str, files: list[str], counts: np.ndarray, layout: Layou
     predicted_rows = np.bincount(ranked[ranked >= 0], minlength=len(centroids)) * (n / len(ranked))
     n_buckets = layout.buckets or max(len(files), math.ceil(n * rows_per_survivor / layout.bucket_rows))
     bucket_of = balance_buckets(predicted_rows, max(1, min(n_buckets, len(centroids))))
-    log(
-        f"[embedding pairs] {n} survivors: {len(centroids)} clusters ({split} split by the plan) from a sample of "
-        f"{len(sample)}, {rows_per_survivor:.2f} rows per survivor predicted, {int(bucket_of.max()) + 1} buckets"
+    lines.append(
+        (
+            logging.INFO,
+            f"[embedding pairs] {n} survivors: {len(centroids)} clusters ({split} split by the plan) from a sample of "
+            f"{len(sample)}, {rows_per_survivor:.2f} rows per survivor predicted, {int(bucket_of.max()) + 1} buckets",
+        )
     )
     if saturated > SATURATED_WARNING:
-        log(
-            f"[embedding pairs] warning: {saturated:.0%} of the survivors probe {probes.max_probes} clusters and "
-            "would probe more: the clusters are small against the near-duplicate radius and recall suffers; raise "
-            "cluster_size (or max_probes)"
+        lines.append(
+            (
+                logging.WARNING,
+                f"[embedding pairs] warning: {saturated:.0%} of the survivors probe {probes.max_probes} clusters and "
+                "would probe more: the clusters are small against the near-duplicate radius and recall suffers; raise "
+                "cluster_size (or max_probes)",
+            )
         )
     fs, root = resolve(out_uri)
     buf = io.BytesIO()
@@ -520,7 +527,6 @@ def run_embedding_pairs(
     sample_size: int = 500_000,
     buckets: int | None = None,
     seed: int = 0,
-    log: Callable[[str], None] = print,
     *,
     max_cluster: int | None = None,
     max_probes: int = 7,
@@ -568,8 +574,8 @@ def run_embedding_pairs(
             return {"survivors": n, "clusters": 0, "buckets": 1, "pairs": 0}
         made = ray.get(_make_plan.remote(out_uri, survivor_files, counts, layout, probes))
         plan = {"fingerprint": fingerprint, **made}
-        for line in plan.pop("log"):
-            log(line)
+        for level, line in plan.pop("log"):
+            log.log(level, line)
         write_json_atomic(fs, join(root, PLAN_FILE), plan)  # the plan's commit point: the centroids come first
     bucket_of = np.asarray(plan["bucket_of"], np.int32)
     n_buckets = int(bucket_of.max()) + 1
@@ -589,11 +595,11 @@ def run_embedding_pairs(
                 ),
                 "[embedding pairs] assign",
                 len(survivor_files),
-                log,
+                log.info,
                 unit="survivor files",
             )
         )
-        log(
+        log.info(
             f"[embedding pairs] {sum(r['rows'] for r in assigned)} (survivor, cluster) rows written to "
             f"{len(missing)} buckets"
         )
@@ -609,14 +615,14 @@ def run_embedding_pairs(
             ),
             "[embedding pairs] search",
             n_buckets,
-            log,
+            log.info,
             unit="buckets",
         )
     )
     delete_quietly(fs, join(root, BUCKETS_DIR))
     searched = [r for r in receipts if not r["skipped"]]
     pairs = sum(r["pairs"] for r in receipts)
-    log(f"[embedding pairs] {pairs} pairs at >= {threshold} in {n_buckets} buckets ({len(searched)} searched now)")
+    log.info(f"[embedding pairs] {pairs} pairs at >= {threshold} in {n_buckets} buckets ({len(searched)} searched now)")
     return {
         "survivors": n,
         "clusters": plan["clusters"],

@@ -53,9 +53,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from hashlib import sha256
 
@@ -81,6 +82,8 @@ from common.storage import (
 from curation.phases.dedup import kernels as dd
 from curation.phases.runtime import parquet_rows, run_tasks, task_window
 from curation.records import step_advice
+
+log = logging.getLogger(__name__)
 
 SHUFFLE_DIR = "_shuffle"  # "_" names are skipped by readers listing the pair files
 SPEC_FILE = "_spec.json"
@@ -352,13 +355,13 @@ def _reduce_task(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _claim(fs: pafs.FileSystem, folder: str, spec: dict, log: Callable[[str], None], advice: str) -> None:
+def _claim(fs: pafs.FileSystem, folder: str, spec: dict, advice: str) -> None:
     """Resume only what was started with the same settings and inputs; anything else is cleared first."""
     path = join(folder, SPEC_FILE)
     if exists(fs, path) and read_json(fs, path, advice=advice) == spec:
         return
     if exists(fs, folder):
-        log(f"[phash pairs] {folder} holds results of other settings or inputs: cleared")
+        log.info(f"[phash pairs] {folder} holds results of other settings or inputs: cleared")
         delete_quietly(fs, folder)
     write_json_atomic(fs, path, spec)
 
@@ -369,7 +372,6 @@ def run_phash_pairs(
     radius: int,
     out_dir: str = LAYOUT.phash_pairs,
     partitions: int | None = None,
-    log: Callable[[str], None] = print,
     *,
     n_bands: int | None = None,
     rows_per_partition: int = ROWS_PER_PARTITION,
@@ -387,11 +389,11 @@ def run_phash_pairs(
     n_rows = sum(parquet_rows(fs, [join(root, f) for f in survivor_files]))
     plan = plan_pairs(n_rows, radius, partitions, n_bands=n_bands, rows_per_partition=rows_per_partition)
     inputs = sha256("\n".join(survivor_files).encode()).hexdigest()
-    _claim(fs, folder, {**plan.describe(), "inputs": inputs}, log, step_advice(fs, root, "dedup"))
+    _claim(fs, folder, {**plan.describe(), "inputs": inputs}, step_advice(fs, root, "dedup"))
 
     present = {path.rpartition("/")[2] for path in list_files(fs, folder, ".parquet")}
     missing = [p for p in range(plan.partitions) if LAYOUT.pair_part(out_dir, p).rpartition("/")[2] not in present]
-    log(
+    log.info(
         f"[phash pairs] {n_rows} survivors, radius {radius}: {len(plan.bands.bands)} bands, "
         f"{len(plan.families)} families, {plan.partitions} partitions ({len(missing)} to do)"
     )
@@ -409,7 +411,7 @@ def run_phash_pairs(
                 ),
                 "[phash pairs] map",
                 len(survivor_files),
-                log,
+                log.info,
                 unit="survivor files",
             )
         )
@@ -426,7 +428,7 @@ def run_phash_pairs(
                 ),
                 "[phash pairs] reduce",
                 len(missing),
-                log,
+                log.info,
                 unit="partitions",
             )
         )
@@ -445,5 +447,5 @@ def run_phash_pairs(
         "task_cpu_s": round(sum(r["cpu_s"] for r in [*maps, *done]), 1),
         "seconds": round(time.monotonic() - start, 2),
     }
-    log(f"[phash pairs] {n_pairs} pairs in {plan.partitions} files, {summary['seconds']} s")
+    log.info(f"[phash pairs] {n_pairs} pairs in {plan.partitions} files, {summary['seconds']} s")
     return summary

@@ -49,6 +49,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -69,6 +70,8 @@ from curation.phases.runtime import map_footers, run_tasks, task_window
 from curation.phases.sample import kmeans as sampling
 from curation.records import step_advice
 from curation.settings import SampleSettings
+
+log = logging.getLogger(__name__)
 
 RUN_FILE, HIERARCHY_FILE = LAYOUT.sample_run, LAYOUT.sample_hierarchy
 DECISIONS_DIR, WORK_DIR = LAYOUT.sample_decisions, LAYOUT.sample_work
@@ -502,14 +505,14 @@ def _fingerprint(
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _reset_if_changed(fs: pafs.FileSystem, root: str, fingerprint: str, log: Callable[[str], None]) -> None:
+def _reset_if_changed(fs: pafs.FileSystem, root: str, fingerprint: str) -> None:
     run_file = join(root, RUN_FILE)
     advice = step_advice(fs, root, "sample")
     previous = read_json(fs, run_file, fields={"fingerprint": str}, advice=advice) if exists(fs, run_file) else None
     if previous is not None and previous["fingerprint"] == fingerprint:
         return
     if previous is not None:
-        log("[sample] settings or inputs changed since the last run: its outputs are cleared")
+        log.info("[sample] settings or inputs changed since the last run: its outputs are cleared")
     for rel in (DECISIONS_DIR, WORK_DIR, HIERARCHY_FILE):
         delete_quietly(fs, join(root, rel))
     write_json_atomic(fs, run_file, {"fingerprint": fingerprint})
@@ -574,7 +577,6 @@ def run_sample(
     settings: SampleSettings,
     buckets: int | None = None,
     sample_size: int | None = None,
-    log: Callable[[str], None] = print,
     chosen_from: int | None = None,
 ) -> dict:
     """Balanced sampling of the alive survivors; writes ``sample/decisions/part-<i>.parquet`` per survivors file
@@ -610,7 +612,7 @@ def run_sample(
     sample_size = max(sample_size, MIN_TRAINING_POINTS_PER_LEAF * k1)
     buckets = buckets or max(1, math.ceil(alive / BUCKET_ROWS))
     inputs = [*survivor_files, *decision_files]
-    _reset_if_changed(fs, root, _fingerprint(settings, buckets, sample_size, [*facts, *dropped_facts], inputs), log)
+    _reset_if_changed(fs, root, _fingerprint(settings, buckets, sample_size, [*facts, *dropped_facts], inputs))
     window = task_window()
     balance = settings.balance_key is not None
 
@@ -618,7 +620,7 @@ def run_sample(
         for i in range(n_files):
             if not exists(fs, join(root, LAYOUT.sample_decision(i))):
                 _write(fs, root, LAYOUT.sample_decision(i), DECISIONS_SCHEMA.empty_table(), row_group_size=10_000)
-        log("[sample] 0 after dedup, 0 selected")
+        log.info("[sample] 0 after dedup, 0 selected")
         return {"inputs": 0, "selected": 0, "unsampled": 0, "levels": 0, "clusters_per_level": []}
 
     # 1. train
@@ -629,7 +631,7 @@ def run_sample(
                 out_uri, survivor_files, decision_files, alive, clusters, sample_size, dim, settings.seed, window
             )
         ):
-            log(line)
+            log.info(line)
         laps()
     centroids, parents = _hierarchy_from_table(pq.read_table(join(root, HIERARCHY_FILE), filesystem=fs))
     n_leaves = centroids[0].shape[0]
@@ -651,7 +653,7 @@ def run_sample(
             ),
             "[sample] assign",
             n_files,
-            log,
+            log.info,
             unit="files",
         ):
             counts[leaves[leaves >= 0]] += n[leaves >= 0]
@@ -662,7 +664,7 @@ def run_sample(
                 f"{counts.sum()} alive survivors, but the files' row counts say {alive}: "
                 "a decisions file lists a uid more than once"
             )
-        log(
+        log.info(
             f"[sample] assigned {alive} survivors to {n_leaves} leaves "
             f"({reused} of {n_files} files done before) in {laps()}"
         )
@@ -694,11 +696,11 @@ def run_sample(
                 ),
                 "[sample] select",
                 buckets,
-                log,
+                log.info,
                 unit="buckets",
             )
         )
-        log(f"[sample] selected {int(budget.sum())} in {buckets} buckets ({reused} done before) in {laps()}")
+        log.info(f"[sample] selected {int(budget.sum())} in {buckets} buckets ({reused} done before) in {laps()}")
 
     # 5. assemble
     rows = selected = reused = 0
@@ -708,11 +710,11 @@ def run_sample(
         ),
         "[sample] assemble",
         n_files,
-        log,
+        log.info,
         unit="files",
     ):
         rows, selected, reused = rows + r, selected + s, reused + done
-    log(
+    log.info(
         f"[sample] {rows} after dedup, {selected} selected, {rows - selected} unsampled "
         f"({len(per_level)} cluster levels {per_level}; {reused} of {n_files} decision files done before) in {laps()}"
     )

@@ -22,6 +22,7 @@ ledger task ``write.ledger_rows_per_task`` ledger rows.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -42,6 +43,8 @@ from curation.phases.runtime import UnitRecords, run_units, task_window
 from curation.phases.write.takedown import Takedowns, applied_takedowns
 from curation.score.ledger import funnel_of
 from curation.score.metadata import merge_all, split_metadata
+
+log = logging.getLogger(__name__)
 
 
 def write_named_by_content(
@@ -300,7 +303,6 @@ def write_phase(
     partition_of: dict[str, int],
     partitions: int,
     settings_hash: str,
-    log: Callable[[str], None] = print,
 ) -> dict:
     """Write the final shards and final ledger; returns the manifest (not yet switched to: the caller writes it)."""
     fs, root = resolve(out_uri)
@@ -327,7 +329,7 @@ def write_phase(
     unit_records = UnitRecords(fs, root, "write", settings_hash)
     started = time.monotonic()
     shards = [shard for _, receipt in sorted(run_units(unit_records, units, window)) for shard in receipt["shards"]]
-    log(f"[write] {len(shards)} final shards from {len(units)} partitions in {time.monotonic() - started:.1f} s")
+    log.info(f"[write] {len(shards)} final shards from {len(units)} partitions in {time.monotonic() - started:.1f} s")
     started = time.monotonic()
     groups, group, rows = [], [], 0
     for shard_id in sorted(records):
@@ -343,7 +345,7 @@ def write_phase(
         for g in range(len(groups))
     }
     ledgers = dict(run_units(unit_records, ledger_units, window))
-    log(
+    log.info(
         f"[write] final ledger of {len(records)} input shards in {len(groups)} tasks in {time.monotonic() - started:.1f} s"
     )
     funnel: Counter = Counter()

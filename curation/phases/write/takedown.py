@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
+import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ from curation.phases.runtime import run_tasks, task_window
 from curation.phases.write.card import write_card
 from curation.records import read_manifest
 from curation.score.ledger import funnel_of
+
+log = logging.getLogger(__name__)
 
 _SHARDS_PER_SCAN = 64
 URL_FIELD = "url"  # the pool's metadata field that names where an image came from (img2dataset's)
@@ -250,7 +253,6 @@ def run_takedown(
     by: str,
     grace_minutes: float,
     guard: Callable[[], None] = lambda: None,
-    log: Callable[[str], None] = print,
 ) -> dict:
     """Take the listed images down from ``out_uri``'s published shards; returns the record. ``guard`` raises when
     the output's lease was lost (checked before the switch)."""
@@ -262,8 +264,8 @@ def run_takedown(
     previous = read_json(fs, path) if exists(fs, path) else None
     pending = previous if previous is not None and previous["status"] == "pending" else None
     if pending is not None and pending.get("manifest_sha256") == _digest(manifest):
-        log(f"[takedown] list {lst.id}: manifest version {pending['version']} is published; finishing")
-        return _finish(fs, root, out_uri, pending, manifest, grace_minutes, log)
+        log.info(f"[takedown] list {lst.id}: manifest version {pending['version']} is published; finishing")
+        return _finish(fs, root, out_uri, pending, manifest, grace_minutes)
     at = pending["at"] if pending is not None else _now()  # a rerun after a kill writes the same files
     entries = pa.table({"entry": pa.array(lst.entries, pa.string())})
     write_parquet_atomic(fs, join(root, entries_path(lst.id)), entries, row_group_size=100_000)
@@ -273,13 +275,13 @@ def run_takedown(
     entries_ref = ray.put(list(lst.entries))
     scans = [(out_uri, files[i : i + _SHARDS_PER_SCAN], entries_ref) for i in range(0, len(files), _SHARDS_PER_SCAN)]
     hits = dict(hit for found in _in_window(_scan, scans, window) for hit in found)
-    log(
+    log.info(
         f"[takedown] list {lst.id} ({len(lst.entries)} entries): {sum(map(len, hits.values()))} images listed in "
         f"{len(hits)} of {len(files)} shards"
     )
     if not hits and previous is not None and previous["status"] == "done":
-        log(f"[takedown] list {lst.id}: taken down on {previous['at']}, nothing listed is left")
-        return _finish(fs, root, out_uri, previous, manifest, grace_minutes, log)
+        log.info(f"[takedown] list {lst.id}: taken down on {previous['at']}, nothing listed is left")
+        return _finish(fs, root, out_uri, previous, manifest, grace_minutes)
     earlier = previous if previous is not None and previous["status"] == "done" else {}
     record = {
         "id": lst.id,
@@ -304,7 +306,7 @@ def run_takedown(
     guard()
     if hits:
         write_json_atomic(fs, join(root, LAYOUT.manifest), manifest)  # the switch to the new version
-    return _finish(fs, root, out_uri, record, manifest, grace_minutes, log)
+    return _finish(fs, root, out_uri, record, manifest, grace_minutes)
 
 
 def _digest(manifest: dict) -> str:
@@ -351,17 +353,17 @@ def _rewrite_listed(
     return manifest, [{"key": r["key"], "source": r["source"]} for r in removed], superseded
 
 
-def _finish(fs, root: str, out_uri: str, record: dict, manifest: dict, grace_minutes: float, log) -> dict:
+def _finish(fs, root: str, out_uri: str, record: dict, manifest: dict, grace_minutes: float) -> dict:
     if record["removed"]:
         write_card(out_uri, manifest)
     record = {**record, "status": "done"}
     record.pop("manifest_sha256", None)
     write_json_atomic(fs, join(root, record_path(record["id"])), record)
-    log(
+    log.info(
         f"[takedown] list {record['id']}: {len(record['removed'])} images removed, manifest version "
         f"{manifest.get('version', 1)}; {len(record['superseded'])} replaced files kept until {record['delete_after']}"
     )
-    purge_due(fs, root, manifest, log, now=None if grace_minutes > 0 else record["delete_after"])
+    purge_due(fs, root, manifest, now=None if grace_minutes > 0 else record["delete_after"])
     return record
 
 
@@ -369,7 +371,7 @@ def _time(iso: str) -> dt.datetime:
     return dt.datetime.fromisoformat(iso)
 
 
-def purge_due(fs, root: str, manifest: dict, log, now: str | None = None) -> int:
+def purge_due(fs, root: str, manifest: dict, now: str | None = None) -> int:
     """Delete the replaced files of takedowns whose grace has passed (never a file the manifest lists)."""
     listed = {f"{LAYOUT.shards}/{s['file']}" for s in manifest["shards"]}
     listed |= {f"{LAYOUT.final_ledger}/{e['file']}" for e in manifest["final_ledger"]}
@@ -384,7 +386,7 @@ def purge_due(fs, root: str, manifest: dict, log, now: str | None = None) -> int
                 deleted += 1
         write_json_atomic(fs, join(root, record_path(record["id"])), {**record, "purged": True})
     if deleted:
-        log(f"[takedown] {deleted} replaced files past their grace deleted")
+        log.info(f"[takedown] {deleted} replaced files past their grace deleted")
     return deleted
 
 
