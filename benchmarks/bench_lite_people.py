@@ -66,15 +66,24 @@ def _timed_batches(stage, rows: list[dict], size: int) -> tuple[float, list[dict
     return time.perf_counter() - start, out
 
 
+def _module(name: str):
+    """A module of the tree being measured, by its name in this tree or in a baseline before ``curation/`` had
+    sub-packages (``curation.score.phase`` was ``curation.score``, ``curation.score.stage`` ``curation.stage``)."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        older = "curation.score" if name == "curation.score.phase" else name.replace("curation.score.", "curation.")
+        return importlib.import_module(older)
+
+
 def _runner(stage_name: str, cfg):
     """A set-up stage runner, in this tree or in a baseline that builds runners from the config's JSON."""
-    try:
-        from curation.score.phase import stage_runner
-    except ImportError:
-        from curation.score.stage import StageRunner
-
-        return StageRunner(stage_name, cfg.model_dump_json())
-    return stage_runner(stage_name, cfg)
+    phase = _module("curation.score.phase")
+    if hasattr(phase, "stage_runner"):
+        return phase.stage_runner(stage_name, cfg)
+    return _module("curation.score.stage").StageRunner(stage_name, cfg.model_dump_json())
 
 
 def scoring_in_process(cfg, pool: Path) -> dict:
@@ -82,8 +91,8 @@ def scoring_in_process(cfg, pool: Path) -> dict:
     of each stage (its native threads included) and the rows it saw still pending."""
     import pyarrow as pa
 
-    from curation.score.phase import _finalise, _shard_reader
-    from curation.score.pool import list_shards
+    phase, list_shards = _module("curation.score.phase"), _module("curation.score.pool").list_shards
+    _finalise, _shard_reader = phase._finalise, phase._shard_reader
 
     runners = [(name, _runner(name, cfg), cfg.stages[name].batch_size) for name in cfg.enabled_stages]
     reader = _shard_reader(cfg, str(pool))
@@ -107,8 +116,9 @@ def scoring_in_process(cfg, pool: Path) -> dict:
 def ray_scoring(cfg, pool: Path) -> dict:
     """Phase 1 on a local Ray with 2 CPUs, as a curation job runs it (the lite config's actor pools)."""
     from common.ray_utils import init_ray
-    from curation.score.phase import ScorePhase, claim_output
-    from curation.score.pool import list_shards
+
+    phase, list_shards = _module("curation.score.phase"), _module("curation.score.pool").list_shards
+    ScorePhase, claim_output = phase.ScorePhase, phase.claim_output
 
     init_ray(num_cpus=2)
     out = pool.parent / f"scored-{os.getpid()}"
@@ -123,7 +133,8 @@ def worker(images: Path, pool: Path | None, with_ray: bool = False) -> dict:
     """Measure the tree whose ``curation`` package is importable here."""
     from common.config import load_config
     from curation.config import CurateConfig
-    from curation.score.stage import REJECT
+
+    REJECT = _module("curation.score.stage").REJECT
 
     root = Path(sys.modules["curation"].__file__).resolve().parents[1]
     cfg = load_config(CurateConfig, root / "configs" / "curate" / "lite.yaml", [])
@@ -358,6 +369,13 @@ def main(argv: list[str] | None = None) -> int:
             f"recall {old['person']['recall']:.3f} -> {new['person']['recall']:.3f}"
         )
         print("new vs baseline: " + "; ".join(ratios))
+        if "e2e_rows" in results["new"]:
+            fates = {name: {r["source"]: (r["status"], r["stage"], r["reason"]) for r in results[name]["e2e_rows"]}
+                     for name in ("new", "baseline")}  # fmt: skip
+            differ = sorted(k for k in fates["new"].keys() | fates["baseline"].keys()
+                            if fates["new"].get(k) != fates["baseline"].get(k))  # fmt: skip
+            print(f"ledger rows that differ from the baseline's: {len(differ)} of {len(fates['new'])}"
+                  + (f" ({', '.join(differ[:8])})" if differ else ""))  # fmt: skip
     for name, r in results.items():
         print(
             f"{name} heads: "

@@ -42,7 +42,7 @@ from common.config import load_config  # noqa: E402
 from common.layout import GLOBAL_PHASES as PHASES  # noqa: E402
 from common.layout import LAYOUT  # noqa: E402
 from common.storage import join, resolve, write_json_atomic, write_parquet_atomic  # noqa: E402
-from curation.settings import CurateConfig  # noqa: E402
+from curation.config import CurateConfig  # noqa: E402
 
 LITE = REPO / "configs/curate/lite.yaml"
 GIB = 2**30
