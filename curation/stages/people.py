@@ -360,6 +360,7 @@ class PersonNetwork:
         else:
             import cv2
 
+            self._blob = cv2.dnn.blobFromImage
             self._net = cv2.dnn.readNetFromTensorflow(str(graph))
             self._net.setPreferableBackend(cv2.dnn.DNN_BACKEND_OPENCV)
             self._net.setPreferableTarget(cv2.dnn.DNN_TARGET_CPU)
@@ -370,9 +371,7 @@ class PersonNetwork:
             bgr = np.ascontiguousarray(rgb[None, :, :, ::-1], dtype=np.float32)
             self._request.infer({0: bgr})
             return self._request.get_output_tensor(0).data[0].copy()  # the request reuses its output buffer
-        import cv2
-
-        self._net.setInput(cv2.dnn.blobFromImage(rgb, 1.0, swapRB=True))
+        self._net.setInput(self._blob(rgb, 1.0, swapRB=True))
         return self._net.forward()[0].transpose(1, 2, 0)
 
 
