@@ -6,18 +6,32 @@ their own ``warning:`` in the message (``[score] warning: ...``), so every level
 keep propagating: pytest's ``caplog`` and any root handler see the records too.
 
 ``file`` (or the ``HUMANS1B_LOG_FILE`` environment variable) adds a log file with times, levels and logger names.
+
+``exit_code_interruptible`` ends a job's ``main`` on Ctrl-C with one line saying what is committed, instead of a
+traceback through Ray Data or Ray Train. ``next_steps`` prints where a job's results are and the commands that come
+next, named as the user gave the paths (``beside``: a folder next to one given; ``shown_path``: a file of the repo).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import posixpath
+import shlex
+import signal
 import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import TextIO
+
+from common.storage import redact
 
 PACKAGES = ("common", "curation", "jobs", "training", "pretrain", "finetune", "generators")
 FILE_ENV = "HUMANS1B_LOG_FILE"
 FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command Ctrl-C ended
+RESUME = "rerun the same command to resume"
 
 
 class _Stdout(logging.StreamHandler):
@@ -57,3 +71,49 @@ def configure_console(level: int = logging.INFO, file: str | None = None) -> Non
         for handler in wanted:
             if handler not in logger.handlers:
                 logger.addHandler(handler)
+
+
+def exit_code_interruptible(
+    job: str, body: Callable[[], int], committed: Callable[[], str], rerun: str = RESUME
+) -> int:
+    """Run a job's body; a Ctrl-C (``KeyboardInterrupt``) ends it with exit code 130 and one line on stderr:
+    ``[<job>] interrupted: <committed()>; <rerun>``. A second Ctrl-C while the job winds down (Ray's shutdown) ends
+    the process at once, with no traceback either."""
+    try:
+        return body()
+    except KeyboardInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        try:
+            what = committed()
+        except Exception as exc:  # noqa: BLE001 - the line must come out whatever the output holds
+            what = f"what is committed could not be read ({type(exc).__name__}: {exc})"
+        print(f"[{job}] interrupted: {what}; {rerun}", file=sys.stderr, flush=True)
+        return INTERRUPTED
+
+
+def beside(uri: str, name: str) -> str:
+    """The folder ``name`` next to the folder ``uri``, as the console names it (no query or credentials): the
+    README's layout keeps ``out/curated``, ``out/runs``, ``out/wds`` and ``out/synthetic`` side by side."""
+    shown = redact(uri).rstrip("/")
+    parent = posixpath.dirname(shown)
+    if "://" in shown and "/" not in shown.split("://", 1)[1]:  # a bucket's root has no folder beside it
+        parent = shown
+    return posixpath.join(parent, name) if parent else name
+
+
+def shown_path(path: Path) -> str:
+    """A file of the repository as a command line names it: relative to the working directory when inside it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def next_steps(job: str, where: list[tuple[str, str]], commands: list[list[str]]) -> None:
+    """Print where a job's results are (``(label, place)`` pairs) and the commands that come next, one a line."""
+    lines = [(f"{label}:", place) for label, place in where]
+    lines += [("next:" if i == 0 else "", shlex.join(argv)) for i, argv in enumerate(commands)]
+    width = max((len(label) for label, _ in lines), default=0)
+    for label, text in lines:
+        print(f"[{job}] {label:<{width}} {text}")

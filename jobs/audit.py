@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common import folders
 from common.config import ConfigError, load_config
-from common.console import configure_console
+from common.console import configure_console, exit_code_interruptible
 from common.storage import StorageError
 from common.watchdog import Watchdog
 from curation.audit.report import ReportOptions, write_report
@@ -41,14 +42,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="which random images the report's contact sheets show")
     p.add_argument("--per-sheet", type=int, default=ReportOptions.per_sheet, help="thumbnails per contact sheet")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as given to jobs.curate")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides after the options, as jobs.curate takes them
 
 
 def main(argv: list[str] | None = None) -> int:
     configure_console()
     args = parse_args(argv)
+    nothing = "an audit writes nothing until it is complete" + (", then its report" if args.report else "")
+    return exit_code_interruptible("audit", lambda: _audit(args), lambda: nothing, rerun="rerun the same command")
+
+
+def _audit(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(CurateConfig, args.config, args.overrides)  # watchdog.minutes too, with --report or not
+        folders.require_folder(args.output)
+        folders.refuse_other_kind(args.output, folders.CURATED, "the output")
         with Watchdog("jobs.audit", cfg.watchdog.minutes):
             result = audit(args.output, decode=not args.no_decode, workers=args.workers)
     except (ConfigError, StorageError) as exc:

@@ -12,16 +12,18 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
+from common import folders
 from common.config import ConfigError, load_config
-from common.console import configure_console
-from common.layout import GLOBAL_PHASES, PHASES
+from common.console import beside, configure_console, exit_code_interruptible, next_steps, shown_path
+from common.layout import GLOBAL_PHASES, LAYOUT, PHASES
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
-from common.storage import DamagedRecordError, StorageError
+from common.storage import DamagedRecordError, StorageError, exists, join, list_files, redact, resolve
 from common.watchdog import Watchdog
 from curation.config import CurateConfig
-from curation.phases.pipeline import GlobalPhases, PhaseOrderError
+from curation.phases.pipeline import GlobalPhases, PhaseOrderError, check_order, phase_done
 from curation.phases.release import Release, ReleaseError, open_release
 from curation.score.ledger import read_ledger, summary_table
 from curation.score.phase import RunMismatch, ScorePhase, claim_output, io_note
@@ -59,7 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     configure_console()
     args = parse_args(argv)
     lease = Lease(args.output, holder="jobs.curate", on_lost=interrupt_main)
-    return exit_code_holding(lease, lambda: _curate(args, lease))
+    return exit_code_interruptible(
+        "curate", lambda: exit_code_holding(lease, lambda: _curate(args, lease)), lambda: committed(args.output)
+    )
+
+
+def committed(out_uri: str) -> str:
+    """What an interrupted run leaves committed in ``out_uri``, which a rerun keeps."""
+    fs, root = resolve(out_uri)
+    shards = len(list_files(fs, join(root, LAYOUT.score_commits), ".json"))
+    done = [p for p in PHASES if phase_done(out_uri, p)]
+    return f"{shards} input shard(s) scored and committed in {redact(out_uri)}; phases complete: {', '.join(done) or 'none'}"
 
 
 def _curate(args: argparse.Namespace, lease: Lease) -> int:
@@ -69,15 +81,18 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
         unknown = [p for p in phases if p not in PHASES]
         if unknown:
             raise ConfigError(f"--phases: unknown phase(s) {unknown}; choose from {list(PHASES)}")
+        # before anything is written: the lease's record would be the first curation file in a foreign folder
+        folders.refuse_other_kind(args.output, folders.CURATED, "--output")
         # A resumed run works on the listing pinned by its first run, so the pool changing cannot remap shards.
         pinned = None if args.new_run or "score" not in phases else pinned_listing(args.output, cfg.input)
         shards = pinned if pinned is not None else list_shards(args.input, cfg.input) if "score" in phases else []
         release = open_release(args.against, cfg.models.embedding.name) if args.against else None
+        check_order(cfg, args.output, phases, release)
         lease.acquire(force=args.break_lease)  # before claim_output can delete another run's results
         claim_output(args.output, cfg.results_hash(), args.input, args.new_run)
         if pinned is None and "score" in phases:
             pin_listing(args.output, shards, cfg.input)
-    except (ConfigError, PoolError, StorageError, RunMismatch, LeaseHeld, ReleaseError) as exc:
+    except (ConfigError, PoolError, StorageError, RunMismatch, LeaseHeld, ReleaseError, PhaseOrderError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -119,7 +134,41 @@ def _run_phases(
         GlobalPhases(cfg, args.output, guard=lease.check, against=release).run(phase)
     ledger = read_ledger(args.output, ["status", "stage", "reason"])
     print(f"\n[curate] summary (all phases, {time.monotonic() - start:.1f} s this run)\n" + summary_table(ledger))
+    where, commands = next_commands(args)
+    print()
+    next_steps("curate", where, commands)
     return 0
+
+
+PRETRAIN_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "pretrain" / "tiny.yaml"
+
+
+def next_commands(args: argparse.Namespace) -> tuple[list[tuple[str, str]], list[list[str]]]:
+    """Where the output's results are and the commands that come next: the rest of the phases while the output has
+    no final shards; else the audit with its report, pretraining on the shards and their WebDataset export (folders
+    beside the output, as the README's ``out/runs`` and ``out/wds``)."""
+    out = redact(args.output)
+    fs, root = resolve(args.output)
+    curate = ["python", "-m", "jobs.curate", "--config", args.config, "--input", redact(args.input), "--output", out]
+    curate += ["--against", redact(args.against)] if args.against else []
+    if not exists(fs, join(root, LAYOUT.manifest)):
+        rest = [p for p in GLOBAL_PHASES if not phase_done(args.output, p)]
+        where = [("ledger", f"{join(out, LAYOUT.ledger)}/ (phase 1: one row per input)")]
+        return where, [[*curate, "--phases", ",".join(rest), *args.overrides]] if rest else []
+    shards = join(out, LAYOUT.shards)
+    where = [
+        ("shards", f"{shards}/ ({LAYOUT.manifest_name} lists them)"),
+        ("ledger", f"{join(out, LAYOUT.final_ledger)}/ (one row per input)"),
+        ("card", join(out, LAYOUT.card)),
+        ("report", f"{join(out, LAYOUT.report, 'index.html')} (written by jobs.audit --report)"),
+    ]
+    pretrain = shown_path(PRETRAIN_CONFIG)
+    return where, [
+        ["python", "-m", "jobs.audit", out, "--report", "--config", args.config, *args.overrides],
+        ["python", "-m", "jobs.pretrain", "--config", pretrain, "--data", shards, "--storage", beside(out, "runs"),
+         "--name", PRETRAIN_CONFIG.stem],
+        ["python", "-m", "jobs.export", "--shards", shards, "--format", "webdataset", "--output", beside(out, "wds")],
+    ]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ import pyarrow.parquet as pq
 import ray
 from PIL import Image, UnidentifiedImageError
 
-from common.console import configure_console
+from common import folders
+from common.console import configure_console, exit_code_interruptible
 from common.layout import LAYOUT
 from common.ray_utils import init_ray
 from common.storage import (
@@ -193,6 +194,25 @@ def plan_tars(rows: list[int], samples_per_tar: int | None) -> list[list[tuple[i
     return plan_output_shards(rows, samples_per_tar)
 
 
+def read_source(shards_uri: str) -> dict:
+    """The manifest of the curated shards to export."""
+    fs, root = resolve(shards_uri)
+    path = join(root, LAYOUT.manifest_name)
+    if not exists(fs, path):
+        raise ExportError(
+            f"{redact(shards_uri)}: no {LAYOUT.manifest_name}; point --shards at a curated output's shards folder"
+            + folders.shards_hint(shards_uri, "--shards")
+        )
+    return read_json(fs, path, fields={"shards": list}, advice=manifest_advice(fs, None))
+
+
+def written(out_uri: str) -> str:
+    """What an interrupted export keeps: the tars it wrote and recorded, which a rerun skips."""
+    fs, root = resolve(out_uri)
+    tars = len(list_files(fs, join(root, LAYOUT.units(folders.EXPORT_STEP)), ".json"))
+    return f"{tars} tar(s) written and recorded in {redact(out_uri)}"
+
+
 def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None) -> dict:
     """Write the tars not yet written and the export's manifest; returns the manifest."""
     in_fs, in_root = resolve(shards_uri)
@@ -200,12 +220,7 @@ def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None
     # tasks run in other working directories (and on other nodes): give them local paths made absolute
     shards_uri = in_root if is_local(in_fs) else shards_uri
     out_uri = out_root if is_local(out_fs) else out_uri
-    manifest_path = join(in_root, LAYOUT.manifest_name)
-    if not exists(in_fs, manifest_path):
-        raise ExportError(
-            f"{redact(shards_uri)}: no {LAYOUT.manifest_name}; point --shards at a curated output's shards folder"
-        )
-    source = read_json(in_fs, manifest_path, fields={"shards": list}, advice=manifest_advice(in_fs, None))
+    source = read_source(shards_uri)
     files = [s["file"] for s in source["shards"]]
     plan = plan_tars([s["rows"] for s in source["shards"]], samples_per_tar)
     settings = {
@@ -215,7 +230,7 @@ def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None
     }
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     remove_temporaries(out_fs, out_root)  # tars a killed export left half-written
-    records = _TarRecords(out_fs, out_root, "export", settings_hash)
+    records = _TarRecords(out_fs, out_root, folders.EXPORT_STEP, settings_hash)
     names = [tar_name(k) for k in range(len(plan))]
     already = sum(records.get(name) is not None for name in names)
     log.info(
@@ -276,8 +291,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     configure_console()
     args = parse_args(argv)
-    if args.samples_per_tar is not None and args.samples_per_tar < 1:
-        print("error: --samples-per-tar must be at least 1", file=sys.stderr)
+    return exit_code_interruptible("export", lambda: _export(args), lambda: written(args.output))
+
+
+def _export(args: argparse.Namespace) -> int:
+    try:  # before Ray starts and anything is written
+        if args.samples_per_tar is not None and args.samples_per_tar < 1:
+            raise ExportError("--samples-per-tar must be at least 1")
+        read_source(args.shards)
+        folders.refuse_other_kind(args.output, folders.EXPORT, "--output")
+    except (ExportError, StorageError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     init_ray(args.ray_address)
     try:

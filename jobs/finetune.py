@@ -17,9 +17,9 @@ import os
 import sys
 import time
 
-from common import storage
+from common import folders, storage
 from common.config import ConfigError, load_config
-from common.console import configure_console
+from common.console import configure_console, exit_code_interruptible
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import StorageError
@@ -30,7 +30,7 @@ from finetune.train import FINETUNED_FILE, METRICS_FILE, PICTURES, fit
 from pretrain.data import DataError, DataIndex
 from training.checkpoint import read_safetensors
 from training.metrics_sinks import describe
-from training.runner import claim_run, run_uri_for
+from training.runner import check_run, claim_run, committed, run_uri_for
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,8 +90,16 @@ def check_backbone(backbone: str, cfg: FinetuneConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     configure_console()
     args = parse_args(argv)
+    return exit_code_interruptible("finetune", lambda: _main(args), lambda: committed(args.storage, args.name))
+
+
+def _main(args: argparse.Namespace) -> int:
+    # every check reads only, so a refused command leaves <storage> as it was
     try:
         cfg = load_config(FinetuneConfig, args.config, args.overrides)
+        run_uri = run_uri_for(args.storage, args.name)
+        folders.refuse_other_kind(args.storage, folders.RUNS, "--storage")
+        folders.refuse_other_kind(run_uri, folders.TRAINING_RUN, "the run folder")
         train_uri, val_uri = resolve_data(args.data, args.val_data)
         info = data.read_info(DataIndex.scan(train_uri), train_uri)
         val_index = DataIndex.scan(val_uri)
@@ -105,18 +113,22 @@ def main(argv: list[str] | None = None) -> int:
         if backbone:
             check_backbone(backbone, cfg)
         spec = {"task": args.task, "train": train_uri, "val": val_uri, "backbone": backbone}
-        run_uri = run_uri_for(args.storage, args.name)
+        # run.json records names, never credentials a URI may carry
+        identity = {**{k: v and storage.redact(v) for k, v in spec.items()}, "size": cfg.model.size}
+        check_run(run_uri, identity)
         lease = Lease(run_uri, holder="jobs.finetune", on_lost=interrupt_main).acquire(force=args.break_lease)
     except (ConfigError, DataError, StorageError, ValueError, LeaseHeld) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return exit_code_holding(lease, lambda: _finetune(args, cfg, spec, info, run_uri))
+    return exit_code_holding(lease, lambda: _finetune(args, cfg, spec, identity, info, run_uri))
 
 
-def _finetune(args: argparse.Namespace, cfg: FinetuneConfig, spec: dict, info: data.LabelInfo, run_uri: str) -> int:
+def _finetune(
+    args: argparse.Namespace, cfg: FinetuneConfig, spec: dict, identity: dict, info: data.LabelInfo, run_uri: str
+) -> int:
     backbone = spec["backbone"]
-    try:  # run.json records names, never credentials a URI may carry
-        resuming = claim_run(run_uri, {**{k: v and storage.redact(v) for k, v in spec.items()}, "size": cfg.model.size})
+    try:  # checks again: another run may have claimed the name since
+        resuming = claim_run(run_uri, identity)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -18,22 +18,24 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
-from common import storage
+from common import folders, storage
 from common.config import ConfigError, load_config
-from common.console import configure_console
+from common.console import beside, configure_console, exit_code_interruptible, next_steps, shown_path
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import StorageError
 from common.watchdog import Watchdog
+from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
-from pretrain.data import DataError, ensure_index
+from pretrain.data import DataError, DataIndex, find_index, save_index
 from pretrain.export import EXPORT_FILES, EXPORTS, export_backbone
 from pretrain.train import fit
 from training import checkpoint
 from training.metrics import METRICS
 from training.metrics_sinks import describe
-from training.runner import claim_run, run_uri_for
+from training.runner import check_run, claim_run, committed, run_uri_for
 from training.schedules import peak_lr
 
 
@@ -64,26 +66,38 @@ def _exports(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     configure_console()
     args = parse_args(argv)
+    return exit_code_interruptible("pretrain", lambda: _pretrain(args), lambda: committed(args.storage, args.name))
+
+
+def _pretrain(args: argparse.Namespace) -> int:
+    # every check reads only, so a refused command leaves <storage> as it was and its corrected form is not refused
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides)
         run_uri = run_uri_for(args.storage, args.name)
+        folders.refuse_other_kind(args.storage, folders.RUNS, "--storage")
+        folders.refuse_other_kind(run_uri, folders.TRAINING_RUN, "the run folder")
         data_uri = args.data if "://" in args.data else os.path.abspath(args.data)
+        identity = {"data": storage.redact(data_uri), "model_hash": cfg.model_hash()}
+        check_run(run_uri, identity)
+        index, scanned = find_index(data_uri, run_uri, verify_sha256=cfg.data.verify_sha256)
         lease = Lease(run_uri, holder="jobs.pretrain", on_lost=interrupt_main).acquire(force=args.break_lease)
-    except (ConfigError, StorageError, LeaseHeld) as exc:
+    except (ConfigError, DataError, StorageError, LeaseHeld) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return exit_code_holding(lease, lambda: _train(args, cfg, run_uri, data_uri, lease))
+    return exit_code_holding(lease, lambda: _train(args, cfg, run_uri, data_uri, lease, identity, index, scanned))
 
 
-def _train(args: argparse.Namespace, cfg: PretrainConfig, run_uri: str, data_uri: str, lease: Lease) -> int:
-    try:
-        resuming = claim_run(
-            run_uri, {"data": storage.redact(data_uri), "model_hash": cfg.model_hash()}, {"size": cfg.model.size}
-        )
-        index = ensure_index(data_uri, run_uri, verify_sha256=cfg.data.verify_sha256)
-    except (ConfigError, DataError, StorageError) as exc:
+def _train(
+    args: argparse.Namespace, cfg: PretrainConfig, run_uri: str, data_uri: str, lease: Lease, identity: dict,
+    index: DataIndex, scanned: bool,
+) -> int:  # fmt: skip
+    try:  # checks again: another run may have claimed the name since
+        resuming = claim_run(run_uri, identity, {"size": cfg.model.size})
+    except (ConfigError, StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if scanned:
+        save_index(run_uri, index)
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     per_step = cfg.samples_per_step()
@@ -103,15 +117,51 @@ def _train(args: argparse.Namespace, cfg: PretrainConfig, run_uri: str, data_uri
     latest = checkpoint.latest_committed(run_uri)
     print(f"[pretrain] done in {time.monotonic() - start:.0f} s")
     newest = storage.redact(latest) if latest else None
-    print(f"[pretrain] checkpoints: {storage.join(shown, checkpoint.CHECKPOINTS)} (latest: {newest})")
-    print(f"[pretrain] metrics:     {storage.join(shown, METRICS)}/*.jsonl; {describe(cfg.log.backends, run_uri)}")
+    where = [
+        ("checkpoints", f"{storage.join(shown, checkpoint.CHECKPOINTS)} (latest: {newest})"),
+        ("metrics", f"{storage.join(shown, METRICS)}/*.jsonl; {describe(cfg.log.backends, run_uri)}"),
+    ]
     if latest is not None:
         for which in args.export:
             out = storage.join(run_uri, EXPORT_FILES[which])
             meta = export_backbone(latest, out, which)
-            label = "backbone:" if which == "student" else f"{which}:"
-            print(f"[pretrain] {label:<12} {storage.redact(out)} (size {meta['size']}, step {meta['step']})")
+            where.append(
+                (
+                    "backbone" if which == "student" else which,
+                    f"{storage.redact(out)} (size {meta['size']}, step {meta['step']})",
+                )
+            )
+    next_steps("pretrain", where, next_commands(cfg, args) if latest is not None else [])
     return 0
+
+
+FINETUNE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "finetune" / "tiny-seg.yaml"
+
+
+def next_commands(cfg: PretrainConfig, args: argparse.Namespace) -> list[list[str]]:
+    """The commands that use the exported backbone: labelled data beside the runs (the README's
+    ``out/synthetic``), a frozen-feature probe of the backbone, and a fine-tuning run that starts from it."""
+    run = storage.join(storage.redact(args.storage), args.name)  # as given: a relative --storage stays relative
+    backbone = storage.join(run, EXPORT_FILES[args.export[0]])
+    data = beside(args.storage, "synthetic")
+    config = shown_path(FINETUNE_CONFIG)
+    finetune_model = load_config(FinetuneConfig, str(FINETUNE_CONFIG), []).model
+    model = [
+        f"model.{key}={mine}"
+        for key, mine, theirs in (
+            ("size", cfg.model.size, finetune_model.size),
+            ("patch_size", cfg.model.patch_size, finetune_model.patch_size),
+        )
+        if mine != theirs
+    ]
+    return [
+        ["python", "-m", "jobs.make_synthetic", "--out", data, "--n", "2000", "--val", "200"],
+        ["python", "-m", "jobs.probe", "--data", data, "--backbone", backbone, "--out",
+         storage.join(run, "probe.json"),
+         "--config", config, *model],
+        ["python", "-m", "jobs.finetune", "--task", "seg", "--config", config, "--data", data,
+         "--storage", storage.redact(args.storage), "--name", f"{args.name}-seg", "--backbone", backbone, *model],
+    ]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import torch
 
 from common import storage
 from common.config import ConfigError, load_config
-from common.console import configure_console
+from common.console import configure_console, exit_code_interruptible
 from common.storage import StorageError
 from finetune.config import FinetuneConfig
 from finetune.frozen_eval import FrozenEval, ProbeSettings, backbone_features, read_split
@@ -88,6 +88,15 @@ def _config(args: argparse.Namespace, backbone: str | None) -> FinetuneConfig:
 def main(argv: list[str] | None = None) -> int:
     configure_console()
     args = parse_args(argv)
+    return exit_code_interruptible(
+        "probe",
+        lambda: _probe(args),
+        lambda: "a probe writes its result only at the end",
+        rerun="rerun the same command",
+    )
+
+
+def _probe(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         labels = tuple(int(x) for x in args.labels.split(",")) if args.labels else ()

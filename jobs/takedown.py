@@ -18,7 +18,7 @@ import argparse
 import getpass
 import sys
 
-from common.console import configure_console
+from common.console import configure_console, exit_code_interruptible
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import DamagedRecordError, StorageError
@@ -60,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     lease = Lease(args.output, holder="jobs.takedown", on_lost=interrupt_main)
-    return exit_code_holding(lease, lambda: _takedown(args, lst, lease))
+    return exit_code_interruptible(
+        "takedown",
+        lambda: exit_code_holding(lease, lambda: _takedown(args, lst, lease)),
+        lambda: "the output holds the old version or the new one, whole (the manifest switches in one write)",
+        rerun="rerun the same command to finish",
+    )
 
 
 def _takedown(args: argparse.Namespace, lst, lease: Lease) -> int:

@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from common import storage
+from common import folders, storage
 from common.imageio import open_reduced
 from common.layout import LAYOUT
 
@@ -166,7 +166,7 @@ class DataIndex:
             raise DataError(
                 f"{shown} has no {LAYOUT.manifest_name}: training reads only the files a manifest lists (other files there may "
                 "be half-written or left over). Pass the curate job's <out>/shards once its write phase has finished "
-                "(or a folder written by jobs.make_synthetic)"
+                f"(or a folder written by jobs.make_synthetic){folders.shards_hint(data_uri, '--data')}"
             )
         shards = _versions_shards(fs, root, storage.read_json(fs, manifest_path), shown)
         if not shards:
@@ -253,16 +253,27 @@ def _relative_to_folder(paths: list[str], data_uri: str | None) -> tuple[str, li
 def ensure_index(data_uri: str, run_uri: str, verify_sha256: bool = False) -> DataIndex:
     """The run's index: scanned from ``data_uri`` on the first start, read back from the run directory after (and
     its files' sha256 checked when asked, on every start)."""
+    index, scanned = find_index(data_uri, run_uri, verify_sha256)
+    if scanned:
+        save_index(run_uri, index)
+    return index
+
+
+def find_index(data_uri: str, run_uri: str, verify_sha256: bool = False) -> tuple[DataIndex, bool]:
+    """``ensure_index`` without its write: the index and whether it was scanned now (then ``save_index`` it), so a
+    job refuses bad data before it writes anything."""
     fs, run = storage.resolve(run_uri)
-    path = storage.join(run, INDEX_FILE)
-    if storage.exists(fs, path):
+    if storage.exists(fs, storage.join(run, INDEX_FILE)):
         index = load_index(run_uri, data_uri)
         if verify_sha256:
             index.verify()
-        return index
-    index = DataIndex.scan(data_uri, verify_sha256=verify_sha256)
-    storage.write_parquet_atomic(fs, path, index.to_table(), row_group_size=1 << 20)
-    return index
+        return index, False
+    return DataIndex.scan(data_uri, verify_sha256=verify_sha256), True
+
+
+def save_index(run_uri: str, index: DataIndex) -> None:
+    fs, run = storage.resolve(run_uri)
+    storage.write_parquet_atomic(fs, storage.join(run, INDEX_FILE), index.to_table(), row_group_size=1 << 20)
 
 
 def load_index(run_uri: str, data_uri: str | None = None) -> DataIndex:

@@ -12,17 +12,26 @@ from collections.abc import Callable
 
 from common import storage, watchdog
 from common.config import ConfigError
+from common.folders import TRAINING_RUN_RECORD as RUN_FILE
+from training import checkpoint
 from training.config import RaySettings
-
-RUN_FILE = "run.json"
 
 
 def run_uri_for(storage_path: str, name: str) -> str:
     """Where Ray Train puts the run: ``<storage>/<name>`` (local paths made absolute, as Ray does; a URI keeps its
-    query, which reaches the store)."""
+    query, which reaches the store). ``name`` must be one folder name."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\?#"):
+        raise ConfigError(f"--name {name!r}: give one folder name (no '/', '\\', '?' or '#'), e.g. --name run1")
     if "://" in storage_path:
         return storage.join(storage_path, name)
     return os.path.join(os.path.abspath(os.path.expanduser(storage_path)), name)
+
+
+def committed(storage_path: str, name: str) -> str:
+    """What an interrupted run of ``<storage>/<name>`` keeps: its newest committed checkpoint, where a rerun of the
+    same command goes on from."""
+    latest = checkpoint.latest_committed(run_uri_for(storage_path, name))
+    return f"newest committed checkpoint {storage.redact(latest)}" if latest else "no checkpoint committed yet"
 
 
 def ray_storage(storage_path: str) -> dict:
@@ -35,13 +44,12 @@ def ray_storage(storage_path: str) -> dict:
     return {"storage_path": path, "storage_filesystem": fs}
 
 
-def claim_run(run_uri: str, identity: dict, info: dict | None = None) -> bool:
-    """Record what the run trains in ``<run>/run.json``; a rerun under the same name must give the same ``identity``
-    (``info`` is recorded, not compared). Returns True when resuming."""
+def check_run(run_uri: str, identity: dict) -> bool:
+    """Whether ``<run>/run.json`` exists (the command resumes); raises ``ConfigError`` when it records another
+    ``identity``. Writes nothing, so a job calls it before it takes the run's lease."""
     fs, run = storage.resolve(run_uri)
     path = storage.join(run, RUN_FILE)
     if not storage.exists(fs, path):
-        storage.write_json_atomic(fs, path, {**identity, **(info or {}), "created": time.time()})
         return False
     earlier = storage.read_json(fs, path)
     for key, value in identity.items():
@@ -51,6 +59,16 @@ def claim_run(run_uri: str, identity: dict, info: dict | None = None) -> bool:
                 "use a new --name for a different run"
             )
     return True
+
+
+def claim_run(run_uri: str, identity: dict, info: dict | None = None) -> bool:
+    """Record what the run trains in ``<run>/run.json``; a rerun under the same name must give the same ``identity``
+    (``info`` is recorded, not compared). Returns True when resuming."""
+    if check_run(run_uri, identity):
+        return True
+    fs, run = storage.resolve(run_uri)
+    storage.write_json_atomic(fs, storage.join(run, RUN_FILE), {**identity, **(info or {}), "created": time.time()})
+    return False
 
 
 def launch(

@@ -81,6 +81,33 @@ def phase_done(out_uri: str, phase: str, settings_hash: str | None = None) -> bo
     return settings_hash is None or read_done(fs, root, phase)["settings_hash"] == settings_hash
 
 
+def phase_hash(cfg: CurateConfig, phase: str, against: Release | None = None) -> str:
+    """The phase's settings hash; with a release to curate against, that release's manifest too (a takedown
+    there, or another release, redoes the global phases)."""
+    if against is None:
+        return cfg.phase_hash(phase)
+    return hash_json({"settings": cfg.phase_hash(phase), "against": against.previous()})
+
+
+def require_phase(cfg: CurateConfig, out_uri: str, phase: str, against: Release | None = None) -> None:
+    """Raise ``PhaseOrderError`` unless the phase ``phase`` needs is complete in ``out_uri`` with these settings."""
+    needed = LAYOUT.needs(phase)
+    # score's settings are the run's, which claiming the output already checked
+    fingerprint = phase_hash(cfg, needed, against) if needed in GLOBAL_PHASES else None
+    if not phase_done(out_uri, needed, fingerprint):
+        raise PhaseOrderError(
+            f"phase {phase} needs phase {needed} to be complete with these settings; run --phases {needed},{phase}"
+        )
+
+
+def check_order(cfg: CurateConfig, out_uri: str, phases: list[str], against: Release | None = None) -> None:
+    """Raise ``PhaseOrderError`` for a global phase in ``phases`` whose needed phase is neither in ``phases`` nor
+    complete: a job checks it before it writes anything (each phase checks again when its turn comes)."""
+    for phase in GLOBAL_PHASES:
+        if phase in phases and LAYOUT.needs(phase) not in phases:
+            require_phase(cfg, out_uri, phase, against)
+
+
 @ray.remote(num_cpus=0.5)
 def _survey_task(
     out_uri: str, shards: list, path: str, keep_score: list[str], balance_key: str | None, dim: int
@@ -114,11 +141,7 @@ class GlobalPhases:
         }
 
     def phase_hash(self, phase: str) -> str:
-        """The phase's settings hash; with a release to curate against, that release's manifest too (a takedown
-        there, or another release, redoes the global phases)."""
-        if self.against is None:
-            return self.cfg.phase_hash(phase)
-        return hash_json({"settings": self.cfg.phase_hash(phase), "against": self.against.previous()})
+        return phase_hash(self.cfg, phase, self.against)
 
     @property
     def window(self) -> int:
@@ -127,13 +150,7 @@ class GlobalPhases:
     # --- bookkeeping ---------------------------------------------------------------------------------------------
 
     def _require(self, phase: str) -> None:
-        needed = self.phases[phase].needs
-        # score's settings are the run's, which claiming the output already checked
-        fingerprint = self.phases[needed].fingerprint() if needed in self.phases else None
-        if not phase_done(self.out_uri, needed, fingerprint):
-            raise PhaseOrderError(
-                f"phase {phase} needs phase {needed} to be complete with these settings; run --phases {needed},{phase}"
-            )
+        require_phase(self.cfg, self.out_uri, phase, self.against)
 
     def _start(self, phase: str) -> None:
         # writes a kill cut short leave _tmp- files; this run holds the lease, so none of them is live
