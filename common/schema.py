@@ -16,7 +16,8 @@ import json
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "2"  # 2: the pool's metadata (metadata_json, metadata_note; typed metadata in final shards)
+# 2: the pool's metadata (metadata_json, metadata_note; typed metadata in final shards); 3: encoding_quality
+SCHEMA_VERSION = "3"
 
 # Status values in the working table and the ledger.
 PENDING = "pending"  # still flowing through the stages
@@ -88,6 +89,8 @@ _IDENTITY = [
     pa.field("width", pa.int32()),  # after EXIF orientation (as stored for a declared bomb: its EXIF is not read)
     pa.field("height", pa.int32()),
     pa.field("orientation", pa.int8()),  # EXIF orientation tag (1 when absent or malformed, null when not read)
+    # 1-100, from the header (common.encoding.encoding_quality): a JPEG's IJG quality, 100 lossless; null unknown
+    pa.field("encoding_quality", pa.int8()),
     # The pool's metadata of the input (WebDataset sidecars, a Parquet pool's other columns) as one JSON object; in
     # final shards only the fields that are not typed columns of ``metadata`` (see metadata_struct). Null: none.
     pa.field("metadata_json", pa.string()),

@@ -16,6 +16,7 @@ import json
 import pyarrow.fs as pafs
 
 from common.layout import GLOBAL_PHASES, LAYOUT
+from common.schema import SCHEMA_VERSION
 from common.storage import FieldTypes, display_path, join, list_files, read_json, redact, resolve, without_credentials
 
 _NUMBER = (int, float)
@@ -75,7 +76,12 @@ def run_record(results_hash: str, input_uri: str) -> dict:
     match; ``input_store`` reaches the pool again (the URI's query kept: endpoint, region, scheme; credentials
     dropped), so that the report can read rejected inputs back from their store."""
     store = without_credentials(input_uri) if "://" in input_uri else resolve(input_uri)[1]
-    return {"results_hash": results_hash, "input": input_name(input_uri), "input_store": store}
+    return {
+        "results_hash": results_hash,
+        "input": input_name(input_uri),
+        "input_store": store,
+        "schema_version": SCHEMA_VERSION,  # of the scored and ledger tables the run writes
+    }
 
 
 def read_run_record(fs: pafs.FileSystem, root: str, expected: dict | None = None) -> dict:

@@ -35,13 +35,17 @@ Parquet rows and tar members are shuffled by the seed so every shard mixes categ
 ``params``, ``sha256``, ``size_bytes``, the header facts decode should find (``format``, ``mode``, ``width``,
 ``height`` after EXIF orientation, ``frames``), ``has_person`` (what the content shows, whatever a detector makes
 of it), ``dup_group`` (near-duplicates of one photo that phase 1 may keep and dedup should collapse),
-``exact_copy_of``, and the expected outcome of phase 1 with the lite profile's default thresholds:
+``exact_copy_of``, ``encoding_quality`` (what decode reads of the encoding, which dedup's keep rule ranks), and the
+expected outcome of phase 1 with the lite profile's default thresholds:
 
 - ``{"expect": "kept"}``
 - ``{"expect": "rejected", "stage": S, "reason": R}`` where both are certain; ``"stage_any"`` / ``"reason_any"``
   lists replace them where the image is certainly rejected but the first stage to do it is not.
 - ``{"expect": "any", "stage_any": [...]}``: kept, or rejected by one of those stages (never by another), with
   ``why``. Used where the lite detectors' answer on real content is borderline (measured with the lite stages).
+
+``expected_curation`` carries that on to the end of a lite run: which copy of each photo dedup keeps and how many
+sampling selects (``jobs.make_sample_pool`` prints it).
 
 Output is byte-identical for a given ``n`` and seed (fixed encoder settings, no timestamps or tool metadata), and
 the variants of a smaller ``n`` are a subset of those of a larger one.
@@ -246,9 +250,10 @@ class PoolItem:
     def facts(self) -> dict[str, Any]:
         """What decode should find in the header: format, mode, displayed size, frames (nulls for non-images)."""
         # the readings decode records (declared size, EXIF orientation); also lifts PIL's bomb guard, as decode does
+        from common.encoding import encoding_quality
         from common.imageio import declared_size, exif_orientation, open_image, oriented_size
 
-        out: dict[str, Any] = {"format": None, "mode": None, "width": None, "height": None, "frames": None}
+        out: dict[str, Any] = dict.fromkeys(("format", "mode", "encoding_quality", "width", "height", "frames"))
         if not self.data:
             return out
         try:
@@ -256,7 +261,8 @@ class PoolItem:
         except Exception:  # noqa: BLE001 - not an image: the nulls are the fact
             return out
         w, h = oriented_size(declared_size(img, self.data), exif_orientation(img))
-        out.update(format=img.format, mode=img.mode, width=w, height=h, frames=getattr(img, "n_frames", 1))
+        out.update(format=img.format, mode=img.mode, encoding_quality=encoding_quality(img, self.data))
+        out.update(width=w, height=h, frames=getattr(img, "n_frames", 1))
         return out
 
 
@@ -712,8 +718,61 @@ def read_manifest(out: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+# --- the end-to-end expectation ----------------------------------------------------------------------------------
+# What ``jobs.curate --config configs/curate/lite.yaml`` should keep of the pool: phase 1 as the manifest's
+# ``expect`` says, the borderline ("any") inputs passing as they do with the lite models; dedup linking every copy of
+# a photo that reaches it except the variants below, and keeping one per photo by the keep rule's header-readable
+# part (most pixels, then best encoding; the score only breaks ties, which the default pool has none of at the top);
+# sampling selecting lite.yaml's fraction of what is left.
+
+LITE_TARGET_FRACTION = 0.8  # configs/curate/lite.yaml's sample.target_fraction (a test holds them equal)
+# Copies the lite signals do not link to their photo (measured): a mirror image moves both the pHash and the
+# colour-gradient layout; the palette PNG's white frame and 255 dithered colours move them as far.
+UNLINKED_VARIANTS = frozenset({"flip", "palette_transparency"})
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """The curation of a pool, end to end, as its manifest predicts it."""
+
+    inputs: int
+    rejected: dict[str, int]  # phase-1 rejections by stage ("person or quality" where either may come first)
+    kept_copy: dict[str, tuple[str, ...]]  # photo -> the copy dedup keeps (several: tied, the score decides)
+    duplicates: int
+    after_dedup: int
+    kept: int
+
+
+def _pixels_and_encoding(row: dict[str, Any]) -> tuple[int, int]:
+    return row["width"] * row["height"], row["encoding_quality"] if row["encoding_quality"] is not None else -1
+
+
+def expected_curation(rows: list[dict[str, Any]], target_fraction: float = LITE_TARGET_FRACTION) -> Expectation:
+    """What the lite curation of the pool whose manifest ``rows`` are should do (see the section's comment)."""
+    rejected: Counter[str] = Counter()
+    groups: dict[str, list[dict[str, Any]]] = {}
+    singles = 0
+    for r in rows:
+        if r["expect"] == "rejected":
+            rejected[" or ".join(r.get("stage_any") or [r["stage"]])] += 1
+        elif r["dup_group"] is None or r["variant"] in UNLINKED_VARIANTS:
+            singles += 1
+        else:
+            groups.setdefault(r["dup_group"], []).append(r)
+    kept_copy = {}
+    for photo, copies in sorted(groups.items()):
+        best = max(_pixels_and_encoding(r) for r in copies)
+        tied = sorted({r["sha256"]: r["name"] for r in copies if _pixels_and_encoding(r) == best}.values())
+        kept_copy[photo] = tuple(tied)  # one name per distinct bytes: an exact copy ties on everything
+    after = singles + len(groups)
+    kept = min(after, int(target_fraction * after + 0.5))  # curation.phases.sample.kmeans.target_size
+    duplicates = sum(len(c) for c in groups.values()) - len(groups)
+    return Expectation(len(rows), dict(sorted(rejected.items())), kept_copy, duplicates, after, kept)
+
+
 def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per category: how many inputs and what phase 1 should do with them."""
+    """One line per category: how many inputs and what phase 1 should do with them; then what the lite curation
+    should keep in the end, and which stage drops the rest."""
     lines = []
     for category in CATEGORIES:
         mine = [r for r in rows if r["category"] == category]
@@ -723,5 +782,18 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
         variants = Counter(r["variant"] for r in mine)
         shown = ", ".join(f"{v} {c}" if c > 1 else v for v, c in sorted(variants.items()))
         outcome = " ".join(f"{k}={expect[k]}" for k in ("kept", "rejected", "any") if expect[k])
-        lines.append(f"{category:<12} {len(mine):>3} inputs  expect {outcome}  ({shown})")
+        lines.append(f"{category:<12} {len(mine):>3} inputs  phase 1: expect {outcome}  ({shown})")
+    e = expected_curation(rows)
+    borderline = sum(r["expect"] == "any" for r in rows)
+    survivors = e.inputs - sum(e.rejected.values())
+    kept_copies = ", ".join(" or ".join(n.split("/")[-1] for n in names) for names in e.kept_copy.values())
+    lines += [
+        f"configs/curate/lite.yaml end to end: expect kept={e.kept} of {e.inputs} (the {borderline} 'any' inputs pass "
+        "phase 1, as they do with the lite models)",
+        f"  phase 1 rejects {sum(e.rejected.values())}: " + ", ".join(f"{s} {n}" for s, n in e.rejected.items()),
+        f"  dedup keeps one copy of each of {len(e.kept_copy)} photos, the most pixels then the best encoding "
+        f"({kept_copies}), and drops {e.duplicates} of the {survivors} left; mirrored copies and the palette PNG are "
+        "not linked to their photo",
+        f"  sample selects {e.kept} of the {e.after_dedup} left (sample.target_fraction {LITE_TARGET_FRACTION})",
+    ]
     return lines

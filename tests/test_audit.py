@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
+from PIL import Image, ImageOps
 
 from common import schema
 from common.config import load_config
@@ -663,5 +663,5 @@ print(json.dumps({
     assert sorted(got["hf_keys"]) == sorted(got["arrow_keys"]) == sorted(keys)
     assert got["hf_image"] == "PIL" and got["hf_key_ok"]
     with Image.open(io.BytesIO(truth.column("image")[keys.index(got["hf_keys"][0])].as_py()["bytes"])) as im:
-        assert got["hf_size"] == list(im.size)
+        assert got["hf_size"] == list(ImageOps.exif_transpose(im).size)  # datasets turns by the EXIF orientation
     assert {pose: n for pose, n, _ in got["by_pose"]} == dict(Counter(truth.column("head_yaw_class").to_pylist()))

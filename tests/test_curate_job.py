@@ -13,6 +13,7 @@ import pytest
 from common import schema
 from curation.config import CurateConfig
 from curation.score.ledger import committed_files, read_ledger, reason_code
+from generators import sample_pool as sp
 from jobs import curate, make_sample_pool
 
 LITE = "configs/curate/lite.yaml"
@@ -136,6 +137,25 @@ def test_wrong_input_and_bad_override_fail_fast(tmp_path, repo_root, capsys):
     assert "filters.min_short_sid: unknown key" in capsys.readouterr().err
 
 
+def test_an_output_scored_with_older_tables_is_refused_with_what_to_do(tmp_path):
+    """An output from before ``encoding_quality`` (its run record names no schema version): resuming would mix scored
+    files without the column the keep rule reads."""
+    from common.layout import LAYOUT
+    from curation.records import run_record
+    from curation.score.phase import RunMismatch, claim_output
+
+    out, pool = tmp_path / "out", tmp_path / "pool"
+    pool.mkdir()
+    claim_output(str(out), "h", str(pool), new_run=False)
+    claim_output(str(out), "h", str(pool), new_run=False)  # the same version resumes
+    old = {k: v for k, v in run_record("h", str(pool)).items() if k != "schema_version"}
+    (out / LAYOUT.run_record).write_text(json.dumps(old))
+    with pytest.raises(RunMismatch, match=r"older version of the pipeline .*schema version 2 or older.*--new-run"):
+        claim_output(str(out), "h", str(pool), new_run=False)
+    claim_output(str(out), "h", str(pool), new_run=True)
+    assert json.loads((out / LAYOUT.run_record).read_text())["schema_version"] == schema.SCHEMA_VERSION
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
 def test_parquet_and_webdataset_pools_give_the_same_decode_fates(fmt, ray_local, repo_root, tmp_path, ledger, manifest):
     pool = tmp_path / fmt
@@ -170,36 +190,34 @@ def test_parquet_and_webdataset_pools_give_the_same_decode_fates(fmt, ray_local,
             assert folder["phash"] is None or row["phash"] == folder["phash"], name
 
 
-def test_near_duplicate_variants_collapse_to_the_best_one(ledger, manifest):
-    """Recompressed, resized and byte-identical copies of a photo end in one group whose best image is kept."""
-    by_key = {
-        r["key"]: r for r in ledger.values() if r["status"] in SURVIVED_SCORING and r["status"] != schema.DUPLICATE
-    }
-    checked = 0
-    for origin in {e["origin"] for e in manifest.values() if e["category"] == "people"}:
-        variants = {
-            s: ledger[s]
+def test_near_duplicate_variants_collapse_to_the_best_copy_as_the_pool_expects(ledger, manifest):
+    """Recompressed, resized, cropped, converted and byte-identical copies of a photo end in one group, whose copy
+    with the most pixels, then the best encoding, is kept; the run ends as the pool's summary says."""
+    expected = sp.expected_curation(list(manifest.values()))
+    assert len(expected.kept_copy) == 5
+    kept_rows = {r["key"]: r for r in ledger.values() if r["status"] in (schema.KEPT, schema.UNSAMPLED)}
+    for photo, names in expected.kept_copy.items():
+        copies = [
+            ledger[s]
             for s, e in manifest.items()
-            if e["category"] == "people" and e["origin"] == origin and ledger[s]["status"] in SURVIVED_SCORING
-        }
-        close = [
-            r for s, r in variants.items() if manifest[s]["variant"] in ("original", "q40", "resize", "exact_copy")
+            if e["dup_group"] == photo and e["variant"] not in sp.UNLINKED_VARIANTS
         ]
-        if len(close) < 2:
-            continue
-        winners = {r["key"] if r["status"] != schema.DUPLICATE else r["duplicate_of"] for r in close}
-        assert len(winners) == 1, (origin, [(r["source"], r["status"], r["duplicate_of"]) for r in close])
-        best = by_key[winners.pop()]
-        assert manifest[best["source"]]["origin"] == origin  # kept: one of this photo's copies (any category)
-        for dup in (
-            r for r in variants.values() if r["status"] == schema.DUPLICATE and r["duplicate_of"] == best["key"]
-        ):
+        assert all(r["status"] in SURVIVED_SCORING for r in copies), photo
+        winners = {r["key"] if r["status"] != schema.DUPLICATE else r["duplicate_of"] for r in copies}
+        assert len(winners) == 1, (photo, [(r["source"], r["status"], r["duplicate_of"]) for r in copies])
+        best = kept_rows[winners.pop()]
+        assert manifest[best["source"]]["name"] in names, (photo, best["source"])
+        for dup in (r for r in copies if r["status"] == schema.DUPLICATE):
             assert dup["stage"] == "dedup" and dup["duplicate_signal"] in ("phash", "embedding")
             assert best["key"] in dup["reason"]
-            # keep rule: highest quality, then larger resolution
-            assert (best["quality"], best["width"] * best["height"]) >= (dup["quality"], dup["width"] * dup["height"])
-        checked += 1
-    assert checked >= 3
+            # keep rule: more pixels, then a better encoding
+            pixels = lambda r: (r["width"] * r["height"], r["encoding_quality"])  # noqa: E731
+            assert pixels(best) >= pixels(dup), (dup["source"], best["source"])
+    fates = Counter(r["status"] for r in ledger.values())
+    assert fates[schema.DUPLICATE] == expected.duplicates
+    assert fates[schema.KEPT] + fates[schema.UNSAMPLED] == expected.after_dedup
+    assert fates[schema.KEPT] == expected.kept
+    assert fates[schema.REJECTED] == sum(expected.rejected.values())
 
 
 def test_unsampled_rows_name_their_clusters(ledger):

@@ -14,7 +14,7 @@ import pytest
 
 from common.layout import LAYOUT
 from curation.phases.dedup import kernels as dd
-from curation.phases.dedup.components import WORK_DIR, ComponentsError, run_components
+from curation.phases.dedup.components import WORK_DIR, ComponentsError, keep_attributes, run_components
 from curation.phases.survivors import make_uid, survivors_schema
 
 DIM = 4
@@ -31,7 +31,8 @@ class Links(NamedTuple):
 
 
 def write_survivors(root: Path, n_files: int, shards_per_file: int, rows_per_shard: int, seed: int) -> Survivors:
-    """Survivors in the shared schema, with ties on score and resolution and repeated keys (exact copies)."""
+    """Survivors in the shared schema, with ties on score, resolution and encoding quality, repeated keys (exact
+    copies) and some released images."""
     rng = np.random.default_rng(seed)
     files, tables = [], []
     for f in range(n_files):
@@ -53,6 +54,8 @@ def write_survivors(root: Path, n_files: int, shards_per_file: int, rows_per_sha
                 "score": score,
                 "width": side,
                 "height": rng.choice([384, 512], n).astype(np.int32),
+                "encoding_quality": pa.array(rng.choice([40, 90, 100], n), pa.int8(), mask=rng.random(n) < 0.2),
+                "released": rng.random(n) < 0.05,
                 "balance": pa.nulls(n, pa.string()),
                 "embedding": pa.FixedSizeListArray.from_arrays(np.zeros(n * DIM, np.float32), DIM),
             },
@@ -124,12 +127,7 @@ def reference(survivors: Survivors, graph: dict) -> dict[int, tuple[str, str]]:
         [f"{k}\x00{s}" for k, s in zip(t.column("key").to_pylist(), t.column("source").to_pylist())], object
     )
     result = dd.resolve_duplicates(
-        t.num_rows,
-        {name: Links(i, j) for name, (i, j) in graph.items()},
-        score=t.column("score").to_numpy(),
-        width=t.column("width").to_numpy(),
-        height=t.column("height").to_numpy(),
-        keys=keys,
+        t.num_rows, {name: Links(i, j) for name, (i, j) in graph.items()}, keep_attributes(t), keys=keys
     )
     uid, key = t.column("uid").to_numpy(), t.column("key").to_pylist()
     signal = result.linked_by_name()

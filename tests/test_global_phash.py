@@ -37,6 +37,8 @@ def write_survivors(out: Path, uid: np.ndarray, phash: np.ndarray, valid: np.nda
                 "score": pa.array(np.full(n, np.nan)),
                 "width": pa.array(np.full(n, 512, np.int32)),
                 "height": pa.array(np.full(n, 512, np.int32)),
+                "encoding_quality": pa.nulls(n, pa.int8()),
+                "released": np.zeros(n, bool),
                 "balance": pa.array([None] * n, pa.string()),
                 "embedding": pa.FixedSizeListArray.from_arrays(pa.array(embedding.ravel()), DIM),
             },

@@ -62,6 +62,8 @@ def write_survivors(
                 "score": np.full(rows.size, np.nan),
                 "width": np.full(rows.size, 512, np.int32),
                 "height": np.full(rows.size, 512, np.int32),
+                "encoding_quality": pa.nulls(rows.size, pa.int8()),
+                "released": np.zeros(rows.size, bool),
                 "balance": balance[rows].tolist(),
                 "embedding": pa.FixedSizeListArray.from_arrays(pa.array(x[rows].ravel()), DIM),
             },

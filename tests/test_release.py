@@ -14,7 +14,8 @@ from PIL import Image, ImageOps
 
 from common.layout import LAYOUT
 from curation.audit.verify import audit
-from curation.phases.release import ReleaseError, open_release
+from curation.phases.release import ReleaseError, open_release, survey_release_partition
+from curation.phases.survivors import partition_path, survivors_schema
 from curation.score.ledger import read_ledger
 from jobs import curate, make_synthetic
 from pretrain.data import DataIndex
@@ -37,8 +38,9 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 @pytest.fixture(scope="module")
 def increment(wds_curated_run, tmp_path_factory):
-    """Pool B: new renders, and a tar holding 3 released images as they are and one recompressed; curated --against
-    the release A."""
+    """Pool B: new renders, and a tar holding 3 released images as they are, one recompressed and one enlarged to
+    more pixels and saved lossless (a better copy by every other rule of the keep rule); curated --against the
+    release A."""
     _, release = wds_curated_run
     base = tmp_path_factory.mktemp("increment")
     pool, out = base / "pool", base / "out"
@@ -54,6 +56,9 @@ def increment(wds_curated_run, tmp_path_factory):
         buf = io.BytesIO()
         image.save(buf, "JPEG", quality=60)
         _add(tar, "recompressed3.jpg", buf.getvalue())
+        buf = io.BytesIO()
+        image.resize((image.width * 5 // 4, image.height * 5 // 4), Image.Resampling.LANCZOS).save(buf, "PNG")
+        _add(tar, "enlarged4.png", buf.getvalue())
     argv = ["--config", LITE, "--input", str(pool), "--output", str(out), "--against", str(release)]
     assert curate.main([*argv, "sample.target_count=3"]) == 0
     return release, pool, out
@@ -61,11 +66,13 @@ def increment(wds_curated_run, tmp_path_factory):
 
 def test_copies_of_released_images_are_duplicates_of_them(increment):
     release, _, out = increment
-    released = {r["key"]: r for r in _shard_rows(release, ["key", "phash"])}
-    ledger = read_ledger(str(out), ["source", "status", "duplicate_of"]).to_pylist()
+    released = {r["key"]: r for r in _shard_rows(release, ["key", "phash", "width"])}
+    ledger = read_ledger(str(out), ["source", "status", "duplicate_of", "width", "encoding_quality"]).to_pylist()
     copies = [r for r in ledger if "copies.tar#" in r["source"]]
-    assert len(copies) == 4
-    assert all(r["status"] == "duplicate" and r["duplicate_of"] in released for r in copies)
+    assert len(copies) == 5
+    assert all(r["status"] == "duplicate" and r["duplicate_of"] in released for r in copies), copies
+    enlarged = next(r for r in copies if r["source"].endswith("enlarged4.png"))
+    assert enlarged["width"] > released[enlarged["duplicate_of"]]["width"] and enlarged["encoding_quality"] == 100
     # no image of the new version is a near-duplicate of a released one
     new = _shard_rows(out, ["key", "phash"])
     assert new, "the renders give new images"
@@ -100,3 +107,21 @@ def test_a_release_needs_a_manifest_and_the_same_embedding_model(wds_curated_run
         open_release(str(tmp_path), "lite-colour-gradient-v1")
     with pytest.raises(ReleaseError, match="embedding model"):
         open_release(str(wds_curated_run[1]), "open_clip:ViT-B-32")
+
+
+def test_a_release_written_before_a_survivor_column_is_read_with_it_null(wds_curated_run, tmp_path):
+    """Survivor files of a release curated before ``encoding_quality`` and ``released`` existed."""
+    _, release = wds_curated_run
+    old = tmp_path / "release"
+    survivors = pq.read_table(release / partition_path(0)).drop_columns(["encoding_quality", "released"])
+    (old / partition_path(0)).parent.mkdir(parents=True)
+    pq.write_table(survivors, old / partition_path(0))
+    decisions = LAYOUT.part(LAYOUT.sample_decisions, 0)
+    (old / decisions).parent.mkdir(parents=True)
+    (old / decisions).write_bytes((release / decisions).read_bytes())
+    dim = survivors.schema.field("embedding").type.list_size
+    receipt = survey_release_partition._function(str(old), 0, str(tmp_path / "out"), "part.parquet", dim)
+    table = pq.read_table(tmp_path / "out" / "part.parquet")
+    assert table.schema.remove_metadata() == survivors_schema(dim) and receipt["rows"] == table.num_rows > 0
+    assert table.column("released").to_pylist() == [True] * table.num_rows
+    assert table.column("encoding_quality").null_count == table.num_rows

@@ -2,9 +2,10 @@
 
 The release's kept images count as already chosen. The survey writes them, from the release's own survivor and
 sample-decision partitions, as extra survivor partitions after the run's own (``dedup/survivors/part-<n + j>``):
-their uids sit in a range of their own (``RELEASE_ORDINAL`` and up), their keep score is +inf, so every step of
-dedup sees them like any survivor and the keep rule keeps a release image over any new copy of it: a new image
-linked to one is ``duplicate`` with ``duplicate_of`` its key. Sampling sees them as selected before it starts, so the
+their uids sit in a range of their own (``RELEASE_ORDINAL`` and up) and they are ``released``, so every step of
+dedup sees them like any survivor and the keep rule, which ranks ``released`` first, keeps a release image over any
+new copy of it, however large: a new image linked to one is ``duplicate`` with ``duplicate_of`` its key. A release
+written before a survivor column existed (``encoding_quality``) is read with that column null. Sampling sees them as selected before it starts, so the
 new images are balanced against the release's clusters; the write phase writes the run's own partitions only. The
 run's manifest is the release's next version: ``version`` one more than the release's, ``previous`` naming it, and
 training given the new output reads both (``pretrain.data`` follows ``previous``).
@@ -92,9 +93,13 @@ def survey_release_partition(release_uri: str, index: int, out_uri: str, path: s
     table = table.set_column(
         1, "shard_id", pc.binary_join_element_wise(RELEASE_SHARD_PREFIX, table.column("shard_id"), "")
     )
-    table = table.set_column(table.schema.get_field_index("score"), "score", pa.array(np.full(table.num_rows, np.inf)))
-    out_fs, out_root = resolve(out_uri)
-    write_parquet_atomic(
-        out_fs, join(out_root, path), table.cast(survivors_schema(dim)), row_group_size=10_000, compression="lz4"
+    target = survivors_schema(dim)
+    columns = {name: table.column(name) if name in table.column_names else None for name in target.names}
+    columns["released"] = pa.array(np.ones(table.num_rows, bool))
+    table = pa.table(
+        [pa.nulls(table.num_rows, f.type) if columns[f.name] is None else columns[f.name] for f in target],
+        names=target.names,
     )
+    out_fs, out_root = resolve(out_uri)
+    write_parquet_atomic(out_fs, join(out_root, path), table.cast(target), row_group_size=10_000, compression="lz4")
     return {"path": path, "rows": table.num_rows, "missing_embedding": 0}

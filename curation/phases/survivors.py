@@ -30,6 +30,9 @@ def survivors_schema(embedding_dim: int) -> pa.Schema:
             pa.field("score", pa.float64()),  # the keep score (dedup.keep_score, first set); NaN when none is set
             pa.field("width", pa.int32()),
             pa.field("height", pa.int32()),
+            pa.field("encoding_quality", pa.int8()),  # 1-100 (common.schema); null where unknown
+            # an image of the release curated against (--against): kept over any new copy of it
+            pa.field("released", pa.bool_(), nullable=False),
             pa.field("balance", pa.string()),  # the value of sample.balance_key as text; null without one
             pa.field("embedding", pa.list_(pa.float32(), embedding_dim)),  # L2-normalised
         ]
@@ -92,7 +95,7 @@ def survey_partition(
 
     fs, root = resolve(out_uri)
     columns = sorted(
-        {"source", "key", "shard_id", "phash", "width", "height", "embedding", *keep_score}
+        {"source", "key", "shard_id", "phash", "width", "height", "encoding_quality", "embedding", *keep_score}
         | ({balance_key} if balance_key else set())
     )
     pieces, missing_embedding = [], 0
@@ -113,6 +116,8 @@ def survey_partition(
                     "score": pa.array(_keep_score(t, keep_score)),
                     "width": t.column("width"),
                     "height": t.column("height"),
+                    "encoding_quality": t.column("encoding_quality"),
+                    "released": pa.array(np.zeros(t.num_rows, bool)),
                     "balance": balance,
                     "embedding": t.column("embedding"),
                 }

@@ -300,6 +300,13 @@ def claim_output(out_uri: str, results_hash: str, input_uri: str, new_run: bool)
                 f"input {input_uri} and config hash {results_hash}. Rerun with the same input and settings to resume, "
                 "choose another --output, or pass --new-run to discard the old results."
             )
+        if run.get("schema_version") != record["schema_version"]:
+            # Its scored files lack columns the later phases read (encoding_quality since version 3).
+            raise RunMismatch(
+                f"{out_uri} was scored by an older version of the pipeline (tables of schema version "
+                f"{run.get('schema_version', '2 or older')}; this one reads and writes version "
+                f"{record['schema_version']}). Pass --new-run to score it again, or choose another --output."
+            )
         if run.get("input_store") != record["input_store"]:  # the same pool reached anew (another endpoint)
             write_json_atomic(fs, path, {**run, "input_store": record["input_store"]})
         return

@@ -15,6 +15,7 @@ import hashlib
 
 from PIL import UnidentifiedImageError
 
+from common.encoding import encoding_quality
 from common.imageio import (
     BOMB_ERRORS,
     declared_size,
@@ -36,7 +37,7 @@ _DRAFT_SCALES = (1, 2, 4, 8)  # libjpeg's draft reductions; other formats decode
 class DecodeStage(Stage):
     name = "decode"
     reads = ("image", "reason")
-    writes = ("key", "file_size", "format", "mode", "width", "height", "orientation")
+    writes = ("key", "file_size", "format", "mode", "encoding_quality", "width", "height", "orientation")
     default_settings = StageSettings(batch_size=32, num_cpus=0.5)
     default_order = 0
 
@@ -58,7 +59,7 @@ class DecodeStage(Stage):
         try:
             img = open_image(data, max_pixels=f.max_pixels)  # header only, but an ICO's picture is decoded here
             stored = declared_size(img, data)
-            update.update(format=picture_format(img), mode=img.mode)
+            update.update(format=picture_format(img), mode=img.mode, encoding_quality=encoding_quality(img, data))
         except UnidentifiedImageError:
             if (picture := unsupported_picture(data)) is not None:  # a picture, of a format with no decoder here
                 return {**update, **reject("unsupported_format", f"{picture}: no decoder for it is installed")}

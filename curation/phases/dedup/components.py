@@ -4,9 +4,8 @@ Input: the pair files of every signal (columns ``a``, ``b``: survivor uids; othe
 priority order, and the survivor files (``curation.phases.survivors``: uid-sorted, disjoint uid ranges). Output:
 ``dedup/decisions/part-<i>.parquet`` for survivor file ``i``: its dropped survivors, by uid, with the key of the
 survivor kept instead and the signal that linked them. Decisions are exactly those of ``dedup.resolve_duplicates``
-on the whole graph (same components, same kept item, same ``duplicate_of`` and ``linked_by``) with the ``score``,
-``width``, ``height`` of the survivors and, for ties, ``key`` then ``source`` (the keys the single-driver phase
-passes).
+on the whole graph (same components, same kept item, same ``duplicate_of`` and ``linked_by``) with the survivors'
+``keep_attributes`` and, for ties, ``key`` then ``source`` (the keys the single-driver phase passes).
 
 Steps (each a set of Ray tasks over partition files under ``dedup/components/``; nodes are the uids that occur in
 some pair, hash-partitioned into P partitions; a survivor without pairs is kept and never touched):
@@ -82,7 +81,7 @@ log = logging.getLogger(__name__)
 
 WORK_DIR, DECISIONS_DIR = LAYOUT.components, LAYOUT.dedup_decisions
 SUMMARY = LAYOUT.components_summary
-SURVIVOR_COLUMNS = ["uid", "shard_id", "source", "key", "score", "width", "height"]
+SURVIVOR_COLUMNS = ["uid", "shard_id", "source", "key", "score", "width", "height", "encoding_quality", "released"]
 
 EDGES = pa.schema([("src", pa.int64()), ("dst", pa.int64()), ("code", pa.int8())])
 ADJACENCY = pa.schema([("src", pa.int64()), ("dst", pa.int64())])
@@ -99,6 +98,8 @@ MEMBERS = pa.schema(
         ("score", pa.float64()),
         ("width", pa.int32()),
         ("height", pa.int32()),
+        ("encoding_quality", pa.int8()),
+        ("released", pa.bool_()),
     ]
 )
 DECISIONS = pa.schema(
@@ -208,7 +209,19 @@ def _column(table: pa.Table, name: str) -> np.ndarray:
 
 
 def _numbers(table: pa.Table, name: str, fill, dtype) -> np.ndarray:
-    return pc.fill_null(table.column(name), fill).to_numpy(zero_copy_only=False).astype(dtype)
+    column = pc.cast(table.column(name), pa.from_numpy_dtype(dtype))  # first: an int8 column's nulls may be NaN
+    return pc.fill_null(column, fill).to_numpy(zero_copy_only=False)
+
+
+def keep_attributes(survivors: pa.Table) -> dd.KeepAttributes:
+    """What the keep rule ranks, from survivor rows (``curation.phases.survivors``; a missing value ranks lowest)."""
+    return dd.KeepAttributes(
+        released=_numbers(survivors, "released", False, bool),
+        width=_numbers(survivors, "width", 0, np.int64),
+        height=_numbers(survivors, "height", 0, np.int64),
+        quality=_numbers(survivors, "encoding_quality", np.nan, np.float64),
+        score=_numbers(survivors, "score", np.nan, np.float64),
+    )
 
 
 def _lookup(keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -459,9 +472,7 @@ def _keep_task(
     result = dd.resolve_duplicates(
         m.num_rows,
         links,
-        score=_numbers(m, "score", np.nan, np.float64),
-        width=_numbers(m, "width", 0, np.int64),
-        height=_numbers(m, "height", 0, np.int64),
+        keep_attributes(m),
         keys=keys,  # the tie-break of the single-driver phase: key, then source
     )
     dropped = np.flatnonzero(~result.keep)

@@ -341,36 +341,54 @@ def _canonical_edges(n: int, pairs: Mapping[str, PairLike]) -> tuple[np.ndarray,
 def _keep_order(
     n: int,
     component: np.ndarray,
-    score: np.ndarray | None,
-    width: np.ndarray | None,
-    height: np.ndarray | None,
+    keep: KeepAttributes,
     keys: np.ndarray | None,
 ) -> np.ndarray:
-    """Items sorted by component, then best first: higher score, larger resolution, smaller key."""
-    s = np.zeros(n) if score is None else np.asarray(score, dtype=np.float64)
-    s = np.where(np.isnan(s), -np.inf, s)  # an item without a score never beats one with a score
+    """Items sorted by component, then best first by ``KeepAttributes``' order, then smaller key."""
+    released = np.zeros(n, bool) if keep.released is None else np.asarray(keep.released, bool)
     res = np.zeros(n, np.int64)
-    if width is not None and height is not None:
-        res = np.asarray(width, np.int64) * np.asarray(height, np.int64)
+    if keep.width is not None and keep.height is not None:
+        res = np.asarray(keep.width, np.int64) * np.asarray(keep.height, np.int64)
+    # an item without a quality or a score never beats one with it (NaN: unknown)
+    q = np.full(n, np.nan) if keep.quality is None else np.asarray(keep.quality, dtype=np.float64)
+    q = np.where(np.isnan(q), -np.inf, q)
+    s = np.zeros(n) if keep.score is None else np.asarray(keep.score, dtype=np.float64)
+    s = np.where(np.isnan(s), -np.inf, s)
     key_rank = np.arange(n) if keys is None else np.argsort(np.argsort(np.asarray(keys), kind="stable"))
-    return np.lexsort((key_rank, -res, -s, component))
+    return np.lexsort((key_rank, -s, -q, -res, ~released, component))
+
+
+@dataclass(frozen=True)
+class KeepAttributes:
+    """What the keep rule ranks the copies of one image by, in this order (each array per item, or None: all equal):
+
+    1. ``released``: an image of the published release curated against, kept over any new copy;
+    2. resolution, ``width * height``: a copy's pixels are what training can use; a resized copy lost some;
+    3. ``quality``, the encoding quality (``common.encoding.encoding_quality``: a JPEG's IJG quality, 100 for a
+       lossless encoding, NaN unknown): between copies of one size, the one re-saved at quality 40 loses;
+    4. ``score``, the keep score (``dedup.keep_score``; NaN: none), the models' judgement of the content.
+    """
+
+    released: np.ndarray | None = None
+    width: np.ndarray | None = None
+    height: np.ndarray | None = None
+    quality: np.ndarray | None = None
+    score: np.ndarray | None = None
 
 
 def resolve_duplicates(
     n: int,
     pairs: Mapping[str, PairLike],
+    attributes: KeepAttributes | None = None,
     *,
-    score: np.ndarray | None = None,
-    width: np.ndarray | None = None,
-    height: np.ndarray | None = None,
     keys: np.ndarray | None = None,
 ) -> DedupResult:
     """Group the ``n`` items by the pairs of every signal and keep one item per group.
 
     ``pairs`` maps a signal name ("phash", "embedding") to its pairs, in priority order: when both signals link
-    the same two items the edge counts as the first signal's. The kept item of a component has the highest
-    ``score`` (NaN counts lowest), then the largest ``width * height``, then the smallest ``keys`` value (the
-    item index when ``keys`` is None), so the choice is deterministic.
+    the same two items the edge counts as the first signal's. The kept item of a component is the first by
+    ``attributes`` (released, then resolution, encoding quality, score; see ``KeepAttributes``), then the smallest
+    ``keys`` value (the item index when ``keys`` is None), so the choice is deterministic.
 
     ``linked_by`` of a dropped item is the signal of the first edge on its path to the kept item: a breadth-first
     search from the kept items gives every dropped item a shortest path to its kept item, and the edge from the
@@ -390,7 +408,7 @@ def resolve_duplicates(
     _, component = connected_components(graph, directed=False)
     component = component.astype(np.int64)
 
-    order = _keep_order(n, component, score, width, height, keys)
+    order = _keep_order(n, component, attributes or KeepAttributes(), keys)
     first = np.concatenate([[True], component[order][1:] != component[order][:-1]])
     kept_of = np.empty(component.max() + 1, np.int64)
     kept_of[component[order][first]] = order[first]
