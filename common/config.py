@@ -57,6 +57,9 @@ def _describe(exc: ValidationError, source: str) -> str:
         where = ".".join(str(p) for p in err["loc"]) or "<root>"
         if err["type"] == "extra_forbidden":
             lines.append(f"  {where}: unknown key")
+        elif err["type"] == "value_error" and isinstance(err.get("input"), dict):
+            # a validator's own message about a whole section names what is wrong; the section would bury it
+            lines.append(f"  {where}: {err['ctx']['error']}")
         else:
             lines.append(f"  {where}: {err['msg']} (got {err.get('input')!r})")
     return "\n".join(lines)

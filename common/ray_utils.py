@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Mapping
 from typing import TypedDict
 
 import ray
@@ -34,6 +35,14 @@ QUIET = {
 }
 
 
+# Ray log lines dropped in the driver of a local Ray only, which this process starts itself. Ray 2.59+ starts a local
+# Ray with token authentication on where RAY_AUTH_MODE is unset, and says so at every start; token authentication
+# stays on (the warning Ray gives when it is off is never dropped), and a cluster's driver keeps every line.
+LOCAL_QUIET = {
+    "ray._private.authentication.authentication_token_setup": ("Token authentication is enabled for this Ray cluster",),
+}
+
+
 # Ray Train's placement-group cleaner checks its controller through the same State API on a thread of its own; when
 # finding the API server fails with another error than the one it catches (no dashboard to find, a stale address
 # of an earlier local Ray), the thread ends with a traceback. The clean-up it guards still happens when the run ends.
@@ -51,13 +60,17 @@ class DropMessages(logging.Filter):
         return not str(record.msg).startswith(self.starts)
 
 
-def quiet_ray_logs() -> None:
-    """Install the ``QUIET`` filters in this process: the driver, and every worker process of a job started by
-    ``init_ray`` (Ray calls this as the workers' setup hook)."""
-    for name, starts in QUIET.items():
+def _drop(quiet: Mapping[str, tuple[str, ...]]) -> None:
+    for name, starts in quiet.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, DropMessages) for f in logger.filters):
             logger.addFilter(DropMessages(starts))
+
+
+def quiet_ray_logs() -> None:
+    """Install the ``QUIET`` filters in this process: the driver, and every worker process of a job started by
+    ``init_ray`` (Ray calls this as the workers' setup hook)."""
+    _drop(QUIET)
     if threading.excepthook is not _quiet_thread_errors:
         global _next_excepthook
         _next_excepthook = threading.excepthook
@@ -79,6 +92,16 @@ def _quiet_thread_errors(args: threading.ExceptHookArgs) -> None:
 RUNTIME_ENV = {"worker_process_setup_hook": "common.ray_utils.quiet_ray_logs"}
 
 
+def console_env(terminal: bool) -> dict[str, str]:
+    """The environment Ray's console output in the driver needs, on a terminal or (``terminal`` false) in a log
+    file: there Ray Data logs its progress as plain lines (it draws bars on a terminal only), every minute rather than
+    every 10 s, and the ``(pid=...)`` prefix of the workers' lines comes without colour codes. Our own console never
+    colours anything."""
+    if terminal:
+        return {}
+    return {"RAY_DATA_NON_TTY_PROGRESS_LOG_INTERVAL": "60", "RAY_COLOR_PREFIX": "0"}
+
+
 class _InitOptions(TypedDict):
     """The ``ray.init`` arguments shared by joining a cluster and starting a local Ray."""
 
@@ -95,8 +118,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     token Ray wrote under ``~/.ray``; a remote client needs ``RAY_AUTH_MODE=token`` and the token (infra/README).
     """
     quiet_ray_logs()
-    if not sys.stdout.isatty():  # a job log, not a terminal: Ray Data's progress summary every minute, not 10 s
-        os.environ.setdefault("RAY_DATA_NON_TTY_PROGRESS_LOG_INTERVAL", "60")
+    for name, value in console_env(sys.stdout.isatty()).items():
+        os.environ.setdefault(name, value)
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
@@ -105,4 +128,5 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         ray.init(address=address, **kwargs)
     else:
         # "local": always a fresh Ray for this process, even where a `ray start` cluster runs on the machine
+        _drop(LOCAL_QUIET)
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)

@@ -4,10 +4,12 @@ each stage's entry checked against the stage registry (``curation.stages``) and 
 
 from __future__ import annotations
 
+import difflib
 import functools
 
 from pydantic import Field, field_validator, model_validator
 
+from curation.score.stage import Stage
 from curation.settings import CurationSettings, StageSettings
 from curation.stages import stage_classes
 
@@ -29,6 +31,8 @@ class CurateConfig(CurationSettings):
         if not isinstance(stages, dict):
             return stages
         known = stage_classes()
+        if unknown := [name for name in stages if name not in known]:
+            raise ValueError(unknown_stages(unknown, known))
         return {
             name: {**known[name].default_settings.model_dump(), **given}
             if name in known and isinstance(given, dict)
@@ -37,14 +41,21 @@ class CurateConfig(CurationSettings):
         }
 
     @model_validator(mode="after")
-    def _known_stages(self) -> CurateConfig:
-        known = stage_classes()
-        unknown = [s for s in self.stages if s not in known]
-        if unknown:
-            raise ValueError(f"unknown stage(s) {unknown}; known: {sorted(known)}")
+    def _decode_first(self) -> CurateConfig:
         if next(iter(self.stages), None) != "decode" or not self.stages["decode"].enabled:
             raise ValueError("the first stage must be 'decode' and it cannot be disabled")
         return self
+
+
+def unknown_stages(unknown: list[str], known: dict[str, type[Stage]]) -> str:
+    """One line naming each unknown stage, the closest name a config may use and every such name (stages for tests
+    of the runner left out)."""
+    offered = sorted(name for name, stage in known.items() if not stage.internal)
+    named = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, offered, n=1)
+        named.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"unknown stage {', '.join(named)}; the stages are {', '.join(offered)}"
 
 
 @functools.lru_cache(maxsize=8)

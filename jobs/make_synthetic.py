@@ -39,7 +39,7 @@ SPLITS = {"train": 0, "val": 1, "pool": 2, "test": 3}
 POOL_JPEG_QUALITY = 90
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jobs.make_synthetic", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -47,8 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n", type=int, required=True, help="training samples")
     p.add_argument("--val", type=int, default=None, help="validation samples (default: n / 5, at least 8)")
     p.add_argument("--test", type=int, default=0, help="test samples, in <out>/test (default: none)")
-    p.add_argument("--height", type=int, default=128)
-    p.add_argument("--width", type=int, default=96)
+    p.add_argument("--height", type=int, default=128, help="image height in pixels (default 128)")
+    p.add_argument("--width", type=int, default=96, help="image width in pixels (default 96)")
     p.add_argument(
         "--keypoints",
         type=int,
@@ -60,11 +60,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="largest |yaw| of the view in radians (default: any direction; 1.2 keeps the face in view)",
     )  # fmt: skip
     p.add_argument("--unlabelled", action="store_true", help="write --n JPEG renders as a WebDataset image pool")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rows-per-shard", type=int, default=256)
-    p.add_argument("--row-group-size", type=int, default=64, help="rows per Parquet row group (the shuffle unit)")
-    p.add_argument("--workers", type=int, default=1, help="rendering processes")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--seed", type=int, default=0, help="sample i of a split depends on (seed, split, i) only (default 0)"
+    )
+    p.add_argument(
+        "--rows-per-shard",
+        type=int,
+        default=256,
+        help="samples per Parquet shard, or per tar with --unlabelled (default 256)",
+    )
+    p.add_argument(
+        "--row-group-size", type=int, default=64, help="rows per Parquet row group, the shuffle unit (default 64)"
+    )
+    p.add_argument("--workers", type=int, default=1, help="rendering processes (default 1)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def render_rows(cfg_json: dict, seed: int, split: str, lo: int, hi: int) -> list[dict]:

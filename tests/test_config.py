@@ -40,6 +40,18 @@ def test_bad_override_fails_naming_the_key(repo_root, override, named):
         load_config(CurateConfig, repo_root / LITE, [override])
 
 
+def test_a_misspelt_stage_is_one_line_with_the_closest_name_and_no_internal_stage(repo_root, tmp_path):
+    lite = (repo_root / LITE).read_text()
+    assert "\n  person:" in lite
+    (tmp_path / "bad.yaml").write_text(lite.replace("\n  person:", "\n  persn:", 1))  # the stages entry
+    with pytest.raises(ConfigError) as raised:
+        load_config(CurateConfig, tmp_path / "bad.yaml")
+    header, line = str(raised.value).splitlines()
+    assert header == f"invalid config ({tmp_path / 'bad.yaml'}):"
+    assert line.startswith("  stages: unknown stage 'persn' (did you mean 'person'?); the stages are clip, decode,")
+    assert "fault_injection" not in line and "batch_size" not in line  # neither the test stage nor the section
+
+
 def test_decode_must_stay_first(repo_root):
     with pytest.raises(ConfigError, match="decode"):
         load_config(CurateConfig, repo_root / LITE, ["stages.decode.enabled=false"])

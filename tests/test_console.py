@@ -66,6 +66,41 @@ def test_quiet_filters_drop_only_the_named_noise():
     ]
 
 
+def test_a_job_logging_to_a_file_gets_rays_console_without_colour_and_a_terminal_keeps_rays_defaults():
+    assert ray_utils.console_env(terminal=True) == {}
+    plain = ray_utils.console_env(terminal=False)
+    assert plain["RAY_COLOR_PREFIX"] == "0"  # Ray's worker-line prefixes: no ANSI colour codes
+    assert int(plain["RAY_DATA_NON_TTY_PROGRESS_LOG_INTERVAL"]) >= 60
+
+
+def test_the_token_auth_notice_is_dropped_for_a_local_ray_only(monkeypatch):
+    """Ray says token authentication is on at every local start; the driver of a local Ray drops that line and
+    keeps the warning that it is off. Joining a cluster installs no such filter."""
+    started: list[dict] = []
+    monkeypatch.setattr(ray_utils.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_utils.ray, "init", lambda **kwargs: started.append(kwargs))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray_utils, "console_env", lambda terminal: {})  # this process's environment stays as it is
+    auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    monkeypatch.setattr(auth, "filters", [])
+    ray_utils.init_ray(address="ray://head:10001")
+    assert not auth.filters and started[-1]["address"] == "ray://head:10001"
+    ray_utils.init_ray()
+    assert started[-1]["address"] == "local" and len(auth.filters) == 1
+    ray_utils.init_ray()
+    assert len(auth.filters) == 1  # one filter however often
+    shown: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: shown.append(record.getMessage())
+    auth.addHandler(handler)
+    try:
+        auth.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
+        auth.warning("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
+    finally:
+        auth.removeHandler(handler)
+    assert shown == ["Token authentication is disabled for this Ray cluster. Anyone with network access ..."]
+
+
 def test_the_scoring_pipeline_uses_no_deprecated_ray_arguments(sample_pool, ray_local, tmp_path):
     from ray.util.annotations import RayDeprecationWarning
 
@@ -119,6 +154,7 @@ def test_a_training_job_prints_rank_zero_lines_and_no_ray_noise(curated_run, ray
     )
     console = run.stdout + run.stderr
     assert run.returncode == 0, console[-3000:]
+    assert "\x1b[" not in console  # a log file, not a terminal: the workers' (pid=...) prefixes without colour
     for noise in ("TrainingReport(", "Reporting training result", "Failed to query Ray Train Controller",
                   "RayDeprecationWarning", "Starting execution of Dataset"):  # fmt: skip
         assert noise not in console, noise

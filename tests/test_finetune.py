@@ -142,6 +142,11 @@ def test_max_yaw_keeps_the_face_towards_the_camera():
     assert sum(v < 2 for v in anyway) >= 5  # back views hide the nose
 
 
+def test_every_option_of_make_synthetic_says_what_it_does():
+    options = [a for a in make_synthetic.build_parser()._actions if a.option_strings and a.dest != "help"]
+    assert options and [a.dest for a in options if not a.help] == []
+
+
 def test_unlabelled_pool_is_jpeg_webdataset_shards_of_renders_no_labelled_split_holds(tmp_path):
     args = ["--n", "6", "--unlabelled", "--height", "64", "--width", "48", "--rows-per-shard", "4", "--max-yaw", "1.2"]
     assert make_synthetic.main(["--out", str(tmp_path / "a"), *args]) == 0

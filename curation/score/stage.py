@@ -80,6 +80,8 @@ class Stage:
     default_settings: ClassVar[StageSettings] = StageSettings()
     # Place in the stage list of a config that lists none (the lite profile); None: runs only where a config lists it.
     default_order: ClassVar[int | None] = None
+    # A stage for tests of the runner (fault injection): a config may list it, but no message offers it as a choice.
+    internal: ClassVar[bool] = False
     # Every named stage class by name, filled as their modules are imported; curation.stages imports them all.
     registry: ClassVar[dict[str, type[Stage]]] = {}
 

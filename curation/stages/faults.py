@@ -15,6 +15,7 @@ class FaultInjectionStage(Stage):
     name = "fault_injection"
     reads = ("key",)
     uses_actors = True  # like the model stages, whose hangs it stands for
+    internal = True
 
     def process_batch(self, rows: list[Row]) -> list[Update]:
         plan = self.cfg.models.fault_injection
