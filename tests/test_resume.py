@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -24,9 +25,8 @@ LITE = "configs/curate/lite.yaml"
 pytestmark = pytest.mark.slow
 
 
-def _run_job(repo: Path, pool: Path, out: Path, kill_on: str | None = None) -> tuple[int, str]:
-    """Run the curate job as its own process; SIGKILL it when a line starting with ``kill_on`` appears."""
-    cmd = [
+def _command(repo: Path, pool: Path, out: Path) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "jobs.curate",
@@ -37,9 +37,14 @@ def _run_job(repo: Path, pool: Path, out: Path, kill_on: str | None = None) -> t
         "--output",
         str(out),
     ]
+
+
+def _run_job(repo: Path, pool: Path, out: Path, kill_on: str | None = None) -> tuple[int, str]:
+    """Run the curate job as its own process; SIGKILL it when a line starting with ``kill_on`` appears."""
     proc = subprocess.Popen(
-        cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+        _command(repo, pool, out), cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -93,6 +98,40 @@ def test_killed_driver_resumes_to_the_uninterrupted_result(kill_on, reference, s
     assert _fates(out) == _fates(reference)
     assert _shards(out) == _shards(reference)  # byte-identical final shards and manifest
     assert not list(out.rglob("_tmp-*"))  # no partial files left behind
+
+
+def _commits(out: Path) -> list[Path]:
+    """The score phase's commit records (a kill can leave a ``_tmp-`` file, which is none)."""
+    return [p for p in (out / "_state" / "score").glob("*.json") if not p.name.startswith("_")]
+
+
+def test_ctrl_c_says_what_is_committed_in_one_line_and_the_same_command_resumes(
+    reference, sample_pool, repo_root, tmp_path
+):
+    out, log_path = tmp_path / "out", tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            _command(repo_root, sample_pool, out), cwd=repo_root, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 600
+        while not _commits(out) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the driver and the local Ray it started
+        proc.wait(timeout=300)
+    text = log_path.read_text()
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    [line] = [line for line in text.splitlines() if "interrupted" in line]
+    committed = len(_commits(out))
+    assert committed >= 1
+    assert line.startswith(f"[curate] interrupted: {committed} input shard(s) scored and committed in {out}; ")
+    assert line.endswith("; rerun the same command to resume")
+    code, log_text = _run_job(repo_root, sample_pool, out)
+    assert code == 0, log_text
+    assert f"{committed} already committed" in log_text
+    assert _fates(out) == _fates(reference)
+    assert _shards(out) == _shards(reference)
 
 
 def test_hostile_inputs_never_crash_and_never_escape_the_output(sample_pool, repo_root, tmp_path, ray_local):
