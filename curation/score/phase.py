@@ -26,7 +26,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import NotRequired, TypedDict
+from typing import NotRequired, TypedDict, cast
 
 import numpy as np
 import pyarrow as pa
@@ -277,6 +277,14 @@ def score_in_process(cfg: CurateConfig, shards: list[InputShard], input_uri: str
     return pa.concat_tables(tables)
 
 
+def _as_they_come(ds: ray.data.Dataset) -> Iterator[dict]:
+    """The writer's receipts as each block of them arrives, so that a shard is committed as soon as its parts are
+    written: ``iter_rows`` prefetches, holding each block back until the next one is ready, which on a small pool
+    delays every commit to the end of the phase."""
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
+        yield from cast(pa.Table, batch).to_pylist()  # batch_format="pyarrow" gives tables
+
+
 _MAX_MEMORY_WARNINGS = 10  # shards named over input.task_memory_mb; a pool of millions must not flood the console
 
 
@@ -447,7 +455,7 @@ class ScorePhase:
             parts: dict[str, list[dict]] = defaultdict(list)
             sizes: dict[str, int] = {}  # known once the receipt of a shard's last chunk arrives
             next_report = 0.0
-            for receipt in self.build(todo, memory).iter_rows():
+            for receipt in _as_they_come(self.build(todo, memory)):
                 shard_id = receipt["shard_id"]
                 watchdog.beat(f"results of input shard {shard_id} written ({len(committed)}/{len(shards)} committed)")
                 parts[shard_id].append(receipt)
