@@ -189,6 +189,26 @@ def _write_images(folder: Path) -> list[dict]:
     return labels
 
 
+_LARGE_FOLDERS = ("people", "no_person", "text", "low_quality")  # photos; the tiny, bad and odd inputs stay as made
+
+
+def _enlarge_photos(pool: Path, side: int) -> int:
+    """Re-encode the pool's photos at ``side`` px on their long side (4000: 12 MP at 4:3), as phone and camera photos
+    on the web are: decoding then costs as much as the networks, which the sample pool's small photos hide."""
+    from PIL import Image
+
+    count = 0
+    for folder in _LARGE_FOLDERS:
+        for path in sorted((pool / folder).glob("*")):
+            with Image.open(path) as img:
+                fmt, w, h = img.format, *img.size
+                scale = side / max(w, h)
+                big = img.convert("RGB").resize((round(w * scale), round(h * scale)), Image.Resampling.BICUBIC)
+            big.save(path, fmt, **({"quality": 92} if fmt == "JPEG" else {}))
+            count += 1
+    return count
+
+
 def _run_tree(tree: Path, images: Path, pool: Path | None, with_ray: bool) -> dict:
     out = images / f"result-{abs(hash(str(tree)))}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--images", str(images), "--result", str(out)]
@@ -286,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=None, help="sample pool size for (d) (default: the pool's default)")
     ap.add_argument("--no-e2e", action="store_true", help="skip (d)")
     ap.add_argument("--ray", action="store_true", help="(d) also on a local Ray with 2 CPUs, as a job runs it")
+    ap.add_argument("--large", type=int, default=None, metavar="SIDE",
+                    help="(d) on the pool's photos re-encoded at SIDE px on the long side (4000: 12 MP)")  # fmt: skip
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--images", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--pool", type=Path, help=argparse.SUPPRESS)
@@ -307,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             pool = Path(tmp) / "pool"
             make_sample_pool.main(["--out", str(pool), "--seed", "0", *(["--n", str(args.n)] if args.n else [])])
             manifest = {e["path"]: e for e in map(json.loads, (pool / "_manifest.jsonl").read_text().splitlines())}
+            if args.large:
+                print(f"re-encoded {_enlarge_photos(pool, args.large)} photos of the pool at {args.large} px")
         trees = [("new", REPO)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
         results = {name: _run_tree(tree, images, pool, args.ray) for name, tree in trees}
 
