@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import threading
@@ -103,15 +102,6 @@ def console_env(terminal: bool) -> dict[str, str]:
     return {"RAY_DATA_NON_TTY_PROGRESS_LOG_INTERVAL": "60", "RAY_COLOR_PREFIX": "0"}
 
 
-def worker_soft_limit(cpus: float) -> int:
-    """Worker processes a node keeps alive between tasks (Ray's ``num_workers_soft_limit``; ``ray start`` nodes read
-    ``RAY_num_workers_soft_limit``, set in infra/). Ray's default, one per CPU, counts the actors' processes too: with
-    the score chain's fractional-CPU actors holding them, every task worker beyond it is killed a second after its
-    task and the next task starts a new one, paying ~2.5 s of CPU in imports. On 2 CPUs that was 11 restarts in 240
-    inputs, a quarter of the run's CPU. Idle workers hold ~150 MB each."""
-    return max(8, math.ceil(4 * cpus))
-
-
 class _InitOptions(TypedDict):
     """The ``ray.init`` arguments shared by joining a cluster and starting a local Ray."""
 
@@ -139,11 +129,4 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     else:
         # "local": always a fresh Ray for this process, even where a `ray start` cluster runs on the machine
         _drop(LOCAL_QUIET)
-        cpus = num_cpus or os.cpu_count() or 1
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            _system_config={"num_workers_soft_limit": worker_soft_limit(cpus)},
-            **kwargs,
-        )
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)

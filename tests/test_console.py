@@ -211,28 +211,3 @@ def test_progress_lines_come_every_interval_with_done_total_and_rate():
     assert len(lines) == 2 and lines[1].startswith("[sample] assign 8/10 files (80%)")  # none once all are done
     quick: list[str] = []
     assert list(progress(range(5), "[x]", 5, quick.append)) == [0, 1, 2, 3, 4] and quick == []
-
-
-def test_a_local_ray_keeps_idle_task_workers_alive(monkeypatch):
-    """A local Ray keeps several idle workers per CPU: with Ray's default of one per CPU, the score chain's actors
-    use up the allowance and every task worker is killed after its task and started again (its imports each time).
-    Cluster nodes get the same limit from infra/."""
-    started: list[dict] = []
-    monkeypatch.setattr(ray_utils.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray_utils.ray, "init", lambda **kwargs: started.append(kwargs))
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(ray_utils, "console_env", lambda terminal: {})
-    ray_utils.init_ray(num_cpus=2)
-    assert started[-1]["_system_config"] == {"num_workers_soft_limit": 8}
-    ray_utils.init_ray(num_cpus=64)
-    assert started[-1]["_system_config"] == {"num_workers_soft_limit": 256}
-    ray_utils.init_ray(address="auto")
-    assert "_system_config" not in started[-1]  # a running cluster's limit is its nodes' own
-    repo = Path(__file__).resolve().parents[1]
-    for launcher in ("aws", "gcp"):
-        text = (repo / "infra" / launcher / "cluster.yaml").read_text()
-        assert text.count("ray start") == text.count("RAY_num_workers_soft_limit=$((4 * $(nproc))) RAY_AUTH_MODE=token")
-    kuberay = (repo / "infra" / "kuberay" / "raycluster.yaml").read_text()
-    cpus = [int(c) for c in re.findall(r'requests: \{cpu: "(\d+)"', kuberay)]
-    limits = [int(v) for v in re.findall(r'RAY_num_workers_soft_limit, value: "(\d+)"', kuberay)]
-    assert limits == [ray_utils.worker_soft_limit(c) for c in cpus] and len(cpus) == 4
