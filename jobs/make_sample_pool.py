@@ -13,7 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from common.console import configure_console
+from common.console import configure_console, exit_code_interruptible
 from generators.sample_pool import DEFAULT_N, FORMATS, MANIFEST, MIN_N, FixtureMissing, make_sample_pool, summary_lines
 
 
@@ -56,6 +56,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --out {out} is not empty and holds no {MANIFEST}; choose another folder", file=sys.stderr)
             return 2
         shutil.rmtree(out)
+    return exit_code_interruptible("make_sample_pool", lambda: _write(args, out), lambda: _discard_partial(out))
+
+
+def _discard_partial(out: Path) -> str:
+    """A pool is written whole or not at all: the manifest comes last, and a folder without one is refused."""
+    shutil.rmtree(out, ignore_errors=True)
+    return f"the partial pool in {out} is removed"
+
+
+def _write(args: argparse.Namespace, out: Path) -> int:
     try:
         rows = make_sample_pool(out, args.n, args.seed, args.format)
     except FixtureMissing as exc:

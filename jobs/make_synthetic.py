@@ -30,7 +30,7 @@ from PIL import Image
 
 from common import schema, storage
 from common.config import hash_json
-from common.console import configure_console
+from common.console import configure_console, exit_code_interruptible
 from finetune.data import encode_row
 from finetune.labels import COCO_KEYPOINTS, PARTS, keypoints
 from generators.humanoids import RenderConfig, render
@@ -202,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, storage.StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    written = f"what is written is in {storage.redact(args.out)}"
+    return exit_code_interruptible("make_synthetic", lambda: _write(args, cfg, n_val), lambda: written,
+                                   rerun="rerun the same command to write it again")  # fmt: skip
+
+
+def _write(args: argparse.Namespace, cfg: RenderConfig, n_val: int) -> int:
     pool = ProcessPoolExecutor(args.workers) if args.workers > 1 else None
     try:
         if args.unlabelled:

@@ -364,3 +364,26 @@ def test_a_missing_package_is_named(monkeypatch):
         sp.load_photos()
     with pytest.raises(ValueError, match=f"at least {sp.MIN_N}"):
         sp.build_pool(sp.MIN_N - 1)
+
+
+def test_an_interrupted_sample_pool_leaves_nothing_and_the_same_command_then_succeeds(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the pool is written: exit code 130, one line, no half pool (a folder without the manifest would
+    refuse the rerun); the same command then writes the whole pool."""
+    from jobs import make_sample_pool as job
+
+    out = tmp_path / "pool"
+    real = job.make_sample_pool
+
+    def interrupted(folder, *args):
+        (Path(folder) / "people").mkdir(parents=True)
+        (Path(folder) / "people" / "half.jpg").write_bytes(b"\xff\xd8")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job, "make_sample_pool", interrupted)
+    assert job.main(["--out", str(out), "--n", "40"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("[make_sample_pool] interrupted:") and "removed" in err[0], err
+    assert not out.exists()
+    monkeypatch.setattr(job, "make_sample_pool", real)
+    assert job.main(["--out", str(out), "--n", "40"]) == 0
+    assert len((out / "_manifest.jsonl").read_text().splitlines()) == 40
