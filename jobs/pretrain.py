@@ -101,7 +101,7 @@ def _train(
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     per_step = cfg.samples_per_step()
-    shown = storage.redact(run_uri)  # the console gets no query or credentials
+    shown = _shown(run_uri)
     print(
         f"[pretrain] {'resuming' if resuming else 'starting'} {shown}: size={cfg.model.size} steps={cfg.steps} "
         f"workers={cfg.ray.workers} gpu={cfg.ray.use_gpu} global batch={per_step} "
@@ -116,7 +116,7 @@ def _train(
     lease.check()  # the export below is this run's to write only while it holds the run
     latest = checkpoint.latest_committed(run_uri)
     print(f"[pretrain] done in {time.monotonic() - start:.0f} s")
-    newest = storage.redact(latest) if latest else None
+    newest = _shown(latest) if latest else None
     where = [
         ("checkpoints", f"{storage.join(shown, checkpoint.CHECKPOINTS)} (latest: {newest})"),
         ("metrics", f"{storage.join(shown, METRICS)}/*.jsonl; {describe(cfg.log.backends, run_uri)}"),
@@ -128,11 +128,17 @@ def _train(
             where.append(
                 (
                     "backbone" if which == "student" else which,
-                    f"{storage.redact(out)} (size {meta['size']}, step {meta['step']})",
+                    f"{_shown(out)} (size {meta['size']}, step {meta['step']})",
                 )
             )
     next_steps("pretrain", where, next_commands(cfg, args) if latest is not None else [])
     return 0
+
+
+def _shown(uri: str) -> str:
+    """A place as the console names it: a local path as the command line would (relative to the working directory
+    where inside it), an object store's URI without its query or credentials."""
+    return storage.redact(uri) if "://" in uri else shown_path(Path(uri))
 
 
 FINETUNE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "finetune" / "tiny-seg.yaml"

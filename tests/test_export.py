@@ -4,12 +4,14 @@ dataset card) and WebDataset tars (``jobs.export``), read back with those librar
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import re
 import shutil
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -91,7 +93,17 @@ def test_load_dataset_on_the_output_folder_reads_the_card_and_only_the_shards(cu
     builder = load_dataset_builder(str(curated_run), cache_dir=str(tmp_path / "cache"))
     read = sorted(Path(str(f)).name for f in builder.config.data_files["train"])
     assert read == sorted(s["file"] for s in _manifest(curated_run)["shards"])  # no ledger, no _state, no manifest
-    hf = load_dataset(str(curated_run), split="train", cache_dir=str(tmp_path / "cache"))
+    warned: list[str] = []  # datasets logs to its own logger (not propagated): "splits without num_bytes" etc.
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("datasets").addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hf = load_dataset(str(curated_run), split="train", cache_dir=str(tmp_path / "cache"))
+    finally:
+        logging.getLogger("datasets").removeHandler(handler)
+    assert warned == [] and [str(w.message) for w in caught] == []
     assert hf.features["image"] == HFImage() and isinstance(hf[0]["image"], Image.Image)
     assert sorted(hf["key"]) == sorted(_shard_rows(curated_run))
 
