@@ -103,10 +103,11 @@ def beside(uri: str, name: str) -> str:
 
 
 def shown_path(path: Path) -> str:
-    """A file of the repository as a command line names it: relative to the working directory when inside it."""
+    """A file of the repository as a command line names it: relative to the working directory when inside it. A
+    job's last lines must not fail where the working directory is gone (a submitted job's, removed by Ray)."""
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
+    except (ValueError, OSError):
         return str(path)
 
 

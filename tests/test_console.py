@@ -211,3 +211,17 @@ def test_progress_lines_come_every_interval_with_done_total_and_rate():
     assert len(lines) == 2 and lines[1].startswith("[sample] assign 8/10 files (80%)")  # none once all are done
     quick: list[str] = []
     assert list(progress(range(5), "[x]", 5, quick.append)) == [0, 1, 2, 3, 4] and quick == []
+
+
+def test_a_path_is_shown_even_where_the_working_directory_is_gone(tmp_path, monkeypatch):
+    """A submitted job's working directory can be removed under it (Ray's package folder after a node is lost): the
+    closing lines name the path as it is rather than fail the finished job."""
+    inside = tmp_path / "repo" / "configs" / "x.yaml"
+    inside.parent.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "repo")
+    assert console.shown_path(inside) == str(Path("configs") / "x.yaml")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    assert console.shown_path(inside) == str(inside)
