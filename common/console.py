@@ -111,6 +111,12 @@ def shown_path(path: Path) -> str:
         return str(path)
 
 
+def shown_place(uri: str) -> str:
+    """A place as the console names it: a local path as the command line would (``shown_path``), an object store's
+    URI without its query or credentials."""
+    return redact(uri) if "://" in uri else shown_path(Path(uri))
+
+
 def next_steps(job: str, where: list[tuple[str, str]], commands: list[list[str]]) -> None:
     """Print where a job's results are (``(label, place)`` pairs) and the commands that come next, one a line."""
     lines = [(f"{label}:", place) for label, place in where]

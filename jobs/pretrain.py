@@ -22,7 +22,14 @@ from pathlib import Path
 
 from common import folders, storage
 from common.config import ConfigError, load_config
-from common.console import beside, configure_console, exit_code_interruptible, next_steps, shown_path
+from common.console import (
+    beside,
+    configure_console,
+    exit_code_interruptible,
+    next_steps,
+    shown_path,
+    shown_place,
+)
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import StorageError
@@ -101,7 +108,7 @@ def _train(
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     per_step = cfg.samples_per_step()
-    shown = _shown(run_uri)
+    shown = shown_place(run_uri)
     print(
         f"[pretrain] {'resuming' if resuming else 'starting'} {shown}: size={cfg.model.size} steps={cfg.steps} "
         f"workers={cfg.ray.workers} gpu={cfg.ray.use_gpu} global batch={per_step} "
@@ -116,7 +123,7 @@ def _train(
     lease.check()  # the export below is this run's to write only while it holds the run
     latest = checkpoint.latest_committed(run_uri)
     print(f"[pretrain] done in {time.monotonic() - start:.0f} s")
-    newest = _shown(latest) if latest else None
+    newest = shown_place(latest) if latest else None
     where = [
         ("checkpoints", f"{storage.join(shown, checkpoint.CHECKPOINTS)} (latest: {newest})"),
         ("metrics", f"{storage.join(shown, METRICS)}/*.jsonl; {describe(cfg.log.backends, run_uri)}"),
@@ -128,17 +135,11 @@ def _train(
             where.append(
                 (
                     "backbone" if which == "student" else which,
-                    f"{_shown(out)} (size {meta['size']}, step {meta['step']})",
+                    f"{shown_place(out)} (size {meta['size']}, step {meta['step']})",
                 )
             )
     next_steps("pretrain", where, next_commands(cfg, args) if latest is not None else [])
     return 0
-
-
-def _shown(uri: str) -> str:
-    """A place as the console names it: a local path as the command line would (relative to the working directory
-    where inside it), an object store's URI without its query or credentials."""
-    return storage.redact(uri) if "://" in uri else shown_path(Path(uri))
 
 
 FINETUNE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "finetune" / "tiny-seg.yaml"

@@ -28,11 +28,10 @@ import shutil
 import tempfile
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Literal
 
 from common import storage
-from common.console import shown_path
+from common.console import shown_place
 
 Backend = Literal["tensorboard", "mlflow", "wandb"]
 PACKAGES = {"tensorboard": "tensorboardX", "mlflow": "mlflow", "wandb": "wandb"}  # backend -> module to import
@@ -73,10 +72,9 @@ def check_backends(backends: list[Backend]) -> list[Backend]:
 def describe(backends: list[Backend], run_uri: str) -> str:
     """Where a run's metrics can be looked at, for the job's last lines."""
     run = storage.redact(run_uri)  # no credentials on the console
-    local = shown_path(Path(run))  # as a command line names it (mlflow's store URI needs the absolute path)
     store = os.environ.get("MLFLOW_TRACKING_URI") or "file://" + storage.join(run, MLFLOW)
     where = {
-        "tensorboard": f"tensorboard --logdir {storage.join(local if '://' not in run else run, TENSORBOARD)}",
+        "tensorboard": f"tensorboard --logdir {storage.join(shown_place(run_uri), TENSORBOARD)}",
         "mlflow": f"mlflow ui --backend-store-uri {store}",
         "wandb": f"W&B project {os.environ.get('WANDB_PROJECT', 'humans1b')}",
     }
