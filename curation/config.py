@@ -23,6 +23,11 @@ def _default_stages() -> dict[str, StageSettings]:
 
 class CurateConfig(CurationSettings):
     stages: dict[str, StageSettings] = Field(default_factory=_default_stages)  # run in this order
+    # Runs of consecutive stages that one Ray actor pool runs, each actor calling the stages in turn on its batch:
+    # fewer processes, queues and hand-offs between them where a node has few cores. Each stage keeps its own time
+    # limit and ledger reasons, so results do not change. The pool has its first stage's batch_size, num_cpus,
+    # num_gpus and actors.
+    fused: list[list[str]] = Field(default_factory=list)
 
     @field_validator("stages", mode="before")
     @classmethod
@@ -45,6 +50,40 @@ class CurateConfig(CurationSettings):
         if next(iter(self.stages), None) != "decode" or not self.stages["decode"].enabled:
             raise ValueError("the first stage must be 'decode' and it cannot be disabled")
         return self
+
+    @model_validator(mode="after")
+    def _fused_runs_consecutive(self) -> CurateConfig:
+        order = list(self.stages)
+        seen: set[str] = set()
+        for group in self.fused:
+            where = f"fused entry {group}"
+            if len(group) < 2:
+                raise ValueError(f"{where}: a fused run names at least two stages")
+            if missing := [n for n in group if n not in order]:
+                raise ValueError(f"{where}: {missing} not among the configured stages {order}")
+            if again := [n for n in group if n in seen]:
+                raise ValueError(f"{where}: {again} already in another fused run")
+            seen.update(group)
+            start = order.index(group[0])
+            if order[start : start + len(group)] != group:
+                raise ValueError(f"{where}: the stages must be consecutive and in the stage order {order}")
+        return self
+
+    @property
+    def steps(self) -> list[tuple[str, ...]]:
+        """The enabled stages as the score chain runs them: one step a stage, or a fused run (less its disabled
+        stages) as one step."""
+        enabled = set(self.enabled_stages)
+        step_of = {}
+        for group in self.fused:
+            run = tuple(n for n in group if n in enabled)
+            step_of.update(dict.fromkeys(run, run))
+        steps: list[tuple[str, ...]] = []
+        for name in self.enabled_stages:
+            step = step_of.get(name, (name,))
+            if not steps or steps[-1] != step:
+                steps.append(step)
+        return steps
 
 
 def unknown_stages(unknown: list[str], known: dict[str, type[Stage]]) -> str:

@@ -432,7 +432,7 @@ class CurationSettings(Strict):
         The global phases hash their own sections (``phase_hash``), so they can be re-tuned without re-scoring.
         """
         scoring = self.model_copy(update={"stages": {n: StageSettings() for n in self.enabled_stages}})
-        exclude = {"input", "output", "ray", "dedup", "sample", "write", "watchdog"}
+        exclude = {"input", "output", "ray", "dedup", "sample", "write", "watchdog", "fused"}
         return hash_json({**scoring.model_dump(mode="json", exclude=exclude), "input": self.input.metadata_hash_part()})
 
     def phase_hash(self, phase: str) -> str:

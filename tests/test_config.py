@@ -140,3 +140,28 @@ def test_shipped_tiny_configs_keep_their_effective_rates(repo_root):
     fine = load_config(FinetuneConfig, repo_root / "configs/finetune/tiny.yaml")
     assert peak_lr(pre.optim, pre.samples_per_step()) == 1e-3  # 4 x 1 x 2 workers
     assert peak_lr(fine.optim, fine.samples_per_step()) == 2e-3  # 8 x 1 worker
+
+
+def test_a_fused_run_is_one_step_with_its_disabled_stages_left_out(repo_root):
+    run = "fused=[[person,head_pose,quality,text_overlay]]"
+    cfg = load_config(CurateConfig, repo_root / LITE, [run])
+    assert cfg.steps == [("decode",), ("person", "head_pose", "quality", "text_overlay"), ("phash",), ("embedding",)]
+    fewer = load_config(CurateConfig, repo_root / LITE, [run, "stages.head_pose.enabled=false"])
+    assert fewer.steps[1] == ("person", "quality", "text_overlay")
+    plain = load_config(CurateConfig, repo_root / LITE, ["fused=[]"])
+    assert plain.steps == [(name,) for name in plain.enabled_stages]
+    assert cfg.results_hash() == plain.results_hash()  # how stages share processes does not change results
+
+
+@pytest.mark.parametrize(
+    "run, named",
+    [
+        ("[[person,quality]]", "consecutive"),
+        ("[[person]]", "at least two"),
+        ("[[person,nonsense]]", "not among the configured stages"),
+        ("[[person,head_pose],[head_pose,quality]]", "already in another fused run"),
+    ],
+)
+def test_a_fused_run_that_cannot_be_one_step_is_refused(repo_root, run, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(CurateConfig, repo_root / LITE, [f"fused={run}"])

@@ -127,6 +127,23 @@ def _named_actor(stage_name: str) -> type[StageRunner]:
     return type(stage_name, (_MeasuredRunner,), {"__module__": __name__})
 
 
+class _FusedRunner:
+    """A fused run's actor (``fused`` in the config): the stages' runners, called in turn on each batch."""
+
+    def __init__(self, stage_classes: list[type], cfg: CurateConfig):
+        self.runners = [StageRunner(stage_class, cfg) for stage_class in stage_classes]
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        _reset_peak_rss()
+        for runner in self.runners:
+            table = runner(table)
+        return _raise_peak(table)
+
+
+def _named_fused_actor(step: tuple[str, ...]) -> type[_FusedRunner]:
+    return type("+".join(step), (_FusedRunner,), {"__module__": __name__})
+
+
 def _shard_reader(cfg: CurateConfig, input_uri: str) -> ShardReader:
     return ShardReader(input_uri, cfg.input, cfg.embedding_dim, cfg.filters.max_file_bytes)
 
@@ -364,10 +381,7 @@ class ScorePhase:
         if not ray.is_initialized():
             return want
         nodes = [n["Resources"].get("memory", 0.0) for n in ray.nodes() if n.get("Alive")]
-        classes = stage_classes()
-        at_once = 2 + sum(
-            self.cfg.stages[n].actors[0] if classes[n].uses_actors else 1 for n in self.cfg.enabled_stages
-        )
+        at_once = 2 + sum((self._actors(step) or (1, 1))[0] for step in self.cfg.steps)
         fits = int(min(max(nodes, default=0.0), sum(nodes) / at_once))
         if 0 < fits < want:
             log.info(
@@ -377,6 +391,12 @@ class ScorePhase:
             )
             return fits
         return want
+
+    def _actors(self, step: tuple[str, ...]) -> tuple[int, int] | None:
+        """(min, max) actors of a step run by an actor pool (a model stage or a fused run); None for a task."""
+        if len(step) == 1 and not stage_classes()[step[0]].uses_actors:
+            return None
+        return self.cfg.stages[step[0]].actors
 
     def _clear_uncommitted(self, shards: list[InputShard], committed: dict[str, dict]) -> None:
         # a commit record cut short by a kill leaves its temporary file; this run holds the lease, so none is live
@@ -401,24 +421,28 @@ class ScorePhase:
             memory=memory,
             fn_kwargs={"cfg_json": cfg_json, "input_uri": self.input_uri},
         )
-        for name in self.cfg.enabled_stages:
-            stage_class = stage_classes()[name]
-            settings = self.cfg.stages[name]
+        for step in self.cfg.steps:
+            settings = self.cfg.stages[step[0]]  # a fused run's pool has its first stage's settings
             common = _MapOptions(
                 batch_size=settings.batch_size, batch_format="pyarrow", num_cpus=settings.num_cpus, memory=memory
             )
             if settings.num_gpus:
                 common["num_gpus"] = settings.num_gpus
-            if stage_class.uses_actors:
-                lo, hi = settings.actors
-                ds = ds.map_batches(
-                    _named_actor(name),
-                    fn_constructor_kwargs={"stage_class": stage_class, "cfg": self.cfg},
-                    compute=ActorPoolStrategy(min_size=lo, max_size=hi),
-                    **common,
-                )
-            else:
-                ds = ds.map_batches(_named_task(name), fn_kwargs={"cfg_json": cfg_json}, **common)
+            actors = self._actors(step)
+            if actors is None:
+                ds = ds.map_batches(_named_task(step[0]), fn_kwargs={"cfg_json": cfg_json}, **common)
+                continue
+            runner, kwargs = (
+                (_named_actor(step[0]), {"stage_class": stage_classes()[step[0]], "cfg": self.cfg})
+                if len(step) == 1
+                else (_named_fused_actor(step), {"stage_classes": [stage_classes()[n] for n in step], "cfg": self.cfg})
+            )
+            ds = ds.map_batches(
+                runner,
+                fn_constructor_kwargs=kwargs,
+                compute=ActorPoolStrategy(min_size=actors[0], max_size=actors[1]),
+                **common,
+            )
         return ds.map_batches(
             _write_parts,  # type: ignore[arg-type]  # Ray types fn as taking the batch alone; fn_kwargs gives the rest
             batch_size=self.cfg.input.files_per_shard,
@@ -435,7 +459,10 @@ class ScorePhase:
             return {"CPU": cpus, "memory": memory} | ({"GPU": gpus} if gpus else {})
 
         steps = {
-            f"stage {n}": ask(self.cfg.stages[n].num_cpus, self.cfg.stages[n].num_gpus) for n in self.cfg.enabled_stages
+            f"stage {step[0]}" + (f" (fused with {', '.join(step[1:])})" if len(step) > 1 else ""): ask(
+                self.cfg.stages[step[0]].num_cpus, self.cfg.stages[step[0]].num_gpus
+            )
+            for step in self.cfg.steps
         }
         return {"the reader (_read_shards)": ask(_IO_CPUS), **steps, "the writer (_write_parts)": ask(_IO_CPUS)}
 
