@@ -274,15 +274,20 @@ def test_a_request_the_cluster_cannot_hold_for_every_process_at_once_is_lowered(
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "nodes", lambda: [node])
     caplog.set_level(logging.INFO, logger="curation")
+    # fused as lite ships it: reader + writer + decode + the fused pool's 2 actors
     phase = ScorePhase(cfg, str(tmp_path / "out"), str(tmp_path))
-    # reader + writer + decode, quality, phash, embedding + person's 2 actors, head_pose's and text_overlay's 1
-    assert phase.task_memory() == 4 * 2**30 // 10
+    assert phase.task_memory() == 4 * 2**30 // 5
+    # unfused: reader + writer + decode, quality, phash, embedding + person's 2 actors, head_pose's and text_overlay's 1
+    unfused = ScorePhase(cfg.model_copy(update={"fused": []}), str(tmp_path / "out"), str(tmp_path))
+    assert unfused.task_memory() == 4 * 2**30 // 10
     assert caplog.messages == [
+        "[score] input.task_memory_mb=1250: the 5 processes the score chain needs at once would not fit in the "
+        "cluster's memory (4096 MiB); each requests 819 MiB instead",
         "[score] input.task_memory_mb=1250: the 10 processes the score chain needs at once would not fit in the "
-        "cluster's memory (4096 MiB); each requests 410 MiB instead"
+        "cluster's memory (4096 MiB); each requests 410 MiB instead",
     ]
     node["Resources"]["memory"] = 64 * 2**30
-    assert phase.task_memory() == 1250 * 2**20 and len(caplog.messages) == 1
+    assert phase.task_memory() == 1250 * 2**20 and len(caplog.messages) == 2
 
 
 # --- the reader itself ----------------------------------------------------------------------------------------------
