@@ -73,7 +73,7 @@ def run(stage: TextOverlayStage, data: bytes, name: str = "img") -> dict:
     return update
 
 
-def make_stage(**ocr: float) -> TextOverlayStage:
+def make_stage(**ocr: float | str) -> TextOverlayStage:
     stage = TextOverlayStage(CurateConfig.model_validate({"models": {"ocr": ocr}} if ocr else {}))
     stage.setup()
     return stage
@@ -96,11 +96,24 @@ def test_setup_uses_wheel_model_without_download(monkeypatch: pytest.MonkeyPatch
         raise AssertionError("the text detector tried to download weights")
 
     monkeypatch.setattr(DownloadFile, "run", no_download)
-    stage = make_stage()
+    stage = make_stage(runtime="onnxruntime")
     session = stage.detector.session.session
     assert session.get_session_options().intra_op_num_threads == stage.threads
     # Detection only: the one model loaded is the DB detector, whose output is a one-channel text probability map.
     assert session.get_outputs()[0].shape[1] == 1
+
+
+def test_openvino_gives_the_verdicts_and_boxes_of_onnxruntime(stage: TextOverlayStage) -> None:
+    # The default runtime where OpenVINO imports (it does in the test environment); onnxruntime is rapidocr's own.
+    assert stage.runtime == "openvino"
+    onnx = make_stage(runtime="onnxruntime")
+    datas = [load() for load in PHOTOS.values()] + [caption(load()) for load in PHOTOS.values()]
+    datas += [_png(skimage.data.text(), 2.6), _jpeg(skimage.data.page(), 2.0), caption(PHOTOS["bus"](), ("SALE",))]
+    got = [(run(stage, d), run(onnx, d)) for d in datas]
+    assert sum("reject" in a for a, _ in got) >= len(PHOTOS) + 2
+    for a, b in got:
+        assert a.keys() == b.keys() and a.get("reject") == b.get("reject") and a["text_boxes"] == b["text_boxes"]
+        assert a["text_area_frac"] == pytest.approx(b["text_area_frac"], abs=1e-4)
 
 
 def _pinned_detector_bytes() -> bytes:
@@ -259,3 +272,17 @@ def test_text_line_shape() -> None:
     assert is_text_line(rect(300, 60), **kw)  # a thick caption line, five times as long as thick
     assert not is_text_line(rect(150, 120), **kw)  # a thick, squat patch
     assert is_text_line(np.array([[0, 60], [300, 0], [312, 60], [12, 120]], dtype=np.float32), **kw)  # slanted
+
+
+def test_without_openvino_auto_runs_onnxruntime_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else real_find_spec(name, *a)
+    )
+    with caplog.at_level("WARNING", logger="curation.models.openvino"):
+        stage = make_stage()
+    assert stage.runtime == "onnxruntime" and type(stage.detector.session).__name__ == "OrtInferSession"
+    assert "models.ocr.runtime=auto: openvino does not import here" in caplog.text
+    assert "reject" in run(stage, caption(PHOTOS["zidane"]()))

