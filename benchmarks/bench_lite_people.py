@@ -18,7 +18,10 @@ changed); its own ``curation`` package and ``configs/curate/lite.yaml`` run in a
     process, batch by batch (``curation.score.phase.score_in_process``), images per second, and how many inputs end
     otherwise than the pool's manifest expects.
 
-Both sides run one after the other at the same priority; the machine may be shared, so compare the ratios.
+Both sides run one after the other at the same priority; the machine may be shared, so compare the ratios. With
+``--concurrent`` the in-process measurements of both trees run at the same time, each pinned to a core of its own:
+on a machine whose speed drifts between minutes both are slowed alike. Each tree's runtimes are printed with its
+figures (the networks' ``auto`` runtime is timed per node: ``curation/models/runtimes.py``).
 """
 
 from __future__ import annotations
@@ -110,7 +113,19 @@ def scoring_in_process(cfg, pool: Path) -> dict:
         tables.append(_finalise(table))
     wall = time.perf_counter() - start
     rows = pa.concat_tables(tables).select(["source", "status", "stage", "reason"]).to_pylist()
-    return {"e2e_s": wall, "e2e_rows": rows, "stage_cpu_s": cpu, "stage_rows": seen}
+    runtimes = {name: _runtime(runner.stage) for name, runner, _ in runners}
+    return {
+        "e2e_s": wall,
+        "e2e_rows": rows,
+        "stage_cpu_s": cpu,
+        "stage_rows": seen,
+        "runtimes": {name: r for name, r in runtimes.items() if r},
+    }
+
+
+def _runtime(stage) -> str | None:
+    """What runs a stage's network, where the tree says (``runtime`` of the stage or of its network)."""
+    return getattr(stage, "runtime", None) or getattr(getattr(stage, "network", None), "runtime", None)
 
 
 def ray_scoring(cfg, pool: Path) -> dict:
@@ -129,8 +144,8 @@ def ray_scoring(cfg, pool: Path) -> dict:
     return {"ray_s": time.perf_counter() - start}
 
 
-def worker(images: Path, pool: Path | None, with_ray: bool = False) -> dict:
-    """Measure the tree whose ``curation`` package is importable here."""
+def worker(images: Path, pool: Path | None, mode: str = "process") -> dict:
+    """Measure the tree whose ``curation`` package is importable here (``mode``: see ``_start_tree``)."""
     from common.config import load_config
     from curation.config import CurateConfig
 
@@ -138,6 +153,8 @@ def worker(images: Path, pool: Path | None, with_ray: bool = False) -> dict:
 
     root = Path(sys.modules["curation"].__file__).resolve().parents[1]
     cfg = load_config(CurateConfig, root / "configs" / "curate" / "lite.yaml", [])
+    if mode == "ray":
+        return ray_scoring(cfg, pool)
     person, head = _runner("person", cfg).stage, _runner("head_pose", cfg).stage
     labels, rows = _rows(images)
     person.process_batch(rows[:1])  # warm up outside the clock
@@ -167,7 +184,7 @@ def worker(images: Path, pool: Path | None, with_ray: bool = False) -> dict:
     }
     if pool is not None:
         result |= scoring_in_process(cfg, pool)
-        if with_ray:
+        if mode == "all":
             result |= ray_scoring(cfg, pool)
     return result
 
@@ -209,14 +226,41 @@ def _enlarge_photos(pool: Path, side: int) -> int:
     return count
 
 
-def _run_tree(tree: Path, images: Path, pool: Path | None, with_ray: bool) -> dict:
-    out = images / f"result-{abs(hash(str(tree)))}.json"
+def _start_tree(tree: Path, images: Path, pool: Path | None, mode: str, core: int | None = None):
+    """The worker of one tree in a subprocess: ``mode`` "all" (in process, then on Ray), "process" (in process only)
+    or "ray" (on Ray only); ``core`` pins it to that CPU. Returns (process, its result file)."""
+    out = images / f"result-{abs(hash(str(tree)))}-{mode}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--images", str(images), "--result", str(out)]
     if pool is not None:
-        cmd += ["--pool", str(pool)] + (["--ray"] if with_ray else [])
+        cmd += ["--pool", str(pool), "--mode", mode]
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
-    subprocess.run(cmd, cwd=tree, env=env, check=True)
-    return json.loads(out.read_text())
+    pin = None if core is None else (lambda: os.sched_setaffinity(0, {core}))
+    return subprocess.Popen(cmd, cwd=tree, env=env, preexec_fn=pin), out
+
+
+def _results(started: list[tuple[subprocess.Popen, Path]]) -> list[dict]:
+    for process, _ in started:
+        if process.wait() != 0:
+            raise SystemExit(f"a benchmark worker failed (exit {process.returncode}): {process.args}")
+    return [json.loads(out.read_text()) for _, out in started]
+
+
+def _run_trees(trees: list[tuple[str, Path]], images: Path, pool: Path | None, with_ray: bool, concurrent: bool):
+    """Each tree's results. One after the other; or, with ``concurrent``, the in-process parts of all trees at the
+    same time, each pinned to a core of its own, so that a machine whose speed drifts from minute to minute slows
+    both alike (the Ray runs, which need every core, then follow one after the other)."""
+    if not concurrent:
+        mode = "all" if with_ray else "process"
+        return {name: _results([_start_tree(tree, images, pool, mode)])[0] for name, tree in trees}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < len(trees):
+        raise SystemExit(f"--concurrent needs a core per tree: {len(trees)} trees, {len(cores)} cores")
+    started = [_start_tree(tree, images, pool, "process", core) for (_, tree), core in zip(trees, cores)]
+    results = dict(zip((name for name, _ in trees), _results(started)))
+    if with_ray and pool is not None:
+        for name, tree in trees:
+            results[name] |= _results([_start_tree(tree, images, pool, "ray")])[0]
+    return results
 
 
 def _person_metrics(labels: list[dict], r: dict) -> dict:
@@ -294,6 +338,7 @@ def _e2e_metrics(manifest: dict[str, dict], r: dict) -> dict:
         "cpu_per_input": sum(r["stage_cpu_s"].values()) / n,
         "stage_cpu_s": r["stage_cpu_s"],
         "stage_rows": r["stage_rows"],
+        "runtimes": r.get("runtimes", {}),
     }
     if "ray_s" in r:
         out["ray_img_s"] = n / r["ray_s"]
@@ -308,13 +353,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ray", action="store_true", help="(d) also on a local Ray with 2 CPUs, as a job runs it")
     ap.add_argument("--large", type=int, default=None, metavar="SIDE",
                     help="(d) on the pool's photos re-encoded at SIDE px on the long side (4000: 12 MP)")  # fmt: skip
+    ap.add_argument("--concurrent", action="store_true",
+                    help="run the trees' in-process measurements at the same time, one core each")  # fmt: skip
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=("all", "process", "ray"), default="process", help=argparse.SUPPRESS)
     ap.add_argument("--images", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--pool", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        args.result.write_text(json.dumps(worker(args.images, args.pool, args.ray)))
+        args.result.write_text(json.dumps(worker(args.images, args.pool, args.mode)))
         return 0
 
     with tempfile.TemporaryDirectory(prefix="bench-lite-people-") as tmp:
@@ -332,10 +380,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.large:
                 print(f"re-encoded {_enlarge_photos(pool, args.large)} photos of the pool at {args.large} px")
         trees = [("new", REPO)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
-        results = {name: _run_tree(tree, images, pool, args.ray) for name, tree in trees}
+        results = _run_trees(trees, images, pool, args.ray, args.concurrent)
+
+    sys.path.insert(0, str(REPO))  # the driver only: a worker's imports come from the tree it measures
+    from benchmarks.timing import cpu_model
 
     print(
-        f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"load average {os.getloadavg()[0]:.1f}; {len(labels)} labelled photos "
         f"({sum(x['person'] for x in labels)} with a prominent person)"
     )
@@ -371,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             if "ray_img_s" in e:
                 line += f", {e['ray_img_s']:.2f} img/s on a local Ray with 2 CPUs"
+            if e["runtimes"]:
+                line += "; runtimes " + ", ".join(f"{k} {v}" for k, v in e["runtimes"].items())
             line += (
                 f"; CPU per input {e['cpu_per_input']:.3f} s ("
                 + ", ".join(f"{k} {v / max(e['stage_rows'][k], 1):.3f}" for k, v in e["stage_cpu_s"].items())

