@@ -382,8 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         trees = [("new", REPO)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
         results = _run_trees(trees, images, pool, args.ray, args.concurrent)
 
-    sys.path.insert(0, str(REPO))  # the driver only: a worker's imports come from the tree it measures
-    from benchmarks.timing import cpu_model
+    from curation.models.runtimes import cpu_model  # the driver only: a worker imports from the tree it measures
 
     print(
         f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "

@@ -1,4 +1,4 @@
-"""Timing for the benchmarks: wall seconds of a call, with the GPU's queue drained around it, and the CPU it ran on.
+"""Timing for the benchmarks: wall seconds of a call, with the GPU's queue drained around it.
 
 Imported as ``benchmarks.timing`` (a script puts the repository root on ``sys.path`` first), so it serves both
 ``python benchmarks/x.py`` and ``python -m benchmarks.x``.
@@ -6,7 +6,6 @@ Imported as ``benchmarks.timing`` (a script puts the repository root on ``sys.pa
 
 from __future__ import annotations
 
-import platform
 import statistics
 import sys
 import time
@@ -37,15 +36,3 @@ def timed(fn: Callable[[], T], repeats: int = 1, warmup: int = 0) -> tuple[float
         synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo), else the architecture: runtimes rank differently across CPUs."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({platform.machine()})"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

@@ -275,9 +275,11 @@ def test_text_line_shape() -> None:
     assert is_text_line(np.array([[0, 60], [300, 0], [312, 60], [12, 120]], dtype=np.float32), **kw)  # slanted
 
 
-def test_auto_times_both_runtimes_and_keeps_the_faster(caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_times_both_runtimes_and_keeps_the_faster(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A fresh model cache: the node's record of earlier choices would skip the timing.
+    stage = TextOverlayStage(CurateConfig.model_validate({"models": {"store": {"cache_dir": str(tmp_path)}}}))
     with caplog.at_level("INFO", logger="curation.models.runtimes"):
-        stage = make_stage()
+        stage.setup()
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("models.ocr.runtime=auto")]
     # "models.ocr.runtime=auto: <chosen>, the fastest here on a 1x3x640x640 input (<fastest> N ms, <other> M ms)"
     assert "1x3x640x640" in line and "openvino" in line and "onnxruntime" in line

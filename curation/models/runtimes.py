@@ -3,14 +3,24 @@
 The same network file runs on OpenVINO and on the runtime it ships for (OpenCV's dnn module for the person graph,
 onnxruntime for the text detector), with the same maps to ~2e-5 in fp32. Which is faster depends on the CPU: on
 one 2-vCPU host OpenVINO ran the text detector 2.9x faster than onnxruntime, on another onnxruntime was 1.12x
-faster (benchmarks/RESULTS.md). So ``auto`` times every runtime that imports on the network's own input size when
-the actor starts and keeps the fastest; naming a runtime skips the timing.
+faster (benchmarks/RESULTS.md). So ``auto`` times every runtime that imports on the network's own input size and
+keeps the fastest; naming a runtime skips the timing.
+
+Timing costs a few seconds (every runtime built, four calls each), so the choice is kept in ``runtimes.json`` in the
+node's model cache, keyed by what decides it: the network file, the input size, the thread count, the CPU model and
+the runtimes' versions. Later actors on the node, and later runs, build only the chosen runtime; a node of another
+CPU type, or an upgraded runtime, times again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import importlib.util
+import json
 import logging
+import os
+import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,15 +35,24 @@ Network = Callable[[np.ndarray], np.ndarray]
 # Timed calls per runtime after one warm-up call, alternating between runtimes; the best of them counts, so a
 # neighbour's burst of load during one call does not decide.
 TIMED_CALLS = 3
+CHOICES_FILE = "runtimes.json"
+_PACKAGES = {"opencv": ("cv2", "opencv-python-headless")}  # runtime -> (module, package) where the names differ
 
 
 def choose_runtime(
-    setting: str, key: str, builders: dict[str, Callable[[], Network]], sample: np.ndarray
+    setting: str,
+    key: str,
+    builders: dict[str, Callable[[], Network]],
+    sample: np.ndarray,
+    model: Path,
+    threads: int,
+    cache_dir: Path | None = None,
 ) -> tuple[str, Network]:
     """The runtime ``setting`` names and its network, built; for ``auto`` the fastest of ``builders`` on ``sample``.
 
-    ``builders`` maps each runtime to a function that builds the network on it; a runtime whose module does not import
-    (``openvino``) is left out with a log line naming ``key``."""
+    ``builders`` maps each runtime to a function that builds the network (the file ``model``, run with ``threads``)
+    on it; a runtime whose module does not import (``openvino``) is left out with a log line naming ``key``. With
+    ``cache_dir`` the choice is read from and kept in its ``runtimes.json``."""
     if setting != "auto":
         return setting, builders[setting]()
     available = {name: build for name, build in builders.items() if _imports(name)}
@@ -41,9 +60,16 @@ def choose_runtime(
         log.warning(
             f"{key}=auto: {name} does not import here, so it is not among the runtimes tried ({_install(name)})"
         )
+    if len(available) == 1:
+        name, build = next(iter(available.items()))
+        return name, build()
+    record = None if cache_dir is None else cache_dir / CHOICES_FILE
+    fingerprint = _fingerprint(key, model, sample.shape, threads, sorted(available))
+    known = _read_choices(record).get(fingerprint)
+    if known is not None and known.get("runtime") in available:
+        log.info(f"{key}=auto: {known['runtime']}, as timed on this node before ({_timings(known['ms'])}; {record})")
+        return known["runtime"], available[known["runtime"]]()
     networks = {name: build() for name, build in available.items()}
-    if len(networks) == 1:
-        return next(iter(networks.items()))
     best = dict.fromkeys(networks, float("inf"))
     for network in networks.values():
         network(sample)  # the first call plans and allocates
@@ -53,12 +79,23 @@ def choose_runtime(
             network(sample)
             best[name] = min(best[name], time.perf_counter() - start)
     chosen = min(best, key=lambda name: best[name])
-    timings = ", ".join(f"{name} {seconds * 1e3:.0f} ms" for name, seconds in sorted(best.items(), key=lambda x: x[1]))
-    log.info(f"{key}=auto: {chosen}, the fastest here on a {'x'.join(map(str, sample.shape))} input ({timings})")
+    ms = {name: round(seconds * 1e3, 1) for name, seconds in best.items()}
+    log.info(f"{key}=auto: {chosen}, the fastest here on a {'x'.join(map(str, sample.shape))} input ({_timings(ms)})")
+    if record is not None:
+        _keep_choice(record, fingerprint, {"key": key, "runtime": chosen, "ms": ms, "cpu": cpu_model()})
     return chosen, networks[chosen]
 
 
-_PACKAGES = {"opencv": ("cv2", "opencv-python-headless")}  # runtime -> (module, package) where the names differ
+def cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo) and architecture: the runtimes rank differently across CPUs."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({platform.machine()})"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _imports(runtime: str) -> bool:
@@ -67,6 +104,44 @@ def _imports(runtime: str) -> bool:
 
 def _install(runtime: str) -> str:
     return f"pip install {_PACKAGES.get(runtime, (runtime, runtime))[1]}"
+
+
+def _timings(ms: dict[str, float]) -> str:
+    return ", ".join(f"{name} {value:.0f} ms" for name, value in sorted(ms.items(), key=lambda item: item[1]))
+
+
+def _fingerprint(key: str, model: Path, shape: tuple[int, ...], threads: int, runtimes: list[str]) -> str:
+    from curation.models.packages import sha256_of
+
+    versions = {
+        name: getattr(importlib.import_module(_PACKAGES.get(name, (name,))[0]), "__version__", "") for name in runtimes
+    }
+    facts = [key, sha256_of(model), list(shape), threads, cpu_model(), os.cpu_count(), versions]
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _read_choices(record: Path | None) -> dict[str, Any]:
+    if record is None or not record.is_file():
+        return {}
+    try:
+        choices = json.loads(record.read_text())
+    except (OSError, ValueError) as err:  # a torn or foreign file: time again and write it anew
+        log.warning(f"{record}: not a record of runtime choices ({err}); timing the runtimes again")
+        return {}
+    return choices if isinstance(choices, dict) else {}
+
+
+def _keep_choice(record: Path, fingerprint: str, choice: dict[str, Any]) -> None:
+    """Add one choice to the node's record. Actors that time at once each write a whole file (rename is atomic);
+    one of them may drop the other's entry, which is then timed once more."""
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        choices = _read_choices(record) | {fingerprint: choice}
+        tmp = record.with_name(f".{record.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(choices, indent=1, sort_keys=True))
+        os.replace(tmp, record)
+    except OSError as err:  # a read-only cache: the choice holds for this actor
+        log.warning(f"{record}: could not keep the runtime choice ({err})")
 
 
 class OpenVinoNetwork:

