@@ -98,12 +98,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _module(runtime: str) -> str:
+    return _PACKAGES[runtime][0] if runtime in _PACKAGES else runtime
+
+
 def _imports(runtime: str) -> bool:
-    return importlib.util.find_spec(_PACKAGES.get(runtime, (runtime,))[0]) is not None
+    return importlib.util.find_spec(_module(runtime)) is not None
 
 
 def _install(runtime: str) -> str:
-    return f"pip install {_PACKAGES.get(runtime, (runtime, runtime))[1]}"
+    return f"pip install {_PACKAGES[runtime][1] if runtime in _PACKAGES else runtime}"
 
 
 def _timings(ms: dict[str, float]) -> str:
@@ -113,9 +117,7 @@ def _timings(ms: dict[str, float]) -> str:
 def _fingerprint(key: str, model: Path, shape: tuple[int, ...], threads: int, runtimes: list[str]) -> str:
     from curation.models.packages import sha256_of
 
-    versions = {
-        name: getattr(importlib.import_module(_PACKAGES.get(name, (name,))[0]), "__version__", "") for name in runtimes
-    }
+    versions = {name: getattr(importlib.import_module(_module(name)), "__version__", "") for name in runtimes}
     facts = [key, sha256_of(model), list(shape), threads, cpu_model(), os.cpu_count(), versions]
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
 
