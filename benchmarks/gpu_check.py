@@ -4,6 +4,8 @@
     python benchmarks/gpu_check.py [--total-s 720] [--out gpu_check.json] [--budget part=seconds] [--only part]
                                    [--peak-tflops 989]
     python benchmarks/gpu_check.py --cpu-smoke       # the same code paths at tiny sizes on CPU (tests/test_gpu_check.py)
+    python benchmarks/gpu_check.py --prepare-value-data DIR   # part 4's renders and curation, made ahead on a CPU machine
+    python benchmarks/gpu_check.py --value-data DIR  # ... and used by part 4 (a GPU machine without a package index)
 
 Four parts, each in its own process with its own share of ``--total-s`` and a hard stop at the end of it (the
 process group is killed); a part that fails or runs out of time is reported with its error and what it measured so
@@ -33,7 +35,10 @@ far, and the next part still runs. The parts:
    decoded once into GPU memory as uint8, the worker's own step (objective, schedules, AdamW, EMA teacher, bf16
    autocast), the student exported as ``jobs.pretrain`` exports it (``pretrain.export.export_objective``). The renders
    and curated shards are made once for both sizes. Per size: pretrained vs random per measure, mean ± std over
-   seeds, and whether the gain exceeds the seed spread; sizes, budget and time estimate at ``GPU.value_*``.
+   seeds, and whether the gain exceeds the seed spread; sizes, budget and time estimate at ``GPU.value_*``. The
+   model-free steps (renders, their lite curation, held-out and labelled renders) can be made ahead on any machine
+   with ``--prepare-value-data DIR`` and passed with ``--value-data DIR``: the lite profile is CPU work, and its
+   runtimes (OpenVINO, LiteRT, RapidOCR) need not be installed where the GPU is.
 
 Goals on one H200: curation >= 150 images/s per GPU, MFU >= 45%, data wait < 3% of the step, and pretrained ahead of
 random beyond the seed spread on every cell of the value table. The figures are printed as one table and written as
@@ -863,6 +868,7 @@ def part_value(sz: Sizes, deadline: Deadline, report: PartReport, context: dict)
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     root = Path(tempfile.mkdtemp(prefix="gpu-check-value-"))
+    data = Path(context["value_data"]) if context.get("value_data") else root / "data"
     peak = [f"log.peak_tflops={context['peak_tflops']}"] if context.get("peak_tflops") else []  # for the MFU
     report.set(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
@@ -909,7 +915,7 @@ def part_value(sz: Sizes, deadline: Deadline, report: PartReport, context: dict)
                 pretrain_overrides=(*sz.value_pretrain, *peak, *overrides),
             )
             cfg = pv.Chain(root / size, budget).pretrain_config()
-            results = pv.run_chain(root / size, budget, log, data=root / "data", pretrainer=pretrainer)
+            results = pv.run_chain(root / size, budget, log, data=data, pretrainer=pretrainer)
             for line in pv.report(results):
                 print(line, flush=True)
             cells = value_cells(results)
@@ -936,6 +942,17 @@ def part_value(sz: Sizes, deadline: Deadline, report: PartReport, context: dict)
             raise RuntimeError("no model size finished its chain in the time there was")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def prepare_value_data(folder: Path, sz: Sizes) -> int:
+    """Part value's model-free steps for ``sz``'s budget, on this machine's CPUs (the lite profile's own actor
+    counts and all cores: the data do not depend on them)."""
+    import pretrain_value as pv
+
+    budget = pv.Budget(**{**sz.value_budget, "workers": os.cpu_count() or 1, "ray_cpus": None, "curate_overrides": ()})
+    pv.Chain(folder, budget, data=folder).prepare_data()
+    print(f"written: {folder} (pass it as --value-data)")
+    return 0
 
 
 PART_FNS = {"curation": part_curation, "pretrain": part_pretrain, "data_wait": part_data_wait, "value": part_value}
@@ -1163,6 +1180,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", choices=PARTS, default=[], help="run only these parts")
     ap.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS", help="fix a part's time budget")
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU (default: by device name)")
+    ap.add_argument("--value-data", help="part value: renders and curated shards made by --prepare-value-data")
+    ap.add_argument(
+        "--prepare-value-data", metavar="DIR", help="make part value's renders and curated shards in DIR, then exit"
+    )
     ap.add_argument(
         "--fail",
         action="append",
@@ -1182,6 +1203,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--fail {f!r}: expected PART=raise or PART=hang, PART one of {PARTS}")
     if args.part:
         return run_child(args)
+    if args.prepare_value_data:
+        return prepare_value_data(Path(args.prepare_value_data), SMOKE if args.cpu_smoke else GPU)
+    if args.value_data and not (Path(args.value_data) / "curated" / "shards" / "manifest.json").exists():
+        ap.error(f"--value-data {args.value_data}: no curated shards there (make them with --prepare-value-data)")
 
     import torch
 
@@ -1198,7 +1223,8 @@ def main(argv: list[str] | None = None) -> int:
         "goals": GOALS,
         "parts": {},
     }
-    start, context = time.monotonic(), {"peak_tflops": args.peak_tflops}
+    value_data = str(Path(args.value_data).resolve()) if args.value_data else None
+    start, context = time.monotonic(), {"peak_tflops": args.peak_tflops, "value_data": value_data}
     todo = [p for p in PARTS if not args.only or p in args.only]
     for i, part in enumerate(todo):
         left = total - (time.monotonic() - start)

@@ -161,13 +161,21 @@ class Chain:
 
     def curated(self) -> tuple[Path, int]:
         pool, out = self.data_dir / "pool", self.data_dir / "curated"
-        self.render_pool(pool, self.budget.pool, seed=0)
         manifest = out / "shards" / "manifest.json"
-        if not manifest.exists():
+        if not manifest.exists():  # once curated, the pool itself is not needed (nor carried to a GPU machine)
+            self.render_pool(pool, self.budget.pool, seed=0)
             self.step("curate (lite)", curate.main,
                       ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(pool), "--output", str(out),
                        *self.budget.curate_overrides])  # fmt: skip
         return out / "shards", sum(s["rows"] for s in json.loads(manifest.read_text())["shards"])
+
+    def prepare_data(self) -> None:
+        """The steps with no model in them: the pool's renders and their curation, the held-out renders and the
+        labelled sets. Made ahead on a CPU machine, they let a machine without the lite profile's runtimes (a GPU
+        machine with no package index, say) run the rest of the chain."""
+        self.curated()
+        self.render_pool(self.data_dir / "heldout", self.budget.heldout, seed=1)
+        self.labelled()
 
     def pretrain_config(self, steps: int | None = None) -> PretrainConfig:
         b = self.budget

@@ -268,7 +268,9 @@ class Sapiens2Backbone(nn.Module):
     def forward(self, images: Tensor, keep: Tensor | None = None) -> BackboneOutput:
         B, _, H, W = images.shape
         grid = self.patch_grid(H, W)
-        x = self.patch_embed(images).flatten(2).transpose(1, 2)  # [B, gh * gw, D]
+        # the parameters' dtype: bf16 under FSDP2's mixed precision, which casts floating inputs of the root module
+        # only, and the images are normalised inside it
+        x = self.patch_embed(images.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)  # [B, gh*gw, D]
         coords = grid_coords(*grid, device=x.device)
         if self.cfg.window:
             x, keep, grid = self._local_stage(x, coords, grid, keep)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +21,11 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 FIRST_THREE = ("--only", "curation", "--only", "pretrain", "--only", "data_wait")
 
 
-def run_check(tmp_path: Path, *args: str, total_s: int = 600) -> tuple[dict, str]:
+def run_check(tmp_path: Path, *args: str, total_s: int = 600, env: dict | None = None) -> tuple[dict, str]:
     out = tmp_path / "check.json"
     # A generous total: the parts' shares of it are their hard stops, and a shared CI machine can be slow.
     cmd = [sys.executable, str(SCRIPT), "--cpu-smoke", "--total-s", str(total_s), "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=total_s + 300, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=total_s + 300, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
 
@@ -133,13 +135,39 @@ def test_the_value_rows_tell_each_cell_and_how_far_a_cut_off_chain_got():
     assert "every cell" in gc.GOALS["value"] and gc.PARTS[-1] == "value"
 
 
+# What a GPU machine running on benchmarks/offline_site.py's archive lacks: the lite runtimes, ultralytics' polars.
+LITE_RUNTIMES = ("openvino", "ai_edge_litert", "rapidocr", "polars")
+
+
+def without_modules(tmp_path: Path, names: tuple[str, ...]) -> dict:
+    """An environment whose Python processes (Ray's workers too) cannot import ``names``."""
+    site = tmp_path / "blocked"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"import sys\nsys.modules.update(dict.fromkeys({names!r}))\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+
+
 @pytest.mark.slow
 def test_the_value_part_runs_the_chain_with_pretraining_in_memory(tmp_path):
-    results, printed = run_check(tmp_path, "--only", "value", total_s=900)
+    """On data made ahead (--prepare-value-data), on a machine where the lite profile's runtimes do not import."""
+    data = tmp_path / "value-data"
+    prepared = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu-smoke", "--prepare-value-data", str(data)],
+        capture_output=True, text=True, timeout=900, cwd=REPO,
+    )  # fmt: skip
+    assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
+    assert (data / "curated/shards/manifest.json").exists() and (data / "labelled-8/test/manifest.json").exists()
+    shutil.rmtree(data / "pool")  # what is curated need not travel with it
+
+    env = without_modules(tmp_path, LITE_RUNTIMES)
+    blocked = subprocess.run([sys.executable, "-c", "import openvino"], env=env, capture_output=True, text=True)
+    assert blocked.returncode != 0 and "ModuleNotFoundError" in blocked.stderr
+    results, printed = run_check(tmp_path, "--only", "value", "--value-data", str(data), total_s=900, env=env)
     parts = results["parts"]
     assert list(parts) == ["value"] and not errors(parts)
     value = parts["value"]
     (m,) = value["models"]  # the smoke mode's one size
+    assert not any(t.startswith(("curate", "pool", "labelled")) for t in m["steps_s"])  # made ahead, not here
     assert m["size"] == "tiny" and m["patch_size"] == 8 and m["pretrain_steps"] == 4 and m["global_batch"] == 4
     # the in-memory pretraining: the whole curated pool on the device, one record per step at this length
     run = m["pretrain_run"]

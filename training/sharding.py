@@ -18,12 +18,17 @@ from torch.distributed.tensor import DTensor
 M = TypeVar("M", bound=nn.Module)
 
 
+def mixed_precision(device: torch.device, precision: str) -> MixedPrecisionPolicy:
+    """bf16 parameters and compute, fp32 gradient reduction, on GPUs when asked; fp32 otherwise."""
+    if device.type == "cuda" and precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
 def shard(model: M, units: list[nn.Module], device: torch.device, precision: str) -> M:
     """FSDP2 over the process group: one ``fully_shard`` per unit, then the root (the parameters left over, and the
     move to ``device``); bf16 parameters and compute with fp32 gradient reduction on GPUs when asked."""
-    mp = MixedPrecisionPolicy()
-    if device.type == "cuda" and precision == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = mixed_precision(device, precision)
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp)
