@@ -185,8 +185,18 @@ class Block(nn.Module):
         self.norm2 = nn.RMSNorm(cfg.width, eps=cfg.norm_eps)
         self.ffn = SwiGLU(cfg.width, cfg.hidden)
         self.ls2 = nn.Parameter(torch.full((cfg.width,), cfg.layer_scale_init)) if cfg.ffn_layer_scale else None
+        self.activation_checkpointing = cfg.activation_checkpointing
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
+        # The recomputation lives inside the block, so a compiled block (``block.compile()``) traces it as part of its
+        # graph, as torchtitan orders them (checkpoint wrapper, then compile, then FSDP). A checkpoint around a
+        # compiled block instead recomputes a graph whose saved tensors differ from the first forward's
+        # (``CheckpointError: Recomputed values ... different metadata`` on an H200 under FSDP2 bf16).
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, rope, mask, use_reentrant=False)
+        return self._forward(x, rope, mask)
+
+    def _forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
         x = x + self.ls1 * self.attn(self.norm1(x), rope, mask)
         ffn = self.ffn(self.norm2(x))
         return x + (ffn if self.ls2 is None else self.ls2 * ffn)
@@ -220,8 +230,17 @@ class Sapiens2Backbone(nn.Module):
         self.local_blocks = nn.ModuleList(Block(cfg, cfg.heads) for _ in range(cfg.local_depth))
         self.blocks = nn.ModuleList(Block(cfg, cfg.block_kv_heads(i)) for i in range(cfg.depth))
         self.norm = nn.RMSNorm(D, eps=cfg.norm_eps)
-        self.activation_checkpointing = cfg.activation_checkpointing
         self.init_weights()
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether the blocks recompute their activations in the backward pass (a flag read at each forward)."""
+        return all(blk.activation_checkpointing for blk in self.all_blocks)
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, on: bool) -> None:
+        for blk in self.all_blocks:
+            blk.activation_checkpointing = on
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -282,14 +301,9 @@ class Sapiens2Backbone(nn.Module):
         rope = rope_tables(coords, self.cfg.head_dim, self.cfg.rope_base, prefix, x.dtype)
         x = torch.cat([self.cls_token.expand(B, -1, -1), self.registers.expand(B, -1, -1), x], dim=1)
         for blk in self.blocks:
-            x = self._run(blk, x, rope)
+            x = blk(x, rope)
         x = self.norm(x)
         return BackboneOutput(cls=x[:, 0], registers=x[:, 1:prefix], patches=x[:, prefix:], grid=grid, keep=keep)
-
-    def _run(self, blk: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
-        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(blk, x, rope, mask, use_reentrant=False)
-        return blk(x, rope, mask)
 
     def _local_stage(
         self, x: Tensor, coords: Tensor, grid: tuple[int, int], keep: Tensor | None
@@ -322,7 +336,7 @@ class Sapiens2Backbone(nn.Module):
         seq = torch.cat([query, tokens], dim=1)
         rope = rope_tables(coords[windows].flatten(0, 1), self.cfg.head_dim, self.cfg.rope_base, 1, x.dtype)
         for blk in self.local_blocks:
-            seq = self._run(blk, seq, rope, mask)
+            seq = blk(seq, rope, mask)
         return seq[:, 0].view(B, -1, D), keep, (th, tw)
 
 

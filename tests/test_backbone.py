@@ -314,8 +314,12 @@ def test_activation_checkpointing_gives_the_same_gradients():
     grads = []
     for flag in (False, True):
         model = _model(TINY).train()
-        model.activation_checkpointing = flag
+        model.activation_checkpointing = flag  # reaches every block: each checkpoints itself
+        assert [blk.activation_checkpointing for blk in model.all_blocks] == [flag] * len(model.all_blocks)
+        calls: list[int] = []
+        model.blocks[0].attn.register_forward_hook(lambda *_, calls=calls: calls.append(1))
         model(images, keep).patches.square().mean().backward()
+        assert len(calls) == (2 if flag else 1)  # the forward, and with checkpointing its recomputation
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
