@@ -151,14 +151,10 @@ GPU = Sizes(
     # benchmarks/RESULTS.md), and the two sizes then differ in the model alone. The pool: 400 renders -> ~160 curated
     # (the lite profile keeps ~40%), so ~750 epochs.
     #
-    # Time on one H200 with 16 CPUs (not measured there yet; CPU runs here scaled to that machine's cores, and the
-    # step's kernel count): renders 400 x ~1.3 CPU-s over 14 processes ~40 s, curation with 6 person actors ~20 s,
-    # held-out and labelled renders and Ray's start ~13 s; then per size (tiny / 0.1b): pretraining 938 steps at ~25 /
-    # ~55 ms (0.1b: 128 x 89 GFLOP a step, ~50 ms of bf16 matrix work at ~230 TFLOP/s) ~25 / ~55 s; 4 probes (random and
-    # student x 2 seeds; linear fits on the CPU over 5 / 13 layers) ~3 / ~9 s each; 4 fine-tuning runs through Ray
-    # Train, ~10 s of start-up each + 200 steps at ~15 / ~35 ms + scoring, ~13 / ~20 s each. In all ~75 + ~90 + ~170 s,
-    # about 5.5 minutes. Fine-tuning start-ups are the largest share: comparing the EMA teacher too (exports
-    # student,teacher) adds ~90 s, grayscale probes ~50 s, a third seed ~130 s.
+    # Time on one H200 with 16 CPUs, measured 2026-12-04 (benchmarks/RESULTS.md) with the renders and curation made
+    # ahead (--value-data): tiny pretraining 938 steps at 0.0735 s (73 s), probes 3-4 s each, fine-tuning runs 37-45 s
+    # each (~35 s of it Ray Train's start), 261 s for the tiny chain; 0.1b pretrains at ~0.17 s a step (~160 s). Both
+    # sizes need about 10 minutes: give this part a command of its own (--only value --budget value=580).
     value_models=(("tiny", None, ("optim.lr=2e-3",)), ("0.1b", 8, ("optim.lr=1e-3",))),
     value_pretrain=(
         "ray.workers=1",  # one process: the global batch is one batch
