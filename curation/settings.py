@@ -251,6 +251,8 @@ class YoloModelSettings(Strict):
     min_candidate_score: float = Field(0.25, ge=0, le=1)  # weaker boxes are not listed
     nms_iou: float = Field(0.7, gt=0, le=1)
     max_det: int = Field(100, ge=1)
+    # an image's highest-scoring candidates that enter NMS (ultralytics' max_nms): NMS time grows with their square
+    max_nms: int = Field(30000, ge=1)
     pose_match_iou: float = Field(0.5, gt=0, le=1)  # a pose detection belongs to the detector box it overlaps most
     keypoint_min_conf: float = Field(0.5, ge=0, le=1)  # a face keypoint counts as visible at this confidence
     frontal_max_yaw: float = Field(45.0, gt=0, lt=90)  # |yaw| above this is a profile

@@ -366,6 +366,23 @@ def test_yolo_stage_rejects_with_the_lite_reason_codes(store_dir, photos):
     assert reason_code(u[REJECT]) == "no_person" and u["persons"] == [] and u["person_count"] == 0
 
 
+def test_max_nms_bounds_the_candidates_that_enter_nms(store_dir, photos):
+    """Random weights score all of an image's 8400 anchors alike; ``max_nms`` lets only the highest-scoring few into
+    NMS, whose time grows with their square (all 8400 per image outlasted ultralytics' NMS time limit on a GPU)."""
+    opened = ("models.yolo.min_candidate_score=0.00001", "models.yolo.max_det=100")
+    rows = _rows(photos, ["zidane", "bus"])
+    found = {}
+    for cap in (30000, 2):
+        stage = YoloPersonStage(
+            _full_cfg(store_dir, *opened, "models.yolo.detector=null", f"models.yolo.max_nms={cap}")
+        )
+        stage.setup()
+        images = [decode(r["image"]["bytes"], max_side=stage.cfg.models.yolo.imgsz) for r in rows]
+        found[cap] = [len(boxes) for boxes, _, _ in stage.infer(images)]
+    assert all(n > 2 for n in found[30000]), found  # the uncapped NMS keeps more than two boxes an image ...
+    assert all(1 <= n <= 2 for n in found[2]), found  # ... of which a cap of 2 lets two in at most
+
+
 def test_yolo_pose_model_alone_gives_the_persons(store_dir, photos):
     cfg = _full_cfg(
         store_dir,

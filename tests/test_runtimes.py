@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -81,6 +82,32 @@ def test_the_choice_is_kept_per_node_and_timed_again_when_what_decides_it_change
     choose_runtime("auto", "models.ocr.runtime", _slow_openvino(calls), SAMPLE, model, 1, cache)
     assert calls.count("openvino") == 1 + TIMED_CALLS
     assert len(json.loads((cache / CHOICES_FILE).read_text())) == 4
+
+
+def test_actors_that_start_at_once_take_turns_and_agree(model: Path, tmp_path: Path) -> None:
+    """Four actors whose own timings would each pick another runtime (every second one finds OpenVINO faster): the
+    first to take the node's lock times, the others read its choice, so one node scores with one runtime (the two
+    agree to ~2e-5, not to the bit)."""
+    cache, start = tmp_path / "cache", threading.Barrier(4)
+    calls: list[list[str]] = [[] for _ in range(4)]
+    chosen: list[str] = [""] * 4
+
+    def actor(i: int) -> None:
+        fast, slow = ("openvino", "onnxruntime") if i % 2 else ("onnxruntime", "openvino")
+        builders = {fast: _network(0.0, calls[i], fast), slow: _network(0.02, calls[i], slow)}
+        start.wait()
+        chosen[i] = choose_runtime("auto", "models.ocr.runtime", builders, SAMPLE, model, 1, cache)[0]
+
+    threads = [threading.Thread(target=actor, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    timed = [i for i in range(4) if len(calls[i]) > 1]
+    assert len(timed) == 1 and len(set(chosen)) == 1  # one actor timed; every actor runs its choice
+    assert all(calls[i] == [f"build {chosen[0]}"] for i in range(4) if i not in timed)
+    (kept,) = json.loads((cache / CHOICES_FILE).read_text()).values()
+    assert kept["runtime"] == chosen[0]
 
 
 def test_a_torn_record_is_timed_again_and_rewritten(model: Path, tmp_path: Path) -> None:

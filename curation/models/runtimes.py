@@ -9,11 +9,16 @@ keeps the fastest; naming a runtime skips the timing.
 Timing costs a few seconds (every runtime built, four calls each), so the choice is kept in ``runtimes.json`` in the
 node's model cache, keyed by what decides it: the network file, the input size, the thread count, the CPU model and
 the runtimes' versions. Later actors on the node, and later runs, build only the chosen runtime; a node of another
-CPU type, or an upgraded runtime, times again.
+CPU type, or an upgraded runtime, times again. Actors that start at once take turns (a lock beside the record): the
+first times and keeps its choice, the others read it. Otherwise each could choose by its own timing, and the runtimes
+agree to ~2e-5, not to the bit: shards scored on one node would then differ in their float bytes from a rescored
+copy, and a resumed run would not reproduce an uninterrupted one byte for byte.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib
 import importlib.util
@@ -22,7 +27,7 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +70,26 @@ def choose_runtime(
         return name, build()
     record = None if cache_dir is None else cache_dir / CHOICES_FILE
     fingerprint = _fingerprint(key, model, sample.shape, threads, sorted(available))
-    known = _read_choices(record).get(fingerprint)
-    if known is not None and known.get("runtime") in available:
-        log.info(f"{key}=auto: {known['runtime']}, as timed on this node before ({_timings(known['ms'])}; {record})")
-        return known["runtime"], available[known["runtime"]]()
-    networks = {name: build() for name, build in available.items()}
+    with _node_lock(record):
+        known = _read_choices(record).get(fingerprint)
+        if known is not None and known.get("runtime") in available:
+            log.info(
+                f"{key}=auto: {known['runtime']}, as timed on this node before ({_timings(known['ms'])}; {record})"
+            )
+            return known["runtime"], available[known["runtime"]]()
+        networks = {name: build() for name, build in available.items()}
+        ms = _time(networks, sample)
+        chosen = min(ms, key=lambda name: ms[name])
+        log.info(
+            f"{key}=auto: {chosen}, the fastest here on a {'x'.join(map(str, sample.shape))} input ({_timings(ms)})"
+        )
+        if record is not None:
+            _keep_choice(record, fingerprint, {"key": key, "runtime": chosen, "ms": ms, "cpu": cpu_model()})
+    return chosen, networks[chosen]
+
+
+def _time(networks: dict[str, Network], sample: np.ndarray) -> dict[str, float]:
+    """Milliseconds of each network's best call on ``sample``, the calls alternating between networks."""
     best = dict.fromkeys(networks, float("inf"))
     for network in networks.values():
         network(sample)  # the first call plans and allocates
@@ -78,12 +98,25 @@ def choose_runtime(
             start = time.perf_counter()
             network(sample)
             best[name] = min(best[name], time.perf_counter() - start)
-    chosen = min(best, key=lambda name: best[name])
-    ms = {name: round(seconds * 1e3, 1) for name, seconds in best.items()}
-    log.info(f"{key}=auto: {chosen}, the fastest here on a {'x'.join(map(str, sample.shape))} input ({_timings(ms)})")
-    if record is not None:
-        _keep_choice(record, fingerprint, {"key": key, "runtime": chosen, "ms": ms, "cpu": cpu_model()})
-    return chosen, networks[chosen]
+    return {name: round(seconds * 1e3, 1) for name, seconds in best.items()}
+
+
+@contextlib.contextmanager
+def _node_lock(record: Path | None) -> Iterator[None]:
+    """Hold the node's lock on its runtime choices (a file beside the record) while one actor reads, times and keeps
+    a choice; without a record, or where the cache cannot hold a lock file (read-only), there is nothing to share."""
+    if record is None:
+        yield
+        return
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(record.with_name(f".{record.name}.lock"), "a")  # held for the block below
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def cpu_model() -> str:

@@ -261,6 +261,7 @@ class YoloPersonStage(Stage):
             m.nms_iou,
             classes=classes,
             max_det=m.max_det,
+            max_nms=m.max_nms,
             nc=nc,
             end2end=bool(getattr(model, "end2end", False)),
         )
