@@ -110,6 +110,18 @@ def test_actors_that_start_at_once_take_turns_and_agree(model: Path, tmp_path: P
     assert kept["runtime"] == chosen[0]
 
 
+def test_a_cache_that_cannot_hold_the_lock_still_chooses(
+    model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    cache = tmp_path / "file" / "cache"  # no folder can be made here, so neither the lock nor the record
+    calls: list[str] = []
+    with caplog.at_level("WARNING", logger="curation.models.runtimes"):
+        name, _ = choose_runtime("auto", "models.ocr.runtime", _slow_openvino(calls), SAMPLE, model, 1, cache)
+    assert name == "onnxruntime" and calls.count("openvino") == 1 + TIMED_CALLS
+    assert "no lock on the node's runtime choices" in caplog.text and "could not keep the runtime choice" in caplog.text
+
+
 def test_a_torn_record_is_timed_again_and_rewritten(model: Path, tmp_path: Path) -> None:
     (tmp_path / CHOICES_FILE).write_text('{"abc": ')
     calls: list[str] = []

@@ -104,18 +104,21 @@ def _time(networks: dict[str, Network], sample: np.ndarray) -> dict[str, float]:
 @contextlib.contextmanager
 def _node_lock(record: Path | None) -> Iterator[None]:
     """Hold the node's lock on its runtime choices (a file beside the record) while one actor reads, times and keeps
-    a choice; without a record, or where the cache cannot hold a lock file (read-only), there is nothing to share."""
+    a choice. Without a record there is nothing to share; where the cache cannot hold a lock (read-only, a file system
+    without locks) each actor chooses alone, as the warning says."""
     if record is None:
         yield
         return
-    try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(record.with_name(f".{record.name}.lock"), "a")  # held for the block below
-    except OSError:
-        yield
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    path = record.with_name(f".{record.name}.lock")
+    with contextlib.ExitStack() as held:
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            lock = held.enter_context(open(path, "a"))
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        except OSError as err:
+            log.warning(
+                f"{path}: no lock on the node's runtime choices ({err}); actors starting at once may choose apart"
+            )
         yield
 
 
