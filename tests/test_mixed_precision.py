@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from common.config import load_config
 from finetune.config import FinetuneConfig
@@ -28,9 +27,10 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def bf16_fsdp(monkeypatch):
-    """A process group of one with the GPU's mixed-precision policy."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    monkeypatch.setattr(sharding, "mixed_precision", lambda device, precision: policy)
+    """A process group of one with the GPU's mixed-precision policy (the one sharding chooses for a CUDA device)."""
+    gpu_policy = sharding.mixed_precision(torch.device("cuda"), "bf16")
+    assert gpu_policy.param_dtype == torch.bfloat16 and gpu_policy.reduce_dtype == torch.float32
+    monkeypatch.setattr(sharding, "mixed_precision", lambda device, precision: gpu_policy)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
