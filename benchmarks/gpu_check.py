@@ -3,6 +3,7 @@
     bash benchmarks/gpu_check.sh                     # clean checkout, bare GPU machine: install, then measure
     python benchmarks/gpu_check.py [--total-s 720] [--out gpu_check.json] [--budget part=seconds] [--only part]
                                    [--peak-tflops 989]
+    python benchmarks/gpu_check.py --size value_budget.steps=1000 --size 'pretrain_settings=[[true,false]]'  # one run's sizes
     python benchmarks/gpu_check.py --cpu-smoke       # the same code paths at tiny sizes on CPU (tests/test_gpu_check.py)
     python benchmarks/gpu_check.py --prepare-value-data DIR   # part 4's renders and curation, made ahead on a CPU machine
     python benchmarks/gpu_check.py --value-data DIR  # ... and used by part 4 (a GPU machine without a package index)
@@ -48,6 +49,7 @@ JSON (``--out``); each part's log goes beside it (``<out stem>-logs/``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -104,6 +106,10 @@ class Sizes:
     warmup: int
     steps: int
     compile: bool  # also measure under torch.compile (inductor's CPU code generation takes minutes)
+    # (compile, activation checkpointing) in the order measured: eager first, a figure even if compiling outlasts the
+    # budget; under compile, checkpointing on first (the 0.4B config's setting). Checkpointing is a flag read at each
+    # forward, so one model serves both settings of a row pair.
+    pretrain_settings: tuple[tuple[bool, bool], ...]
     # data wait
     data_photos: int  # person photos in the pool curated for it (times len(data_sizes))
     data_sizes: tuple[int, ...]
@@ -135,6 +141,7 @@ GPU = Sizes(
     warmup=3,
     steps=6,
     compile=True,
+    pretrain_settings=((False, False), (False, True), (True, True), (True, False)),
     data_photos=4,
     data_sizes=(1280, 1408, 1536, 1664, 1792, 1920, 2048, 2176),
     data_overrides=("ray.cpus_per_worker=4", "log.every=5"),
@@ -205,6 +212,7 @@ SMOKE = Sizes(
     warmup=1,
     steps=2,
     compile=False,
+    pretrain_settings=((False, False), (False, True), (True, True), (True, False)),
     data_photos=4,
     data_sizes=(0,),
     data_overrides=("ray.cpus_per_worker=0.5", "log.every=1", "data.read_cpus=0.5"),
@@ -232,6 +240,29 @@ SMOKE = Sizes(
     ),
 )
 PERSON_PHOTOS = ("bus", "zidane", "grace_hopper", "astronaut")  # kept by the lite profile
+
+
+def _as_tuples(value):
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def resized(sz: Sizes, settings: list[str]) -> Sizes:
+    """``sz`` with ``FIELD=JSON`` or ``FIELD.KEY=JSON`` (a key of a dict field) settings applied, JSON lists as
+    tuples: one run's choice of parts of a part (``pretrain_settings=[[true,false]]``, ``value_budget.steps=1000``)."""
+    fields = {f.name for f in dataclasses.fields(Sizes)}
+    for setting in settings:
+        key, sep, text = setting.partition("=")
+        name, _, sub = key.partition(".")
+        if not sep or name not in fields or (sub and not isinstance(getattr(sz, name), dict)):
+            raise ValueError(
+                f"--size {setting!r}: expected FIELD=JSON or FIELD.KEY=JSON, FIELD one of {sorted(fields)}"
+            )
+        try:
+            value = _as_tuples(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--size {setting!r}: the value is not JSON ({exc})") from None
+        sz = dataclasses.replace(sz, **{name: {**getattr(sz, name), sub: value} if sub else value})
+    return sz
 
 
 # --- what a part writes ----------------------------------------------------------------------------------------------
@@ -630,10 +661,8 @@ def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: di
         if peak
         else f"none for {name!r} (known: {sorted(PEAK_TFLOPS)}; pass --peak-tflops): no MFU",
     )
-    # Eager first: a figure even if compiling outlasts the budget. Under compile, checkpointing on first (the
-    # 0.4B config's setting). Checkpointing is a flag read at each forward, so one model serves both settings.
     model, built = None, None
-    for compiled, checkpointing in ((False, False), (False, True), (True, True), (True, False)):
+    for compiled, checkpointing in sz.pretrain_settings:
         setting = {"compile": compiled, "activation_checkpointing": checkpointing}
         if compiled and not sz.compile:
             report.append("skipped", {**setting, "why": "--cpu-smoke: inductor's CPU code generation takes minutes"})
@@ -959,7 +988,7 @@ PART_FNS = {"curation": part_curation, "pretrain": part_pretrain, "data_wait": p
 
 def run_child(args: argparse.Namespace) -> int:
     """One part, in this process: its results go to ``args.result``."""
-    sz = SMOKE if args.cpu_smoke else GPU
+    sz = resized(SMOKE if args.cpu_smoke else GPU, args.size)
     report = PartReport(Path(args.result))
     deadline = Deadline(time.monotonic() + args.budget_s - _MARGIN_S)
     if args.cpu_smoke:
@@ -1015,6 +1044,8 @@ def run_part(part: str, budget_s: float, args: argparse.Namespace, context: dict
     cmd += ["--cpu-smoke"] if args.cpu_smoke else []
     for f in args.fail:
         cmd += ["--fail", f]
+    for setting in args.size:
+        cmd += ["--size", setting]
     start = time.monotonic()
     with open(logs / f"{part}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
@@ -1179,6 +1210,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", choices=PARTS, default=[], help="run only these parts")
     ap.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS", help="fix a part's time budget")
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU (default: by device name)")
+    ap.add_argument(
+        "--size",
+        action="append",
+        default=[],
+        metavar="FIELD=JSON",
+        help="change one of the sizes (class Sizes; FIELD.KEY=JSON for a dict's key), e.g. value_budget.steps=1000",
+    )
     ap.add_argument("--value-data", help="part value: renders and curated shards made by --prepare-value-data")
     ap.add_argument(
         "--prepare-value-data", metavar="DIR", help="make part value's renders and curated shards in DIR, then exit"
@@ -1200,10 +1238,14 @@ def main(argv: list[str] | None = None) -> int:
         part, _, how = f.partition("=")
         if part not in PARTS or how not in _FAILURES:
             ap.error(f"--fail {f!r}: expected PART=raise or PART=hang, PART one of {PARTS}")
+    try:
+        sizes = resized(SMOKE if args.cpu_smoke else GPU, args.size)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.part:
         return run_child(args)
     if args.prepare_value_data:
-        return prepare_value_data(Path(args.prepare_value_data), SMOKE if args.cpu_smoke else GPU)
+        return prepare_value_data(Path(args.prepare_value_data), sizes)
     if args.value_data and not (Path(args.value_data) / "curated" / "shards" / "manifest.json").exists():
         ap.error(f"--value-data {args.value_data}: no curated shards there (make them with --prepare-value-data)")
 

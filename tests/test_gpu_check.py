@@ -90,24 +90,50 @@ def test_a_failing_part_is_reported_and_the_others_run(tmp_path):
         "value=raise",
         "--budget",
         "data_wait=10",
+        "--size",
+        "pretrain_settings=[[false, true]]",  # travels to the part's own process
     )
     parts = results["parts"]
     assert list(parts) == ["curation", "pretrain", "data_wait", "value"]
     assert parts["curation"]["status"] == "error"
     assert "failure injected into part curation" in parts["curation"]["error"]
     assert parts["pretrain"]["status"] == "ok" and all(r["step_s"] > 0 for r in parts["pretrain"]["runs"])
+    assert [(r["compile"], r["activation_checkpointing"]) for r in parts["pretrain"]["runs"]] == [(False, True)]
+    assert "skipped" not in parts["pretrain"]
     assert parts["data_wait"]["status"] == "error"
     assert parts["data_wait"]["error"].startswith("stopped at its time budget (10 s)")
     assert parts["value"]["status"] == "error" and "failure injected into part value" in parts["value"]["error"]
     assert "failure injected" in printed and "stopped at its time budget" in printed
 
 
-def test_the_value_rows_tell_each_cell_and_how_far_a_cut_off_chain_got():
+def load_script():
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     assert spec is not None and spec.loader is not None
     gc = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = gc  # its dataclasses look their module up there
     spec.loader.exec_module(gc)
+    return gc
+
+
+def test_one_run_changes_sizes_by_field_or_dict_key():
+    gc = load_script()
+    sz = gc.resized(gc.GPU, ['value_models=[["tiny", null, ["optim.lr=2e-3"]]]', "value_budget.steps=1000"])
+    assert sz.value_models == (("tiny", None, ("optim.lr=2e-3",)),)
+    assert sz.value_budget["steps"] == 1000 and gc.GPU.value_budget["steps"] == 200  # the default is untouched
+    assert {k: v for k, v in sz.value_budget.items() if k != "steps"} == {
+        k: v for k, v in gc.GPU.value_budget.items() if k != "steps"
+    }
+    for bad in ("budget_steps=1000", "images.x=1", "images=ten", "images"):
+        with pytest.raises(ValueError, match="--size"):
+            gc.resized(gc.GPU, [bad])
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--size", "no_such_field=1"], capture_output=True, text=True, cwd=REPO
+    )
+    assert proc.returncode == 2 and "FIELD one of" in proc.stderr
+
+
+def test_the_value_rows_tell_each_cell_and_how_far_a_cut_off_chain_got():
+    gc = load_script()
     cell = {"measure": "probe mIoU", "init": "student", "random": "0.1000 ± 0.0100", "pretrained": "0.2000 ± 0.0100"}
     finished = {
         "size": "tiny", "patch_size": 8, "pool": 400, "curated": 160, "pretrain_steps": 938, "global_batch": 128,
