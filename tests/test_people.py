@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -392,22 +395,22 @@ def test_head_roll_follows_a_rotation_of_the_photo(person_stage, head_stage, pho
     assert rolls[-15] - rolls[15] == pytest.approx(30, abs=10)
 
 
+def _person_on(runtime: str) -> CurateConfig:
+    cfg = CurateConfig()
+    return cfg.model_copy(
+        update={
+            "models": cfg.models.model_copy(
+                update={"person": cfg.models.person.model_copy(update={"runtime": runtime})}
+            )
+        }
+    )
+
+
 def test_both_runtimes_of_the_person_graph_give_the_same_people(photos):
     """OpenVINO (the default where it imports) and cv2.dnn run the same graph in fp32: on every photo of the labelled
     check and the module's photos, the same verdicts and the same persons, boxes and keypoints within 1e-4 of the
     image size."""
-
-    def on(runtime: str) -> CurateConfig:
-        cfg = CurateConfig()
-        return cfg.model_copy(
-            update={
-                "models": cfg.models.model_copy(
-                    update={"person": cfg.models.person.model_copy(update={"runtime": runtime})}
-                )
-            }
-        )
-
-    stages = {runtime: _stage(PersonStage, on(runtime)) for runtime in ("openvino", "opencv")}
+    stages = {runtime: _stage(PersonStage, _person_on(runtime)) for runtime in ("openvino", "opencv")}
     assert {r: s.network.runtime for r, s in stages.items()} == {"openvino": "openvino", "opencv": "opencv"}
     checked = [(p.name, p.rgb) for p in person_check(MIN_SIDE)] + list(photos.items())
     rows = [_row(rgb, name) for name, rgb in checked]
@@ -421,3 +424,37 @@ def test_both_runtimes_of_the_person_graph_give_the_same_people(photos):
             box_b = np.array([pb_[k] for k in ("x0", "y0", "x1", "y1")])
             assert np.abs(box_a - box_b).max() <= 1e-4 * side, (name, box_a, box_b)
             assert np.abs(np.subtract(pa_["keypoints"], pb_["keypoints"])).max() <= 1e-4 * side, name
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning is only seen with two CPUs or more")
+def test_openvino_leaves_its_threads_free_to_run_on_any_of_the_process_cpus():
+    """Each process pins OpenVINO's inference threads from the first core up, not knowing of the other actors on the
+    node: two single-thread actors then share one core. While the person graph runs, no thread of this process may be
+    narrowed to fewer CPUs than the process may use."""
+    stage = _stage(PersonStage, _person_on("openvino"))
+    assert stage.network.runtime == "openvino"
+    allowed = os.sched_getaffinity(0)
+    rgb = np.zeros((276, 368, 3), np.uint8)
+    done = threading.Event()
+
+    def infer() -> None:
+        while not done.is_set():
+            stage.network(rgb)
+
+    worker = threading.Thread(target=infer, daemon=True)
+    worker.start()
+    narrowed = set()
+    try:
+        for _ in range(150):
+            for tid in map(int, os.listdir("/proc/self/task")):
+                try:
+                    cpus = os.sched_getaffinity(tid)
+                except OSError:  # the thread has ended
+                    continue
+                if cpus != allowed:
+                    narrowed.add((tid, tuple(sorted(cpus))))
+            time.sleep(0.005)
+    finally:
+        done.set()
+        worker.join()
+    assert not narrowed, f"threads pinned to fewer CPUs than {sorted(allowed)}: {sorted(narrowed)}"

@@ -186,7 +186,10 @@ class OpenVinoNetwork:
     """One compiled model and its infer request: an array in, the first output out (a copy: the request reuses it).
 
     fp32 is asked for explicitly: on CPUs with bf16 or AMX OpenVINO would otherwise infer in bf16 and move the
-    networks' peaks and boxes. Input shapes may change from call to call (models read with dynamic dimensions)."""
+    networks' peaks and boxes. Thread pinning is turned off: each process pins its threads from the first core up,
+    not knowing of the others, so the single-thread actors of one node would all run on its first core (two on 2 CPUs:
+    each at half speed, the other core idle; benchmarks/RESULTS.md). Input shapes may change from call to call
+    (models read with dynamic dimensions)."""
 
     def __init__(self, model: Path, threads: int):
         import openvino as ov
@@ -195,6 +198,7 @@ class OpenVinoNetwork:
             "INFERENCE_PRECISION_HINT": "f32",
             "INFERENCE_NUM_THREADS": threads,
             "PERFORMANCE_HINT": "LATENCY",
+            "ENABLE_CPU_PINNING": False,
         }
         core = ov.Core()
         self._request = core.compile_model(core.read_model(str(model)), "CPU", config).create_infer_request()
