@@ -182,26 +182,32 @@ def _keep_choice(record: Path, fingerprint: str, choice: dict[str, Any]) -> None
         log.warning(f"{record}: could not keep the runtime choice ({err})")
 
 
-class OpenVinoNetwork:
-    """One compiled model and its infer request: an array in, the first output out (a copy: the request reuses it).
+def openvino_config(threads: int) -> dict[str, Any]:
+    """How OpenVINO compiles our networks for the CPU.
 
     fp32 is asked for explicitly: on CPUs with bf16 or AMX OpenVINO would otherwise infer in bf16 and move the
     networks' peaks and boxes. Thread pinning is turned off: each process pins its threads from the first core up,
     not knowing of the others, so the single-thread actors of one node would all run on its first core (two on 2 CPUs:
-    each at half speed, the other core idle; benchmarks/RESULTS.md). Input shapes may change from call to call
-    (models read with dynamic dimensions)."""
+    each at half speed, the other core idle; ``benchmarks/bench_openvino_pinning.py``)."""
+    return {
+        "INFERENCE_PRECISION_HINT": "f32",
+        "INFERENCE_NUM_THREADS": threads,
+        "PERFORMANCE_HINT": "LATENCY",
+        "ENABLE_CPU_PINNING": False,
+    }
 
-    def __init__(self, model: Path, threads: int):
+
+class OpenVinoNetwork:
+    """One compiled model (``openvino_config``) and its infer request: an array in, the first output out (a copy: the
+    request reuses it). Input shapes may change from call to call (models read with dynamic dimensions)."""
+
+    def __init__(self, model: Path, threads: int, config: dict[str, Any] | None = None):
         import openvino as ov
 
-        config: dict[str, Any] = {
-            "INFERENCE_PRECISION_HINT": "f32",
-            "INFERENCE_NUM_THREADS": threads,
-            "PERFORMANCE_HINT": "LATENCY",
-            "ENABLE_CPU_PINNING": False,
-        }
         core = ov.Core()
-        self._request = core.compile_model(core.read_model(str(model)), "CPU", config).create_infer_request()
+        self._request = core.compile_model(
+            core.read_model(str(model)), "CPU", openvino_config(threads) if config is None else config
+        ).create_infer_request()
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         self._request.infer({0: x})
