@@ -16,7 +16,8 @@ changed); its own ``curation`` package and ``configs/curate/lite.yaml`` run in a
     keypoints: the full profile's YOLO pose weights are not in a package);
 (d) lite scoring end to end on the sample pool (``jobs.make_sample_pool``, default size): every lite stage in one
     process, batch by batch (``curation.score.phase.score_in_process``), images per second, and how many inputs end
-    otherwise than the pool's manifest expects.
+    otherwise than the pool's manifest expects; with ``--ray`` also phase 1 on a local Ray: images per second, and
+    when the first shard committed (the actors' start-up, the same at any pool size).
 
 Both sides run one after the other at the same priority; the machine may be shared, so compare the ratios. With
 ``--concurrent`` the in-process measurements of both trees run at the same time, each pinned to a core of its own:
@@ -139,9 +140,18 @@ def ray_scoring(cfg, pool: Path) -> dict:
     out = pool.parent / f"scored-{os.getpid()}"
     claim_output(str(out), cfg.results_hash(), str(pool), new_run=True)
     shards = list_shards(str(pool), cfg.input)
+    # when each shard commits: the first waits for the actors to start (the same cost at any pool size)
+    commits: list[tuple[float, int]] = []
+    commit = ScorePhase._commit
+
+    def timed_commit(self, shard_id: str, receipts: list[dict]) -> int:
+        commits.append((time.perf_counter() - start, sum(r["rows"] for r in receipts)))
+        return commit(self, shard_id, receipts)
+
+    ScorePhase._commit = timed_commit
     start = time.perf_counter()
     ScorePhase(cfg, str(out), str(pool)).run(shards)
-    return {"ray_s": time.perf_counter() - start}
+    return {"ray_s": time.perf_counter() - start, "ray_commits": commits}
 
 
 def worker(images: Path, pool: Path | None, mode: str = "process") -> dict:
@@ -342,6 +352,7 @@ def _e2e_metrics(manifest: dict[str, dict], r: dict) -> dict:
     }
     if "ray_s" in r:
         out["ray_img_s"] = n / r["ray_s"]
+        out["ray_first_commit_s"] = r["ray_commits"][0][0] if r["ray_commits"] else None
     return out
 
 
@@ -421,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             if "ray_img_s" in e:
                 line += f", {e['ray_img_s']:.2f} img/s on a local Ray with 2 CPUs"
+                if e["ray_first_commit_s"] is not None:
+                    line += f" (the first shard committed at {e['ray_first_commit_s']:.1f} s)"
             if e["runtimes"]:
                 line += "; runtimes " + ", ".join(f"{k} {v}" for k, v in e["runtimes"].items())
             line += (
