@@ -986,9 +986,8 @@ def prepare_value_data(folder: Path, sz: Sizes) -> int:
 PART_FNS = {"curation": part_curation, "pretrain": part_pretrain, "data_wait": part_data_wait, "value": part_value}
 
 
-def run_child(args: argparse.Namespace) -> int:
-    """One part, in this process: its results go to ``args.result``."""
-    sz = resized(SMOKE if args.cpu_smoke else GPU, args.size)
+def run_child(args: argparse.Namespace, sz: Sizes) -> int:
+    """One part, in this process, at sizes ``sz``: its results go to ``args.result``."""
     report = PartReport(Path(args.result))
     deadline = Deadline(time.monotonic() + args.budget_s - _MARGIN_S)
     if args.cpu_smoke:
@@ -1243,7 +1242,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     if args.part:
-        return run_child(args)
+        return run_child(args, sizes)
     if args.prepare_value_data:
         return prepare_value_data(Path(args.prepare_value_data), sizes)
     if args.value_data and not (Path(args.value_data) / "curated" / "shards" / "manifest.json").exists():
