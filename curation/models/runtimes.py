@@ -72,20 +72,19 @@ def choose_runtime(
     fingerprint = _fingerprint(key, model, sample.shape, threads, sorted(available))
     with _node_lock(record):
         known = _read_choices(record).get(fingerprint)
-        if known is not None and known.get("runtime") in available:
+        if known is None or known.get("runtime") not in available:
+            networks = {name: build() for name, build in available.items()}
+            ms = _time(networks, sample)
+            chosen = min(ms, key=lambda name: ms[name])
             log.info(
-                f"{key}=auto: {known['runtime']}, as timed on this node before ({_timings(known['ms'])}; {record})"
+                f"{key}=auto: {chosen}, the fastest here on a {'x'.join(map(str, sample.shape))} input ({_timings(ms)})"
             )
-            return known["runtime"], available[known["runtime"]]()
-        networks = {name: build() for name, build in available.items()}
-        ms = _time(networks, sample)
-        chosen = min(ms, key=lambda name: ms[name])
-        log.info(
-            f"{key}=auto: {chosen}, the fastest here on a {'x'.join(map(str, sample.shape))} input ({_timings(ms)})"
-        )
-        if record is not None:
-            _keep_choice(record, fingerprint, {"key": key, "runtime": chosen, "ms": ms, "cpu": cpu_model()})
-    return chosen, networks[chosen]
+            if record is not None:
+                _keep_choice(record, fingerprint, {"key": key, "runtime": chosen, "ms": ms, "cpu": cpu_model()})
+            return chosen, networks[chosen]
+    # built after the lock is let go: the node's other actors load their networks at the same time, not in turn
+    log.info(f"{key}=auto: {known['runtime']}, as timed on this node before ({_timings(known['ms'])}; {record})")
+    return known["runtime"], available[known["runtime"]]()
 
 
 def _time(networks: dict[str, Network], sample: np.ndarray) -> dict[str, float]:
