@@ -1,43 +1,54 @@
-"""Does pretraining on curated shards give a better backbone? Pretrained vs random init, read out early and late.
+"""Does pretraining give a better backbone? Random init, a positive control and backbones pretrained on a curated
+and on a raw pool, read out by frozen probes and by fine-tuning with a recipe chosen per init on validation.
 
-    python benchmarks/pretrain_value.py --quick            # <= 15 min on 2 CPUs: 1 seed, 2 learning rates
-    python benchmarks/pretrain_value.py                    # the full experiment (about 3 hours on 2 quiet CPUs)
-    python benchmarks/pretrain_value.py --work out/pv --pool 4000 --pretrain-epochs 20 --seeds 0,1,2 --both-exports
+    python benchmarks/pretrain_value.py                    # the CPU preset: about 50 min on 2 CPUs
+    python benchmarks/pretrain_value.py --quick            # the whole path at a small size (about 10 min)
+    python benchmarks/pretrain_value.py --work out/pv --pool 5000 --pretrain-steps 3000 --labels 16,64 --both-exports
 
-The full preset pretrains on a pool of 3000 renders (about 1200 curated) for 10 epochs of the curated set (about
-3000 steps at the tiny config's global batch of 4: ~25 minutes on 2 CPUs); the quick one on 300 renders for 150
-steps. ``--pretrain-steps`` and ``--pretrain-epochs`` set the budget either way.
+The chain, every step a job a user runs (``run_chain``; the GPU check calls it with a larger ``Budget``):
 
-The real chain, every step a job a user runs (``run_chain``; a GPU script calls it with a larger ``Budget``):
+1. ``jobs.make_synthetic --unlabelled --junk F``: a pool of JPEG renders at 512x384 from any direction, a fraction F
+   of it web junk (frames with no person, near-duplicates, text overlays, images under 384 px); and held-out renders
+   of other figures (another seed, no junk) that pretraining never sees.
+2. Two pretraining sets from that one pool: ``jobs.curate`` with the lite profile (``curated``), and with
+   ``configs/curate/uncurated.yaml``, every image that decodes (``raw``).
+3. ``jobs.pretrain`` with ``configs/pretrain/tiny.yaml``, the same steps on each set, at the read-outs' resolution
+   (the global views are the labelled renders' size, so pretraining and read-out see one token grid); the student
+   is exported, and with ``--both-exports`` the EMA teacher beside it. A caller may pretrain in its own process
+   instead (``pretrainer``: the GPU check trains with the pool in GPU memory).
+4. Held-out MAE (``pretrain.evaluate``) of each run's last student + decoder and of its initial weights, on the
+   same views and masks.
+5. The positive control: ``jobs.finetune`` seg on ``--control`` labelled renders of other figures (another seed);
+   its ``finetuned.safetensors`` starts the read-outs through the same ``--backbone`` path as a pretrained
+   backbone. A backbone that knows body parts: if it does not beat random by far, the read-out is at fault.
+6. ``jobs.make_synthetic``: labelled renders at 128x96 from any direction with ``val`` and ``test`` splits; the
+   ``--labels`` sets are prefixes of one another and share both.
+7. ``jobs.probe`` (frozen features) of every init at every label count, scored on ``test``: the best layer's
+   linear-probe mIoU, k-NN mIoU and left / right accuracy. A random init is drawn per seed; the seed also draws the
+   probes' hold-out.
+8. ``jobs.finetune`` for every init x label count: every recipe of the grid (``--lrs`` x ``--layer-decays`` x
+   ``--probe-steps``, with drop path and a warm-up) on the first seed, scored on ``val``; the recipe with the best
+   validation mIoU is then run with every seed and scored on ``test`` (``finetune.train.evaluate_finetuned``). The
+   same seed gives every init the same head, data order and augmentation draws.
 
-1. ``jobs.make_synthetic --unlabelled``: an unlabelled pool of JPEG renders at 512x384, and a held-out pool of
-   other figures (another seed) that pretraining never sees.
-2. ``jobs.curate`` with the lite profile: the person, quality, dedup and sampling filters keep what they keep.
-3. ``jobs.pretrain`` with ``configs/pretrain/tiny.yaml`` for ``--pretrain-steps``, or ``--pretrain-epochs`` passes
-   over the curated set; exports the student (``--both-exports``: also the EMA teacher). A caller of ``run_chain``
-   may pretrain in its own process instead (``pretrainer``: benchmarks/gpu_check.py trains on the GPU with the pool
-   in GPU memory); the same files are exported from the objective it returns.
-4. Held-out MAE (``pretrain.evaluate``): the objective's MAE term on the held-out renders, for the last checkpoint's
-   student + decoder and for the run's initial weights, on the same views and masks.
-5. ``jobs.make_synthetic``: labelled renders at 128x96 that the pools never hold, with ``val`` and ``test`` splits;
-   the ``--labels`` sets are prefixes of one another and share both.
-6. ``jobs.probe`` (frozen features, ``finetune.frozen_eval``) of every init, in colour and in grayscale, at every
-   label count, scored on ``test``: the best layer's linear-probe mIoU, k-NN mIoU and left / right accuracy. The
-   random init is drawn per seed (the fine-tuning runs' random inits); the seed also draws the probes' hold-out.
-7. ``jobs.finetune`` for every init x label count x seed x learning rate of ``--lrs``, scored on ``val``; per init
-   and label count the rate with the best mean validation mIoU is taken and its runs are scored on ``test``
-   (``finetune.train.evaluate_finetuned``). Same seed = same head, data order and augmentation draws for all inits.
+The inits: ``random`` (the fine-tuning config's backbone from the seed: LayerScale 1e-4, so each block starts
+close to the identity and the model close to a head on the patch embedding), ``random-ls1`` (the same at the
+pretrained backbones' LayerScale 1.0: the control that tells a pretrained backbone's LayerScale from what it
+learnt), ``supervised`` (the positive control), then one per pretraining set and export (``curated``, ``raw``,
+``curated-teacher``, ...).
 
-Prints one table (rows: measures; columns: random / student [/ teacher] as mean +- std over seeds, and whether the
-gain over random exceeds the seed spread), then one last line ``summary: ...``. Every step reuses what an earlier
-run left under ``--work`` (jobs resume), so a rerun only does what is missing; a ``--work`` whose runs used other
-settings is refused. Everything measured is also in ``<work>/results.json``.
+Prints the table (rows: measures; columns: each init as mean +- std over seeds, and whether its gain over random
+exceeds the seed spread), the fine-tuning validation curves, the verdicts (control, pretraining, curated vs raw) and
+one last line ``summary: ...``. Every step reuses what an earlier run left under ``--work`` (jobs resume), so a
+stopped run goes on where it was; a ``--work`` whose runs used other settings is refused. Everything measured is
+also in ``<work>/results.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import platform
@@ -69,10 +80,14 @@ from pretrain.evaluate import heldout_mae, initial_objective, load_objective  # 
 from pretrain.export import EXPORT_FILES, export_backbone, export_objective  # noqa: E402
 from pretrain.objective import JointObjective  # noqa: E402
 from training.checkpoint import latest_committed, read_safetensors, step_of  # noqa: E402
+from training.metrics import latest_per_step, read_metrics  # noqa: E402
 
 POOL_SHARD = 50  # renders per pool tar shard: one shard is one unit of curation work and of its resume
 RANDOM = "random"
+SUPERVISED = "supervised"
 COLOURS = {"colour": False, "grayscale": True}
+# The pretraining sets: the curation config that makes each from the one pool.
+SOURCES = {"curated": "configs/curate/lite.yaml", "raw": "configs/curate/uncurated.yaml"}
 # (row label, key of a probe result's label-count entry, score inside it)
 PROBE_MEASURES = (
     ("probe mIoU (tokens, best layer)", "probe_best", "miou"),
@@ -80,14 +95,18 @@ PROBE_MEASURES = (
     ("left/right bal. acc", "left_right_best", "balanced_acc"),
 )
 PRESETS: dict[str, dict[str, Any]] = {
-    "quick": dict(pool=300, pretrain_steps=150, pretrain_epochs=None, labels="16,64", seeds="0", steps=80,
-                  lrs="6.4e-2,1.28e-1", val=32, test=64, heldout=32),
-    # 3000 renders -> about 1200 curated; 10 epochs of them = about 3000 steps at global batch 4, ~25 min here
-    "full": dict(pool=3000, pretrain_steps=None, pretrain_epochs=10.0, labels="16,64", seeds="0,1,2", steps=500,
-                 lrs="3.2e-2,6.4e-2,1.28e-1", val=64, test=128, heldout=128),
+    # about 50 min on 2 CPUs: 1500 renders (30% junk) -> ~400 curated and 1500 raw; 800 pretraining steps of each at
+    # a global batch of 8 (0.45 s a step at 128x96); the control's 600 steps on 1000 renders; fine-tuning 300 steps
+    # at 16 labels: 3 rates on seed 0, then seeds 1 and 2 at the chosen one, for 5 inits (25 runs of ~45 s)
+    "cpu": dict(pool=1500, junk=0.3, pretrain_steps=800, labels="16", seeds="0,1,2", steps=300,
+                lrs="1.6e-2,4.8e-2,1.44e-1", layer_decays="0.85", probe_steps="0", val=64, test=128, heldout=64,
+                control=1000, control_steps=600),
+    # the same path at a size that shows it runs (about 10 min), not what it measures
+    "quick": dict(pool=150, junk=0.3, pretrain_steps=60, labels="16", seeds="0,1", steps=60, lrs="4.8e-2,1.44e-1",
+                  layer_decays="0.85", probe_steps="0", val=32, test=32, heldout=16, control=200, control_steps=100),
 }  # fmt: skip
-# Pretraining in this process instead of jobs.pretrain: (the run's config, its steps set; the curated shards) -> the
-# trained objective. The chain exports its backbones and reads its held-out MAE as it would a job's last checkpoint.
+# Pretraining in this process instead of jobs.pretrain: (the run's config, its steps set; the shards) -> the trained
+# objective. The chain exports its backbones and reads its held-out MAE as it would a job's last checkpoint.
 Pretrainer = Callable[[PretrainConfig, Path], JointObjective]
 
 
@@ -95,16 +114,23 @@ Pretrainer = Callable[[PretrainConfig, Path], JointObjective]
 class Budget:
     """Everything the chain's cost and outcome depend on."""
 
-    pool: int  # unlabelled renders before curation
-    pretrain_steps: int | None  # optimiser steps; None: from pretrain_epochs
-    pretrain_epochs: float | None  # passes over the curated set (steps = epochs x curated / global batch)
+    pool: int  # renders in the pool before curation (junk included)
+    pretrain_steps: int  # optimiser steps of every pretraining run
     labels: tuple[int, ...]  # labelled training set sizes (prefixes of one another)
-    seeds: tuple[int, ...]
+    seeds: tuple[int, ...]  # the first one chooses the fine-tuning recipe
     steps: int  # fine-tuning steps of every run
     lrs: tuple[float, ...]  # fine-tuning optim.lr grid (the base rate per 256 images)
-    val: int  # validation renders: choose the fine-tuning learning rate
+    val: int  # validation renders: choose the fine-tuning recipe
     test: int  # test renders: every reported probe and fine-tuning score
     heldout: int  # held-out unlabelled renders for the MAE term
+    layer_decays: tuple[float, ...] = (0.85,)  # fine-tuning optim.layer_decay grid
+    probe_steps: tuple[int, ...] = (0,)  # LP-FT grid: head-only steps before the backbone trains (0: plain)
+    drop_path: float = 0.1  # fine-tuning model.drop_path (stochastic depth, as MAE fine-tunes)
+    warmup: float = 0.1  # fine-tuning warm-up, a fraction of its steps
+    junk: float = 0.3  # fraction of the pool that is web junk (make_synthetic --junk)
+    control: int = 1000  # labelled renders of other figures the positive control is trained on
+    control_steps: int = 600
+    sources: tuple[str, ...] = tuple(SOURCES)  # pretraining sets, keys of SOURCES
     exports: tuple[str, ...] = ("student",)  # pretrained backbones compared with random init
     size: str | None = None  # model.size of both configs (None: the configs')
     patch_size: int | None = None  # model.patch_size of both configs (None: the configs')
@@ -112,20 +138,36 @@ class Budget:
     pretrain_overrides: tuple[str, ...] = ()
     finetune_config: str = str(REPO / "configs/finetune/tiny.yaml")
     finetune_overrides: tuple[str, ...] = ()
-    curate_overrides: tuple[str, ...] = ()  # of the lite profile (e.g. more actors on a larger machine)
-    colours: tuple[str, ...] = tuple(COLOURS)  # probe inputs, keys of COLOURS
-    image_size: tuple[int, int] = (128, 96)  # labelled renders (H, W)
-    pool_size: tuple[int, int] = (512, 384)  # unlabelled renders (H, W): curation's person stage wants large people
+    curate_overrides: tuple[str, ...] = ()  # of both curation configs (e.g. more actors on a larger machine)
+    colours: tuple[str, ...] = ("colour",)  # probe inputs, keys of COLOURS
+    image_size: tuple[int, int] = (128, 96)  # labelled renders and pretraining's global views (H, W)
+    pool_size: tuple[int, int] = (512, 384)  # unlabelled renders (H, W): curation keeps a short side >= 384
     workers: int = 2  # rendering processes
     ray_cpus: int | None = 2  # CPUs of the local Ray (None: all)
     probe_threads: int | None = 1  # torch threads of the in-process probes (1: no oversubscription of shared CPUs)
     probe_iters: int = ProbeSettings.iters  # L-BFGS iterations per probe fit
-    max_yaw: float = 1.2  # the pools' views; the labelled renders come from any direction
 
     def model_overrides(self) -> list[str]:
         return ([f"model.size={self.size}"] if self.size else []) + (
             [f"model.patch_size={self.patch_size}"] if self.patch_size else []
         )
+
+    def view_overrides(self) -> list[str]:
+        """Pretraining at the read-outs' resolution: global views of the labelled renders' size (one token grid for
+        pretraining, probes and fine-tuning), local crops of half their width, square."""
+        h, w = self.image_size
+        return [f"objective.views.global_size=[{h},{w}]", f"objective.views.local_size=[{w // 2},{w // 2}]"]
+
+    def recipes(self) -> list[dict[str, float | int]]:
+        """The fine-tuning grid every init chooses from on validation."""
+        return [
+            {"lr": lr, "layer_decay": ld, "probe_steps": ps}
+            for lr, ld, ps in itertools.product(self.lrs, self.layer_decays, self.probe_steps)
+        ]
+
+
+def recipe_name(recipe: dict) -> str:
+    return f"lr{recipe['lr']:g}-ld{recipe['layer_decay']:g}-lp{recipe['probe_steps']}"
 
 
 @dataclass
@@ -136,7 +178,7 @@ class Chain:
     timings: dict[str, float] = field(default_factory=dict)
     data: Path | None = None  # renders and curation (no model in them, so chains of other sizes can share them)
     pretrainer: Pretrainer | None = None  # None: jobs.pretrain
-    trained: tuple[JointObjective, PretrainConfig, int] | None = None  # the pretrainer's objective, config, steps
+    trained: dict[str, tuple[JointObjective, PretrainConfig, int]] = field(default_factory=dict)  # per source
 
     @property
     def data_dir(self) -> Path:
@@ -150,86 +192,120 @@ class Chain:
         self.timings[title] = time.monotonic() - start
         self.log(f"=== {title}: {self.timings[title]:.0f} s")
 
-    def render_pool(self, out: Path, n: int, seed: int) -> None:
+    # --- data -----------------------------------------------------------------------------------------------------
+
+    def render_pool(self, out: Path, n: int, seed: int, junk: float) -> None:
         h, w = self.budget.pool_size
         last_shard = out / f"pool-{math.ceil(n / POOL_SHARD) - 1:05d}.tar"
         if not last_shard.exists():
-            self.step(f"pool: {n} unlabelled renders (seed {seed})", make_synthetic.main,
+            self.step(f"pool: {n} unlabelled renders (seed {seed}, {junk:.0%} junk)", make_synthetic.main,
                       ["--out", str(out), "--n", str(n), "--unlabelled", "--height", str(h), "--width", str(w),
-                       "--max-yaw", str(self.budget.max_yaw), "--rows-per-shard", str(POOL_SHARD), "--seed", str(seed),
+                       "--junk", str(junk), "--rows-per-shard", str(POOL_SHARD), "--seed", str(seed),
                        "--workers", str(self.budget.workers)])  # fmt: skip
 
-    def curated(self) -> tuple[Path, int]:
-        pool, out = self.data_dir / "pool", self.data_dir / "curated"
-        manifest = out / "shards" / "manifest.json"
-        if not manifest.exists():  # once curated, the pool itself is not needed (nor carried to a GPU machine)
-            self.render_pool(pool, self.budget.pool, seed=0)
-            self.step("curate (lite)", curate.main,
-                      ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(pool), "--output", str(out),
-                       *self.budget.curate_overrides])  # fmt: skip
+    def pretraining_set(self, source: str) -> tuple[Path, int]:
+        """(shards, rows) of one pretraining set, curated from the pool by ``SOURCES[source]``."""
+        b, out = self.budget, self.data_dir / source
+        manifest, made_from = out / "shards" / "manifest.json", out / "pool.json"
+        pool = {"renders": b.pool, "junk": b.junk, "size": list(b.pool_size)}
+        if made_from.exists() and json.loads(made_from.read_text()) != pool:
+            raise SystemExit(f"{out} was made from another pool ({made_from.read_text()}); give another --work")
+        if not manifest.exists():  # once made, the pool itself is not needed (nor carried to a GPU machine)
+            self.render_pool(self.data_dir / "pool", b.pool, seed=0, junk=b.junk)
+            self.step(f"curate ({source}: {Path(SOURCES[source]).name})", curate.main,
+                      ["--config", str(REPO / SOURCES[source]), "--input", str(self.data_dir / "pool"),
+                       "--output", str(out), *b.curate_overrides])  # fmt: skip
+            made_from.write_text(json.dumps(pool))
         return out / "shards", sum(s["rows"] for s in json.loads(manifest.read_text())["shards"])
 
+    def labelled_renders(self, folder: Path, n: int, val: int, test: int, seed: int, title: str) -> Path:
+        h, w = self.budget.image_size
+        last = folder / ("test" if test else "val") / "manifest.json"
+        if not last.exists():
+            self.step(title, make_synthetic.main,
+                      ["--out", str(folder), "--n", str(n), "--val", str(val), "--test", str(test), "--height", str(h),
+                       "--width", str(w), "--keypoints", "17", "--seed", str(seed),
+                       "--workers", str(self.budget.workers)])  # fmt: skip
+        return folder
+
+    def labelled(self) -> dict[int, Path]:
+        b, sets = self.budget, {}
+        for n in b.labels:
+            title = f"labelled renders: {n} train + {b.val} val + {b.test} test"
+            sets[n] = self.labelled_renders(self.data_dir / f"labelled-{n}", n, b.val, b.test, seed=1, title=title)
+        return sets
+
+    def control_data(self) -> Path:
+        """The positive control's training renders: other figures (seed 2) than every labelled set's (seed 1)."""
+        n = self.budget.control
+        return self.labelled_renders(self.data_dir / "control", n, 16, 0, seed=2,
+                                     title=f"labelled renders for the positive control: {n}")  # fmt: skip
+
     def prepare_data(self) -> None:
-        """The steps with no model in them: the pool's renders and their curation, the held-out renders and the
-        labelled sets. Made ahead on a CPU machine, they let a machine without the lite profile's runtimes (a GPU
-        machine with no package index, say) run the rest of the chain."""
-        self.curated()
-        self.render_pool(self.data_dir / "heldout", self.budget.heldout, seed=1)
+        """The steps with no model in them: the pool's renders and both pretraining sets, the held-out renders and
+        the labelled sets. Made ahead on a CPU machine, they let a machine without the lite profile's runtimes (a
+        GPU machine with no package index, say) run the rest of the chain."""
+        for source in self.budget.sources:
+            self.pretraining_set(source)
+        self.render_pool(self.data_dir / "heldout", self.budget.heldout, seed=1, junk=0.0)
         self.labelled()
+        self.control_data()
+
+    # --- pretraining ----------------------------------------------------------------------------------------------
 
     def pretrain_config(self, steps: int | None = None) -> PretrainConfig:
         b = self.budget
         extra = [f"steps={steps}"] if steps is not None else []
-        return load_config(PretrainConfig, b.pretrain_config, [*b.model_overrides(), *b.pretrain_overrides, *extra])
+        overrides = [*b.model_overrides(), *b.view_overrides(), *b.pretrain_overrides, *extra]
+        return load_config(PretrainConfig, b.pretrain_config, overrides)
 
-    def pretrain(self, shards: Path, kept: int) -> tuple[int, dict[str, Path], Path]:
-        """(steps, exported backbone per name, the run folder)."""
-        b = self.budget
+    def pretrain(self, source: str, shards: Path, kept: int) -> tuple[dict[str, Path], Path]:
+        """(exported backbone per export, the run folder) of pretraining on one set."""
+        b, steps = self.budget, self.budget.pretrain_steps
         per_step = self.pretrain_config().samples_per_step()
         if kept < per_step:
-            raise SystemExit(f"curation kept {kept} images, fewer than a global batch of {per_step}: raise --pool")
-        steps = b.pretrain_steps or math.ceil((b.pretrain_epochs or 1.0) * kept / per_step)
-        run = self.work / "runs" / "pretrain"
+            raise SystemExit(f"{source}: {kept} images, fewer than a global batch of {per_step}: raise --pool")
+        run = self.work / "runs" / f"pretrain-{source}"
         files = {which: run / EXPORT_FILES[which] for which in b.exports}
         for f in files.values():
             if f.exists() and int(read_safetensors(str(f))[1]["step"]) != steps:
                 raise SystemExit(f"{f} was pretrained for another number of steps; give another --work")
         missing = [which for which, f in files.items() if not f.exists()]
+        title = f"pretrain on {source}, {steps} steps ({steps * per_step / kept:.1f} epochs of {kept} images)"
         if self.pretrainer is not None:
-            if missing or not self.heldout_done(steps):  # the held-out MAE needs the trained objective
-                self.step(f"pretrain in this process, {steps} steps ({steps * per_step / kept:.1f} epochs) on {kept} "
-                          "curated images", lambda _: self.pretrain_here(shards, steps, files), [])  # fmt: skip
-            return steps, files, run
+            if missing or not self.heldout_done(source):  # the held-out MAE needs the trained objective
+                self.step(f"{title}, in this process", lambda _: self.pretrain_here(source, shards, files), [])
+            return files, run
         latest = latest_committed(str(run))
         if missing and latest is not None and step_of(latest) == steps:  # a finished run: export what is missing
             for which in missing:
                 export_backbone(latest, str(files[which]), which)
         elif missing:
-            self.step(f"pretrain, {steps} steps ({steps * per_step / kept:.1f} epochs) on {kept} curated images",
-                      pretrain_job.main,
+            self.step(title, pretrain_job.main,
                       ["--config", b.pretrain_config, "--data", str(shards), "--storage", str(run.parent),
                        "--name", run.name, "--export", ",".join(b.exports), f"steps={steps}", *b.model_overrides(),
-                       *b.pretrain_overrides])  # fmt: skip
-        return steps, files, run
+                       *b.view_overrides(), *b.pretrain_overrides])  # fmt: skip
+        return files, run
 
-    def pretrain_here(self, shards: Path, steps: int, files: dict[str, Path]) -> int:
+    def pretrain_here(self, source: str, shards: Path, files: dict[str, Path]) -> int:
         """The pretrainer's run, exported as jobs.pretrain exports its last checkpoint."""
         assert self.pretrainer is not None
+        steps = self.budget.pretrain_steps
         cfg = self.pretrain_config(steps)
         objective = self.pretrainer(cfg, shards).cpu()  # held-out MAE is read on the CPU, as from a checkpoint
         for which, f in files.items():
             f.parent.mkdir(parents=True, exist_ok=True)
             export_objective(objective, cfg.model, steps, str(f), which)
-        self.trained = (objective, cfg, steps)
+        self.trained[source] = (objective, cfg, steps)
         return 0
 
-    def heldout_done(self, steps: int) -> bool:
-        done = self.work / "heldout_mae.json"
-        return done.exists() and json.loads(done.read_text())["step"] == steps
+    def heldout_done(self, source: str) -> bool:
+        done = self.work / f"heldout_mae-{source}.json"
+        return done.exists() and json.loads(done.read_text())["step"] == self.budget.pretrain_steps
 
     def heldout_images(self, size: tuple[int, int]) -> torch.Tensor:
         folder = self.data_dir / "heldout"
-        self.render_pool(folder, self.budget.heldout, seed=1)  # another seed: figures the pool never holds
+        self.render_pool(folder, self.budget.heldout, seed=1, junk=0.0)  # another seed: figures the pool never holds
         images = []
         for tar_path in sorted(folder.glob("pool-*.tar")):
             with tarfile.open(tar_path) as tar:
@@ -240,13 +316,13 @@ class Chain:
                     images.append(torch.from_numpy(decode_crop(row, size, person_crop=False)).permute(2, 0, 1))
         return torch.stack(images)
 
-    def heldout_mae(self, run: Path, steps: int) -> dict:
-        done = self.work / "heldout_mae.json"
-        if self.heldout_done(steps):
+    def heldout_mae(self, source: str, run: Path) -> dict:
+        done = self.work / f"heldout_mae-{source}.json"
+        if self.heldout_done(source):
             return json.loads(done.read_text())
         start = time.monotonic()
-        if self.trained is not None:
-            objective, cfg, step = self.trained
+        if source in self.trained:
+            objective, cfg, step = self.trained[source]
         else:
             latest = latest_committed(str(run))
             assert latest is not None  # the pretraining run above finished
@@ -257,48 +333,62 @@ class Chain:
             "images": len(images),
             "pretrained": heldout_mae(objective, images, step=step),
             "initial": heldout_mae(initial_objective(cfg), images, step=step),  # the same views and masks
+            "curve": pretraining_curve(run),
         }
         done.write_text(json.dumps(result, indent=1))
-        self.timings["held-out MAE"] = time.monotonic() - start
+        self.timings[f"held-out MAE ({source})"] = time.monotonic() - start
         return result
 
-    def labelled(self) -> dict[int, Path]:
-        b, sets = self.budget, {}
-        h, w = b.image_size
-        for n in b.labels:
-            folder = self.data_dir / f"labelled-{n}"
-            if not (folder / "test" / "manifest.json").exists():
-                self.step(f"labelled renders: {n} train + {b.val} val + {b.test} test", make_synthetic.main,
-                          ["--out", str(folder), "--n", str(n), "--val", str(b.val), "--test", str(b.test),
-                           "--height", str(h), "--width", str(w), "--keypoints", "17", "--seed", "1",
-                           "--workers", str(b.workers)])  # fmt: skip
-            sets[n] = folder
-        return sets
+    # --- read-outs ------------------------------------------------------------------------------------------------
 
-    def probe(self, init: str, backbone: Path | None, colour: str, seed: int, data: Path, steps: int) -> dict:
+    def init_overrides(self, init: str) -> list[str]:
+        return ["model.layer_scale_init=1.0"] if init == f"{RANDOM}-ls1" else []
+
+    def probe(self, init: str, backbone: Path | None, colour: str, seed: int, data: Path) -> dict:
         b = self.budget
         out = self.work / "probes" / f"{init}-{colour}-s{seed}.json"
-        if out.exists():  # an earlier result counts if it probed these label counts of this backbone
+        if out.exists():  # an earlier result counts if it probed these label counts
             found = json.loads(out.read_text())
             c = found["config"]
-            same = c["labels"] == list(b.labels) and c["eval_images"] == b.test and c["iters"] == b.probe_iters
-            if same and (backbone is None or c["pretrain_step"] == steps):
+            if c["labels"] == list(b.labels) and c["eval_images"] == b.test and c["iters"] == b.probe_iters:
                 return found
         argv = ["--data", str(data / "train"), "--val-data", str(data / "test"), "--backbone", str(backbone or probe.RANDOM),
                 "--out", str(out), "--config", b.finetune_config, "--labels", ",".join(map(str, b.labels)),
                 "--seed", str(seed), "--iters", str(b.probe_iters), *(["--grayscale"] if COLOURS[colour] else []),
                 *(["--threads", str(b.probe_threads)] if b.probe_threads else []),
-                *b.model_overrides(), *b.finetune_overrides]  # fmt: skip
+                *b.model_overrides(), *b.finetune_overrides, *self.init_overrides(init)]  # fmt: skip
         self.step(f"probe {init}, {colour}, seed {seed}", probe.main, argv)
         return json.loads(out.read_text())
 
-    def finetune(self, init: str, backbone: Path | None, n: int, data: Path, seed: int, lr: float) -> dict:
-        """{"val": validation mIoU, "test": test mIoU} of one fine-tuning run (run, or read back)."""
+    def finetune_overrides(self, init: str, seed: int, recipe: dict, steps: int | None = None) -> list[str]:
         b = self.budget
+        steps = steps or b.steps
+        return [*b.model_overrides(), *b.finetune_overrides, *self.init_overrides(init), f"seed={seed}",
+                f"steps={steps}", f"optim.lr={recipe['lr']}", f"optim.layer_decay={recipe['layer_decay']}",
+                f"optim.probe_steps={recipe['probe_steps']}", f"optim.warmup_steps={round(b.warmup * steps)}",
+                f"model.drop_path={b.drop_path}", f"eval.every={max(1, steps // 5)}", "eval.max_samples=null",
+                "eval.visualise=0"]  # fmt: skip
+
+    def finetune(self, init: str, backbone: Path | None, n: int, data: Path, seed: int, recipe: dict) -> dict:
+        """{"val": validation mIoU, "test": test mIoU, "curve": [(step, val mIoU)]} of one run (run, or read back)."""
         runs = self.work / "runs"
-        run = runs / f"ft-{init}-{n}-s{seed}-lr{lr:g}"
-        overrides = [*b.model_overrides(), *b.finetune_overrides, f"seed={seed}", f"steps={b.steps}",
-                     f"optim.lr={lr}", "eval.every=0", "eval.max_samples=null", "eval.visualise=0"]  # fmt: skip
+        run = runs / f"ft-{init}-{n}-s{seed}-{recipe_name(recipe)}"
+        overrides = self.finetune_overrides(init, seed, recipe)
+        self.run_finetune(run, f"fine-tune {init}, {n} labels, seed {seed}, {recipe_name(recipe)}", data, backbone,
+                          overrides)  # fmt: skip
+        scored = run / "test_metrics.json"
+        if not scored.exists():
+            metrics = evaluate_finetuned(str(run / FINETUNED_FILE), str(data / "test"))
+            scored.write_text(json.dumps({"mIoU": metrics["mIoU"], "aAcc": metrics["aAcc"]}))
+        done = json.loads((run / METRICS_FILE).read_text())
+        return {
+            "val": done["metrics"]["mIoU"],
+            "test": json.loads(scored.read_text())["mIoU"],
+            "curve": [(c["step"], c["mIoU"]) for c in done["curve"]],
+        }
+
+    def run_finetune(self, run: Path, title: str, data: Path, backbone: Path | None, overrides: list[str]) -> None:
+        b = self.budget
         done = run / METRICS_FILE
         if done.exists():  # an earlier run's result counts only if it ran these settings
             ran = json.loads(done.read_text())["config"]
@@ -306,22 +396,37 @@ class Chain:
             if ran != wanted:
                 differ = sorted(k for k in wanted if ran.get(k) != wanted[k])
                 raise SystemExit(f"{run} ran with other settings ({', '.join(differ)}); give another --work")
-        else:
-            extra = ["--backbone", str(backbone)] if backbone else []
-            self.step(f"fine-tune {init}, {n} labels, seed {seed}, lr {lr:g}", finetune_job.main,
-                      ["--task", "seg", "--config", b.finetune_config, "--data", str(data), "--storage", str(runs),
-                       "--name", run.name, *extra, *overrides])  # fmt: skip
-        scored = run / "test_metrics.json"
-        if not scored.exists():
-            metrics = evaluate_finetuned(str(run / FINETUNED_FILE), str(data / "test"))
-            scored.write_text(json.dumps({"mIoU": metrics["mIoU"], "aAcc": metrics["aAcc"]}))
-        return {"val": json.loads(done.read_text())["metrics"]["mIoU"], "test": json.loads(scored.read_text())["mIoU"]}
+            return
+        extra = ["--backbone", str(backbone)] if backbone else []
+        self.step(title, finetune_job.main,
+                  ["--task", "seg", "--config", b.finetune_config, "--data", str(data), "--storage", str(run.parent),
+                   "--name", run.name, *extra, *overrides])  # fmt: skip
+
+    def supervised(self) -> Path:
+        """The positive control: a seg model fine-tuned from random init on the control renders; its
+        ``finetuned.safetensors`` is a backbone that knows body parts."""
+        b = self.budget
+        run = self.work / "runs" / "control"
+        recipe = {"lr": b.lrs[len(b.lrs) // 2], "layer_decay": 1.0, "probe_steps": 0}
+        overrides = [*self.finetune_overrides(RANDOM, 0, recipe, b.control_steps), "eval.every=0"]
+        self.run_finetune(run, f"positive control: seg on {b.control} other renders, {b.control_steps} steps",
+                          self.control_data(), None, overrides)  # fmt: skip
+        return run / FINETUNED_FILE
 
 
-def choose_lr(grid: dict[float, list[dict]]) -> float:
-    """The learning rate whose runs (one per seed) have the best mean validation mIoU; their test scores are the ones
-    reported, so the test split never takes part in the choice."""
-    return max(grid, key=lambda lr: statistics.fmean(run["val"] for run in grid[lr]))
+def pretraining_curve(run: Path) -> list[dict]:
+    """The run's loss terms at its logged steps (the newest line per step), from ``<run>/metrics/*.jsonl``; empty
+    for a run trained in another process."""
+    if not (run / "metrics").is_dir():
+        return []
+    keys = ("step", "loss", "mae", "cl", "teacher_entropy")
+    rows = latest_per_step(read_metrics(str(run)))
+    return [{k: rows[s][k] for k in keys if k in rows[s]} for s in sorted(rows)]
+
+
+def choose(grid: dict[str, dict]) -> str:
+    """The recipe whose run has the best validation mIoU; the test split never takes part in the choice."""
+    return max(grid, key=lambda name: grid[name]["val"])
 
 
 def run_chain(
@@ -336,43 +441,56 @@ def run_chain(
         raise SystemExit(f"--labels {min(budget.labels)} is smaller than a fine-tuning batch of {batch} images")
     if not budget.colours or any(c not in COLOURS for c in budget.colours):
         raise SystemExit(f"colours {budget.colours}: one or more of {sorted(COLOURS)}")
+    if not budget.sources or any(s not in SOURCES for s in budget.sources):
+        raise SystemExit(f"sources {budget.sources}: one or more of {sorted(SOURCES)}")
     work.mkdir(parents=True, exist_ok=True)
     init_ray(None, budget.ray_cpus)
     started = time.monotonic()
     chain = Chain(work, budget, log, data=data, pretrainer=pretrainer)
-    shards, kept = chain.curated()
-    steps, backbones, run = chain.pretrain(shards, kept)
-    mae = chain.heldout_mae(run, steps)
+    pretrained: dict[str, Path] = {}
+    pretraining: dict[str, dict] = {}
+    per_step = chain.pretrain_config().samples_per_step()
+    for source in budget.sources:
+        shards, kept = chain.pretraining_set(source)
+        files, run = chain.pretrain(source, shards, kept)
+        pretraining[source] = {
+            "images": kept,
+            "epochs": budget.pretrain_steps * per_step / kept,
+            "heldout_mae": chain.heldout_mae(source, run),
+        }
+        pretrained |= {source + ("" if which == "student" else f"-{which}"): f for which, f in files.items()}
+    inits: dict[str, Path | None] = {RANDOM: None, f"{RANDOM}-ls1": None, SUPERVISED: chain.supervised(), **pretrained}
     sets = chain.labelled()
-    inits: dict[str, Path | None] = {RANDOM: None, **backbones}
     measures: dict[str, dict[str, list[float | None]]] = {}
     biggest = sets[max(budget.labels)]  # its training set's prefixes are the smaller sets'
     for colour in budget.colours:
         for init, backbone in inits.items():
             for seed in budget.seeds:
-                result = chain.probe(init, backbone, colour, seed, biggest, steps)
+                result = chain.probe(init, backbone, colour, seed, biggest)
                 for n in budget.labels:
                     for label, key, score in PROBE_MEASURES:
                         row = measures.setdefault(f"{label}, {n} labels, {colour}", {})
                         row.setdefault(init, []).append(result["results"][str(n)][key][score])
-    chosen: dict[str, dict[str, float]] = {}
+    chosen: dict[str, dict[str, str]] = {}
+    curves: dict[str, dict[str, list]] = {}
+    first, *others = budget.seeds
     for n in budget.labels:
         for init, backbone in inits.items():
-            grid = {lr: [chain.finetune(init, backbone, n, sets[n], s, lr) for s in budget.seeds] for lr in budget.lrs}
-            lr = choose_lr(grid)
-            chosen.setdefault(str(n), {})[init] = lr
-            row = measures.setdefault(f"fine-tune mIoU, {n} labels (LR on val)", {})
-            row[init] = [x["test"] for x in grid[lr]]
-    per_step = chain.pretrain_config().samples_per_step()
+            grid = {recipe_name(r): chain.finetune(init, backbone, n, sets[n], first, r) for r in budget.recipes()}
+            name = choose(grid)
+            recipe = next(r for r in budget.recipes() if recipe_name(r) == name)
+            runs = [grid[name], *(chain.finetune(init, backbone, n, sets[n], s, recipe) for s in others)]
+            chosen.setdefault(str(n), {})[init] = name
+            measures.setdefault(f"fine-tune mIoU, {n} labels (recipe on val)", {})[init] = [r["test"] for r in runs]
+            curves.setdefault(str(n), {})[init] = [r["curve"] for r in runs]
     results = {
         "budget": dataclasses.asdict(budget),
-        "curated": kept,
-        "pretrain_steps": steps,
-        "pretrain_epochs": steps * per_step / kept,
-        "heldout_mae": mae,
+        "pretraining": pretraining,
+        "pretrain_steps": budget.pretrain_steps,
         "inits": list(inits),
         "measures": measures,
-        "finetune_lr": chosen,
+        "finetune_recipe": chosen,
+        "finetune_curves": curves,
         "timings_s": chain.timings,
         "elapsed_s": time.monotonic() - started,
         "machine": f"{platform.machine()}, Python {platform.python_version()}",
@@ -390,59 +508,106 @@ def mean_std(xs: list[float]) -> str:
     return f"{statistics.fmean(xs):.4f} ± {statistics.stdev(xs):.4f}" if len(xs) > 1 else f"{xs[0]:.4f}"
 
 
-def beats(pretrained: list[float], random: list[float]) -> bool | None:
-    """The mean gain over random exceeds the larger of the two seed spreads; None without a spread to compare with
-    (a measure missing, or a single seed)."""
-    if min(len(pretrained), len(random)) < 2:
+def beats(ours: list[float], theirs: list[float]) -> bool | None:
+    """The mean gain exceeds the larger of the two seed spreads; None without a spread to compare with (a measure
+    missing, or a single seed)."""
+    if min(len(ours), len(theirs)) < 2:
         return None
-    spread = max(statistics.stdev(pretrained), statistics.stdev(random))
-    return statistics.fmean(pretrained) - statistics.fmean(random) > spread
+    spread = max(statistics.stdev(ours), statistics.stdev(theirs))
+    return statistics.fmean(ours) - statistics.fmean(theirs) > spread
+
+
+def _scores(row: dict, init: str) -> list[float]:
+    return [x for x in row.get(init, []) if x is not None]
+
+
+def compare(results: dict, init: str, against: str, only: Callable[[str], bool] = lambda _: True) -> dict:
+    """How ``init`` fares against ``against`` over the measures ``only`` keeps: measures ahead in the mean, and
+    those where the gain exceeds the seed spread."""
+    names = [name for name in results["measures"] if only(name)]
+    ahead, beyond = [], []
+    for name in names:
+        ours, theirs = _scores(results["measures"][name], init), _scores(results["measures"][name], against)
+        if ours and theirs and statistics.fmean(ours) > statistics.fmean(theirs):
+            ahead.append(name)
+        if beats(ours, theirs):
+            beyond.append(name)
+    return {"measures": len(names), "ahead": ahead, "beyond": beyond}
+
+
+def _verdict(results: dict, init: str, against: str, only: Callable[[str], bool]) -> str:
+    c = compare(results, init, against, only)
+    if len(results["budget"]["seeds"]) < 2:
+        return f"{init} ahead of {against} on {len(c['ahead'])}/{c['measures']} (one seed: no spread to beat)"
+    return (
+        f"{init} ahead of {against} on {len(c['ahead'])}/{c['measures']}, beyond the seed spread on "
+        f"{len(c['beyond'])}" + (f" ({'; '.join(c['beyond'])})" if c["beyond"] else "")
+    )
 
 
 def report(results: dict) -> list[str]:
-    """The table and the summary line."""
-    b, mae = results["budget"], results["heldout_mae"]
+    """The table, the fine-tuning curves, the verdicts and the summary line."""
+    b = results["budget"]
     others = [i for i in results["inits"] if i != RANDOM]
+    sets = "; ".join(
+        f"{source}: {p['images']} images ({p['epochs']:.1f} epochs), held-out MAE {p['heldout_mae']['initial']:.4f} "
+        f"at init -> {p['heldout_mae']['pretrained']:.4f}"
+        for source, p in results["pretraining"].items()
+    )
     lines = [
-        f"{b['pool']} unlabelled renders -> {results['curated']} curated (lite) -> pretrained "
-        f"{results['pretrain_steps']} steps ({results['pretrain_epochs']:.1f} epochs); held-out MAE (student + "
-        f"decoder) on {mae['images']} other renders: {mae['initial']:.4f} at init -> {mae['pretrained']:.4f}; "
-        f"fine-tuning {b['steps']} steps, LR of {list(b['lrs'])} chosen per init on {b['val']} val renders; every "
-        f"score on {b['test']} test renders; seeds {list(b['seeds'])}; {results['machine']}, "
-        f"{results['elapsed_s']:.0f} s",
-        "| measure | random | " + " | ".join(f"{i} | gain > seed spread" for i in others) + " |",
+        f"{b['pool']} renders ({b['junk']:.0%} junk) -> pretrained {results['pretrain_steps']} steps at "
+        f"{b['image_size'][0]}x{b['image_size'][1]} on each set: {sets}; positive control: seg on {b['control']} other "
+        f"renders, {b['control_steps']} steps; fine-tuning {b['steps']} steps, recipe of {len(b['lrs'])} rates x "
+        f"{len(b['layer_decays'])} layer decays x {len(b['probe_steps'])} LP-FT chosen per init on {b['val']} val "
+        f"renders (seed {b['seeds'][0]}); every score on {b['test']} test renders; seeds {list(b['seeds'])}; "
+        f"{results['machine']}, {results['elapsed_s']:.0f} s",
+        "| measure | random | " + " | ".join(f"{i} | > spread" for i in others) + " |",
         "|---|---|" + "---|---|" * len(others),
     ]
-    wins: dict[str, list[str]] = {i: [] for i in others}
-    ahead: dict[str, int] = dict.fromkeys(others, 0)
     for name, row in results["measures"].items():
-        random = [x for x in row[RANDOM] if x is not None]
+        random = _scores(row, RANDOM)
         cells = [mean_std(random)]
         for init in others:
-            values = [x for x in row[init] if x is not None]
-            verdict = beats(values, random)
-            if verdict:
-                wins[init].append(name)
-            if values and random and statistics.fmean(values) > statistics.fmean(random):
-                ahead[init] += 1
-            cells += [mean_std(values), {True: "yes", False: "no", None: "n/a"}[verdict]]
+            verdict = beats(_scores(row, init), random)
+            cells += [mean_std(_scores(row, init)), {True: "yes", False: "no", None: "n/a"}[verdict]]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    total, seeds = len(results["measures"]), len(b["seeds"])
-    n = max(b["labels"])
-    ft = results["measures"][f"fine-tune mIoU, {n} labels (LR on val)"]
-    parts = []
-    for init in others:
-        beyond = (
-            f"beyond the seed spread on {len(wins[init])}" + (f" ({'; '.join(wins[init])})" if wins[init] else "")
-            if seeds > 1
-            else "no seed spread to beat with one seed"
+    for n, per_init in results["finetune_curves"].items():
+        lines.append(f"fine-tuning validation mIoU by step, {n} labels (mean over seeds, chosen recipe):")
+        for init, runs in per_init.items():
+            steps = [step for step, _ in runs[0]]
+            means = [statistics.fmean(run[k][1] for run in runs) for k in range(len(steps))]
+            recipe = results["finetune_recipe"][n][init]
+            lines.append(f"  {init:>16} ({recipe}): " + "  ".join(f"{s}: {m:.4f}" for s, m in zip(steps, means)))
+    for source, p in results["pretraining"].items():
+        course = "  ".join(
+            f"{r['step']}: mae {r['mae']:.3f} cl {r['cl']:.2f}" for r in p["heldout_mae"].get("curve", [])[::4]
         )
-        parts.append(f"{init} ahead of random on {ahead[init]}/{total} measures, {beyond}")
-    parts.append(
-        f"fine-tune mIoU at {n} labels: "
-        + ", ".join(f"{i} {statistics.fmean(ft[i]):.4f}" for i in others)
-        + f" vs random {statistics.fmean(ft[RANDOM]):.4f}"
-    )
+        if course:
+            lines.append(f"pretraining on {source} by step: {course}")
+    fewest = min(b["labels"])
+
+    def fine_tune(name: str) -> bool:
+        return name.startswith("fine-tune")
+
+    def probe_or_fewest(name: str) -> bool:
+        return name.startswith(("probe mIoU", f"fine-tune mIoU, {fewest} "))
+
+    pretrained = [i for i in others if i not in (f"{RANDOM}-ls1", SUPERVISED)]
+    verdicts = [f"control: {_verdict(results, SUPERVISED, RANDOM, fine_tune)} on fine-tuning"]
+    verdicts += [
+        f"{_verdict(results, i, RANDOM, probe_or_fewest)} on the probe and {fewest}-label fine-tuning"
+        for i in pretrained
+    ]
+    if "curated" in results["inits"] and "raw" in results["inits"]:
+        verdicts.append(f"{_verdict(results, 'curated', 'raw', lambda _: True)}")
+    lines += [f"verdict: {v}" for v in verdicts]
+    parts = []
+    for n in b["labels"]:
+        ft = results["measures"][f"fine-tune mIoU, {n} labels (recipe on val)"]
+        parts.append(
+            f"fine-tune mIoU at {n} labels: "
+            + ", ".join(f"{i} {statistics.fmean(ft[i]):.4f}" for i in results["inits"])
+        )
     lines.append("summary: " + "; ".join(parts))
     return lines
 
@@ -454,44 +619,57 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[Path, Budget]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the small preset (<= 15 min on 2 CPUs)")
+    p.add_argument("--quick", action="store_true", help="the whole path at a small size (about 10 min on 2 CPUs)")
     p.add_argument("--work", default=None, help="folder for every artefact (default out/pretrain_value[_quick])")
-    p.add_argument("--pool", type=int, help="unlabelled renders in the pool before curation")
-    budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--pretrain-steps", type=int, help="pretraining optimiser steps")
-    budget.add_argument("--pretrain-epochs", type=float, help="pretraining passes over the curated set")
+    p.add_argument("--pool", type=int, help="renders in the pool before curation (junk included)")
+    p.add_argument("--junk", type=float, help="fraction of the pool that is web junk")
+    p.add_argument("--pretrain-steps", type=int, help="pretraining optimiser steps, on each set")
     p.add_argument("--labels", help="labelled training set sizes, comma-separated (prefixes of one another)")
-    p.add_argument("--seeds", help="seeds (random inits, fine-tuning, probe hold-outs), comma-separated")
+    p.add_argument("--seeds", help="seeds (random inits, fine-tuning, probe hold-outs), comma-separated; the first "
+                   "chooses the fine-tuning recipe")  # fmt: skip
     p.add_argument("--steps", type=int, help="fine-tuning steps of every run")
     p.add_argument("--lrs", help="fine-tuning optim.lr values to choose from on val, comma-separated")
-    p.add_argument("--val", type=int, help="validation renders (choose the fine-tuning LR)")
+    p.add_argument("--layer-decays", help="fine-tuning optim.layer_decay values to choose from, comma-separated")
+    p.add_argument("--probe-steps", help="LP-FT: head-only steps to choose from, comma-separated (0: plain)")
+    p.add_argument("--val", type=int, help="validation renders (choose the fine-tuning recipe)")
     p.add_argument("--test", type=int, help="test renders (every reported score)")
     p.add_argument("--heldout", type=int, help="held-out unlabelled renders for the MAE term")
+    p.add_argument("--control", type=int, help="labelled renders the positive control is trained on")
+    p.add_argument("--control-steps", type=int, help="the positive control's fine-tuning steps")
     p.add_argument("--export", default="student", help="pretrained backbones to compare: student, teacher or both")
     p.add_argument("--both-exports", action="store_true", help="compare the student and the EMA teacher")
+    p.add_argument("--sources", default=",".join(SOURCES), help=f"pretraining sets, of {sorted(SOURCES)}")
+    p.add_argument("--grayscale", action="store_true", help="probe grayscale inputs too")
     p.add_argument("--size", default=None, help="model.size of pretraining and fine-tuning (default: the configs')")
     p.add_argument("--patch-size", type=int, default=None, help="model.patch_size of both")
     p.add_argument("--pretrain-override", action="append", default=[], metavar="KEY=VALUE", help="repeatable")
     p.add_argument("--finetune-override", action="append", default=[], metavar="KEY=VALUE", help="repeatable")
     args = p.parse_args(argv)
-    preset = PRESETS["quick" if args.quick else "full"]
-    if args.pretrain_steps is None and args.pretrain_epochs is None:
-        args.pretrain_steps, args.pretrain_epochs = preset["pretrain_steps"], preset["pretrain_epochs"]
+    preset = PRESETS["quick" if args.quick else "cpu"]
     for key, value in preset.items():
-        if key not in ("pretrain_steps", "pretrain_epochs") and getattr(args, key) is None:
+        if getattr(args, key) is None:
             setattr(args, key, value)
     exports = ("student", "teacher") if args.both_exports else tuple(args.export.split(","))
     if any(e not in EXPORT_FILES for e in exports):
         p.error(f"--export: of {sorted(EXPORT_FILES)}")
+    sources = tuple(args.sources.split(","))
+    if any(s not in SOURCES for s in sources):
+        p.error(f"--sources: of {sorted(SOURCES)}")
     work = Path(args.work or f"out/pretrain_value{'_quick' if args.quick else ''}").resolve()
     return work, Budget(
-        pool=args.pool, pretrain_steps=args.pretrain_steps, pretrain_epochs=args.pretrain_epochs,
-        labels=_ints(args.labels), seeds=_ints(args.seeds), steps=args.steps,
-        lrs=tuple(float(x) for x in args.lrs.split(",")), val=args.val, test=args.test, heldout=args.heldout,
-        exports=exports, size=args.size, patch_size=args.patch_size,
-        pretrain_overrides=tuple(args.pretrain_override), finetune_overrides=tuple(args.finetune_override),
+        pool=args.pool, junk=args.junk, pretrain_steps=args.pretrain_steps, labels=_ints(str(args.labels)),
+        seeds=_ints(str(args.seeds)), steps=args.steps, lrs=_floats(str(args.lrs)),
+        layer_decays=_floats(str(args.layer_decays)), probe_steps=_ints(str(args.probe_steps)), val=args.val,
+        test=args.test, heldout=args.heldout, control=args.control, control_steps=args.control_steps,
+        exports=exports, sources=sources, colours=("colour", "grayscale") if args.grayscale else ("colour",),
+        size=args.size, patch_size=args.patch_size, pretrain_overrides=tuple(args.pretrain_override),
+        finetune_overrides=tuple(args.finetune_override),
     )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from common.config import Strict
 from finetune.augment import AugmentSettings
@@ -57,6 +57,11 @@ class FinetuneOptim(OptimSettings):
     weight_decay_end: float | None = Field(None, ge=0)  # None: constant weight decay
     layer_decay: float | None = Field(None, gt=0, le=1)  # None: per-size default (LAYER_DECAY)
     freeze_backbone: bool = False  # train the head only (dense probing of the pretrained features)
+    # LP-FT (Kumar et al., ICLR 2022): the first probe_steps steps train the head alone (the backbone's rate is 0), so
+    # that the head first fits the pretrained features and a random head's gradients do not distort them; then the
+    # whole model trains. The backbone's warm-up and cosine start when it unfreezes (its schedule runs on
+    # step - probe_steps over steps - probe_steps), the head's run on the plain step. 0: no probe.
+    probe_steps: int = Field(0, ge=0)
 
 
 class FinetuneData(Strict):
@@ -86,6 +91,15 @@ class FinetuneConfig(TrainingConfig):
     data: FinetuneData = FinetuneData()
     eval: EvalSettings = EvalSettings()
     checkpoint: FinetuneCheckpoint = FinetuneCheckpoint()
+
+    @model_validator(mode="after")
+    def _backbone_unfreezes(self) -> FinetuneConfig:
+        if self.optim.probe_steps and self.optim.probe_steps >= self.steps:
+            raise ValueError(
+                f"optim.probe_steps={self.optim.probe_steps} leaves no step of the {self.steps} to fine-tune the "
+                "backbone; optim.freeze_backbone=true trains the head alone"
+            )
+        return self
 
     def samples_per_step(self, workers: int | None = None) -> int:
         return self.data.batch_size * (workers or self.ray.workers)

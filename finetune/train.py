@@ -13,6 +13,12 @@ worker group, continues from the newest committed checkpoint with the same data 
   blocks first, then the global ones) ``decay ** (n - i)``, the patch embedding and learned tokens
   ``decay ** (n + 1)``; no weight decay on 1-D parameters (norms, biases, layer scales) or the learned tokens.
   ``optim.freeze_backbone`` trains the head alone on features computed without gradients (dense probing).
+- LP-FT (Kumar et al., ICLR 2022): for the first ``optim.probe_steps`` steps the backbone's groups get rate 0 and no
+  weight decay, so the head alone trains and first fits the pretrained features: a random head's gradients would
+  otherwise distort them. Then the whole model fine-tunes. The head's schedule runs on the step, the backbone's on
+  ``step - probe_steps`` over ``steps - probe_steps``, so its warm-up starts when it unfreezes.
+- Stochastic depth (``model.drop_path``, the last block's rate; MAE's recipe: 0.1 for ViT-B): the given rate
+  overrides the pretrained backbone's; ``finetuned.safetensors`` records 0, as it is a training setting.
 - Output size: the input's, or half of it for a 4K backbone (``output_size``: its decoder gives 2K from 4K
   input); the labels are then resized to it (``tasks.resize_targets``) for the loss and the metrics.
 - Evaluation every ``eval.every`` steps and at the end, on every worker's share of the validation set; the
@@ -119,19 +125,26 @@ def layer_id(name: str, depth: int, local_depth: int = 0) -> int:
     return top
 
 
-def param_groups(model: FinetuneModel, decay: float, weight_decay: float) -> list[dict]:
-    """AdamW groups per (layer, decay or not): ``lr_scale`` = decay ** (blocks + 1 - layer)."""
+HEAD_GROUP = "-head"  # the name suffix of the groups that LP-FT's probe steps train (finetune.config probe_steps)
+
+
+def param_groups(model: FinetuneModel, decay: float, weight_decay: float, split_head: bool = False) -> list[dict]:
+    """AdamW groups per (layer, decay or not): ``lr_scale`` = decay ** (blocks + 1 - layer). ``split_head`` (LP-FT)
+    also splits the top layer's head from the final norm, which the probe steps hold with the backbone; without it
+    the groups are those of a run saved before LP-FT existed, so its checkpoints still resume."""
     cfg = model.backbone.cfg
     exempt = model.no_weight_decay()
-    groups: dict[tuple[int, bool], dict] = {}
+    groups: dict[tuple[int, bool, bool], dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         lid, no_wd = layer_id(name, cfg.depth, cfg.local_depth), name in exempt
+        head = split_head and not name.startswith("backbone.")
         g = groups.setdefault(
-            (lid, no_wd),
+            (lid, no_wd, head),
             {"params": [], "lr_scale": decay ** (cfg.total_depth + 1 - lid), "decays": not no_wd,
-             "weight_decay": 0.0 if no_wd else weight_decay, "name": f"layer{lid}{'-no_decay' if no_wd else ''}"},
+             "weight_decay": 0.0 if no_wd else weight_decay,
+             "name": f"layer{lid}{'-no_decay' if no_wd else ''}{HEAD_GROUP if head else ''}"},
         )  # fmt: skip
         g["params"].append(p)
     return [groups[k] for k in sorted(groups)]
@@ -141,10 +154,13 @@ def build_backbone(cfg: FinetuneConfig, backbone_uri: str | None) -> Sapiens2Bac
     if backbone_uri is None:
         torch.manual_seed(cfg.seed)
         return build(cfg.model.backbone())
-    backbone = load_backbone(backbone_uri, activation_checkpointing=cfg.model.activation_checkpointing)
-    # Architecture only: how the pretraining initialised LayerScale or whether it recomputed activations is not.
+    backbone = load_backbone(
+        backbone_uri, activation_checkpointing=cfg.model.activation_checkpointing, drop_path=cfg.model.drop_path
+    )
+    # Architecture only: how the pretraining initialised LayerScale, whether it recomputed activations or dropped
+    # paths is not.
     found, wanted = (
-        dataclasses.replace(c, activation_checkpointing=False, layer_scale_init=0.0)
+        dataclasses.replace(c, activation_checkpointing=False, layer_scale_init=0.0, drop_path=0.0)
         for c in (backbone.cfg, cfg.model.backbone())
     )
     if found != wanted:
@@ -176,7 +192,7 @@ def build_model(
 
 def build_optimizer(model: FinetuneModel, cfg: FinetuneConfig) -> torch.optim.AdamW:
     o = cfg.optim
-    groups = param_groups(model, cfg.layer_decay(), o.weight_decay)
+    groups = param_groups(model, cfg.layer_decay(), o.weight_decay, split_head=o.probe_steps > 0)
     if not groups:
         raise ValueError("nothing to train: every parameter is frozen")
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
@@ -184,12 +200,24 @@ def build_optimizer(model: FinetuneModel, cfg: FinetuneConfig) -> torch.optim.Ad
 
 def set_schedule(optimizer: torch.optim.Optimizer, cfg: FinetuneConfig, step: int, world: int) -> tuple[float, float]:
     """Per-group learning rates (the schedule times each group's layer scale) and weight decay at ``step`` of a
-    run on ``world`` workers (the peak rate scales with the global batch)."""
+    run on ``world`` workers (the peak rate scales with the global batch); returns the head's (the plain step's).
+
+    LP-FT: the backbone's schedule runs on ``step - optim.probe_steps`` over the steps after the probe, and before
+    it its groups get rate 0 and no weight decay (AdamW's decoupled decay is scaled by the rate, so rate 0 alone
+    already leaves them bit-identical). Their gradients still feed AdamW's moments during the probe."""
     o = cfg.optim
-    lr, wd = lr_at(step, o, cfg.steps, cfg.samples_per_step(world)), wd_at(step, o, cfg.steps)
+    batch = cfg.samples_per_step(world)
+    lr, wd = lr_at(step, o, cfg.steps, batch), wd_at(step, o, cfg.steps)
+    after = step - o.probe_steps  # the backbone's step; with no probe, the step
+    backbone_lr, backbone_wd = (
+        (lr_at(after, o, cfg.steps - o.probe_steps, batch), wd_at(after, o, cfg.steps - o.probe_steps))
+        if after >= 0
+        else (0.0, 0.0)
+    )
     for group in optimizer.param_groups:
-        group["lr"] = lr * group["lr_scale"]
-        group["weight_decay"] = wd if group["decays"] else 0.0
+        rate, decay = (lr, wd) if group["name"].endswith(HEAD_GROUP) else (backbone_lr, backbone_wd)
+        group["lr"] = rate * group["lr_scale"]
+        group["weight_decay"] = decay if group["decays"] else 0.0
     return lr, wd
 
 
@@ -286,7 +314,8 @@ class FinetuneWorker(Worker[FinetuneConfig]):
                 f"backbone={'pretrained' if self.spec.get('backbone') else 'random'} frozen={c.optim.freeze_backbone} "
                 f"steps {self.step}->{c.steps} workers={self.world} batch={per_step} "
                 f"lr={peak_lr(c.optim, per_step):.3g} (optim.lr {c.optim.lr:g} x {per_step} / 256) "
-                f"layer_decay={c.layer_decay()} output={self.output_hw[0]}x{self.output_hw[1]} "
+                f"layer_decay={c.layer_decay()} probe_steps={c.optim.probe_steps} drop_path={c.model.drop_path} "
+                f"output={self.output_hw[0]}x{self.output_hw[1]} "
                 f"train={self.train_index.num_samples} val={self.val_index.num_samples}"
             )
         batches = data.train_batches(
@@ -400,7 +429,9 @@ class FinetuneWorker(Worker[FinetuneConfig]):
             "format": "pt",
             "task": self.spec["task"],
             "backbone_config": json.dumps(
-                dataclasses.asdict(dataclasses.replace(self.model.backbone.cfg, activation_checkpointing=False))
+                dataclasses.asdict(
+                    dataclasses.replace(self.model.backbone.cfg, activation_checkpointing=False, drop_path=0.0)
+                )
             ),
             "config": self.cfg.model_dump_json(),
             "labels": json.dumps(dataclasses.asdict(self.info)),

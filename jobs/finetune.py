@@ -5,7 +5,8 @@
 
 ``--task`` is one of pose, seg, pointmap, normal, albedo. ``--data`` is a folder with ``train/`` and ``val/``
 labelled shards (as ``jobs.make_synthetic`` writes), or the training shards themselves with ``--val-data``.
-Without ``--backbone`` the backbone starts from a random initialisation. The run lives in <storage>/<name>:
+Without ``--backbone`` the backbone starts from a random initialisation; ``--backbone`` also takes another run's
+``finetuned.safetensors``, whose backbone (not its head) then starts this run. The run lives in <storage>/<name>:
 ``metrics.json`` (final metrics and the evaluation curve), ``pictures/*.png`` (input | target | prediction),
 ``finetuned.safetensors``, ``metrics/*.jsonl`` and checkpoints; the same command again resumes it.
 """
@@ -43,7 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--val-data", default=None, help="validation shards, when --data holds the training shards")
     p.add_argument("--storage", required=True, help="runs root (local or s3://); the run lives in <storage>/<name>")
     p.add_argument("--name", required=True, help="run name; the same name resumes")
-    p.add_argument("--backbone", default=None, help="exported pretrained backbone (safetensors); default: random")
+    p.add_argument(
+        "--backbone",
+        default=None,
+        help="exported pretrained backbone, or a fine-tuned model's finetuned.safetensors (its backbone); default: random",
+    )
     p.add_argument("--break-lease", action="store_true", help="take the run over from another driver that holds it")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=3e-4")
     return p.parse_args(argv)

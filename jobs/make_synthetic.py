@@ -12,6 +12,7 @@ two splits.
 
 ``--unlabelled`` writes an image pool for ``jobs.curate`` instead: ``<out>/pool-00000.tar ...``, WebDataset
 shards of JPEG renders and nothing else, drawn from a split of their own, so no pool figure is a labelled one.
+``--junk F`` makes a fraction F of it web junk (``JUNK_KINDS``), which a curation should drop.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ from hashlib import sha256
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
 from common import schema, storage
 from common.config import hash_json
 from common.console import configure_console, exit_code_interruptible
 from finetune.data import encode_row
 from finetune.labels import COCO_KEYPOINTS, PARTS, keypoints
-from generators.humanoids import RenderConfig, render
+from generators.humanoids import RenderConfig, background, render
 
 SPLITS = {"train": 0, "val": 1, "pool": 2, "test": 3}
 POOL_JPEG_QUALITY = 90
@@ -60,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest |yaw| of the view in radians (default: any direction; 1.2 keeps the face in view)",
     )  # fmt: skip
     p.add_argument("--unlabelled", action="store_true", help="write --n JPEG renders as a WebDataset image pool")
+    p.add_argument(
+        "--junk", type=float, default=0.0,
+        help="with --unlabelled: this fraction of the pool is what a web pool carries besides human-centric photos "
+        "(frames with no person, near-duplicates, text overlays, images under 384 px), in equal parts (default 0)",
+    )  # fmt: skip
     p.add_argument(
         "--seed", type=int, default=0, help="sample i of a split depends on (seed, split, i) only (default 0)"
     )
@@ -103,13 +109,47 @@ def render_rows(cfg_json: dict, seed: int, split: str, lo: int, hi: int) -> list
     return rows
 
 
-def render_jpegs(cfg_json: dict, seed: int, lo: int, hi: int) -> list[tuple[str, bytes]]:
+# What a web pool carries besides human-centric photos (``--junk``): frames with no person, near-duplicates of
+# another image (re-encoded), a person under a text overlay, and images too small to keep (the 384-px rule).
+JUNK_KINDS = ("no_person", "duplicate", "text", "tiny")
+JUNK_TEXT = ("SALE 50% OFF", "CLICK HERE", "www.example.com", "BEST PRICE", "Subscribe now", "LIMITED OFFER")
+
+
+def pool_image(cfg: RenderConfig, seed: int, i: int, junk: float) -> tuple[np.ndarray, int, str | None]:
+    """Pool sample ``i``: its pixels, its JPEG quality and its junk kind (None: a clean render), a pure function of
+    (seed, i, junk); its junk draw has its own stream, so the clean samples of a pool with junk are the renders of
+    the pool without."""
+    draw = np.random.default_rng([seed, SPLITS["pool"], i, 1])
+    kind = JUNK_KINDS[draw.integers(len(JUNK_KINDS))] if draw.uniform() < junk else None
+    rng = np.random.default_rng([seed, SPLITS["pool"], i])
+    if kind == "no_person":
+        return (background(rng, cfg.height, cfg.width) * 255).round().astype(np.uint8), POOL_JPEG_QUALITY, kind
+    if kind == "duplicate" and i > 0:  # an earlier sample of the pool, at another JPEG quality
+        rng = np.random.default_rng([seed, SPLITS["pool"], int(draw.integers(i))])
+        return render(cfg, rng).image, 70, kind
+    if kind == "tiny":
+        small = cfg.model_copy(update={"height": cfg.height // 4, "width": cfg.width // 4})
+        return render(small, rng).image, POOL_JPEG_QUALITY, kind
+    image = render(cfg, rng).image
+    if kind == "text":
+        picture = Image.fromarray(image)
+        pen = ImageDraw.Draw(picture)
+        font = ImageFont.load_default(size=max(12, cfg.height // 12))
+        for k in range(int(draw.integers(3, 6))):
+            y = int(cfg.height * (0.1 + 0.8 * k / 5))
+            pen.text((int(cfg.width * 0.05), y), JUNK_TEXT[int(draw.integers(len(JUNK_TEXT)))], font=font,
+                     fill=(255, 255, 255), stroke_width=2, stroke_fill=(0, 0, 0))  # fmt: skip
+        image = np.asarray(picture)
+    return image, POOL_JPEG_QUALITY, kind if kind != "duplicate" else None  # sample 0 has nothing to duplicate
+
+
+def render_jpegs(cfg_json: dict, seed: int, lo: int, hi: int, junk: float = 0.0) -> list[tuple[str, bytes]]:
     cfg = RenderConfig.model_validate(cfg_json)
     out = []
     for i in range(lo, hi):
-        image = render(cfg, np.random.default_rng([seed, SPLITS["pool"], i])).image
+        image, quality, _ = pool_image(cfg, seed, i, junk)
         buf = io.BytesIO()
-        Image.fromarray(image).save(buf, "JPEG", quality=POOL_JPEG_QUALITY)
+        Image.fromarray(image).save(buf, "JPEG", quality=quality)
         out.append((f"render-{seed}-{i:08d}.jpg", buf.getvalue()))
     return out
 
@@ -118,7 +158,7 @@ def write_pool(out: str, n: int, cfg: RenderConfig, seed: int, args: argparse.Na
     """``n`` unlabelled renders as tar shards of ``--rows-per-shard`` JPEGs; returns the number of shards."""
     fs, root = storage.resolve(out)
     ranges = [(lo, min(n, lo + args.rows_per_shard)) for lo in range(0, n, args.rows_per_shard)]
-    jobs = [(cfg.model_dump(mode="json"), seed, lo, hi) for lo, hi in ranges]
+    jobs = [(cfg.model_dump(mode="json"), seed, lo, hi, args.junk) for lo, hi in ranges]
     results = pool.map(render_jpegs, *zip(*jobs)) if pool else (render_jpegs(*j) for j in jobs)
     for k, members in enumerate(results):
         buf = io.BytesIO()
@@ -192,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.n < 1 or n_val < 1 or args.test < 0:
             raise ValueError("--n and --val must be at least 1, --test at least 0")
+        if not 0 <= args.junk <= 1 or (args.junk and not args.unlabelled):
+            raise ValueError("--junk is a fraction from 0 to 1 of an --unlabelled pool")
         if args.rows_per_shard < 1 or args.row_group_size < 1:
             raise ValueError("--rows-per-shard and --row-group-size must be at least 1")
         shape = {"yaw": args.max_yaw} if args.max_yaw is not None else {}

@@ -6,6 +6,9 @@ SwiGLU FFN (hidden = 4 x width, three width x hidden matrices), LayerScale on th
 public Sapiens2 block; `ffn_layer_scale` adds DINOv2's second one on the FFN branch); grouped-query attention
 (kv heads = heads / 2) only in the middle blocks [8, depth - 8); a final RMSNorm.
 
+Stochastic depth (`drop_path`, a fine-tuning setting) drops each block's attention and FFN branches per sample in
+training, at rates rising linearly over the blocks; eval mode and rate 0 leave the blocks as above.
+
 Masked (MAE) training: `forward(images, keep)` runs the transformer on the visible patches only, each at its
 true grid position, so dropped patches cannot influence any output.
 
@@ -51,6 +54,8 @@ class BackboneConfig:
     window: int | None = None  # 4K variant: window side in patches (4 -> 4x4 windows)
     local_depth: int = 0  # 4K variant: windowed blocks run before the `depth` global ones
     activation_checkpointing: bool = False
+    # Stochastic depth, a fine-tuning setting: the rate of the last block (`drop_path_rates`); training only.
+    drop_path: float = 0.0
 
     def __post_init__(self) -> None:
         if self.width % self.heads or (self.width // self.heads) % 4:
@@ -61,6 +66,8 @@ class BackboneConfig:
             raise ValueError("depth (the global blocks) must be at least 1")
         if (self.window is None) != (self.local_depth == 0) or self.local_depth < 0:
             raise ValueError("the 4K variant needs both window and local_depth > 0; a base size neither")
+        if not 0 <= self.drop_path < 1:
+            raise ValueError("drop_path must be in [0, 1)")
 
     @property
     def head_dim(self) -> int:
@@ -78,6 +85,11 @@ class BackboneConfig:
     @property
     def gqa_kv_heads(self) -> int:
         return self.kv_heads if self.kv_heads is not None else self.heads // 2
+
+    def drop_path_rates(self) -> list[float]:
+        """Each block's stochastic-depth rate in forward order (windowed, then global): linear from 0 at the first
+        to `drop_path` at the last, as timm, MAE and DINOv2 space them (on the CPU: also under a meta device)."""
+        return [x.item() for x in torch.linspace(0, self.drop_path, self.total_depth, device="cpu")]
 
     def block_kv_heads(self, index: int) -> int:
         """KV heads of global block `index` (the windowed blocks keep full multi-head attention)."""
@@ -115,6 +127,14 @@ CARD: dict[str, tuple[float, float]] = {
 # 2D RoPE. Coordinates are patch centres normalised to [-1, 1] per axis, so a window token (the centre of its
 # patches) lands on the same coordinate in the reduced grid. Of each head's dims, one half rotates with the row
 # and the other half with the column; CLS / register / pooling tokens (the prefix) get the identity rotation.
+#
+# At another resolution (a token grid the backbone was not trained on) the coordinates stay the image's, not the
+# tokens' indices: a token gets the rotation of the place it covers, so the same image offset keeps the same
+# relative angle and a finer grid samples the learned frequencies more densely (position interpolation). This is
+# DINOv3's RoPE (normalize_coords="separate", base 100, no learned weights), which it and Sapiens2 rely on to
+# fine-tune at higher resolution than they pretrain. What changes with the grid is the number of tokens per unit of
+# image: a model pretrained on an 8x6 grid meets neighbours 2x closer on 16x12, which is why the value benchmark
+# pretrains at the read-outs' resolution (benchmarks/pretrain_value.py).
 
 
 def grid_coords(gh: int, gw: int, device: torch.device | str | None = None) -> Tensor:
@@ -177,7 +197,7 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: BackboneConfig, kv_heads: int) -> None:
+    def __init__(self, cfg: BackboneConfig, kv_heads: int, drop_path: float = 0.0) -> None:
         super().__init__()
         self.norm1 = nn.RMSNorm(cfg.width, eps=cfg.norm_eps)
         self.attn = Attention(cfg, kv_heads)
@@ -186,6 +206,10 @@ class Block(nn.Module):
         self.ffn = SwiGLU(cfg.width, cfg.hidden)
         self.ls2 = nn.Parameter(torch.full((cfg.width,), cfg.layer_scale_init)) if cfg.ffn_layer_scale else None
         self.activation_checkpointing = cfg.activation_checkpointing
+        # Stochastic depth: in training, each residual branch is dropped for a random `drop_path` of the samples
+        # (the windowed blocks batch windows, so there a window is a sample) and kept ones scaled by 1 / (1 - rate).
+        self.drop_path_rate = drop_path
+        self.drop_path = _drop_path(drop_path)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
         # The recomputation lives inside the block, so a compiled block (``block.compile()``) traces it as part of its
@@ -197,9 +221,19 @@ class Block(nn.Module):
         return self._forward(x, rope, mask)
 
     def _forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
-        x = x + self.ls1 * self.attn(self.norm1(x), rope, mask)
+        x = x + self.drop_path(self.ls1 * self.attn(self.norm1(x), rope, mask))
         ffn = self.ffn(self.norm2(x))
-        return x + (ffn if self.ls2 is None else self.ls2 * ffn)
+        return x + self.drop_path(ffn if self.ls2 is None else self.ls2 * ffn)
+
+
+def _drop_path(rate: float) -> nn.Module:
+    """timm's per-sample DropPath (the identity in eval mode), or the identity at rate 0. timm is imported here, only
+    for a model that drops paths, because importing it costs about a second."""
+    if rate == 0:
+        return nn.Identity()
+    from timm.layers import DropPath
+
+    return DropPath(rate)
 
 
 @dataclass
@@ -227,8 +261,11 @@ class Sapiens2Backbone(nn.Module):
         self.registers = nn.Parameter(torch.zeros(1, cfg.num_registers, D))
         # 4K: each window's pooling token is the [CLS] token plus this learned offset (zero at init).
         self.window_query = nn.Parameter(torch.zeros(1, 1, D)) if cfg.window else None
-        self.local_blocks = nn.ModuleList(Block(cfg, cfg.heads) for _ in range(cfg.local_depth))
-        self.blocks = nn.ModuleList(Block(cfg, cfg.block_kv_heads(i)) for i in range(cfg.depth))
+        rates = cfg.drop_path_rates()
+        self.local_blocks = nn.ModuleList(Block(cfg, cfg.heads, rates[i]) for i in range(cfg.local_depth))
+        self.blocks = nn.ModuleList(
+            Block(cfg, cfg.block_kv_heads(i), rates[cfg.local_depth + i]) for i in range(cfg.depth)
+        )
         self.norm = nn.RMSNorm(D, eps=cfg.norm_eps)
         self.init_weights()
 

@@ -29,6 +29,10 @@ class ModelSettings(Strict):
     # Patch side in pixels (None: the size's, 16). At 128x96 a 16-px patch leaves an 8x6 token grid, coarser than
     # the 64x48 the Sapiens2 sizes see at 1024x768; 8 px gives the tiny model 16x12 tokens.
     patch_size: int | None = Field(None, ge=1)
+    # Stochastic depth, a fine-tuning setting (MAE fine-tunes ViT-B / L / H with 0.1 / 0.2 / 0.3): each block's
+    # attention and FFN branches are dropped per sample in training, at a rate rising linearly from 0 at the first
+    # block to this at the last. 0: none, pretraining's default.
+    drop_path: float = Field(0.0, ge=0, lt=1)
 
     @field_validator("size")
     @classmethod
@@ -42,6 +46,7 @@ class ModelSettings(Strict):
             SIZES[self.size],
             activation_checkpointing=self.activation_checkpointing,
             ffn_layer_scale=self.ffn_layer_scale,
+            drop_path=self.drop_path,
         )
         if self.layer_scale_init is not None:
             backbone = dataclasses.replace(backbone, layer_scale_init=self.layer_scale_init)

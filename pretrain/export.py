@@ -28,6 +28,7 @@ BACKBONE_FILE = "backbone.safetensors"
 # EMA teacher (DINO evaluates the teacher, which is often the better of the two).
 EXPORTS = {"student": "student.", "teacher": "teacher.backbone."}
 EXPORT_FILES = {"student": BACKBONE_FILE, "teacher": "teacher_backbone.safetensors"}
+FINETUNED_PREFIX = "backbone."  # the backbone's keys in a fine-tuned model's state (finetune.train.FinetuneModel)
 
 
 def read_model_state(ckpt_uri: str, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -82,7 +83,10 @@ def _write_backbone(
     cfg = model.backbone()
     meta = {
         "format": "pt",
-        "backbone_config": json.dumps(dataclasses.asdict(dataclasses.replace(cfg, activation_checkpointing=False))),
+        # training-time settings are not the architecture: a fine-tuning run sets its own
+        "backbone_config": json.dumps(
+            dataclasses.asdict(dataclasses.replace(cfg, activation_checkpointing=False, drop_path=0.0))
+        ),
         "size": model.size,
         "step": str(step),
         "which": which,
@@ -100,8 +104,13 @@ def build_meta(cfg: BackboneConfig) -> Sapiens2Backbone:
 
 def load_backbone(uri: str, **overrides) -> Sapiens2Backbone:
     """A Sapiens2Backbone with the exported weights (``overrides`` change non-shape fields, e.g.
-    ``activation_checkpointing=True``)."""
+    ``activation_checkpointing=True``). ``uri`` is an exported backbone or a fine-tuned model
+    (``finetuned.safetensors`` of ``jobs.finetune``, whose backbone is taken and its head left): a backbone trained
+    on one task starts another, and a supervised backbone is the positive control of ``benchmarks/pretrain_value.py``.
+    """
     tensors, meta = read_safetensors(uri)
+    if "task" in meta:  # a fine-tuned model: backbone.* and head.* tensors
+        tensors = {k.removeprefix(FINETUNED_PREFIX): v for k, v in tensors.items() if k.startswith(FINETUNED_PREFIX)}
     fields = json.loads(meta["backbone_config"])
     values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
     # Files written before the setting existed carry no flag; their tensors tell whether blocks scale the FFN branch.

@@ -18,9 +18,10 @@ sharding, schedules, checkpoints and metrics log are the shared training runtime
 - Checkpoints (``training/worker.py``) every ``checkpoint.every`` steps, at the end, and when Ray Train reports
   an imminent preemption; each is reported to Ray Train in place, and a restarted worker group (or a rerun of the
   same command) gets the latest back from ``ray.train.get_checkpoint()``. The data position is part of it.
-- Metrics every ``log.every`` steps from rank 0: JSON lines under ``<run>/metrics/`` and a progress line, with the
-  contrastive term's diagnostics; a collapse they show (``objective.collapse_state``) that lasts
-  ``log.collapse_patience`` steps is logged once as a warning and a ``collapse`` record, and so is its end.
+- Metrics every ``log.every`` steps from rank 0: JSON lines under ``<run>/metrics/`` (every raw term) and a progress
+  line (``console_line``: the loss the student can lower first), with the contrastive term's diagnostics; a
+  collapse they show (``objective.collapse_state``) that lasts ``log.collapse_patience`` steps is logged once as a
+  warning and a ``collapse`` record, and so is its end.
 """
 
 from __future__ import annotations
@@ -233,6 +234,30 @@ class Window:
 # --- the worker loop ------------------------------------------------------------------------------------------------
 
 
+def console_line(c: PretrainConfig, step: int, r: dict) -> str:
+    """One line per metrics window (README, "Reading a pretraining run"). First the loss the student can lower,
+    ``mae + lambda_cl x kl + koleo x koleo`` with kl = cl - H, the contrastive term's KL(teacher || student): the
+    cross-entropy ``cl`` also holds H, the teacher targets' mean entropy, which has no gradient and moves with the
+    teacher, so the record's ``loss`` (this figure + lambda_cl x H; jsonl and TensorBoard keep every raw term) can
+    rise while the student's terms fall. Then ``cl`` as it is, H against ln K and the targets' information (the
+    collapse rules' inputs, with the collapse named), the schedules and the speed."""
+    cl = c.objective.cl
+    h = r["teacher_entropy"]
+    info = r["batch_entropy"] - h
+    state = f" [{r['collapse']}]" if r["collapse"] else ""
+    mfu = f" mfu {r['mfu']:.1%}" if "mfu" in r else ""
+    return (
+        f"[pretrain] step {step}/{c.steps} ep {r['epoch']} student loss {r['loss'] - c.objective.lambda_cl * h:.4f}"
+        f" = mae {r['mae']:.4f} + {c.objective.lambda_cl:g} x kl {r['cl'] - h:.4f} + {cl.koleo:g} x koleo"
+        f" {r['koleo']:.3f} | cl {r['cl']:.4f} = kl + targets H {h:.2f} of ln K {math.log(cl.prototypes):.3f},"
+        f" info {info:.2f} of ln B {math.log(max(min(c.data.batch_size, cl.prototypes), 1)):.2f},"
+        f" {r['proto_used']:.1f} protos, cls std/rms {r['cls_std'] / max(r['cls_rms'], 1e-12):.2f}{state}"
+        f" | lr {r['lr']:.2e} gnorm {r['grad_norm']:.3f} m {r['momentum']:.4f}"
+        f" | {r['images_per_s']:.1f} img/s {r['tokens_per_s']:.0f} tok/s, step {r['step_s']:.3f}s"
+        f" = data {r['data_wait_s']:.3f}s + compute {r['compute_s']:.3f}s{mfu}"
+    )
+
+
 def train_loop(loop_config: dict) -> None:
     """``TorchTrainer``'s ``train_loop_per_worker``: ``loop_config`` holds the config (as JSON data), the run URI and
     the data folder's URI as given."""
@@ -372,29 +397,10 @@ class PretrainWorker(Worker[PretrainConfig]):
         change = self.collapse.update(record["collapse"], self.step - window.steps, self.step)
         if self.log:
             self.log.write(record)
-            log_line(self._console_line(record))
+            log_line(console_line(c, self.step, record))
             if change:
                 self._log_collapse(*change)
         return {k: v for k, v in record.items() if isinstance(v, (int, float))}
-
-    def _console_line(self, r: dict) -> str:
-        """One line per metrics window: the loss as the sum of its weighted terms, then what the contrastive term's
-        targets look like (README, "Reading a pretraining run"), the schedules and the speed."""
-        c, cl = self.cfg, self.cfg.objective.cl
-        ln_k = math.log(cl.prototypes)
-        info = r["batch_entropy"] - r["teacher_entropy"]
-        state = f" [{r['collapse']}]" if r["collapse"] else ""
-        mfu = f" mfu {r['mfu']:.1%}" if "mfu" in r else ""
-        return (
-            f"[pretrain] step {self.step}/{c.steps} ep {r['epoch']} loss {r['loss']:.4f} = mae {r['mae']:.4f}"
-            f" + {c.objective.lambda_cl:g} x cl {r['cl']:.4f} + {cl.koleo:g} x koleo {r['koleo']:.3f}"
-            f" | cl of ln K {ln_k:.3f}: targets H {r['teacher_entropy']:.2f} info {info:.2f}"
-            f" of ln B {math.log(max(min(c.data.batch_size, cl.prototypes), 1)):.2f}, {r['proto_used']:.1f} protos,"
-            f" cls std/rms {r['cls_std'] / max(r['cls_rms'], 1e-12):.2f}{state}"
-            f" | lr {r['lr']:.2e} gnorm {r['grad_norm']:.3f} m {r['momentum']:.4f}"
-            f" | {r['images_per_s']:.1f} img/s {r['tokens_per_s']:.0f} tok/s, step {r['step_s']:.3f}s"
-            f" = data {r['data_wait_s']:.3f}s + compute {r['compute_s']:.3f}s{mfu}"
-        )
 
     def _log_collapse(self, state: str | None, since: int) -> None:
         """A collapse (or its end) that has lasted ``log.collapse_patience`` steps: a warning and a record."""

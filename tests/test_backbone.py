@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,29 @@ def test_rope_makes_attention_depend_on_relative_position_only():
     assert not torch.allclose(run(moved_col), base, atol=1e-3)  # one token moves along a row
 
 
+def test_rope_at_another_grid_rotates_by_image_position_not_token_index():
+    """The documented choice for a new resolution: coordinates are the image's (DINOv3's normalised RoPE), so a
+    token of a 2x finer grid gets the rotation of the place it covers. The 8x6 grid's tokens sit at the centres of
+    the 16x12 grid's 2x2 blocks, and two tokens at one image offset get one relative rotation on either grid."""
+    coarse, fine = grid_coords(8, 6), grid_coords(16, 12)
+    blocks = fine.view(8, 2, 6, 2, 2).mean(dim=(1, 3)).reshape(-1, 2)
+    assert torch.allclose(blocks, coarse, atol=1e-6)
+    assert fine.min() > -1 and fine.max() < 1 and coarse.min() > -1 and coarse.max() < 1  # both span the image
+    # the image offset from the top-left token to the one half the image right and down: (4, 3) coarse, (8, 6) fine
+    cos_c, sin_c = rope_tables(coarse, 16, 100.0, 0, torch.float32)
+    cos_f, sin_f = rope_tables(fine, 16, 100.0, 0, torch.float32)
+
+    def angle(cos: torch.Tensor, sin: torch.Tensor, i: int, j: int) -> torch.Tensor:
+        return torch.atan2(sin[0, j], cos[0, j]) - torch.atan2(sin[0, i], cos[0, i])
+
+    a = angle(cos_c, sin_c, 0, 4 * 6 + 3)
+    b = angle(cos_f, sin_f, 0, 8 * 12 + 6)
+    # the fine grid's first token sits a quarter coarse cell up-left of the coarse one's; the offset is the same
+    assert torch.allclose(torch.remainder(a, 2 * math.pi), torch.remainder(b, 2 * math.pi), atol=1e-4)
+    # indices instead of image positions (what the choice avoids) would give the fine offset twice the angle
+    assert not torch.allclose(torch.remainder(2 * a, 2 * math.pi), torch.remainder(b, 2 * math.pi), atol=1e-2)
+
+
 def test_encoder_sees_only_the_kept_patches():
     model = _model(TINY)
     torch.manual_seed(1)
@@ -320,6 +344,52 @@ def test_activation_checkpointing_gives_the_same_gradients():
         model.blocks[0].attn.register_forward_hook(lambda *_, calls=calls: calls.append(1))
         model(images, keep).patches.square().mean().backward()
         assert len(calls) == (2 if flag else 1)  # the forward, and with checkpointing its recomputation
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_drop_path_rates_rise_linearly_over_the_blocks_in_forward_order():
+    assert TINY.drop_path_rates() == [0.0] * 4 and [b.drop_path_rate for b in build(TINY, "meta").all_blocks] == [0] * 4
+    cfg = dataclasses.replace(SIZES["tiny-4k"], drop_path=0.5)  # 2 windowed blocks, then 4 global ones
+    model = build(cfg, "meta")
+    expected = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
+    assert cfg.drop_path_rates() == pytest.approx(expected)
+    assert [blk.drop_path_rate for blk in model.all_blocks] == pytest.approx(expected)
+    assert [blk.drop_path.drop_prob for blk in model.blocks] == pytest.approx(expected[2:])  # timm's DropPath
+    with pytest.raises(ValueError, match="drop_path"):
+        dataclasses.replace(TINY, drop_path=1.0)
+
+
+def test_drop_path_drops_whole_samples_in_training_and_nothing_in_eval():
+    cfg = dataclasses.replace(TINY, drop_path=0.5)
+    model, plain = _model(cfg), _model(TINY)
+    assert model.state_dict().keys() == plain.state_dict().keys()  # drop path holds no weights
+    plain.load_state_dict(model.state_dict())
+    images = torch.randn(4, 3, 64, 64)
+    # per sample: a branch is all dropped or all kept, and a kept one scaled by 1 / (1 - rate)
+    branch = model.blocks[-1].drop_path.train()(torch.ones(64, 5, 3))
+    assert set(branch.amax((1, 2)).tolist()) == set(branch.amin((1, 2)).tolist()) == {0.0, 2.0}
+    torch.manual_seed(0)
+    model.train()
+    first, second = _outputs(model(images)), _outputs(model(images))
+    assert torch.isfinite(first).all() and torch.isfinite(second).all()
+    assert not torch.equal(first, second)
+    model.eval()
+    with torch.no_grad():
+        kept = _outputs(model(images))
+        assert torch.equal(kept, _outputs(model(images)))
+        assert torch.equal(kept, _outputs(plain(images)))
+
+
+def test_drop_path_draws_the_same_masks_when_activation_checkpointing_recomputes():
+    cfg = dataclasses.replace(TINY, drop_path=0.5)
+    images = torch.randn(4, 3, 64, 64)
+    grads = []
+    for flag in (False, True):
+        model = _model(cfg).train()
+        model.activation_checkpointing = flag
+        torch.manual_seed(1)  # the same masks in both runs; checkpointing replays the RNG for its recomputation
+        model(images).patches.square().mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 

@@ -35,7 +35,10 @@ from jobs import finetune as job
 from jobs import make_synthetic
 from pretrain.backbone import build
 from pretrain.data import DataIndex
+from pretrain.export import load_backbone
 from training import checkpoint as ckpt
+from training.schedules import lr_at
+from training.sharding import optimizer_step
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs/finetune/tiny.yaml")
@@ -165,6 +168,33 @@ def test_unlabelled_pool_is_jpeg_webdataset_shards_of_renders_no_labelled_split_
     loss = np.abs(got - expected).mean()  # the render, up to JPEG loss on a noisy 64x48 picture
     train_figure = render(cfg, np.random.default_rng([0, make_synthetic.SPLITS["train"], 5])).image.astype(float)
     assert loss < 10 and np.abs(got - train_figure).mean() > 3 * loss
+
+
+def test_a_junk_pool_holds_each_kind_of_web_junk_beside_the_clean_renders_of_the_pool_without(tmp_path):
+    cfg = RenderConfig(height=64, width=48, num_keypoints=17)
+    kinds: dict[str | None, list[int]] = {}
+    for i in range(40):
+        image, quality, kind = make_synthetic.pool_image(cfg, 0, i, junk=0.5)
+        kinds.setdefault(kind, []).append(i)
+        clean, _, none = make_synthetic.pool_image(cfg, 0, i, junk=0.0)
+        assert none is None and image.dtype == np.uint8
+        if kind is None:  # the junk draw has its own stream: the clean samples are the clean pool's
+            assert np.array_equal(image, clean) and quality == make_synthetic.POOL_JPEG_QUALITY
+        elif kind == "tiny":  # under curation's 384-px rule at any pool size of 1536 px or less
+            assert image.shape == (16, 12, 3)
+        elif kind == "text":  # the same figure under a text overlay
+            assert image.shape == clean.shape and 0.05 < (image != clean).any(-1).mean() < 0.95
+        elif kind == "no_person":
+            figure = render(cfg, np.random.default_rng([0, make_synthetic.SPLITS["pool"], i])).mask
+            assert figure.any() and image.shape == clean.shape and not np.array_equal(image, clean)
+        else:  # a re-encoded earlier sample of the pool
+            assert kind == "duplicate" and quality < make_synthetic.POOL_JPEG_QUALITY
+            assert any(np.array_equal(image, make_synthetic.pool_image(cfg, 0, j, 0.0)[0]) for j in range(i))
+    assert set(kinds) == {None, *make_synthetic.JUNK_KINDS} and 10 < len(kinds[None]) < 30
+    out = ["--out", str(tmp_path), "--n", "2"]
+    assert make_synthetic.main([*out, "--unlabelled", "--junk", "1.5"]) == 2  # a fraction ...
+    assert make_synthetic.main([*out, "--junk", "0.5"]) == 2  # ... of an unlabelled pool
+    assert not any(tmp_path.iterdir())
 
 
 # --- shards -----------------------------------------------------------------------------------------------------------
@@ -520,6 +550,49 @@ def test_layer_wise_lr_decay_and_no_decay_on_1d_params():
     assert trained == {id(p) for p in model.head.parameters()}
 
 
+def test_probe_steps_train_the_head_alone_then_the_backbone_warms_up_lp_ft():
+    k = 3
+    cfg = load_config(FinetuneConfig, TINY, [f"optim.probe_steps={k}", "steps=8", "optim.warmup_steps=2"])
+    model = build_model(cfg, tasks.make("seg", cfg, _info()), None)
+    opt = build_optimizer(model, cfg)
+    named = dict(model.named_parameters())
+    start = {n: p.detach().clone() for n, p in named.items()}
+    backbone = [n for n in named if n.startswith("backbone.")]
+    images = torch.randint(0, 256, (2, 3, 64, 48), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+
+    def step(i: int) -> None:
+        set_schedule(opt, cfg, i, 1)
+        model(images).square().mean().backward()
+        optimizer_step(opt, [p for p in model.parameters() if p.requires_grad], cfg.optim.grad_clip)
+
+    for i in range(k):
+        step(i)
+        assert all(g["lr"] == g["weight_decay"] == 0 for g in opt.param_groups if not g["name"].endswith("-head"))
+    assert all(torch.equal(named[n], start[n]) for n in backbone)  # the final norm included
+    assert not torch.equal(named["head.out.weight"], start["head.out.weight"])
+    # the backbone's warm-up starts at its first step, the head's schedule goes on
+    batch = cfg.samples_per_step(1)
+    lr, _ = set_schedule(opt, cfg, k, 1)
+    assert lr == lr_at(k, cfg.optim, cfg.steps, batch)
+    rates = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    assert rates[id(named["backbone.norm.weight"])] == lr_at(0, cfg.optim, cfg.steps - k, batch) < lr
+    assert rates[id(named["head.out.bias"])] == lr
+    for i in range(k, k + 2):
+        step(i)
+    assert all(
+        not torch.equal(named[n], start[n]) for n in ("backbone.blocks.0.attn.qkv.weight", "backbone.norm.weight")
+    )
+    with pytest.raises(ValueError, match=r"optim\.probe_steps"):
+        load_config(FinetuneConfig, TINY, ["optim.probe_steps=8", "steps=8"])
+    # without a probe the groups are those of a run saved before LP-FT existed: its checkpoints still resume
+    plain = load_config(FinetuneConfig, TINY, ["steps=8"])
+    names = [
+        g["name"]
+        for g in build_optimizer(build_model(plain, tasks.make("seg", plain, _info()), None), plain).param_groups
+    ]
+    assert not any(n.endswith("-head") for n in names) and len(names) == len(set(names)) < len(opt.param_groups)
+
+
 # --- every head trains ----------------------------------------------------------------------------------------------
 
 
@@ -614,6 +687,25 @@ def test_pretrained_backbone_is_loaded_and_a_wrong_size_refused(tmp_path):
         build_model(coarse, tasks.make("normal", coarse, _info()), str(path))
 
 
+def test_a_pretrained_backbone_takes_the_fine_tuning_drop_path(tmp_path):
+    import dataclasses
+
+    for pretrained_rate, tuned_rate in ((0.0, 0.3), (0.2, 0.0)):  # how the pretraining dropped paths is no matter
+        backbone = build(
+            dataclasses.replace(load_config(FinetuneConfig, TINY).model.backbone(), drop_path=pretrained_rate)
+        )
+        meta = {"format": "pt", "size": "tiny", "step": "1",
+                "backbone_config": json.dumps(dataclasses.asdict(backbone.cfg))}  # fmt: skip
+        path = tmp_path / f"backbone-{pretrained_rate}.safetensors"
+        save_file({k: v.contiguous() for k, v in backbone.state_dict().items()}, str(path), metadata=meta)
+        tuned = load_config(FinetuneConfig, TINY, [f"model.drop_path={tuned_rate}"])
+        model = build_model(tuned, tasks.make("normal", tuned, _info()), str(path))
+        assert model.backbone.cfg.drop_path == tuned_rate
+        rates = [blk.drop_path_rate for blk in model.backbone.all_blocks]
+        assert rates == pytest.approx([0.0, tuned_rate / 3, 2 * tuned_rate / 3, tuned_rate])
+        assert torch.equal(model.backbone.blocks[3].ffn.w3.weight, backbone.blocks[3].ffn.w3.weight)
+
+
 # --- the job ----------------------------------------------------------------------------------------------------------
 
 
@@ -654,6 +746,15 @@ def test_finetune_job_trains_evaluates_and_resumes(shards, tmp_path, ray_local):
     train = [json.loads(line) for f in (run / "metrics").glob("*.jsonl") for line in f.read_text().splitlines()]
     assert [r["step"] for r in train if r["kind"] == "train"] == [2, 4, 6]
     assert job.main([*args, *fast, "model.size=tiny-gqa"]) == 2  # a different run under the same name
+    # the fine-tuned model's backbone (not its head) starts another run through --backbone
+    finetuned = str(run / "finetuned.safetensors")
+    job.check_backbone(finetuned, load_config(FinetuneConfig, TINY))
+    backbone = load_backbone(finetuned)
+    assert backbone.state_dict().keys() == model.backbone.state_dict().keys()
+    assert all(torch.equal(v, model.backbone.state_dict()[k]) for k, v in backbone.state_dict().items())
+    cfg = load_config(FinetuneConfig, TINY)
+    other = build_model(cfg, tasks.make("normal", cfg, _info()), finetuned)
+    assert torch.equal(other.backbone.blocks[3].attn.qkv.weight, model.backbone.blocks[3].attn.qkv.weight)
 
 
 # Each task's headline metrics, as metrics.json reports them.

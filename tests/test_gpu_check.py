@@ -136,11 +136,13 @@ def test_the_value_rows_tell_each_cell_and_how_far_a_cut_off_chain_got():
     gc = load_script()
     cell = {"measure": "probe mIoU", "init": "student", "random": "0.1000 ± 0.0100", "pretrained": "0.2000 ± 0.0100"}
     finished = {
-        "size": "tiny", "patch_size": 8, "pool": 400, "curated": 160, "pretrain_steps": 938, "global_batch": 128,
-        "pretrain_epochs": 750.4, "heldout_mae": {"initial": 1.3, "pretrained": 0.9}, "seconds": 90.0,
-        "pretrain_run": {"step_s": 0.025, "images_per_s": 5120.0, "mfu": None},
+        "size": "tiny", "patch_size": 8, "pool": 400, "pretrain_steps": 938, "global_batch": 128, "seconds": 90.0,
+        "pretraining": {"curated": {"images": 160, "epochs": 750.4,
+                                    "heldout_mae": {"initial": 1.3, "pretrained": 0.9}}},
+        "pretrain_run": {"curated": {"step_s": 0.025, "images_per_s": 5120.0, "mfu": None}},
         "cells": [{**cell, "ahead": True, "beyond_spread": True}, {**cell, "measure": "k-NN", "ahead": False,
                                                                     "beyond_spread": False}],
+        "verdicts": ["control: supervised ahead of random on 1/1, beyond the seed spread on 1"],
         "goal_met": False,
     }  # fmt: skip
     report = {
@@ -151,14 +153,16 @@ def test_the_value_rows_tell_each_cell_and_how_far_a_cut_off_chain_got():
     }  # fmt: skip
     rows = {what: value for part, what, value in gc.table_rows({"value": report}) if part == "value"}
     assert rows["ERROR"] == "stopped at its time budget (331 s)"
-    head = "tiny (patch 8): 400 renders -> 160 curated, 938 steps x 128 (750.4 epochs)"
-    assert rows[head].startswith("held-out MAE 1.3000 at init -> 0.9000; pretraining 0.025 s/step")
+    assert rows["tiny (patch 8): 400 renders, 938 steps x 128 on each set"] == "chain 90.0 s"
+    head = "tiny: pretrained on curated, 160 images (750.4 epochs)"
+    assert rows[head].startswith("held-out MAE 1.3000 at init -> 0.9000; 0.025 s/step")
     assert rows["tiny: probe mIoU"].endswith("student 0.2000 ± 0.0100 | gain > seed spread yes")
     assert rows["tiny: k-NN"].endswith("gain > seed spread no")
-    assert rows["tiny: beyond the seed spread on every cell"] == "no (1 of 2 cells; ahead on 1)"
+    assert rows["tiny: pretrained beyond the seed spread on every fine-tuning cell"].startswith("no (1 of 2 cells")
+    assert rows["tiny: verdict"].startswith("control: supervised ahead of random")
     assert rows["0.1b: unfinished (at: probe student, colour, seed 1)"] == "pretrain in this process, 938 steps 61 s"
     assert rows["seconds (budget)"] == "331.0 (331.0)"
-    assert "every cell" in gc.GOALS["value"] and gc.PARTS[-1] == "value"
+    assert "every fine-tuning cell" in gc.GOALS["value"] and gc.PARTS[-1] == "value"
 
 
 # What a GPU machine running on benchmarks/offline_site.py's archive lacks: the lite runtimes, ultralytics' polars.
@@ -182,35 +186,35 @@ def test_the_value_part_runs_the_chain_with_pretraining_in_memory(tmp_path):
         capture_output=True, text=True, timeout=900, cwd=REPO,
     )  # fmt: skip
     assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
-    assert (data / "curated/shards/manifest.json").exists() and (data / "labelled-8/test/manifest.json").exists()
+    assert (data / "curated/shards/manifest.json").exists() and (data / "raw/shards/manifest.json").exists()
+    assert (data / "labelled-8/test/manifest.json").exists() and (data / "control/val/manifest.json").exists()
     shutil.rmtree(data / "pool")  # what is curated need not travel with it
 
     env = without_modules(tmp_path, LITE_RUNTIMES)
     blocked = subprocess.run([sys.executable, "-c", "import openvino"], env=env, capture_output=True, text=True)
     assert blocked.returncode != 0 and "ModuleNotFoundError" in blocked.stderr
-    results, printed = run_check(tmp_path, "--only", "value", "--value-data", str(data), total_s=900, env=env)
+    results, _ = run_check(tmp_path, "--only", "value", "--value-data", str(data), total_s=900, env=env)
     parts = results["parts"]
     assert list(parts) == ["value"] and not errors(parts)
     value = parts["value"]
     (m,) = value["models"]  # the smoke mode's one size
     assert not any(t.startswith(("curate", "pool", "labelled")) for t in m["steps_s"])  # made ahead, not here
     assert m["size"] == "tiny" and m["patch_size"] == 8 and m["pretrain_steps"] == 4 and m["global_batch"] == 4
-    # the in-memory pretraining: the whole curated pool on the device, one record per step at this length
-    run = m["pretrain_run"]
-    assert run["pool_images"] == m["curated"] >= m["global_batch"] and run["step_s"] > 0 and run["mfu"] is None
-    assert [r["step"] for r in m["pretraining"]] == [1, 2, 3, 4]
-    assert all(math.isfinite(r["loss"]) and r["mae"] > 0 for r in m["pretraining"])
-    assert m["heldout_mae"]["step"] == 4 and math.isfinite(m["heldout_mae"]["pretrained"])
-    assert any(title.startswith("pretrain in this process, 4 steps") for title in m["steps_s"])
-    assert not any(title.startswith("pretrain,") for title in m["steps_s"])  # no jobs.pretrain run
-    # the probes (colour only, here) and fine-tuning read the exported student: one cell per measure
-    assert [(c["measure"], c["init"]) for c in m["cells"]] == [
-        ("probe mIoU (tokens, best layer), 8 labels, colour", "student"),
-        ("k-NN mIoU (tokens, best layer), 8 labels, colour", "student"),
-        ("left/right bal. acc, 8 labels, colour", "student"),
-        ("fine-tune mIoU, 8 labels (LR on val)", "student"),
-    ]
+    # the in-memory pretraining of each set: its whole pool on the device, one record per step at this length
+    assert set(m["pretrain_run"]) == set(m["pretraining"]) == {"curated", "raw"}
+    for source, run in m["pretrain_run"].items():
+        assert run["pool_images"] == m["pretraining"][source]["images"] >= m["global_batch"] and run["step_s"] > 0
+        assert run["mfu"] is None and m["pretraining"][source]["heldout_mae"]["step"] == 4
+        assert [r["step"] for r in m["pretraining_steps"] if r["set"] == source] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) and r["mae"] > 0 for r in m["pretraining_steps"])
+    assert m["pretraining"]["raw"]["images"] > m["pretraining"]["curated"]["images"]  # the curation drops junk
+    assert sum(title.startswith("pretrain on") and title.endswith("in this process") for title in m["steps_s"]) == 2
+    # the probes (colour only) and fine-tuning: one cell per measure and init other than random
+    inits = ["random-ls1", "supervised", "curated", "raw"]
+    measures = ["probe mIoU (tokens, best layer), 8 labels, colour", "k-NN mIoU (tokens, best layer), 8 labels, colour",
+                "left/right bal. acc, 8 labels, colour", "fine-tune mIoU, 8 labels (recipe on val)"]  # fmt: skip
+    assert [(c["measure"], c["init"]) for c in m["cells"]] == [(x, i) for x in measures for i in inits]
     # one seed: no spread to beat, so no verdict
     assert all(c["beyond_spread"] is None for c in m["cells"]) and m["goal_met"] is None
+    assert any(v.startswith("control: supervised") for v in m["verdicts"])
     assert value["current"] is None and not value.get("skipped")
-    assert "tiny: beyond the seed spread on every cell" in printed and "fine-tune mIoU, 8 labels" in printed

@@ -221,6 +221,31 @@ def test_diagnostics_on_constructed_inputs() -> None:
     assert one_row["cls_std"].item() == 0.0  # not NaN
 
 
+def test_the_distillation_loss_is_the_teacher_entropy_plus_the_students_kl() -> None:
+    """L_CL = H(teacher targets) + KL(teacher || student), averaged over the view pairs: every teacher view meets
+    the same number of student views, so H is the diagnostics' teacher_entropy and cl - teacher_entropy (the
+    console's "kl", the part of L_CL the student can lower) is a mean KL divergence, never negative."""
+    g, v, b, k, temp = 2, 4, 3, 16, 0.1  # two global views (the teacher's) and two local ones
+    probs = torch.softmax(torch.randn(g, b, k) / 0.3, dim=-1)
+    logits = torch.randn(v, b, k)
+    cl = distillation_loss(probs, logits, temp)
+    d = contrastive_diagnostics(probs, logits[:g], torch.randn(g * b, 8), temp)
+    log_s = F.log_softmax(logits / temp, dim=-1)
+    kl = [
+        F.kl_div(log_s[s], probs[t], reduction="batchmean")  # KL(teacher view t || student view s), batch mean
+        for t in range(g)
+        for s in range(v)
+        if s != t
+    ]
+    assert cl.item() == pytest.approx(d["teacher_entropy"].item() + torch.stack(kl).mean().item(), rel=1e-5)
+    assert cl.item() - d["teacher_entropy"].item() > 0
+    # views whose targets agree and a student that matches them exactly: only H is left, the part it cannot move
+    agree = probs[:1].expand(g, b, k)
+    exact = agree[:1].log().expand(v, b, k) * temp
+    h = contrastive_diagnostics(agree, exact[:g], torch.randn(g * b, 8), temp)["teacher_entropy"].item()
+    assert distillation_loss(agree, exact, temp).item() == pytest.approx(h, rel=1e-5)
+
+
 def _diag(
     entropy: float, batch: float | None = None, std: float = 0.5, rms: float = 1.0, used: float = 8.0
 ) -> dict[str, float]:

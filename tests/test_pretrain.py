@@ -34,7 +34,7 @@ from pretrain.backbone import SIZES, build
 from pretrain.config import PretrainConfig
 from pretrain.export import BACKBONE_FILE, export_backbone, load_backbone
 from pretrain.objective import TERMS, JointObjective, collapse_state
-from pretrain.train import build_model, build_optimizer, fingerprint
+from pretrain.train import build_model, build_optimizer, console_line, fingerprint
 from training import checkpoint as ckpt
 from training.config import OptimSettings
 from training.metrics import latest_per_step, read_metrics
@@ -111,7 +111,8 @@ def reference(shards, storage) -> Path:
 
 def test_the_readme_tiny_run_learns_without_a_collapse(shards, tmp_path):
     """The README's first command's pretraining, as shipped (60 steps, 2 workers, the sample pool's curated
-    images): the MAE term falls, the contrastive term ends clearly below ln K, and no collapse is named."""
+    images): the MAE term falls, and so do the student's KL to its targets and the loss the console line leads
+    with; the contrastive term ends clearly below ln K, and no collapse is named."""
     assert job.main(["--config", TINY, "--data", str(shards), "--storage", str(tmp_path), "--name", "readme"]) == 0
     cfg = load_config(PretrainConfig, TINY)
     train = latest_per_step(read_metrics(str(tmp_path / "readme")))
@@ -119,9 +120,43 @@ def test_the_readme_tiny_run_learns_without_a_collapse(shards, tmp_path):
     assert steps[-1] == cfg.steps, steps
     first, last = train[steps[0]], train[steps[-1]]
     assert last["mae"] < first["mae"] - 0.1, (first, last)
+    kl = {s: r["cl"] - r["teacher_entropy"] for s, r in train.items()}
+    student = {s: r["loss"] - cfg.objective.lambda_cl * r["teacher_entropy"] for s, r in train.items()}
+    assert kl[steps[-1]] < 0.6 * kl[steps[0]] and student[steps[-1]] < 0.7 * student[steps[0]], (kl, student)
     assert last["cl"] < 0.85 * math.log(cfg.objective.cl.prototypes), last
     assert [r["collapse"] for r in train.values()] == [None] * len(train), train
     assert read_metrics(str(tmp_path / "readme"), "collapse") == []
+
+
+# The README run's step-20 window as recorded (README, "Reading a pretraining run").
+STEP_20 = {
+    "epoch": 19, "loss": 2.7540982, "mae": 1.0312903, "cl": 1.6632828, "koleo": 0.5952510,
+    "teacher_entropy": 0.6851320, "batch_entropy": 1.4555112, "student_entropy": 1.9, "proto_used": 3.3,
+    "cls_std": 0.7477914, "cls_rms": 0.9998604, "collapse": None, "lr": 8.49984e-4, "grad_norm": 31.058359,
+    "momentum": 0.9911384, "images_per_s": 27.52, "tokens_per_s": 1541.1, "step_s": 0.2907, "data_wait_s": 0.0050,
+    "compute_s": 0.2857,
+}  # fmt: skip
+
+
+def test_the_console_line_leads_with_the_loss_the_student_can_lower():
+    """The line opens with mae + lambda x kl + w x koleo, kl = cl - H (the teacher targets' entropy has no gradient
+    and rises in the README run while the student's terms hold); cl and H follow, with the collapse named."""
+    cfg = load_config(PretrainConfig, TINY)
+    line = console_line(cfg, 20, STEP_20)
+    assert line.startswith(
+        "[pretrain] step 20/60 ep 19 student loss 2.0690 = mae 1.0313 + 1 x kl 0.9782 + 0.1 x koleo 0.595"
+        " | cl 1.6633 = kl + targets H 0.69 of ln K 4.159, info 0.77 of ln B 1.39, 3.3 protos, cls std/rms 0.75"
+        " | lr 8.50e-04 gnorm 31.058 m 0.9911 | 27.5 img/s 1541 tok/s, step 0.291s = data 0.005s + compute 0.286s"
+    ), line
+    assert line.endswith("compute 0.286s") and "[" not in line.split("|")[1]  # healthy: no collapse named
+    # the student loss is the recorded loss less lambda x H, whatever lambda is: the terms add up on the line
+    half = load_config(PretrainConfig, TINY, ["objective.lambda_cl=0.5"])
+    r = {**STEP_20, "loss": STEP_20["mae"] + 0.5 * STEP_20["cl"] + 0.1 * STEP_20["koleo"]}
+    assert "student loss 1.5799 = mae 1.0313 + 0.5 x kl 0.9782 + 0.1 x koleo 0.595" in console_line(half, 20, r)
+    # both collapse modes (and a constant CLS) are named on the line, after the terms they are read from
+    for state in ("one prototype", "uniform targets", "uniform targets + constant CLS"):
+        terms = console_line(cfg, 20, {**STEP_20, "collapse": state}).split(" | ")[1]
+        assert terms.endswith(f"cls std/rms 0.75 [{state}]"), terms
 
 
 def test_short_fsdp_run_finishes_and_its_loss_falls(reference):
@@ -143,6 +178,7 @@ def test_short_fsdp_run_finishes_and_its_loss_falls(reference):
     for r in train.values():
         assert all(math.isfinite(r[k]) for k in TERMS), r
         assert 0 <= r["teacher_entropy"] <= math.log(prototypes) + 1e-4 and 1 <= r["proto_used"] <= rows
+        assert r["cl"] - r["teacher_entropy"] >= -1e-5, r  # the console's kl: a mean KL divergence
         assert r["collapse"] == collapse_state(r, prototypes, cfg.data.batch_size)
     # TensorBoard shows the same numbers, grouped
     board = tensorboard_scalars(reference)
