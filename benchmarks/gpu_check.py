@@ -149,21 +149,11 @@ GPU = Sizes(
     data_overrides=("ray.cpus_per_worker=4", "log.every=5"),
     data_warmup=5,
     data_steps=15,
-    # 100x the quick preset's pretraining (150 steps x the tiny config's global batch of 8 = 1,200 images): 120,064
-    # images, as 938 steps at a global batch of 128 rather than 15,000 steps of 8. A step of the tiny objective is
-    # ~12,000 ATen ops (profiled on CPU: views, masks, student, teacher, decoder, losses, AdamW, EMA), nearly all of
-    # them small at any batch, so at batch 8 launch overhead sets its time (~25 ms: 15,000 such steps would outlast this
-    # part's whole share for tiny alone). Both sizes train on the tiny config's views and heads; tiny at its configured
-    # peak learning rate (1e-3), 0.1b at half of it; the warm-up and the frozen prototypes 50 steps (5%, as the config's
-    # 5 of 60). 0.1b with 8-px patches: the 64x48 views and 32x32 crops keep 8x6 and 4x4 tokens (16 px: 4x3 and 2x2, too
-    # few to hide 75% of), fine-tuning at 128x96 sees 16x12 tokens (the grid that lifted seg at tiny size,
-    # benchmarks/RESULTS.md), and the two sizes then differ in the model alone. The pool: 400 renders -> ~160 curated
-    # (the lite profile keeps ~40%), so ~750 epochs.
-    #
-    # Time on one H200 with 16 CPUs, measured 2026-12-04 (benchmarks/RESULTS.md) with the renders and curation made
-    # ahead (--value-data): tiny pretraining 938 steps at 0.0735 s (73 s), probes 3-4 s each, fine-tuning runs 37-45 s
-    # each (~35 s of it Ray Train's start), 261 s for the tiny chain; 0.1b pretrains at ~0.17 s a step (~160 s). Both
-    # sizes need about 10 minutes: give this part a command of its own (--only value --budget value=580).
+    # Part value: the tiny backbone at its configured peak learning rate (1e-3), at a global batch of 128 in one process
+    # (a step of the tiny objective is ~12,000 small ATen ops at any batch, so at batch 8 launch overhead sets its
+    # time); the warm-up and the frozen prototypes 50 steps (5%, as the config's 5 of 60). Time on one H200 with 16
+    # CPUs, measured 2026-12-04 (benchmarks/RESULTS.md) at 64x48: 938 steps at 0.0735 s, probes 3-4 s each,
+    # fine-tuning runs 37-45 s each (~35 s of it Ray Train's start).
     value_models=(("tiny", None, ("optim.lr=2e-3",)),),
     value_pretrain=(
         "ray.workers=1",  # one process: the global batch is one batch
@@ -171,10 +161,10 @@ GPU = Sizes(
         "optim.warmup_steps=50",
         "objective.cl.freeze_prototypes_steps=50",
     ),
-    # The size the issue asks of it: 5000 renders (30% junk) made ahead on a CPU machine (--prepare-value-data), 1000
-    # steps at a global batch of 128 on each set (~1700 curated: ~75 epochs; 5000 raw: ~26), 16 and 64 labels, three
-    # seeds, three rates chosen per init on val. Not yet run on a GPU: the fine-tuning runs (5 inits x 2 label counts x
-    # 5 runs, ~35 s of Ray Train start each on the last H200 measured) are what decides whether it fits a command.
+    # 5000 renders (30% junk) made ahead on a CPU machine (--prepare-value-data): the lite profile keeps ~24%, so
+    # 1000 steps x 128 are ~105 epochs of the ~1200 curated and ~26 of the 5000 raw; 16 and 64 labels, three seeds,
+    # three rates chosen per init on val. Not yet run on a GPU: its 70 fine-tuning runs (7 inits x 2 label counts x
+    # 5 runs) at ~40 s each are about 47 minutes, so it needs --budget value= of that order, or fewer seeds or rates.
     value_budget=dict(
         pool=5000,
         pretrain_steps=1000,
@@ -186,7 +176,7 @@ GPU = Sizes(
         test=128,
         heldout=128,
         control=1000,
-        control_steps=1000,
+        control_steps=2000,
         exports=("student", "teacher"),
         probe_iters=20,
         curate_overrides=("stages.person.actors=[6,6]", "stages.person.num_cpus=1"),

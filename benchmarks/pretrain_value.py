@@ -95,12 +95,13 @@ PROBE_MEASURES = (
     ("left/right bal. acc", "left_right_best", "balanced_acc"),
 )
 PRESETS: dict[str, dict[str, Any]] = {
-    # about 50 min on 2 CPUs: 1500 renders (30% junk) -> ~400 curated and 1500 raw; 800 pretraining steps of each at
-    # a global batch of 8 (0.45 s a step at 128x96); the control's 600 steps on 1000 renders; fine-tuning 300 steps
-    # at 16 labels: 3 rates on seed 0, then seeds 1 and 2 at the chosen one, for 5 inits (25 runs of ~45 s)
+    # about 55 min on 2 quiet CPUs: 1500 renders (30% junk; 7 min) -> 363 curated and 1500 raw (1 min); 800
+    # pretraining steps of each at a global batch of 8 (0.4 s a step at 128x96: 5.5 min each); the control's 2000
+    # steps on 1000 renders (4 min); 15 probes (5 s each); fine-tuning 300 steps at 16 labels: 3 rates on seed 0,
+    # then seeds 1 and 2 at the chosen one, for 5 inits (25 runs of ~47 s)
     "cpu": dict(pool=1500, junk=0.3, pretrain_steps=800, labels="16", seeds="0,1,2", steps=300,
-                lrs="1.6e-2,4.8e-2,1.44e-1", layer_decays="0.85", probe_steps="0", val=64, test=128, heldout=64,
-                control=1000, control_steps=600),
+                lrs="4.8e-2,1.44e-1,4.32e-1", layer_decays="0.85", probe_steps="0", val=64, test=128, heldout=64,
+                control=1000, control_steps=2000),
     # the same path at a size that shows it runs (about 10 min), not what it measures
     "quick": dict(pool=150, junk=0.3, pretrain_steps=60, labels="16", seeds="0,1", steps=60, lrs="4.8e-2,1.44e-1",
                   layer_decays="0.85", probe_steps="0", val=32, test=32, heldout=16, control=200, control_steps=100),
@@ -129,7 +130,8 @@ class Budget:
     warmup: float = 0.1  # fine-tuning warm-up, a fraction of its steps
     junk: float = 0.3  # fraction of the pool that is web junk (make_synthetic --junk)
     control: int = 1000  # labelled renders of other figures the positive control is trained on
-    control_steps: int = 600
+    control_steps: int = 2000
+    control_lr: float = 1.44e-1  # the positive control's optim.lr (what random init chooses at this size)
     sources: tuple[str, ...] = tuple(SOURCES)  # pretraining sets, keys of SOURCES
     exports: tuple[str, ...] = ("student",)  # pretrained backbones compared with random init
     size: str | None = None  # model.size of both configs (None: the configs')
@@ -341,12 +343,18 @@ class Chain:
 
     # --- read-outs ------------------------------------------------------------------------------------------------
 
+    def run_tag(self, init: str) -> str:
+        """An init's name in its runs' and probes' file names: the control's carries its settings, so a control
+        trained otherwise is read out anew rather than taken from an earlier run."""
+        b = self.budget
+        return f"{init}-n{b.control}-s{b.control_steps}" if init == SUPERVISED else init
+
     def init_overrides(self, init: str) -> list[str]:
         return ["model.layer_scale_init=1.0"] if init == f"{RANDOM}-ls1" else []
 
     def probe(self, init: str, backbone: Path | None, colour: str, seed: int, data: Path) -> dict:
         b = self.budget
-        out = self.work / "probes" / f"{init}-{colour}-s{seed}.json"
+        out = self.work / "probes" / f"{self.run_tag(init)}-{colour}-s{seed}.json"
         if out.exists():  # an earlier result counts if it probed these label counts
             found = json.loads(out.read_text())
             c = found["config"]
@@ -372,7 +380,7 @@ class Chain:
     def finetune(self, init: str, backbone: Path | None, n: int, data: Path, seed: int, recipe: dict) -> dict:
         """{"val": validation mIoU, "test": test mIoU, "curve": [(step, val mIoU)]} of one run (run, or read back)."""
         runs = self.work / "runs"
-        run = runs / f"ft-{init}-{n}-s{seed}-{recipe_name(recipe)}"
+        run = runs / f"ft-{self.run_tag(init)}-{n}-s{seed}-{recipe_name(recipe)}"
         overrides = self.finetune_overrides(init, seed, recipe)
         self.run_finetune(run, f"fine-tune {init}, {n} labels, seed {seed}, {recipe_name(recipe)}", data, backbone,
                           overrides)  # fmt: skip
@@ -393,8 +401,9 @@ class Chain:
         if done.exists():  # an earlier run's result counts only if it ran these settings
             ran = json.loads(done.read_text())["config"]
             wanted = load_config(FinetuneConfig, b.finetune_config, overrides).model_dump(mode="json")
-            if ran != wanted:
-                differ = sorted(k for k in wanted if ran.get(k) != wanted[k])
+            ran_from = json.loads(done.read_text())["backbone"]
+            if ran != wanted or ran_from != (str(backbone) if backbone else None):
+                differ = sorted(k for k in wanted if ran.get(k) != wanted[k]) or ["--backbone"]
                 raise SystemExit(f"{run} ran with other settings ({', '.join(differ)}); give another --work")
             return
         extra = ["--backbone", str(backbone)] if backbone else []
@@ -406,8 +415,8 @@ class Chain:
         """The positive control: a seg model fine-tuned from random init on the control renders; its
         ``finetuned.safetensors`` is a backbone that knows body parts."""
         b = self.budget
-        run = self.work / "runs" / "control"
-        recipe = {"lr": b.lrs[len(b.lrs) // 2], "layer_decay": 1.0, "probe_steps": 0}
+        run = self.work / "runs" / f"control-n{b.control}-s{b.control_steps}"
+        recipe = {"lr": b.control_lr, "layer_decay": 1.0, "probe_steps": 0}
         overrides = [*self.finetune_overrides(RANDOM, 0, recipe, b.control_steps), "eval.every=0"]
         self.run_finetune(run, f"positive control: seg on {b.control} other renders, {b.control_steps} steps",
                           self.control_data(), None, overrides)  # fmt: skip
@@ -579,9 +588,9 @@ def report(results: dict) -> list[str]:
             recipe = results["finetune_recipe"][n][init]
             lines.append(f"  {init:>16} ({recipe}): " + "  ".join(f"{s}: {m:.4f}" for s, m in zip(steps, means)))
     for source, p in results["pretraining"].items():
-        course = "  ".join(
-            f"{r['step']}: mae {r['mae']:.3f} cl {r['cl']:.2f}" for r in p["heldout_mae"].get("curve", [])[::4]
-        )
+        curve = p["heldout_mae"].get("curve", [])
+        shown = sorted({*range(0, len(curve), max(1, len(curve) // 8)), len(curve) - 1} - {-1})
+        course = "  ".join(f"{curve[i]['step']}: mae {curve[i]['mae']:.3f} cl {curve[i]['cl']:.2f}" for i in shown)
         if course:
             lines.append(f"pretraining on {source} by step: {course}")
     fewest = min(b["labels"])

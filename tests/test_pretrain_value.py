@@ -144,10 +144,11 @@ def test_the_chain_runs_end_to_end_at_a_microscopic_size(tmp_path, ray_local, ca
     assert set(chosen) == set(results["inits"]) and all(name.startswith("lr") for name in chosen.values())
     runs = tmp_path / "runs"
     assert len(list(runs.glob("ft-random-8-s0-*"))) == 2 and len(list(runs.glob("ft-random-8-s1-*"))) == 1
-    control = json.loads((runs / "control" / "metrics.json").read_text())
+    control = json.loads((runs / "control-n16-s4" / "metrics.json").read_text())
     assert control["config"]["steps"] == 4 and control["data"]["train"].endswith("control/train")
-    probed = json.loads((tmp_path / "probes" / "supervised-colour-s0.json").read_text())["config"]
-    assert probed["backbone"].endswith("control/finetuned.safetensors")
+    probed = json.loads((tmp_path / "probes" / "supervised-n16-s4-colour-s0.json").read_text())["config"]
+    assert probed["backbone"].endswith("control-n16-s4/finetuned.safetensors")
+    assert len(list(runs.glob("ft-supervised-n16-s4-8-s0-*"))) == 2
     assert json.loads((tmp_path / "results.json").read_text())["measures"] == results["measures"]
     lines = pv.report(results)
     assert lines[-1].startswith("summary: fine-tune mIoU at 8 labels: random")
