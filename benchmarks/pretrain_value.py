@@ -95,7 +95,7 @@ PROBE_MEASURES = (
     ("left/right bal. acc", "left_right_best", "balanced_acc"),
 )
 PRESETS: dict[str, dict[str, Any]] = {
-    # about 55 min on 2 quiet CPUs: 1500 renders (30% junk; 7 min) -> 363 curated and 1500 raw (1 min); 800
+    # about 50 min on 2 quiet CPUs: 1500 renders (30% junk; 7 min) -> 363 curated and 1500 raw (1 min); 800
     # pretraining steps of each at a global batch of 8 (0.4 s a step at 128x96: 5.5 min each); the control's 2000
     # steps on 1000 renders (4 min); 15 probes (5 s each); fine-tuning 300 steps at 16 labels: 3 rates on seed 0,
     # then seeds 1 and 2 at the chosen one, for 5 inits (25 runs of ~47 s)
