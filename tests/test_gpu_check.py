@@ -119,7 +119,7 @@ def test_one_run_changes_sizes_by_field_or_dict_key():
     gc = load_script()
     sz = gc.resized(gc.GPU, ['value_models=[["tiny", null, ["optim.lr=2e-3"]]]', "value_budget.steps=1000"])
     assert sz.value_models == (("tiny", None, ("optim.lr=2e-3",)),)
-    assert sz.value_budget["steps"] == 1000 and gc.GPU.value_budget["steps"] == 200  # the default is untouched
+    assert sz.value_budget["steps"] == 1000 and gc.GPU.value_budget["steps"] == 600  # the default is untouched
     assert {k: v for k, v in sz.value_budget.items() if k != "steps"} == {
         k: v for k, v in gc.GPU.value_budget.items() if k != "steps"
     }
