@@ -99,11 +99,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     # pretraining steps of each at a global batch of 8 (0.4 s a step at 128x96: 5.5 min each); the control's 2000
     # steps on 1000 renders (4 min); 15 probes (5 s each); fine-tuning 300 steps at 16 labels: 3 rates on seed 0,
     # then seeds 1 and 2 at the chosen one, for 5 inits (25 runs of ~47 s)
-    "cpu": dict(pool=1500, junk=0.3, pretrain_steps=800, labels="16", seeds="0,1,2", steps=300,
+    "cpu": dict(pool=1500, junk=0.3, pretrain_steps=800, labels="16,64", finetune_labels="16", seeds="0,1,2", steps=300,
                 lrs="4.8e-2,1.44e-1,4.32e-1", layer_decays="0.85", probe_steps="0", val=64, test=128, heldout=64,
                 control=1000, control_steps=2000),
     # the same path at a size that shows it runs (about 10 min), not what it measures
-    "quick": dict(pool=150, junk=0.3, pretrain_steps=60, labels="16", seeds="0,1", steps=60, lrs="4.8e-2,1.44e-1",
+    "quick": dict(pool=150, junk=0.3, pretrain_steps=60, labels="16", finetune_labels="16", seeds="0,1", steps=60,
+                  lrs="4.8e-2,1.44e-1",
                   layer_decays="0.85", probe_steps="0", val=32, test=32, heldout=16, control=200, control_steps=100),
 }  # fmt: skip
 # Pretraining in this process instead of jobs.pretrain: (the run's config, its steps set; the shards) -> the trained
@@ -117,13 +118,14 @@ class Budget:
 
     pool: int  # renders in the pool before curation (junk included)
     pretrain_steps: int  # optimiser steps of every pretraining run
-    labels: tuple[int, ...]  # labelled training set sizes (prefixes of one another)
+    labels: tuple[int, ...]  # labelled training set sizes (prefixes of one another), probed
     seeds: tuple[int, ...]  # the first one chooses the fine-tuning recipe
     steps: int  # fine-tuning steps of every run
     lrs: tuple[float, ...]  # fine-tuning optim.lr grid (the base rate per 256 images)
     val: int  # validation renders: choose the fine-tuning recipe
     test: int  # test renders: every reported probe and fine-tuning score
     heldout: int  # held-out unlabelled renders for the MAE term
+    finetune_labels: tuple[int, ...] | None = None  # those of ``labels`` fine-tuned on (None: all)
     layer_decays: tuple[float, ...] = (0.85,)  # fine-tuning optim.layer_decay grid
     probe_steps: tuple[int, ...] = (0,)  # LP-FT grid: head-only steps before the backbone trains (0: plain)
     drop_path: float = 0.1  # fine-tuning model.drop_path (stochastic depth, as MAE fine-tunes)
@@ -159,6 +161,10 @@ class Budget:
         pretraining, probes and fine-tuning), local crops of half their width, square."""
         h, w = self.image_size
         return [f"objective.views.global_size=[{h},{w}]", f"objective.views.local_size=[{w // 2},{w // 2}]"]
+
+    def tuned(self) -> tuple[int, ...]:
+        """The label counts fine-tuned on."""
+        return self.labels if self.finetune_labels is None else self.finetune_labels
 
     def recipes(self) -> list[dict[str, float | int]]:
         """The fine-tuning grid every init chooses from on validation."""
@@ -446,8 +452,10 @@ def run_chain(
     ``data``: where the renders and curated shards go (default ``work``); ``pretrainer``: pretrain in this process
     (default: ``jobs.pretrain`` on Ray Train)."""
     batch = load_config(FinetuneConfig, budget.finetune_config, list(budget.finetune_overrides)).samples_per_step()
-    if min(budget.labels) < batch:
-        raise SystemExit(f"--labels {min(budget.labels)} is smaller than a fine-tuning batch of {batch} images")
+    if min(budget.tuned()) < batch:
+        raise SystemExit(f"--labels {min(budget.tuned())} is smaller than a fine-tuning batch of {batch} images")
+    if not set(budget.tuned()) <= set(budget.labels):
+        raise SystemExit(f"--finetune-labels {budget.tuned()}: of --labels {budget.labels}")
     if not budget.colours or any(c not in COLOURS for c in budget.colours):
         raise SystemExit(f"colours {budget.colours}: one or more of {sorted(COLOURS)}")
     if not budget.sources or any(s not in SOURCES for s in budget.sources):
@@ -483,7 +491,7 @@ def run_chain(
     chosen: dict[str, dict[str, str]] = {}
     curves: dict[str, dict[str, list]] = {}
     first, *others = budget.seeds
-    for n in budget.labels:
+    for n in budget.tuned():
         for init, backbone in inits.items():
             grid = {recipe_name(r): chain.finetune(init, backbone, n, sets[n], first, r) for r in budget.recipes()}
             name = choose(grid)
@@ -593,7 +601,8 @@ def report(results: dict) -> list[str]:
         course = "  ".join(f"{curve[i]['step']}: mae {curve[i]['mae']:.3f} cl {curve[i]['cl']:.2f}" for i in shown)
         if course:
             lines.append(f"pretraining on {source} by step: {course}")
-    fewest = min(b["labels"])
+    tuned = b.get("finetune_labels") or b["labels"]
+    fewest = min(tuned)
 
     def fine_tune(name: str) -> bool:
         return name.startswith("fine-tune")
@@ -611,7 +620,7 @@ def report(results: dict) -> list[str]:
         verdicts.append(f"{_verdict(results, 'curated', 'raw', lambda _: True)}")
     lines += [f"verdict: {v}" for v in verdicts]
     parts = []
-    for n in b["labels"]:
+    for n in tuned:
         ft = results["measures"][f"fine-tune mIoU, {n} labels (recipe on val)"]
         parts.append(
             f"fine-tune mIoU at {n} labels: "
@@ -640,6 +649,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Path, Budget]:
     p.add_argument("--junk", type=float, help="fraction of the pool that is web junk")
     p.add_argument("--pretrain-steps", type=int, help="pretraining optimiser steps, on each set")
     p.add_argument("--labels", help="labelled training set sizes, comma-separated (prefixes of one another)")
+    p.add_argument("--finetune-labels", help="those of --labels to fine-tune on, comma-separated (the presets: 16)")
     p.add_argument("--seeds", help="seeds (random inits, fine-tuning, probe hold-outs), comma-separated; the first "
                    "chooses the fine-tuning recipe")  # fmt: skip
     p.add_argument("--steps", type=int, help="fine-tuning steps of every run")
@@ -673,6 +683,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Path, Budget]:
     work = Path(args.work or f"out/pretrain_value{'_quick' if args.quick else ''}").resolve()
     return work, Budget(
         pool=args.pool, junk=args.junk, pretrain_steps=args.pretrain_steps, labels=_ints(str(args.labels)),
+        finetune_labels=_ints(args.finetune_labels) if args.finetune_labels else None,
         seeds=_ints(str(args.seeds)), steps=args.steps, lrs=_floats(str(args.lrs)),
         layer_decays=_floats(str(args.layer_decays)), probe_steps=_ints(str(args.probe_steps)), val=args.val,
         test=args.test, heldout=args.heldout, control=args.control, control_steps=args.control_steps,

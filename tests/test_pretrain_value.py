@@ -102,7 +102,8 @@ def test_the_recipe_is_chosen_on_validation_alone():
 
 def test_presets_budget_flags_and_matched_resolution():
     work, cpu = pv.parse_args([])
-    assert work.name == "pretrain_value" and cpu.seeds == (0, 1, 2) and cpu.labels == (16,)
+    assert work.name == "pretrain_value" and cpu.seeds == (0, 1, 2) and cpu.labels == (16, 64)
+    assert cpu.tuned() == (16,) and pv.parse_args(["--finetune-labels", "16,64"])[1].tuned() == (16, 64)
     assert len(cpu.lrs) >= 3 and cpu.pool >= 1000 and cpu.control >= 1000 and cpu.sources == ("curated", "raw")
     assert cpu.val >= 64 and cpu.test >= 128 and 0 < cpu.junk < 1
     quick_work, quick = pv.parse_args(["--quick"])
