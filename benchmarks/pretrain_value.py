@@ -491,12 +491,12 @@ def run_chain(
     chosen: dict[str, dict[str, str]] = {}
     curves: dict[str, dict[str, list]] = {}
     first, *others = budget.seeds
+    recipes = {recipe_name(r): r for r in budget.recipes()}
     for n in budget.tuned():
         for init, backbone in inits.items():
-            grid = {recipe_name(r): chain.finetune(init, backbone, n, sets[n], first, r) for r in budget.recipes()}
+            grid = {name: chain.finetune(init, backbone, n, sets[n], first, r) for name, r in recipes.items()}
             name = choose(grid)
-            recipe = next(r for r in budget.recipes() if recipe_name(r) == name)
-            runs = [grid[name], *(chain.finetune(init, backbone, n, sets[n], s, recipe) for s in others)]
+            runs = [grid[name], *(chain.finetune(init, backbone, n, sets[n], s, recipes[name]) for s in others)]
             chosen.setdefault(str(n), {})[init] = name
             measures.setdefault(f"fine-tune mIoU, {n} labels (recipe on val)", {})[init] = [r["test"] for r in runs]
             curves.setdefault(str(n), {})[init] = [r["curve"] for r in runs]
