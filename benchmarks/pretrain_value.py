@@ -4,6 +4,7 @@ and on a raw pool, read out by frozen probes and by fine-tuning with a recipe ch
     python benchmarks/pretrain_value.py                    # the CPU preset: about 50 min on 2 CPUs
     python benchmarks/pretrain_value.py --quick            # the whole path at a small size (about 10 min)
     python benchmarks/pretrain_value.py --work out/pv --pool 5000 --pretrain-steps 3000 --labels 16,64 --both-exports
+    python benchmarks/pretrain_value.py --work out/pv-seed1 --data out/pretrain_value --pretrain-override seed=1
 
 The chain, every step a job a user runs (``run_chain``; the GPU check calls it with a larger ``Budget``):
 
@@ -641,10 +642,12 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(","))
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[Path, Budget]:
+def parse_args(argv: list[str] | None = None) -> tuple[Path, Budget, Path | None]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the whole path at a small size (about 10 min on 2 CPUs)")
     p.add_argument("--work", default=None, help="folder for every artefact (default out/pretrain_value[_quick])")
+    p.add_argument("--data", default=None, help="folder of the renders and pretraining sets (default --work): chains "
+                   "of other settings (another pretraining seed, say) share them")  # fmt: skip
     p.add_argument("--pool", type=int, help="renders in the pool before curation (junk included)")
     p.add_argument("--junk", type=float, help="fraction of the pool that is web junk")
     p.add_argument("--pretrain-steps", type=int, help="pretraining optimiser steps, on each set")
@@ -681,6 +684,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Path, Budget]:
     if any(s not in SOURCES for s in sources):
         p.error(f"--sources: of {sorted(SOURCES)}")
     work = Path(args.work or f"out/pretrain_value{'_quick' if args.quick else ''}").resolve()
+    data = Path(args.data).resolve() if args.data else None
     return work, Budget(
         pool=args.pool, junk=args.junk, pretrain_steps=args.pretrain_steps, labels=_ints(str(args.labels)),
         finetune_labels=_ints(args.finetune_labels) if args.finetune_labels else None,
@@ -690,12 +694,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Path, Budget]:
         exports=exports, sources=sources, colours=("colour", "grayscale") if args.grayscale else ("colour",),
         size=args.size, patch_size=args.patch_size, pretrain_overrides=tuple(args.pretrain_override),
         finetune_overrides=tuple(args.finetune_override),
-    )  # fmt: skip
+    ), data  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    work, budget = parse_args(argv)
-    results = run_chain(work, budget)
+    work, budget, data = parse_args(argv)
+    results = run_chain(work, budget, data=data)
     print()
     for line in report(results):
         print(line)

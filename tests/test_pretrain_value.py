@@ -101,21 +101,22 @@ def test_the_recipe_is_chosen_on_validation_alone():
 
 
 def test_presets_budget_flags_and_matched_resolution():
-    work, cpu = pv.parse_args([])
+    work, cpu, data = pv.parse_args([])
     assert work.name == "pretrain_value" and cpu.seeds == (0, 1, 2) and cpu.labels == (16, 64)
     assert cpu.tuned() == (16,) and pv.parse_args(["--finetune-labels", "16,64"])[1].tuned() == (16, 64)
     assert len(cpu.lrs) >= 3 and cpu.pool >= 1000 and cpu.control >= 1000 and cpu.sources == ("curated", "raw")
     assert cpu.val >= 64 and cpu.test >= 128 and 0 < cpu.junk < 1
-    quick_work, quick = pv.parse_args(["--quick"])
+    quick_work, quick, _ = pv.parse_args(["--quick"])
     assert (
         quick_work.name == "pretrain_value_quick"
         and quick.pool < cpu.pool
         and quick.pretrain_steps < cpu.pretrain_steps
     )
-    _, both = pv.parse_args(
-        ["--quick", "--both-exports", "--pretrain-steps", "3", "--size", "tiny", "--sources", "raw"]
+    _, both, shared = pv.parse_args(
+        ["--quick", "--both-exports", "--pretrain-steps", "3", "--size", "tiny", "--sources", "raw", "--data", "d"]
     )
     assert both.exports == ("student", "teacher") and both.pretrain_steps == 3 and both.sources == ("raw",)
+    assert data is None and shared == Path("d").resolve()  # the renders and sets of another chain
     assert both.model_overrides() == ["model.size=tiny"]
     with pytest.raises(SystemExit):
         pv.parse_args(["--sources", "web"])
