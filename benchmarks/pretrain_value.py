@@ -104,7 +104,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                 lrs="4.8e-2,1.44e-1,4.32e-1", layer_decays="0.85", probe_steps="0", val=64, test=128, heldout=64,
                 control=1000, control_steps=2000),
     # the same path at a size that shows it runs (about 10 min), not what it measures
-    "quick": dict(pool=150, junk=0.3, pretrain_steps=60, labels="16", finetune_labels="16", seeds="0,1", steps=60,
+    "quick": dict(pool=150, junk=0.3, pretrain_steps=60, labels="16", seeds="0,1", steps=60,
                   lrs="4.8e-2,1.44e-1",
                   layer_decays="0.85", probe_steps="0", val=32, test=32, heldout=16, control=200, control_steps=100),
 }  # fmt: skip
@@ -342,7 +342,6 @@ class Chain:
             "images": len(images),
             "pretrained": heldout_mae(objective, images, step=step),
             "initial": heldout_mae(initial_objective(cfg), images, step=step),  # the same views and masks
-            "curve": pretraining_curve(run),
         }
         done.write_text(json.dumps(result, indent=1))
         self.timings[f"held-out MAE ({source})"] = time.monotonic() - start
@@ -475,6 +474,7 @@ def run_chain(
             "images": kept,
             "epochs": budget.pretrain_steps * per_step / kept,
             "heldout_mae": chain.heldout_mae(source, run),
+            "curve": pretraining_curve(run),
         }
         pretrained |= {source + ("" if which == "student" else f"-{which}"): f for which, f in files.items()}
     inits: dict[str, Path | None] = {RANDOM: None, f"{RANDOM}-ls1": None, SUPERVISED: chain.supervised(), **pretrained}
@@ -597,7 +597,7 @@ def report(results: dict) -> list[str]:
             recipe = results["finetune_recipe"][n][init]
             lines.append(f"  {init:>16} ({recipe}): " + "  ".join(f"{s}: {m:.4f}" for s, m in zip(steps, means)))
     for source, p in results["pretraining"].items():
-        curve = p["heldout_mae"].get("curve", [])
+        curve = p.get("curve", [])
         shown = sorted({*range(0, len(curve), max(1, len(curve) // 8)), len(curve) - 1} - {-1})
         course = "  ".join(f"{curve[i]['step']}: mae {curve[i]['mae']:.3f} cl {curve[i]['cl']:.2f}" for i in shown)
         if course:
