@@ -84,6 +84,11 @@ class FinetuneCheckpoint(CheckpointSettings):
 
 
 class FinetuneConfig(TrainingConfig):
+    operational = (
+        *TrainingConfig.operational, "model.compile", "model.activation_checkpointing", "data.prefetch",
+        "data.eval_batch_size", "eval.every", "eval.visualise",
+    )  # fmt: skip
+
     model: ModelSettings = ModelSettings()
     head: HeadSettings = HeadSettings()
     loss: LossSettings = LossSettings()

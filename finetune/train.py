@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from common import storage
-from common.config import hash_json
+from common.config import ConfigError, hash_json
 from common.progress import Progress
 from finetune import data, losses, tasks
 from finetune.augment import Augmenter
@@ -52,6 +52,7 @@ from pretrain.backbone import BackboneConfig, Sapiens2Backbone, build
 from pretrain.data import DataIndex
 from pretrain.export import load_backbone
 from pretrain.views import IMAGENET_MEAN, IMAGENET_STD
+from training import failures
 from training.checkpoint import read_safetensors
 from training.runner import launch, run_uri_for
 from training.schedules import lr_at, peak_lr, wd_at
@@ -150,6 +151,24 @@ def param_groups(model: FinetuneModel, decay: float, weight_decay: float, split_
     return [groups[k] for k in sorted(groups)]
 
 
+def check_architecture(found: BackboneConfig, cfg: FinetuneConfig, where: str) -> None:
+    """Refuse a pretrained backbone whose architecture is not the config's (how it initialised LayerScale,
+    recomputed activations or dropped paths is not its architecture)."""
+    mine, wanted = (
+        dataclasses.replace(c, activation_checkpointing=False, layer_scale_init=0.0, drop_path=0.0)
+        for c in (found, cfg.model.backbone())
+    )
+    if mine == wanted:
+        return
+    local = f" + {found.local_depth} windowed blocks ({found.window}x{found.window} windows)" if found.window else ""
+    differ = [f"model.{k}={getattr(found, k)}" for k in ("patch_size",) if getattr(mine, k) != getattr(wanted, k)]
+    raise ConfigError(
+        f"the backbone in {where} (width {found.width}, depth {found.depth}{local}, patch {found.patch_size}) does not "
+        f"have the architecture of model.size={cfg.model.size!r} with model.patch_size={cfg.model.patch_size}; set "
+        f"{' '.join(differ) or 'model.size and model.patch_size'} as it was pretrained"
+    )
+
+
 def build_backbone(cfg: FinetuneConfig, backbone_uri: str | None) -> Sapiens2Backbone:
     if backbone_uri is None:
         torch.manual_seed(cfg.seed)
@@ -157,20 +176,7 @@ def build_backbone(cfg: FinetuneConfig, backbone_uri: str | None) -> Sapiens2Bac
     backbone = load_backbone(
         backbone_uri, activation_checkpointing=cfg.model.activation_checkpointing, drop_path=cfg.model.drop_path
     )
-    # Architecture only: how the pretraining initialised LayerScale, whether it recomputed activations or dropped
-    # paths is not.
-    found, wanted = (
-        dataclasses.replace(c, activation_checkpointing=False, layer_scale_init=0.0, drop_path=0.0)
-        for c in (backbone.cfg, cfg.model.backbone())
-    )
-    if found != wanted:
-        bb = backbone.cfg
-        local = f" + {bb.local_depth} windowed blocks ({bb.window}x{bb.window} windows)" if bb.window else ""
-        raise ValueError(
-            f"the backbone in {backbone_uri} (width {bb.width}, depth {bb.depth}{local}, patch "
-            f"{bb.patch_size}) does not have the architecture of model.size={cfg.model.size!r} with "
-            f"model.patch_size={cfg.model.patch_size}; set them to what it was pretrained with"
-        )
+    check_architecture(backbone.cfg, cfg, backbone_uri)
     return backbone
 
 
@@ -243,12 +249,15 @@ def _image_at(images: Tensor, hw: tuple[int, int]) -> Tensor:
 
 def train_loop(loop_config: dict) -> None:
     """``TorchTrainer``'s ``train_loop_per_worker``: the config (JSON data), the run spec and the run URI."""
+    import ray.train
+
     cfg = FinetuneConfig.model_validate(loop_config["config"])
-    FinetuneWorker(cfg, loop_config["spec"], loop_config["run_uri"]).run()
+    with failures.classified(loop_config["run_uri"], ray.train.get_context().get_world_rank()):
+        FinetuneWorker(cfg, loop_config["spec"], loop_config["run_uri"]).run()
 
 
 class FinetuneWorker(Worker[FinetuneConfig]):
-    reports_checkpoints = False  # kept and pruned here (checkpoint.keep), not registered with Ray Train
+    job = "finetune"
     hash_covers = "task, model size, head or label set"
     model: FinetuneModel
 

@@ -8,7 +8,8 @@ labelled shards (as ``jobs.make_synthetic`` writes), or the training shards them
 Without ``--backbone`` the backbone starts from a random initialisation; ``--backbone`` also takes another run's
 ``finetuned.safetensors``, whose backbone (not its head) then starts this run. The run lives in <storage>/<name>:
 ``metrics.json`` (final metrics and the evaluation curve), ``pictures/*.png`` (input | target | prediction),
-``finetuned.safetensors``, ``metrics/*.jsonl`` and checkpoints; the same command again resumes it.
+``finetuned.safetensors``, ``metrics/*.jsonl`` and checkpoints; the same command again resumes it, with the settings
+it started with (``--allow-change KEY[,KEY]`` takes a changed one, e.g. ``steps`` to train on).
 """
 
 from __future__ import annotations
@@ -27,11 +28,23 @@ from common.storage import StorageError
 from common.watchdog import Watchdog
 from finetune import data, tasks
 from finetune.config import FinetuneConfig
-from finetune.train import FINETUNED_FILE, METRICS_FILE, PICTURES, fit
+from finetune.train import FINETUNED_FILE, METRICS_FILE, PICTURES, check_architecture, fit
+from pretrain.backbone import count_params
 from pretrain.data import DataError, DataIndex
+from pretrain.export import backbone_config
 from training.checkpoint import read_safetensors
+from training.failures import Exhausted, Permanent
 from training.metrics_sinks import describe
-from training.runner import check_run, claim_run, committed, run_uri_for
+from training.runner import (
+    add_allow_change,
+    check_free_space,
+    check_run,
+    claim_run,
+    committed,
+    describe_changes,
+    ended_with,
+    run_uri_for,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="exported pretrained backbone, or a fine-tuned model's finetuned.safetensors (its backbone); default: random",
     )
     p.add_argument("--break-lease", action="store_true", help="take the run over from another driver that holds it")
+    add_allow_change(p)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=3e-4")
     return p.parse_args(argv)
 
@@ -73,6 +87,8 @@ def resolve_data(data_uri: str, val_uri: str | None) -> tuple[str, str]:
 
 
 def check_backbone(backbone: str, cfg: FinetuneConfig) -> None:
+    """Refuse a ``--backbone`` that is not an exported backbone or a fine-tuned model, or whose architecture is not the
+    config's (from its metadata alone, before Ray starts)."""
     fs, path = storage.resolve(backbone)
     uri = storage.redact(backbone)  # named in messages
     if not storage.exists(fs, path):
@@ -90,6 +106,7 @@ def check_backbone(backbone: str, cfg: FinetuneConfig) -> None:
             f"--backbone {uri} is size {meta['size']!r}, the config says model.size={cfg.model.size!r}; "
             f"add model.size={meta['size']}"
         )
+    check_architecture(backbone_config(meta), cfg, uri)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +137,8 @@ def _main(args: argparse.Namespace) -> int:
         spec = {"task": args.task, "train": train_uri, "val": val_uri, "backbone": backbone}
         # run.json records names, never credentials a URI may carry
         identity = {**{k: v and storage.redact(v) for k, v in spec.items()}, "size": cfg.model.size}
-        check_run(run_uri, identity)
+        check_run(run_uri, identity, cfg.result_settings(), args.allow_change)
+        check_free_space(run_uri, count_params(cfg.model.backbone()) * 4 * 3, cfg.checkpoint.keep)  # + 2 AdamW moments
         lease = Lease(run_uri, holder="jobs.finetune", on_lost=interrupt_main).acquire(force=args.break_lease)
     except (ConfigError, DataError, StorageError, ValueError, LeaseHeld) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -133,21 +151,25 @@ def _finetune(
 ) -> int:
     backbone = spec["backbone"]
     try:  # checks again: another run may have claimed the name since
-        resuming = claim_run(run_uri, identity)
+        changes = claim_run(run_uri, identity, cfg.result_settings(), args.allow_change)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     shown = storage.redact(run_uri)  # the console gets no query or credentials
     print(
-        f"[finetune] {'resuming' if resuming else 'starting'} {shown}: task={args.task} size={cfg.model.size} "
+        f"[finetune] {'starting' if changes is None else 'resuming'} {shown}{describe_changes(changes)}: "
+        f"task={args.task} size={cfg.model.size} "
         f"steps={cfg.steps} workers={cfg.ray.workers} backbone={storage.redact(backbone or 'random init')} "
         f"image {info.image_size[0]}x{info.image_size[1]}, {info.num_classes} classes, {info.num_keypoints} keypoints",
         flush=True,
     )
     start = time.monotonic()
-    with Watchdog("jobs.finetune", cfg.watchdog.minutes):
-        fit(cfg, spec, args.storage, args.name)
+    try:
+        with Watchdog("jobs.finetune", cfg.watchdog.minutes):
+            fit(cfg, spec, args.storage, args.name)
+    except (Permanent, Exhausted) as exc:
+        return ended_with(exc)
     fs, run = storage.resolve(run_uri)
     report = storage.read_json(fs, storage.join(run, METRICS_FILE))
     final = {k: v for k, v in report["metrics"].items() if isinstance(v, float)}

@@ -5,8 +5,9 @@
     ray job submit --working-dir . -- python -m jobs.pretrain --config configs/pretrain/sapiens2_0.4b.yaml \\
         --data s3://... --storage s3://... --name run1
 
-Running the same command again (same --storage and --name) resumes from the run's latest checkpoint; raising
-``steps=`` extends a finished run. At the end the student backbone is exported to <storage>/<name>/backbone.safetensors;
+Running the same command again (same --storage and --name) resumes from the run's newest checkpoint that reads
+back, with the settings the run started with: a change to one that alters the result is refused unless
+``--allow-change`` names it (``--allow-change steps`` with a larger ``steps=`` extends a finished run). At the end the student backbone is exported to <storage>/<name>/backbone.safetensors;
 ``--export teacher`` exports the EMA teacher's to <storage>/<name>/teacher_backbone.safetensors instead, and
 ``--export student,teacher`` both.
 One driver at a time trains a run: it holds a lease on <storage>/<name> (``common.lease``; --break-lease takes it).
@@ -35,14 +36,25 @@ from common.ray_utils import init_ray
 from common.storage import StorageError
 from common.watchdog import Watchdog
 from finetune.config import FinetuneConfig
+from pretrain.backbone import count_params
 from pretrain.config import PretrainConfig
 from pretrain.data import DataError, DataIndex, find_index, save_index
 from pretrain.export import EXPORT_FILES, EXPORTS, export_backbone
 from pretrain.train import fit
 from training import checkpoint
+from training.failures import Exhausted, Permanent
 from training.metrics import METRICS
 from training.metrics_sinks import describe
-from training.runner import check_run, claim_run, committed, run_uri_for
+from training.runner import (
+    add_allow_change,
+    check_free_space,
+    check_run,
+    claim_run,
+    committed,
+    describe_changes,
+    ended_with,
+    run_uri_for,
+)
 from training.schedules import peak_lr
 
 
@@ -55,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--storage", required=True, help="runs root (local or s3://); the run lives in <storage>/<name>")
     p.add_argument("--name", required=True, help="run name; the same name resumes")
     p.add_argument("--break-lease", action="store_true", help="take the run over from another driver that holds it")
+    add_allow_change(p)
     p.add_argument(
         "--export", default="student", type=_exports, metavar="WHICH[,WHICH]",
         help=f"backbones to export at the end, of {sorted(EXPORTS)} (default: student)",
@@ -85,8 +98,11 @@ def _pretrain(args: argparse.Namespace) -> int:
         folders.refuse_other_kind(run_uri, folders.TRAINING_RUN, "the run folder")
         data_uri = args.data if "://" in args.data else os.path.abspath(args.data)
         identity = {"data": storage.redact(data_uri), "model_hash": cfg.model_hash()}
-        check_run(run_uri, identity)
+        check_run(run_uri, identity, cfg.result_settings(), args.allow_change)
         index, scanned = find_index(data_uri, run_uri, verify_sha256=cfg.data.verify_sha256)
+        if not scanned:
+            index.check_present()
+        check_free_space(run_uri, checkpoint_bytes(cfg), cfg.checkpoint.keep)
         lease = Lease(run_uri, holder="jobs.pretrain", on_lost=interrupt_main).acquire(force=args.break_lease)
     except (ConfigError, DataError, StorageError, LeaseHeld) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -94,12 +110,18 @@ def _pretrain(args: argparse.Namespace) -> int:
     return exit_code_holding(lease, lambda: _train(args, cfg, run_uri, data_uri, lease, identity, index, scanned))
 
 
+def checkpoint_bytes(cfg: PretrainConfig) -> int:
+    """About the size of one checkpoint: the student with its two AdamW moments and the EMA teacher, fp32 (the MAE
+    decoder and the projection heads add a little)."""
+    return count_params(cfg.model.backbone()) * 4 * (3 + 1)
+
+
 def _train(
     args: argparse.Namespace, cfg: PretrainConfig, run_uri: str, data_uri: str, lease: Lease, identity: dict,
     index: DataIndex, scanned: bool,
 ) -> int:  # fmt: skip
     try:  # checks again: another run may have claimed the name since
-        resuming = claim_run(run_uri, identity, {"size": cfg.model.size})
+        changes = claim_run(run_uri, identity, cfg.result_settings(), args.allow_change, {"size": cfg.model.size})
     except (ConfigError, StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -110,7 +132,8 @@ def _train(
     per_step = cfg.samples_per_step()
     shown = shown_place(run_uri)
     print(
-        f"[pretrain] {'resuming' if resuming else 'starting'} {shown}: size={cfg.model.size} steps={cfg.steps} "
+        f"[pretrain] {'starting' if changes is None else 'resuming'} {shown}{describe_changes(changes)}: "
+        f"size={cfg.model.size} steps={cfg.steps} "
         f"workers={cfg.ray.workers} gpu={cfg.ray.use_gpu} global batch={per_step} "
         f"lr={peak_lr(cfg.optim, per_step):.3g} (optim.lr {cfg.optim.lr:g} x {per_step} / 256) "
         f"data={index.num_samples} samples in {index.num_units} row groups "
@@ -118,8 +141,11 @@ def _train(
         flush=True,
     )
     start = time.monotonic()
-    with Watchdog("jobs.pretrain", cfg.watchdog.minutes):
-        fit(cfg, args.storage, args.name, data_uri)
+    try:
+        with Watchdog("jobs.pretrain", cfg.watchdog.minutes):
+            fit(cfg, args.storage, args.name, data_uri)
+    except (Permanent, Exhausted) as exc:
+        return ended_with(exc)
     lease.check()  # the export below is this run's to write only while it holds the run
     latest = checkpoint.latest_committed(run_uri)
     print(f"[pretrain] done in {time.monotonic() - start:.0f} s")

@@ -96,6 +96,11 @@ class FaultSettings(Strict):
 
 
 class PretrainConfig(TrainingConfig):
+    operational = (
+        *TrainingConfig.operational, "fault", "objective.check_finite", "model.compile", "model.activation_checkpointing", "data.read_segments",
+        "data.read_cpus", "data.prefetch_batches", "data.plan_steps", "data.verify_sha256",
+    )  # fmt: skip
+
     model: ModelSettings = ModelSettings()
     objective: ObjectiveConfig = ObjectiveConfig()
     data: DataSettings = DataSettings()

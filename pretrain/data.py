@@ -34,12 +34,14 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from PIL import Image
 
 from common import folders, storage
 from common.imageio import open_reduced
 from common.layout import LAYOUT
+from training.failures import Permanent
 
 if TYPE_CHECKING:  # not imported at run time: Ray Data's decode tasks import this module and need neither
     import torch
@@ -53,7 +55,7 @@ _META_VERSION, _META_ROOT = b"humans1b.index_version", b"humans1b.data_root"
 READ_COLUMNS = ("key", "image", "width", "height", "persons")
 
 
-class DataError(ValueError):
+class DataError(Permanent, ValueError):
     """The data folder or index cannot be used; the message says what to do."""
 
 
@@ -85,6 +87,26 @@ class DataIndex:
 
     def open(self, name: str) -> pq.ParquetFile:
         return open_shard(self.root, name)
+
+    def check_present(self) -> None:
+        """Raise ``DataError`` naming the index's files that are gone, from one listing per folder they are in (a run's
+        start; at 1B images ~10^5 shards in a few folders)."""
+        fs, root = storage.resolve(self.root)
+        folders: dict[str, set[str]] = {}
+        for name in self.files:
+            path = posixpath.normpath(storage.join(root, name))
+            folders.setdefault(posixpath.dirname(path), set()).add(path)
+        gone: list[str] = []
+        for folder, paths in folders.items():
+            listed = fs.get_file_info(pafs.FileSelector(folder, allow_not_found=True))
+            gone += sorted(paths - {i.path for i in listed if i.type == pafs.FileType.File})
+        if gone:
+            first = posixpath.relpath(gone[0], root)
+            raise DataError(
+                f"{len(gone)} of the {len(self.files)} shards this run indexed under {storage.redact(self.root)} are "
+                f"gone ({first}{', ...' if len(gone) > 1 else ''}): the data was rewritten or removed after the run "
+                "started. Restore them, or start a new run (--name) on the current data"
+            )
 
     def verify(self, threads: int = 16) -> None:
         """Raise ``DataError`` naming the files whose sha256 is not the manifest's (``data.verify_sha256=true``)."""

@@ -102,6 +102,15 @@ def build_meta(cfg: BackboneConfig) -> Sapiens2Backbone:
         return Sapiens2Backbone(cfg)
 
 
+def backbone_config(meta: dict[str, str], ffn_layer_scale: bool = False) -> BackboneConfig:
+    """The architecture an exported backbone's (or a fine-tuned model's) metadata records; ``ffn_layer_scale``: the
+    value for a file written before the flag was recorded."""
+    fields = json.loads(meta["backbone_config"])
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    values.setdefault("ffn_layer_scale", ffn_layer_scale)
+    return BackboneConfig(**values)
+
+
 def load_backbone(uri: str, **overrides) -> Sapiens2Backbone:
     """A Sapiens2Backbone with the exported weights (``overrides`` change non-shape fields, e.g.
     ``activation_checkpointing=True``). ``uri`` is an exported backbone or a fine-tuned model
@@ -111,11 +120,8 @@ def load_backbone(uri: str, **overrides) -> Sapiens2Backbone:
     tensors, meta = read_safetensors(uri)
     if "task" in meta:  # a fine-tuned model: backbone.* and head.* tensors
         tensors = {k.removeprefix(FINETUNED_PREFIX): v for k, v in tensors.items() if k.startswith(FINETUNED_PREFIX)}
-    fields = json.loads(meta["backbone_config"])
-    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
     # Files written before the setting existed carry no flag; their tensors tell whether blocks scale the FFN branch.
-    values.setdefault("ffn_layer_scale", any(k.endswith(".ls2") for k in tensors))
-    cfg = BackboneConfig(**values)
+    cfg = backbone_config(meta, ffn_layer_scale=any(k.endswith(".ls2") for k in tensors))
     model = Sapiens2Backbone(dataclasses.replace(cfg, **overrides))
     model.load_state_dict(tensors, strict=True)
     return model

@@ -16,8 +16,8 @@ sharding, schedules, checkpoints and metrics log are the shared training runtime
   Randomness of views and masks: a generator reseeded from (seed, step, micro-batch, rank) at each micro-batch, so
   a resumed run draws exactly what the uninterrupted run would have.
 - Checkpoints (``training/worker.py``) every ``checkpoint.every`` steps, at the end, and when Ray Train reports
-  an imminent preemption; each is reported to Ray Train in place, and a restarted worker group (or a rerun of the
-  same command) gets the latest back from ``ray.train.get_checkpoint()``. The data position is part of it.
+  an imminent preemption; a restarted worker group (or a rerun of the same command) resumes from the newest one
+  that reads back. The data position is part of it.
 - Metrics every ``log.every`` steps from rank 0: JSON lines under ``<run>/metrics/`` (every raw term) and a progress
   line (``console_line``: the loss the student can lower first), with the contrastive term's diagnostics; a
   collapse they show (``objective.collapse_state``) that lasts ``log.collapse_patience`` steps is logged once as a
@@ -48,6 +48,7 @@ from pretrain.backbone import Sapiens2Backbone, build, flops
 from pretrain.config import PretrainConfig, PretrainOptim
 from pretrain.masking import num_masked
 from pretrain.objective import DIAGNOSTICS, TERMS, CollapseMonitor, JointObjective, collapse_state
+from training import failures
 from training.runner import launch, run_uri_for
 from training.schedules import lr_at, wd_at
 from training.sharding import optimizer_step, shard
@@ -261,11 +262,15 @@ def console_line(c: PretrainConfig, step: int, r: dict) -> str:
 def train_loop(loop_config: dict) -> None:
     """``TorchTrainer``'s ``train_loop_per_worker``: ``loop_config`` holds the config (as JSON data), the run URI and
     the data folder's URI as given."""
+    import ray.train
+
     cfg = PretrainConfig.model_validate(loop_config["config"])
-    PretrainWorker(cfg, loop_config["run_uri"], loop_config.get("data_uri")).run()
+    with failures.classified(loop_config["run_uri"], ray.train.get_context().get_world_rank()):
+        PretrainWorker(cfg, loop_config["run_uri"], loop_config.get("data_uri")).run()
 
 
 class PretrainWorker(Worker[PretrainConfig]):
+    job = "pretrain"
     scalar_groups = SCALAR_GROUPS
     hash_covers = "model (size, MAE decoder or projection head settings)"
     model: JointObjective
@@ -314,7 +319,6 @@ class PretrainWorker(Worker[PretrainConfig]):
         )
         window = Window()
         self.collapse = CollapseMonitor(c.log.collapse_patience)
-        last_metrics: dict = {}
         preemption_saved = False
         while self.step < c.steps:
             waits: list[float] = []
@@ -329,14 +333,14 @@ class PretrainWorker(Worker[PretrainConfig]):
                 self._record_keys(keys)
             if self.step % c.log.every == 0 or self.step == c.steps:
                 schedule = {k: float(update[k]) for k in ("lr", "wd", "momentum")}
-                last_metrics = self._log_window(window, **schedule)
+                self._log_window(window, **schedule)
                 window = Window()
             if self.step % c.checkpoint.every == 0 or self.step == c.steps:
-                self.save(last_metrics)
+                self.save()
             elif c.checkpoint.on_preemption and self.step % c.checkpoint.preemption_check_every == 0:
                 notice = ray.train.get_preemption_info()  # a barrier: every rank asks at the same steps
                 if notice is not None and not preemption_saved:
-                    self.save(last_metrics, reason="preemption")  # then train on until the node goes
+                    self.save(reason="preemption")  # then train on until the node goes
                     preemption_saved = True
         if self.log:
             self.log.close()
@@ -359,7 +363,7 @@ class PretrainWorker(Worker[PretrainConfig]):
         if self.log:
             self.log.write({"kind": "samples", "step": self.step, "epoch": self.position.epoch, "keys": gathered})
 
-    def _log_window(self, window: Window, **schedule: float) -> dict:
+    def _log_window(self, window: Window, **schedule: float) -> None:
         c = self.cfg
         # Reduced on the training device (NCCL reduces only GPU tensors): means of the loss terms, diagnostics and
         # grad norm, mean and max of the data wait per step over ranks. Every rank gets the same means, so every
@@ -400,7 +404,6 @@ class PretrainWorker(Worker[PretrainConfig]):
             log_line(console_line(c, self.step, record))
             if change:
                 self._log_collapse(*change)
-        return {k: v for k, v in record.items() if isinstance(v, (int, float))}
 
     def _log_collapse(self, state: str | None, since: int) -> None:
         """A collapse (or its end) that has lasted ``log.collapse_patience`` steps: a warning and a record."""
@@ -436,4 +439,4 @@ def fit(cfg: PretrainConfig, storage_path: str, name: str, data_uri: str | None 
     opens the data (default: the folder name the run's index recorded, enough unless its URI carries a query)."""
     config = {"config": cfg.model_dump(mode="json"), "run_uri": run_uri_for(storage_path, name), "data_uri": data_uri}
     reader = {"the data reader (data.read_cpus)": {"CPU": cfg.data.read_cpus}}  # each worker's Ray Data tasks
-    return launch(train_loop, config, cfg.ray, storage_path, name, keep=cfg.checkpoint.keep, requests=reader)
+    return launch(train_loop, config, cfg.ray, storage_path, name, requests=reader)

@@ -9,14 +9,17 @@ Layout of a run directory (local path or object store)::
 A checkpoint counts only once ``commit.json`` exists. It is written by rank 0 after ``dcp.save`` returned, and
 ``dcp.save`` returns on every rank only after the coordinator wrote ``.metadata``, i.e. after every shard is
 complete; ``write_json_atomic`` moves it into place from a temporary name. Directories without it (a save that a
-preemption cut short) are removed before training resumes. A committed checkpoint newer than the one Ray Train
-hands back (Ray lost a killed worker's report, or the driver died, before registering it) is complete: the
-worker resumes from it and reports it again (``training/worker.py``).
+preemption cut short) are removed before training resumes.
 
-Retention (the last K): checkpoints reported to Ray Train in place (``CheckpointUploadMode.NO_UPLOAD``, pretraining)
-are Ray's to delete (``CheckpointConfig(num_to_keep=K)``); deleting them here as well would leave Ray's run snapshot
-pointing at missing folders, which Ray refuses to restore from. Checkpoints never reported (fine-tuning) are pruned
-with ``keep_newest``.
+A committed checkpoint is verified before it is trusted: the commit record lists every file with its size and CRC-32,
+taken as the bytes went out (``_Digesting``: no second read); ``verify`` compares them with one listing of the folder
+and reads the files back, each rank a share, before a load. One that fails (a torn or overwritten shard, a missing
+``.metadata``) is renamed ``damaged-step_...`` (``set_aside``, never deleted) and the next newest is tried. The cost at
+1B-image scale: a resume reads the checkpoint twice (0.4B model: ~7 GB over all ranks), a save reads nothing extra.
+
+Retention (the last K) is the project's (``keep_newest``), for pretraining and fine-tuning alike: checkpoints are not
+registered with Ray Train, whose run snapshot would then name a folder set aside, and Ray refuses to restore a run
+whose snapshot names a missing folder.
 
 Loading is ``weights_only`` throughout: DCP reads tensors that way, and ``SafeLoadPlanner`` makes the non-tensor
 entries (optimiser hyper-parameters) load that way too instead of DCP's default full unpickling. DCP reshards on
@@ -34,6 +37,7 @@ import os
 import random
 import struct
 import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -43,20 +47,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from common import storage
+from training import failures
+from training.failures import Permanent
 
 CHECKPOINTS = "checkpoints"
 COMMIT_FILE = "commit.json"
+SET_ASIDE = "damaged-"  # the prefix of a checkpoint folder set aside (``set_aside``)
 READ_BUFFER = 16 << 20  # bytes per ranged read from an object store
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is incomplete or does not fit the model; the message names it."""
+class CheckpointError(Permanent, RuntimeError):
+    """A checkpoint is incomplete, damaged or does not fit the model; the message names it."""
 
 
 def step_uri(run_uri: str, step: int) -> str:
@@ -112,15 +120,77 @@ class _PyArrowFileSystem(FileSystemBase):
         self.fs.delete_file(str(path))
 
 
-def _writer(uri: str) -> dcp.StorageWriter:
+class _DigestStream:
+    """A write stream that counts and CRC-32s the bytes it passes on (everything else is the wrapped stream's)."""
+
+    def __init__(self, inner: io.IOBase) -> None:
+        self.inner, self.bytes, self.crc32 = inner, 0, 0
+
+    def write(self, data) -> int | None:
+        view = memoryview(data)
+        self.bytes += view.nbytes
+        self.crc32 = zlib.crc32(view.cast("B"), self.crc32)
+        return self.inner.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+class _Digesting(FileSystemBase):
+    """A DCP filesystem that records each file it writes as ``{name: {"bytes", "crc32"}}`` in ``written`` (names
+    relative to the checkpoint folder; a renamed file under its new name), for the commit record."""
+
+    def __init__(self, inner: FileSystemBase) -> None:
+        self.inner = inner
+        self.written: dict[str, dict[str, int]] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with self.inner.create_stream(path, mode) as stream:
+                yield stream
+            return
+        with self.inner.create_stream(path, mode) as stream:
+            digest = _DigestStream(stream)
+            yield digest  # type: ignore[misc]  # a stream by duck typing, as DCP uses it
+        self.written[os.path.basename(str(path))] = {"bytes": digest.bytes, "crc32": digest.crc32}
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        self.inner.rename(path, new_path)
+        if (old := os.path.basename(str(path))) in self.written:
+            self.written[os.path.basename(str(new_path))] = self.written.pop(old)
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str | os.PathLike:
+        return self.inner.concat_path(path, suffix)
+
+    def init_path(self, path: str | os.PathLike) -> str | os.PathLike:
+        return self.inner.init_path(path)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        self.inner.mkdir(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.inner.exists(path)
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        self.inner.rm_file(path)
+
+
+def _writer(uri: str) -> dcp.FileSystemWriter:
     """Local paths: DCP's own writer (fsync'd files); object stores: the same writer on ``_PyArrowFileSystem``
-    (an upload is durable once closed)."""
+    (an upload is durable once closed). Either digests what it writes (``_Digesting``)."""
     if "://" not in uri:
-        return dcp.FileSystemWriter(storage.resolve(uri)[1])
-    writer = dcp.FileSystemWriter(uri, sync_files=False)
-    # torch types fs by inference as its local FileSystem; DCP takes any FileSystemBase (as its fsspec writer does)
-    writer.fs = _PyArrowFileSystem()  # type: ignore[assignment]
-    writer.path = writer.fs.init_path(uri)
+        writer = dcp.FileSystemWriter(storage.resolve(uri)[1])
+    else:
+        writer = dcp.FileSystemWriter(uri, sync_files=False)
+        # torch types fs by inference as its local FileSystem; DCP takes any FileSystemBase (as its fsspec writer does)
+        writer.fs = _PyArrowFileSystem()  # type: ignore[assignment]
+        writer.path = writer.fs.init_path(uri)
+    writer.fs = _Digesting(writer.fs)  # type: ignore[assignment]
     return writer
 
 
@@ -167,20 +237,94 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save(uri: str, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict) -> None:
-    """Every rank calls this; returns once the checkpoint at ``uri`` is committed."""
+    """Every rank calls this; returns once the checkpoint at ``uri`` is committed. The commit record lists every
+    file of it with its size and CRC-32 (``verify``)."""
     fs, path = storage.resolve(uri)
     rank, world = _rank_world()
     buf = io.BytesIO()
     torch.save(_rng_state(), buf)
-    storage.write_bytes_atomic(fs, storage.join(path, "rng", f"rank-{rank:05d}.pt"), buf.getvalue())
+    rng = f"rng/rank-{rank:05d}.pt"
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    # Returns on each rank after the coordinator has written .metadata, so all shards (and RNG files) exist.
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(uri))
+    writer = _writer(uri)
+    try:
+        storage.write_bytes_atomic(fs, storage.join(path, rng), buf.getvalue())
+        # Returns on each rank after the coordinator has written .metadata, so all shards (and RNG files) exist.
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
+    except (OSError, CheckpointException) as exc:
+        found = failures.os_error(exc)
+        if found is None or found.filename:
+            raise
+        # a write's error names no file: name the checkpoint it was writing
+        raise OSError(found.errno, found.strerror or str(found), storage.redact(uri)) from exc
+    mine = {**writer.fs.written, rng: {"bytes": len(buf.getvalue()), "crc32": zlib.crc32(buf.getvalue())}}  # type: ignore[attr-defined]
+    every: list[dict] = [mine]
+    if world > 1:
+        every = [{} for _ in range(world)]
+        dist.all_gather_object(every, mine)
     if rank == 0:
-        commit = {**train_state, "world_size": world, "committed_at": time.time()}
+        files = {name: digest for written in every for name, digest in written.items()}
+        commit = {**train_state, "world_size": world, "committed_at": time.time(), "files": files}
         storage.write_json_atomic(fs, storage.join(path, COMMIT_FILE), commit)
     if world > 1:
         dist.barrier()
+
+
+def _crc32(fs: pafs.FileSystem, path: str) -> int:
+    crc = 0
+    with fs.open_input_stream(path) as f:
+        while chunk := f.read(READ_BUFFER):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def verify(uri: str, commit: dict, rank: int = 0, world: int = 1) -> list[str]:
+    """What is wrong with the checkpoint at ``uri`` against its commit record, as ``<file>: <problem>``: every file
+    listed, of the size written (one listing); the CRC-32 of every ``world``-th file from ``rank`` on read back. A
+    record without a file list (written before there was one) needs DCP's ``.metadata``."""
+    fs, path = storage.resolve(uri)
+    files = commit.get("files")
+    if files is None:
+        return [] if storage.exists(fs, storage.join(path, ".metadata")) else [".metadata: missing"]
+    found = {
+        info.path[len(path.rstrip("/")) + 1 :]: info.size
+        for info in fs.get_file_info(pafs.FileSelector(path, recursive=True))
+        if info.type == pafs.FileType.File
+    }
+    problems = []
+    for i, (name, written) in enumerate(sorted(files.items())):
+        size = found.get(name)
+        if size is None:
+            problems.append(f"{name}: missing")
+        elif size != written["bytes"]:
+            problems.append(f"{name}: {size} bytes, {written['bytes']} were written")
+        elif i % world == rank and _crc32(fs, storage.join(path, name)) != written["crc32"]:
+            problems.append(f"{name}: its bytes differ from those written (CRC-32)")
+    return problems
+
+
+def set_aside(uri: str) -> str:
+    """Move the checkpoint folder ``uri`` to ``damaged-<its name>-<time>`` beside it: kept, never deleted, no longer
+    a checkpoint of the run. Returns the new folder's name."""
+    fs, path = storage.resolve(uri)
+    name = f"{SET_ASIDE}{storage.basename(uri)}-{time.time_ns()}"
+    target = storage.join(os.path.dirname(path.rstrip("/")), name)
+    if storage.is_local(fs):
+        fs.move(path, target)
+    else:  # an object store moves objects, not folders
+        for info in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
+            if info.type == pafs.FileType.File:
+                fs.move(info.path, target + info.path[len(path.rstrip("/")) :])
+    return name
+
+
+def set_aside_names(run_uri: str) -> list[str]:
+    """The run's checkpoint folders set aside as damaged (``set_aside``), oldest first."""
+    fs, run = storage.resolve(run_uri)
+    root = storage.join(run, CHECKPOINTS)
+    if not storage.exists(fs, root):
+        return []
+    infos = fs.get_file_info(pafs.FileSelector(root))
+    return sorted(i.base_name for i in infos if i.base_name.startswith(SET_ASIDE))
 
 
 def read_commit(uri: str) -> dict:
@@ -191,12 +335,12 @@ def read_commit(uri: str) -> dict:
     return storage.read_json(fs, commit)
 
 
-def load(uri: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def load(uri: str, model: nn.Module, optimizer: torch.optim.Optimizer, commit: dict | None = None) -> dict:
     """Load model and optimiser (resharding as needed) and, at the same world size, this rank's RNG states.
 
-    Returns the commit record (step, data position, config, ...).
+    Returns the commit record (step, data position, config, ...); ``commit``: the record, when already read.
     """
-    commit = read_commit(uri)
+    commit = commit or read_commit(uri)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}  # dcp.load's state dict type
     dcp.load(state, storage_reader=storage_reader(uri), planner=SafeLoadPlanner())
@@ -230,21 +374,17 @@ def latest_committed(run_uri: str) -> str | None:
     return done[-1] if done else None
 
 
-def remove_stale(run_uri: str, resumed_step: int | None) -> list[str]:
-    """Delete checkpoint folders that are uncommitted or newer than the checkpoint the run resumes from."""
+def remove_uncommitted(run_uri: str) -> list[str]:
+    """Delete the checkpoint folders a save left without a commit record (cut short; never used)."""
     fs, _ = storage.resolve(run_uri)
-    stale = [
-        uri
-        for step, uri, committed in list_checkpoints(run_uri)
-        if not committed or resumed_step is None or step > resumed_step
-    ]
+    stale = [uri for _, uri, committed in list_checkpoints(run_uri) if not committed]
     for uri in stale:
         storage.delete_quietly(fs, storage.resolve(uri)[1])
     return stale
 
 
 def keep_newest(run_uri: str, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoint folders (only for checkpoints Ray Train does not track)."""
+    """Delete all but the newest ``keep`` checkpoint folders."""
     fs, _ = storage.resolve(run_uri)
     for _, uri, _ in list_checkpoints(run_uri)[:-keep]:
         storage.delete_quietly(fs, storage.resolve(uri)[1])

@@ -7,7 +7,7 @@ loop settings; the shipped configs are ``configs/{pretrain,finetune}/*.yaml``.
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -56,6 +56,13 @@ class RaySettings(Strict):
 
 
 class TrainingConfig(Strict):
+    # Settings that leave what a run computes as it is (where it runs, how it logs, saves or reads): a resume may
+    # change them; every other setting is part of the run (``result_settings``). Keys or whole sections.
+    operational: ClassVar[tuple[str, ...]] = (
+        "checkpoint", "log", "watchdog", "ray.address", "ray.num_cpus", "ray.cpus_per_worker", "ray.torch_threads",
+        "ray.max_failures",
+    )  # fmt: skip
+
     seed: int = 0
     steps: int = Field(ge=1)  # optimiser steps of the whole run (the schedules' length)
     precision: Literal["bf16", "fp32"] = "bf16"  # on GPU: bf16 params/compute, fp32 reduce; CPU runs fp32
@@ -63,6 +70,20 @@ class TrainingConfig(Strict):
     log: LogSettings = LogSettings()
     ray: RaySettings = RaySettings()
     watchdog: WatchdogSettings = WatchdogSettings()
+
+    def result_settings(self) -> dict[str, Any]:
+        """Every setting that changes the run's result, as ``{dotted key: JSON value}``: what a resume must keep."""
+        flat: dict[str, Any] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    walk(f"{prefix}{k}.", v)
+            else:
+                flat[prefix[:-1]] = value
+
+        walk("", self.model_dump(mode="json"))
+        return {k: v for k, v in flat.items() if not any(k == o or k.startswith(o + ".") for o in self.operational)}
 
     @abstractmethod
     def samples_per_step(self, workers: int | None = None) -> int:

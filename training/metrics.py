@@ -22,8 +22,8 @@ class MetricsLog:
 
     A part is ``part-<attempt start ns>-<first step>.jsonl``; names sort chronologically. Lines are flushed as
     written (visible at once on a local disk); ``roll`` closes the part at a checkpoint, which is when an object
-    store makes it visible. After a resume, steps past the restored checkpoint appear again in the new attempt's
-    parts: ``read_metrics`` keeps every line, ``latest_per_step`` the newest (TensorBoard readers drop the old ones).
+    store makes it visible. A resume first drops what earlier attempts wrote past the restored checkpoint
+    (``drop_after``), so the files hold each step once, as TensorBoard does (its purge marker).
     """
 
     def __init__(self, run_uri: str, first_step: int, sinks: Sinks | None = None) -> None:
@@ -63,6 +63,40 @@ class MetricsLog:
             self.sinks.close()
 
 
+def _part_first_step(path: str) -> tuple[str, int]:
+    """(attempt, first step) of a part file's name ``part-<attempt>-<first step>.jsonl``."""
+    _, attempt, first = path.rsplit("/", 1)[-1].removesuffix(".jsonl").split("-")
+    return attempt, int(first)
+
+
+def drop_after(run_uri: str, step: int) -> int:
+    """Remove every record past ``step`` from the run's parts (what attempts before a resume from ``step`` wrote
+    beyond it). Returns how many were removed. Only each attempt's parts from its last one starting at or before
+    ``step`` on are read: the parts roll at every checkpoint, so the earlier ones end before it."""
+    fs, root = storage.resolve(run_uri)
+    folder = storage.join(root, METRICS)
+    if not storage.exists(fs, folder):
+        return 0
+    parts: dict[str, list[tuple[int, str]]] = {}
+    for path in storage.list_files(fs, folder, ".jsonl"):
+        attempt, first = _part_first_step(path)
+        parts.setdefault(attempt, []).append((first, path))
+    dropped = 0
+    for found in parts.values():
+        found.sort()
+        straddles = max((i for i, (first, _) in enumerate(found) if first <= step), default=0)
+        for _, path in found[straddles:]:
+            with fs.open_input_stream(path) as f:
+                lines = [line for line in f.read().decode().splitlines() if line.strip()]
+            kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+            dropped += len(lines) - len(kept)
+            if not kept:
+                fs.delete_file(path)
+            elif len(kept) < len(lines):
+                storage.write_bytes_atomic(fs, path, ("\n".join(kept) + "\n").encode())
+    return dropped
+
+
 def read_metrics(run_uri: str, kind: str | None = "train") -> list[dict]:
     """Every metrics line of the run in the order written (all attempts), optionally of one ``kind``."""
     fs, root = storage.resolve(run_uri)
@@ -74,5 +108,5 @@ def read_metrics(run_uri: str, kind: str | None = "train") -> list[dict]:
 
 
 def latest_per_step(records: list[dict]) -> dict[int, dict]:
-    """step -> the record of the newest attempt that reached it."""
+    """step -> its record (the newest, should a run's parts hold one twice)."""
     return {r["step"]: r for r in records}

@@ -5,20 +5,20 @@ same on every rank) and calls ``resume``; its ``run`` trains and calls ``save``.
 state besides the tensors and the step (``train_state`` / ``restore_state``, kept in the commit record), what its
 model hash covers (``model_hash``), and the loop.
 
-- ``resume``: rank 0 picks the newest committed checkpoint, Ray Train's latest or a newer one Ray never registered
-  (Ray registers a checkpoint once it has collected every rank's report; a worker killed right after reporting can
-  take its report with it), deletes the uncommitted ones and any newer than it, and broadcasts the choice; every
-  rank loads it and refuses one of another model. A checkpoint Ray had not registered is reported again
-  ("adopted"), which puts it under Ray's retention like the others. Rank 0 then opens the metrics log at the step
-  reached, with a ``resume`` record.
+- ``resume``: rank 0 deletes the checkpoints a save left uncommitted, then the ranks take the newest committed one
+  that verifies (``checkpoint.verify``, each rank a share of its files) and fits this model; one that fails to read
+  is set aside with one line naming its file, and the next newest is tried. None left while some were set aside: the
+  run stops (``checkpoint.CheckpointError``, permanent). Rank 0 then drops the metrics an earlier attempt wrote past
+  the restored step (``training.metrics.drop_after``) and opens the metrics log with a ``resume`` record.
 - ``save``: a committed checkpoint of the current step (``training/checkpoint.py``), a ``checkpoint`` record and a
-  roll of the metrics log, then retention of the newest ``checkpoint.keep``: Ray Train's for a loop that reports its
-  checkpoints to it in place, else done here.
+  roll of the metrics log, then retention of the newest ``checkpoint.keep``.
+
+The project, not Ray Train, keeps the checkpoints (``training/checkpoint.py`` says why); Ray Train restarts the
+worker group after a transient failure, and ``training.failures`` stops it after a permanent one.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from abc import ABC, abstractmethod
 from typing import ClassVar, Generic, TypeVar
@@ -26,11 +26,13 @@ from typing import ClassVar, Generic, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from common import storage, watchdog
+from common.storage import StorageError
 from training import checkpoint
 from training.config import TrainingConfig
-from training.metrics import MetricsLog
+from training.metrics import MetricsLog, drop_after
 
 C = TypeVar("C", bound=TrainingConfig)
 
@@ -42,9 +44,7 @@ def log_line(line: str) -> None:
 
 
 class Worker(ABC, Generic[C]):
-    # Checkpoints reported to Ray Train, which keeps the newest ``checkpoint.keep`` (the driver's ``launch(keep=)``);
-    # False: not reported, and pruned by ``save``.
-    reports_checkpoints: ClassVar[bool] = True
+    job: ClassVar[str]  # the job's name in console lines
     scalar_groups: ClassVar[dict[str, str]] = {}  # the loop's metrics groups beyond metrics_sinks.GROUPS
     hash_covers: ClassVar[str]  # what ``model_hash`` covers, named when a checkpoint of another model is refused
 
@@ -97,52 +97,81 @@ class Worker(ABC, Generic[C]):
     # --- resume ---
 
     def resume(self) -> None:
-        """Continue from the newest committed checkpoint, if any; then open rank 0's metrics log."""
+        """Continue from the newest readable committed checkpoint, if any; then open rank 0's metrics log."""
         restored = self._restore()
         if self.rank == 0:
+            dropped = drop_after(self.run_uri, self.step)
             self.log = MetricsLog.for_run(self.run_uri, self.step, self.cfg, self.scalar_groups)
             if restored:
-                self.log.write({"kind": "resume", "step": self.step, "world_size": self.world, **restored})
+                self.log.write({"kind": "resume", "step": self.step, "world_size": self.world,
+                                "dropped_records": dropped, **restored})  # fmt: skip
 
     def _restore(self) -> dict | None:
-        import ray.train
-
-        from_ray = None
-        registered = ray.train.get_checkpoint()
-        if registered is not None:
-            name = os.path.basename(registered.path.rstrip("/"))
-            from_ray = storage.join(self.run_uri, checkpoint.CHECKPOINTS, name)
-        choice: list[str | None] = [None]
         if self.rank == 0:
-            newest = checkpoint.latest_committed(self.run_uri)
-            if newest and (from_ray is None or checkpoint.step_of(newest) > checkpoint.step_of(from_ray)):
-                choice[0] = newest
-            else:
-                choice[0] = from_ray
-            checkpoint.remove_stale(self.run_uri, checkpoint.step_of(choice[0]) if choice[0] else None)
-        dist.broadcast_object_list(choice, src=0)  # one decision, taken after the clean-up
-        uri = choice[0]
-        if uri is None:
-            return None
-        commit = checkpoint.load(uri, self.model, self.optimizer)
-        if commit["model_hash"] != self.model_hash():
-            raise checkpoint.CheckpointError(f"{uri} was saved for another {self.hash_covers}; use a new run name")
+            checkpoint.remove_uncommitted(self.run_uri)
+        while True:
+            choice: list[str | None] = [checkpoint.latest_committed(self.run_uri) if self.rank == 0 else None]
+            dist.broadcast_object_list(choice, src=0)  # one decision for every rank, taken after the clean-up
+            uri = choice[0]
+            if uri is None:
+                self._refuse_a_fresh_start()
+                return None
+            try:
+                commit = checkpoint.read_commit(uri)
+            except StorageError as exc:  # a commit record that does not parse
+                self._set_aside(uri, [f"{checkpoint.COMMIT_FILE}: {exc}"])
+                continue
+            if commit["model_hash"] != self.model_hash():
+                raise checkpoint.CheckpointError(
+                    f"{storage.redact(uri)} was saved for another {self.hash_covers}; use a new run name"
+                )
+            problems = self._verify(uri, commit)
+            if not problems:
+                try:
+                    checkpoint.load(uri, self.model, self.optimizer, commit)
+                    break
+                except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises on every rank when one fails
+                    last = str(exc).strip().splitlines()
+                    problems = [f"it fails to load: {type(exc).__name__}: {last[-1] if last else ''}"]
+            self._set_aside(uri, problems)
         self.step = self.saved_step = commit["step"]
-        restored = {
+        return {
             "checkpoint": storage.redact(uri),  # the run's records hold no query or credentials
             "saved_world_size": commit["world_size"],
             **self.restore_state(commit),
         }
-        if self.reports_checkpoints:
-            restored["adopted"] = uri != from_ray
-            if restored["adopted"]:
-                self._report(storage.basename(uri), {"step": self.step})
-        return restored
+
+    def _verify(self, uri: str, commit: dict) -> list[str]:
+        """Every rank's findings on ``uri`` (each checks a share of its files), the same list on every rank."""
+        mine = checkpoint.verify(uri, commit, self.rank, self.world)
+        every: list[list[str]] = [[] for _ in range(self.world)]
+        dist.all_gather_object(every, mine)
+        return sorted({p for found in every for p in found})
+
+    def _set_aside(self, uri: str, problems: list[str]) -> None:
+        if self.rank == 0:
+            moved = checkpoint.set_aside(uri)
+            log_line(
+                f"[{self.job}] checkpoint {storage.redact(uri)} does not read back ({problems[0]}"
+                f"{f'; and {len(problems) - 1} more' if len(problems) > 1 else ''}): set aside as {moved}, "
+                "trying the next newest"
+            )
+        dist.barrier()  # the next choice is made without it
+
+    def _refuse_a_fresh_start(self) -> None:
+        """A run with no checkpoint starts afresh, unless it had some that were set aside as damaged."""
+        damaged = checkpoint.set_aside_names(self.run_uri)
+        if damaged:
+            raise checkpoint.CheckpointError(
+                f"no readable checkpoint left in {storage.redact(storage.join(self.run_uri, checkpoint.CHECKPOINTS))}: "
+                f"{', '.join(damaged)} were set aside as damaged. Restore one from a backup under its step_* name, or "
+                "start a new run (--name)"
+            )
 
     # --- save ---
 
-    def save(self, metrics: dict | None = None, reason: str = "interval") -> None:
-        """Commit a checkpoint of the current step (every rank calls this); ``metrics`` go to Ray Train with it."""
+    def save(self, reason: str = "interval") -> None:
+        """Commit a checkpoint of the current step (every rank calls this), then keep the newest ``checkpoint.keep``."""
         uri = checkpoint.step_uri(self.run_uri, self.step)
         commit = {
             "step": self.step,
@@ -156,21 +185,5 @@ class Worker(ABC, Generic[C]):
         if self.log:
             self.log.write({"kind": "checkpoint", "step": self.step, "uri": storage.redact(uri), "reason": reason})
             self.log.roll(self.step + 1)
-        if self.reports_checkpoints:
-            self._report(storage.basename(uri), {**(metrics or {}), "step": self.step})
-        elif self.rank == 0:
+        if self.rank == 0:
             checkpoint.keep_newest(self.run_uri, self.cfg.checkpoint.keep)
-
-    def _report(self, name: str, metrics: dict) -> None:
-        """Hand a committed checkpoint to Ray Train in place: registered without a copy, evicted past ``keep``."""
-        import ray.train
-        from ray.train import Checkpoint
-        from ray.train.v2.api.report_config import CheckpointUploadMode
-
-        path = storage.join(self.ray_storage.experiment_fs_path, checkpoint.CHECKPOINTS, name)
-        ray.train.report(
-            metrics,
-            checkpoint=Checkpoint(path=path, filesystem=self.ray_storage.storage_filesystem),
-            checkpoint_dir_name=name,
-            checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
-        )
