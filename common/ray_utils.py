@@ -7,9 +7,11 @@ import os
 import sys
 import threading
 from collections.abc import Mapping
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import ray
+
+from common.telemetry import TELEMETRY_OFF, disable_telemetry
 
 # Ray log lines that tell a user nothing to act on, by the logger that writes them: the start of each message. Ray's
 # warnings about resources and failures, and its progress bars, are kept.
@@ -69,7 +71,7 @@ def _drop(quiet: Mapping[str, tuple[str, ...]]) -> None:
 
 def quiet_ray_logs() -> None:
     """Install the ``QUIET`` filters in this process: the driver, and every worker process of a job started by
-    ``init_ray`` (Ray calls this as the workers' setup hook)."""
+    ``init_ray`` (through the workers' setup hook, ``setup_worker``)."""
     _drop(QUIET)
     if threading.excepthook is not _quiet_thread_errors:
         global _next_excepthook
@@ -88,8 +90,19 @@ def _quiet_thread_errors(args: threading.ExceptHookArgs) -> None:
     _next_excepthook(args)
 
 
-# Merged with a submitted job's own runtime environment; the hook is imported by name on every worker.
-RUNTIME_ENV = {"worker_process_setup_hook": "common.ray_utils.quiet_ray_logs"}
+def setup_worker() -> None:
+    """Ray's setup hook for every worker process of a job started by ``init_ray``, run before its first task: the
+    libraries' telemetry off (``common.telemetry``), then the ``QUIET`` filters."""
+    disable_telemetry()
+    quiet_ray_logs()
+
+
+# Merged with a submitted job's own runtime environment; the hook is imported by name on every worker, and the
+# telemetry switches are in the workers' environment from their start, on every node.
+RUNTIME_ENV: dict[str, Any] = {
+    "worker_process_setup_hook": "common.ray_utils.setup_worker",
+    "env_vars": dict(TELEMETRY_OFF),
+}
 
 
 def console_env(terminal: bool) -> dict[str, str]:
@@ -107,16 +120,18 @@ class _InitOptions(TypedDict):
 
     logging_level: int
     log_to_driver: bool
-    runtime_env: dict[str, str]
+    runtime_env: dict[str, Any]
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Join the cluster a submitted job runs on (RAY_ADDRESS), a given address (``auto`` finds a cluster started on
-    this machine), or start a local Ray; with the quiet logs of ``QUIET`` in the driver and every worker.
+    this machine), or start a local Ray; with the libraries' telemetry off (``common.telemetry``) and the quiet logs
+    of ``QUIET`` in the driver and every worker.
 
     Ray 2.59+ local clusters use token authentication; a submitted job and ``ray.init`` on the head node find the
     token Ray wrote under ``~/.ray``; a remote client needs ``RAY_AUTH_MODE=token`` and the token (infra/README).
     """
+    disable_telemetry()  # first: a local Ray started below inherits it
     quiet_ray_logs()
     for name, value in console_env(sys.stdout.isatty()).items():
         os.environ.setdefault(name, value)

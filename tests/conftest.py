@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from common.telemetry import disable_telemetry
 from jobs import make_sample_pool
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+disable_telemetry()  # the tests that load the models in this process, as the jobs do in theirs (common.telemetry)
 
 
 @pytest.fixture(scope="session")

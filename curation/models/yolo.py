@@ -7,11 +7,11 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from common.telemetry import disable_telemetry
 from curation.models.weights import load_state_dict
 
 if TYPE_CHECKING:
@@ -24,11 +24,12 @@ YOLO_FORMAT = "humans1b-ultralytics-yolo-v1"
 
 def import_ultralytics() -> None:
     """Import ultralytics while keeping PIL's own ``Image.open`` (ultralytics replaces it on import with a version
-    that tries to pip-install a HEIF plugin on unidentified bytes) and without its start-up DNS probe offline."""
+    that tries to pip-install a HEIF plugin on unidentified bytes), offline (no start-up DNS probe) and with no
+    analytics or settings file in the home folder (``common.telemetry``)."""
     from PIL import Image
 
     opener = Image.open
-    os.environ.setdefault("YOLO_OFFLINE", "1")
+    disable_telemetry()
     try:
         importlib.import_module("ultralytics.nn.tasks")
     finally:
