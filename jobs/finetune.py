@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--break-lease", action="store_true", help="take the run over from another driver that holds it")
     add_allow_change(p)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=3e-4")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # key=value overrides may come before or after the options
 
 
 def _absolute(uri: str) -> str:

@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"backbones to export at the end, of {sorted(EXPORTS)} (default: student)",
     )  # fmt: skip
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ray.workers=8")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # key=value overrides may come before or after the options
 
 
 def _exports(text: str) -> list[str]:

@@ -89,10 +89,13 @@ class PretrainLog(LogSettings):
 
 
 class FaultSettings(Strict):
-    """Fault drill: SIGKILL one worker process when it reaches a step, once per run (a marker file remembers)."""
+    """Fault drills. ``kill_at_step``: SIGKILL one worker process when it reaches a step, once per run (a marker file
+    remembers). ``disk_full_at_step``: the checkpoint of that step meets a full disk (its shards go to ``/dev/full``,
+    whose every write fails with ENOSPC, as on a full local disk)."""
 
     kill_at_step: int | None = Field(None, ge=1)
     kill_rank: int = Field(0, ge=0)
+    disk_full_at_step: int | None = Field(None, ge=1)
 
 
 class PretrainConfig(TrainingConfig):

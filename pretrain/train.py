@@ -48,7 +48,7 @@ from pretrain.backbone import Sapiens2Backbone, build, flops
 from pretrain.config import PretrainConfig, PretrainOptim
 from pretrain.masking import num_masked
 from pretrain.objective import DIAGNOSTICS, TERMS, CollapseMonitor, JointObjective, collapse_state
-from training import failures
+from training import checkpoint, failures
 from training.runner import launch, run_uri_for
 from training.schedules import lr_at, wd_at
 from training.sharding import optimizer_step, shard
@@ -417,6 +417,13 @@ class PretrainWorker(Worker[PretrainConfig]):
                 f"[pretrain] WARNING: self-distillation collapse ({state}) since step {since}: the contrastive "
                 "term teaches nothing while it lasts (see README, Pretraining)"
             )
+
+    def save(self, reason: str = "interval") -> None:
+        if self.cfg.fault.disk_full_at_step == self.step:  # the drill: this rank's shard file is /dev/full
+            _, path = storage.resolve(checkpoint.step_uri(self.run_uri, self.step))
+            os.makedirs(path, exist_ok=True)
+            os.symlink("/dev/full", os.path.join(path, f"__{self.rank}_0.distcp"))
+        super().save(reason)
 
     def _fault_drill(self) -> None:
         f = self.cfg.fault

@@ -48,7 +48,7 @@ def folders(curated_run, sample_pool, tmp_path) -> dict[str, Path]:
     curated = tmp_path / "curated"
     shutil.copytree(curated_run, curated)
     runs = tmp_path / "runs"
-    claim_run(str(runs / "tiny"), {"data": str(curated / "shards"), "model_hash": "0"}, {"size": "tiny"})
+    claim_run(str(runs / "tiny"), {"data": str(curated / "shards"), "model_hash": "0"}, info={"size": "tiny"})
     return {"base": tmp_path, "curated": curated, "runs": runs, "run": runs / "tiny", "pool": sample_pool}
 
 

@@ -117,8 +117,8 @@ def test_ray_train_gets_the_projects_filesystem_and_a_plain_path(tmp_path):
 
 @pytest.fixture(scope="module")
 def pretrained(store, curated_run, ray_local):
-    """A tiny pretraining run on the store: 4 steps, then the same command with steps=6 (a resume); returns the run's
-    URI and the console of both commands."""
+    """A tiny pretraining run on the store: 4 steps, then the same command extended to steps=6 (a resume); returns
+    the run's URI and the console of both commands."""
     fs, _ = store
     pafs.copy_files(
         str(curated_run / "shards"), "data/shards", source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs
@@ -127,8 +127,9 @@ def pretrained(store, curated_run, ray_local):
             "--storage", s3(store, "runs/pretrain"), "--name", "tiny", *PRETRAIN]  # fmt: skip
     consoles = []
     for steps in (4, 6):
+        extend = ["--allow-change", "steps"] if steps == 6 else []
         with contextlib.redirect_stdout(io.StringIO()) as console:
-            assert pretrain_job.main([*args, f"steps={steps}"]) == 0
+            assert pretrain_job.main([*args, f"steps={steps}", *extend]) == 0
         consoles.append(console.getvalue())
     return storage.join(s3(store, "runs/pretrain"), "tiny"), consoles
 
@@ -141,17 +142,17 @@ def test_pretraining_on_an_object_store_trains_resumes_and_exports(store, pretra
     train = latest_per_step(read_metrics(run))
     assert sorted(train) == [1, 2, 3, 4, 5, 6]
     (resume,) = read_metrics(run, "resume")
-    # Ray Train handed back the checkpoint it had registered on the store: the run resumed from it, not adopted it
-    assert resume["step"] == 4 and resume["adopted"] is False
-    assert resume["checkpoint"] == "s3://runs/pretrain/tiny/checkpoints/step_000000004"
+    assert resume["step"] == 4 and resume["checkpoint"] == "s3://runs/pretrain/tiny/checkpoints/step_000000004"
     names = {info.base_name for info in fs.get_file_info(pafs.FileSelector("runs/pretrain/tiny"))}
     assert {"run.json", "checkpoints", "metrics", BACKBONE_FILE} <= names
-    assert any(n.startswith("checkpoint_manager_snapshot") or n.startswith(".validate") for n in names), names
+    # the extension is recorded in the run's record
+    (change,) = json.loads(fs.open_input_stream("runs/pretrain/tiny/run.json").read())["changes"]
+    assert change["settings"] == {"steps": [4, 6]} and change["from_step"] == 4
+    assert "[pretrain] resuming s3://runs/pretrain/tiny with steps 4 -> 6:" in consoles[1]
     backbone = load_backbone(storage.join(run, BACKBONE_FILE))
     assert ckpt.read_safetensors(storage.join(run, BACKBONE_FILE))[1]["step"] == "6"
     assert torch.isfinite(backbone(torch.zeros(1, 3, 64, 48)).patches).all()
     assert json.loads(fs.open_input_stream("runs/pretrain/tiny/run.json").read())["data"] == "s3://data/shards"
-    assert "[pretrain] resuming s3://runs/pretrain/tiny:" in consoles[1]
     assert "[pretrain] backbone:    s3://runs/pretrain/tiny/backbone.safetensors (size tiny, step 6)" in consoles[1]
     for console in consoles:
         assert SECRET not in console and "endpoint_override" not in console
@@ -174,11 +175,21 @@ def test_finetuning_on_an_object_store_from_a_pretrained_backbone_resumes(store,
             "--storage", s3(store, "runs/finetune"), "--name", "seg", "--backbone", backbone, *FINETUNE]  # fmt: skip
     capsys.readouterr()
     assert finetune_job.main([*args, "steps=4"]) == 0
-    assert finetune_job.main([*args, "steps=6"]) == 0
+    # a changed setting is refused before anything starts, with what to add
+    assert finetune_job.main([*args, "steps=6"]) == 2
+    assert "changes steps 4 -> 6. To change it from the newest checkpoint on, add --allow-change steps" in (
+        capsys.readouterr().err
+    )
+    # the newest checkpoint damaged on the store: set aside, and the run goes on from the one before
+    fs.delete_file("runs/finetune/seg/checkpoints/step_000000004/.metadata")
+    assert finetune_job.main([*args, "steps=6", "--allow-change", "steps"]) == 0
     console = capsys.readouterr().out
     run = storage.join(s3(store, "runs/finetune"), "seg")
     (resume,) = read_metrics(run, "resume")
-    assert resume["step"] == 4 and resume["checkpoint"] == "s3://runs/finetune/seg/checkpoints/step_000000004"
+    assert resume["step"] == 2 and resume["checkpoint"] == "s3://runs/finetune/seg/checkpoints/step_000000002"
+    (damaged,) = ckpt.set_aside_names(run)
+    assert damaged.startswith("damaged-step_000000004-")
+    assert fs.get_file_info(f"runs/finetune/seg/checkpoints/{damaged}/commit.json").type == pafs.FileType.File
     assert [step for step, _, _ in ckpt.list_checkpoints(run)] == [4, 6]  # pruned by the worker (keep=2)
     report = json.loads(fs.open_input_stream("runs/finetune/seg/metrics.json").read())
     assert report["task"] == "seg" and report["step"] == 6 and 0 <= report["metrics"]["mIoU"] <= 1
@@ -191,7 +202,7 @@ def test_finetuning_on_an_object_store_from_a_pretrained_backbone_resumes(store,
         and spec["train"] == "s3://data/labelled/train"
     )
     assert (
-        "[finetune] resuming s3://runs/finetune/seg:" in console
+        "[finetune] resuming s3://runs/finetune/seg with steps 4 -> 6:" in console
         and "[finetune] model:    s3://runs/finetune/seg/" in console
     )
     assert SECRET not in console and "endpoint_override" not in console

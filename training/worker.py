@@ -110,16 +110,20 @@ class Worker(ABC, Generic[C]):
         if self.rank == 0:
             checkpoint.remove_uncommitted(self.run_uri)
         while True:
-            choice: list[str | None] = [checkpoint.latest_committed(self.run_uri) if self.rank == 0 else None]
-            dist.broadcast_object_list(choice, src=0)  # one decision for every rank, taken after the clean-up
-            uri = choice[0]
+            # one decision for every rank, taken after the clean-up: the checkpoint, its record or why it has none
+            choice: list = [None, None, None]
+            if self.rank == 0 and (uri := checkpoint.latest_committed(self.run_uri)):
+                try:
+                    choice = [uri, checkpoint.read_commit(uri), None]
+                except StorageError as exc:  # a commit record that does not parse
+                    choice = [uri, None, f"{checkpoint.COMMIT_FILE}: {exc}"]
+            dist.broadcast_object_list(choice, src=0)
+            uri, commit, damaged = choice
             if uri is None:
                 self._refuse_a_fresh_start()
                 return None
-            try:
-                commit = checkpoint.read_commit(uri)
-            except StorageError as exc:  # a commit record that does not parse
-                self._set_aside(uri, [f"{checkpoint.COMMIT_FILE}: {exc}"])
+            if damaged:
+                self._set_aside(uri, [damaged])
                 continue
             if commit["model_hash"] != self.model_hash():
                 raise checkpoint.CheckpointError(

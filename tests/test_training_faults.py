@@ -1,0 +1,354 @@
+"""What a spot cluster does to a training run, and how the run ends: a clean resume from the newest checkpoint that
+reads back, or one line (exit 2) naming the file or setting, within one attempt, every earlier checkpoint intact.
+
+The parts without Ray first (checkpoint verification, the failure classification, the metrics' compaction, the
+resume identity); then pretraining runs on Ray Train, each a copy of one reference run with one fault. Fine-tuning's
+faults on an object store are in ``test_object_store_jobs.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_pretrain import FAST, TINY
+
+from common.config import ConfigError, load_config
+from common.storage import StorageError
+from finetune.config import FinetuneConfig
+from jobs import finetune as finetune_job
+from jobs import pretrain as job
+from pretrain import data
+from pretrain.backbone import build
+from pretrain.config import PretrainConfig
+from training import checkpoint as ckpt
+from training import failures
+from training.metrics import MetricsLog, drop_after, read_metrics
+from training.runner import check_free_space, check_run, claim_run
+
+REPO = Path(__file__).resolve().parents[1]
+FINETUNE_TINY = str(REPO / "configs/finetune/tiny.yaml")
+
+
+# --- checkpoints verified before they are trusted ------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_process():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _save(run: Path, step: int) -> str:
+    torch.manual_seed(step)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    uri = ckpt.step_uri(str(run), step)
+    ckpt.save(uri, model, optimizer, {"step": step})
+    return uri
+
+
+def _overwrite_a_third(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    third = len(data) // 3
+    data[third : 2 * third] = bytes(third)
+    path.write_bytes(bytes(data))
+
+
+def test_a_commit_record_lists_every_file_and_verify_finds_a_torn_overwritten_or_missing_one(tmp_path, one_process):
+    uri = _save(tmp_path, 4)
+    folder = Path(uri)
+    commit = ckpt.read_commit(uri)
+    on_disk = {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+    on_disk.pop(ckpt.COMMIT_FILE)
+    assert {name: f["bytes"] for name, f in commit["files"].items()} == on_disk  # every file, its size as written
+    assert {".metadata", "__0_0.distcp", "rng/rank-00000.pt"} <= set(on_disk)
+    assert ckpt.verify(uri, commit) == []
+
+    _overwrite_a_third(folder / "__0_0.distcp")  # the same size: only the checksum can tell
+    assert ckpt.verify(uri, commit) == ["__0_0.distcp: its bytes differ from those written (CRC-32)"]
+    # each rank reads back its share of the files: this file is rank 0's of 2, not rank 1's
+    shares = [ckpt.verify(uri, commit, rank, 2) for rank in (0, 1)]
+    assert sum(len(s) for s in shares) == 1
+    (folder / "__0_0.distcp").write_bytes(b"torn")
+    assert ckpt.verify(uri, commit) == [
+        f"__0_0.distcp: 4 bytes, {commit['files']['__0_0.distcp']['bytes']} were written"
+    ]
+    (folder / ".metadata").unlink()
+    assert ".metadata: missing" in ckpt.verify(uri, commit)
+
+    # set aside: renamed, its files kept, no longer one of the run's checkpoints
+    older = _save(tmp_path, 2)
+    name = ckpt.set_aside(uri)
+    assert name.startswith("damaged-step_000000004-") and (tmp_path / "checkpoints" / name / "commit.json").exists()
+    assert [u for _, u, _ in ckpt.list_checkpoints(str(tmp_path))] == [older]
+    assert ckpt.set_aside_names(str(tmp_path)) == [name]
+
+
+def test_a_record_written_before_records_listed_files_still_needs_its_metadata(tmp_path, one_process):
+    uri = _save(tmp_path, 2)
+    commit = {k: v for k, v in ckpt.read_commit(uri).items() if k != "files"}
+    assert ckpt.verify(uri, commit) == []
+    (Path(uri) / ".metadata").unlink()
+    assert ckpt.verify(uri, commit) == [".metadata: missing"]
+
+
+# --- one classification of failures ----------------------------------------------------------------------------------
+
+
+def test_permanent_failures_get_one_line_and_transient_ones_none():
+    assert failures.permanent(data.DataError("shard-1.parquet under /d is gone: restore it")) == (
+        "shard-1.parquet under /d is gone: restore it"
+    )
+    assert failures.permanent(ConfigError("model.patch_size=16 does not fit")) == "model.patch_size=16 does not fit"
+    try:  # a real full disk, as the kernel reports it
+        with open("/dev/full", "wb") as f:
+            f.write(b"x" * 10)
+            f.flush()
+    except OSError as exc:
+        full = exc
+    assert full.errno == errno.ENOSPC and failures.permanent(full).startswith("no space left on the device")
+    named = OSError(errno.ENOSPC, "No space left on device", "/runs/a/checkpoints/step_000000008")
+    assert failures.permanent(named) == (
+        "no space left on the device writing /runs/a/checkpoints/step_000000008: free space there (or lower "
+        "checkpoint.keep), then run the same command again"
+    )
+    # a DCP save that failed on one rank raises on every rank, the rank's error inside
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    try:
+        raise named
+    except OSError as exc:
+        wrapped = CheckpointException("save", {1: _wrap_exception(exc)})
+    assert failures.permanent(wrapped) == failures.permanent(named)
+    # a Ray task's error carries the task's exception as text only
+    task = RuntimeError(
+        "ray::MapBatches(read_segments)() (pid=1)\n  File 'pretrain/data.py', line 1\n"
+        "pretrain.data.DataError: shard-1.parquet is gone: restore it\n\nray.exceptions.UserCodeException: UDF failed"
+    )
+    assert failures.permanent(task) == "shard-1.parquet is gone: restore it"
+    assert failures.permanent(ckpt.CheckpointError("no readable checkpoint left")) == "no readable checkpoint left"
+    # transient: a lost peer, a reset connection, a preempted node
+    assert failures.permanent(RuntimeError("[gloo] Connection closed by peer")) is None
+    assert failures.permanent(OSError(errno.ECONNRESET, "Connection reset by peer")) is None
+
+
+def test_the_run_ends_with_the_permanent_line_or_says_the_restarts_ran_out():
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    mixed = WorkerGroupError("x", {0: RuntimeError("[gloo] peer closed"), 1: failures.Permanent("disk full at X")})
+    ended = failures.ended(mixed)
+    assert isinstance(ended, failures.Permanent) and str(ended) == "disk full at X"
+    transient = failures.ended(WorkerGroupError("x", {0: RuntimeError("[gloo] peer closed")}))
+    assert isinstance(transient, failures.Exhausted)
+    assert "RuntimeError: [gloo] peer closed; the same command resumes" in str(transient)
+
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+    from ray.train.v2.api.config import FailureConfig
+
+    policy = failures.stop_on_permanent(DefaultFailurePolicy(FailureConfig(max_failures=3)))
+    assert policy.make_decision(mixed) == FailureDecision.RAISE  # no restart can fix it
+    assert policy.make_decision(WorkerGroupError("x", {0: RuntimeError("reset")})) == FailureDecision.RETRY
+
+
+# --- each step once in the metrics files -----------------------------------------------------------------------------
+
+
+def test_a_resume_drops_what_earlier_attempts_wrote_past_its_checkpoint(tmp_path):
+    cfg = load_config(PretrainConfig, TINY, ["log.backends=[]"])
+    first = MetricsLog.for_run(str(tmp_path), 0, cfg)
+    for step in range(1, 11):  # checkpoints at 4 and 8; killed after step 10
+        first.write({"kind": "train", "step": step})
+        if step % 4 == 0:
+            first.write({"kind": "checkpoint", "step": step})
+            first.roll(step + 1)
+    first.out.close()
+    assert drop_after(str(tmp_path), 8) == 2
+    second = MetricsLog.for_run(str(tmp_path), 8, cfg)
+    for step in range(9, 13):
+        second.write({"kind": "train", "step": step})
+    second.close()
+    steps = [r["step"] for r in read_metrics(str(tmp_path))]
+    assert steps == list(range(1, 13))  # each once, in the files themselves
+    assert drop_after(str(tmp_path), 12) == 0
+
+
+# --- a resume keeps the run's settings ------------------------------------------------------------------------------
+
+
+def test_a_resume_refuses_a_changed_setting_unless_allowed_and_records_an_allowed_one(tmp_path):
+    run = str(tmp_path / "run")
+    before = load_config(PretrainConfig, TINY, [])
+    identity = {"data": "/d", "model_hash": before.model_hash()}
+    assert claim_run(run, identity, before.result_settings()) is None  # a new run
+    # where it runs, how it logs or saves: not part of the run
+    moved = load_config(PretrainConfig, TINY, ["log.every=1", "checkpoint.keep=9", "ray.max_failures=0"])
+    assert check_run(run, identity, moved.result_settings()) == {}
+    after = load_config(PretrainConfig, TINY, ["optim.lr=0.01", "steps=50"])
+    with pytest.raises(ConfigError) as refused:
+        check_run(run, identity, after.result_settings())
+    assert f"this command changes optim.lr {before.optim.lr} -> 0.01, steps {before.steps} -> 50." in str(refused.value)
+    assert "add --allow-change optim.lr,steps" in str(refused.value)
+    with pytest.raises(ConfigError):  # every changed setting must be allowed
+        check_run(run, identity, after.result_settings(), ["steps"])
+    changes = claim_run(run, identity, after.result_settings(), ["optim", "steps"])
+    assert changes == {"optim.lr": (before.optim.lr, 0.01), "steps": (before.steps, 50)}
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["settings"]["optim.lr"] == 0.01 and record["changes"][0]["settings"]["steps"] == [before.steps, 50]
+    assert check_run(run, identity, after.result_settings()) == {}  # the recorded settings are now the new ones
+
+
+def test_a_disk_without_room_for_one_checkpoint_is_refused_before_ray_starts(tmp_path):
+    check_free_space(str(tmp_path / "run"), 1 << 20, keep=3)
+    with pytest.raises(StorageError, match=r"GiB free; one checkpoint of this run takes about .* checkpoint.keep=3"):
+        check_free_space(str(tmp_path / "run"), 1 << 60, keep=3)
+
+
+def test_a_backbone_of_another_patch_size_is_refused_before_ray_starts(tmp_path):
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    backbone = build(load_config(FinetuneConfig, FINETUNE_TINY, ["model.patch_size=8"]).model.backbone())
+    meta = {"format": "pt", "size": "tiny", "step": "1",
+            "backbone_config": json.dumps(dataclasses.asdict(backbone.cfg))}  # fmt: skip
+    path = tmp_path / "backbone.safetensors"
+    save_file({k: v.contiguous() for k, v in backbone.state_dict().items()}, str(path), metadata=meta)
+    finetune_job.check_backbone(str(path), load_config(FinetuneConfig, FINETUNE_TINY, ["model.patch_size=8"]))
+    with pytest.raises(ConfigError, match=r"\(width .*patch 8\) .* set model.patch_size=8 as it was pretrained"):
+        finetune_job.check_backbone(str(path), load_config(FinetuneConfig, FINETUNE_TINY, ["model.patch_size=16"]))
+
+
+# --- pretraining runs with one fault each -------------------------------------------------------------------------
+
+KEEP3 = [*FAST, "checkpoint.keep=3"]
+
+
+@pytest.fixture(scope="module")
+def finished(curated_run, tmp_path_factory) -> tuple[Path, Path]:
+    """A finished 12-step run with checkpoints at 4, 8 and 12 (its shards, its storage)."""
+    storage_dir = tmp_path_factory.mktemp("fault-runs")
+    shards = curated_run / "shards"
+    args = ["--config", TINY, "--data", str(shards), "--storage", str(storage_dir), "--name", "finished"]
+    assert job.main([*args, *KEEP3]) == 0
+    return shards, storage_dir
+
+
+def _copy(finished: tuple[Path, Path], name: str) -> list[str]:
+    shards, storage_dir = finished
+    shutil.copytree(storage_dir / "finished", storage_dir / name)
+    return ["--config", TINY, "--data", str(shards), "--storage", str(storage_dir), "--name", name, *KEEP3]
+
+
+def _train_records(run: Path) -> list[dict]:
+    return read_metrics(str(run), "train")
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(finished):
+    args = _copy(finished, "damaged-distcp")
+    run = finished[1] / "damaged-distcp"
+    _overwrite_a_third(run / "checkpoints/step_000000012/__1_0.distcp")
+    assert job.main(args) == 0
+    (resume,) = read_metrics(str(run), "resume")
+    assert resume["step"] == 8 and resume["dropped_records"] > 0
+    (aside,) = ckpt.set_aside_names(str(run))
+    assert aside.startswith("damaged-step_000000012-") and (run / "checkpoints" / aside / "__1_0.distcp").exists()
+    # the resumed run retrains steps 9..12 exactly as the first time, and the files hold each step once
+    reference = {r["step"]: r["loss"] for r in _train_records(finished[1] / "finished")}
+    records = _train_records(run)
+    assert sorted(r["step"] for r in records) == list(range(1, 13))
+    assert all(r["loss"] == pytest.approx(reference[r["step"]], rel=1e-5) for r in records)
+    for _, uri, committed in ckpt.list_checkpoints(str(run)):
+        assert committed and ckpt.verify(uri, ckpt.read_commit(uri)) == []
+
+
+@pytest.mark.slow
+def test_with_no_readable_checkpoint_left_the_run_stops_in_one_line_keeping_them_all(finished, capsys):
+    args = _copy(finished, "all-damaged")
+    run = finished[1] / "all-damaged"
+    (run / "checkpoints/step_000000012/.metadata").unlink()
+    (run / "checkpoints/step_000000008/rng/rank-00001.pt").unlink()
+    (run / "checkpoints/step_000000004/commit.json").write_text("{not json")
+    capsys.readouterr()
+    assert job.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: no readable checkpoint left in {run / 'checkpoints'}: damaged-step_000000004-")
+    assert "Restore one from a backup under its step_* name, or start a new run (--name)" in err[-1]
+    assert "Traceback" not in "\n".join(err)
+    assert len(ckpt.set_aside_names(str(run))) == 3 and ckpt.list_checkpoints(str(run)) == []
+    assert len(_train_records(run)) == 12  # nothing retrained: one attempt, stopped at once
+    assert list((run / "errors").iterdir())  # the tracebacks are kept there
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_a_checkpoint_stops_the_run_at_once_naming_it(finished, capsys):
+    args = _copy(finished, "disk-full")
+    run = finished[1] / "disk-full"
+    capsys.readouterr()
+    assert job.main([*args, "steps=16", "--allow-change", "steps", "fault.disk_full_at_step=16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"error: no space left on the device writing {run / 'checkpoints/step_000000016'}: free space there (or "
+        "lower checkpoint.keep), then run the same command again"
+    )
+    # one attempt: steps 13..16 trained once, not once per restart of the worker group
+    assert sorted(r["step"] for r in _train_records(run)) == list(range(1, 17))
+    # every earlier checkpoint intact
+    assert [s for s, _, committed in ckpt.list_checkpoints(str(run)) if committed] == [4, 8, 12]
+    for _, uri, committed in ckpt.list_checkpoints(str(run)):
+        assert not committed or ckpt.verify(uri, ckpt.read_commit(uri)) == []
+
+
+@pytest.mark.slow
+def test_a_changed_learning_rate_is_refused_and_taken_only_when_allowed(finished, capsys):
+    args = _copy(finished, "changed-lr")
+    run = finished[1] / "changed-lr"
+    record = (run / "run.json").read_text()
+    capsys.readouterr()
+    assert job.main([*args, "optim.lr=0.01"]) == 2
+    err = capsys.readouterr().err
+    assert "this command changes optim.lr 0.032 -> 0.01" in err and "--allow-change optim.lr" in err
+    assert (run / "run.json").read_text() == record  # refused before anything was written
+    assert job.main([*args, "optim.lr=0.01", "steps=14", "--allow-change", "optim.lr,steps"]) == 0
+    assert "resuming" in capsys.readouterr().out
+    (change,) = json.loads((run / "run.json").read_text())["changes"]
+    assert change["settings"] == {"optim.lr": [0.032, 0.01], "steps": [12, 14]} and change["from_step"] == 12
+
+
+@pytest.mark.slow
+def test_a_shard_gone_before_a_resume_is_named_before_ray_starts(curated_run, tmp_path, capsys):
+    shards = tmp_path / "shards"
+    shutil.copytree(curated_run / "shards", shards)
+    args = ["--config", TINY, "--data", str(shards), "--storage", str(tmp_path / "runs"), "--name", "r", *FAST]
+    assert job.main([*args, "steps=1", "checkpoint.every=1", "--allow-change", "steps"]) == 0
+    gone = sorted(shards.glob("*.parquet"))[1]
+    gone.unlink()
+    capsys.readouterr()
+    assert job.main([*args, "steps=2", "--allow-change", "steps"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"are gone ({gone.name}" in err and "Restore them, or start a new run (--name)" in err
+
+
+@pytest.mark.slow
+def test_a_shard_gone_under_a_running_stream_is_a_permanent_failure(curated_run, tmp_path, ray_local):
+    """Inside a worker the shard's loss reaches the loop through Ray Data's task error: still one permanent line."""
+    shards = tmp_path / "shards"
+    shutil.copytree(curated_run / "shards", shards)
+    index = data.DataIndex.scan(str(shards))
+    cfg = load_config(PretrainConfig, TINY, [*FAST, "data.plan_steps=1"])
+    for f in shards.glob("*.parquet"):
+        f.unlink()
+    batches = data.stream(index, cfg, position=data.DataPosition(), steps=2, world=1, rank=0)
+    with pytest.raises(Exception) as raised:
+        next(batches)
+    line = failures.permanent(raised.value)
+    assert line is not None and "is gone: the data was rewritten or removed" in line
