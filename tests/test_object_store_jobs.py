@@ -117,8 +117,8 @@ def test_ray_train_gets_the_projects_filesystem_and_a_plain_path(tmp_path):
 
 @pytest.fixture(scope="module")
 def pretrained(store, curated_run, ray_local):
-    """A tiny pretraining run on the store: 4 steps, then the same command extended to steps=6 (a resume); returns
-    the run's URI and the console of both commands."""
+    """A tiny pretraining run on the store: 4 steps, its newest checkpoint damaged, then the same command extended to
+    steps=6 (a resume from the checkpoint before); returns the run's URI and the console of both commands."""
     fs, _ = store
     pafs.copy_files(
         str(curated_run / "shards"), "data/shards", source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs
@@ -131,6 +131,12 @@ def pretrained(store, curated_run, ray_local):
         with contextlib.redirect_stdout(io.StringIO()) as console:
             assert pretrain_job.main([*args, f"steps={steps}", *extend]) == 0
         consoles.append(console.getvalue())
+        if steps == 4:  # the newest checkpoint's shard overwritten in place on the store: same size, other bytes
+            shard = "runs/pretrain/tiny/checkpoints/step_000000004/__0_0.distcp"
+            data = bytearray(fs.open_input_stream(shard).read())
+            data[len(data) // 3 : 2 * len(data) // 3] = bytes(2 * len(data) // 3 - len(data) // 3)
+            with fs.open_output_stream(shard) as f:
+                f.write(bytes(data))
     return storage.join(s3(store, "runs/pretrain"), "tiny"), consoles
 
 
@@ -142,12 +148,15 @@ def test_pretraining_on_an_object_store_trains_resumes_and_exports(store, pretra
     train = latest_per_step(read_metrics(run))
     assert sorted(train) == [1, 2, 3, 4, 5, 6]
     (resume,) = read_metrics(run, "resume")
-    assert resume["step"] == 4 and resume["checkpoint"] == "s3://runs/pretrain/tiny/checkpoints/step_000000004"
+    # the damaged checkpoint was set aside on the store (its objects kept) and the run went on from step 2
+    assert resume["step"] == 2 and resume["checkpoint"] == "s3://runs/pretrain/tiny/checkpoints/step_000000002"
+    (damaged,) = ckpt.set_aside_names(run)
+    assert fs.get_file_info(f"runs/pretrain/tiny/checkpoints/{damaged}/__0_0.distcp").type == pafs.FileType.File
     names = {info.base_name for info in fs.get_file_info(pafs.FileSelector("runs/pretrain/tiny"))}
     assert {"run.json", "checkpoints", "metrics", BACKBONE_FILE} <= names
     # the extension is recorded in the run's record
     (change,) = json.loads(fs.open_input_stream("runs/pretrain/tiny/run.json").read())["changes"]
-    assert change["settings"] == {"steps": [4, 6]} and change["from_step"] == 4
+    assert change["settings"] == {"steps": [4, 6]} and change["newest_checkpoint"] == 4  # the newest when it was taken
     assert "[pretrain] resuming s3://runs/pretrain/tiny with steps 4 -> 6:" in consoles[1]
     backbone = load_backbone(storage.join(run, BACKBONE_FILE))
     assert ckpt.read_safetensors(storage.join(run, BACKBONE_FILE))[1]["step"] == "6"

@@ -321,7 +321,7 @@ def test_a_changed_learning_rate_is_refused_and_taken_only_when_allowed(finished
     assert job.main([*args, "optim.lr=0.01", "steps=14", "--allow-change", "optim.lr,steps"]) == 0
     assert "resuming" in capsys.readouterr().out
     (change,) = json.loads((run / "run.json").read_text())["changes"]
-    assert change["settings"] == {"optim.lr": [0.032, 0.01], "steps": [12, 14]} and change["from_step"] == 12
+    assert change["settings"] == {"optim.lr": [0.032, 0.01], "steps": [12, 14]} and change["newest_checkpoint"] == 12
 
 
 @pytest.mark.slow

@@ -105,16 +105,15 @@ def claim_run(
         record = {**identity, **(info or {}), "settings": settings, "created": time.time()}
     else:
         record = storage.read_json(fs, path)
-        if changes or (settings is not None and "settings" not in record):
-            record["settings"] = settings
+        if not changes and "settings" in record:
+            return changes  # nothing new to record
+        record["settings"] = settings  # a run recorded before its settings were: from now on
         if changes:
             at = checkpoint.latest_committed(run_uri)
             record.setdefault("changes", []).append(
-                {"at": time.time(), "from_step": checkpoint.step_of(at) if at else 0,
+                {"at": time.time(), "newest_checkpoint": checkpoint.step_of(at) if at else None,
                  "settings": {k: list(v) for k, v in changes.items()}}
             )  # fmt: skip
-        else:
-            return changes
     storage.write_json_atomic(fs, path, record)
     return changes
 
