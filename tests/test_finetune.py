@@ -719,7 +719,7 @@ def test_job_refuses_bad_inputs_with_a_clear_message(shards, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_finetune_job_trains_evaluates_and_resumes(shards, tmp_path, ray_local):
+def test_finetune_job_trains_evaluates_and_resumes(shards, tmp_path, ray_local, capsys):
     args = ["--task", "seg", "--config", TINY, "--data", str(shards), "--storage", str(tmp_path), "--name", "seg"]
     fast = ["steps=6", "log.every=2", "eval.every=3", "eval.visualise=2", "data.batch_size=2", "ray.workers=2",
             "ray.cpus_per_worker=1", "ray.torch_threads=1"]  # fmt: skip
@@ -746,6 +746,15 @@ def test_finetune_job_trains_evaluates_and_resumes(shards, tmp_path, ray_local):
     train = [json.loads(line) for f in (run / "metrics").glob("*.jsonl") for line in f.read_text().splitlines()]
     assert [r["step"] for r in train if r["kind"] == "train"] == [2, 4, 6]
     assert job.main([*args, *fast, "model.size=tiny-gqa"]) == 2  # a different run under the same name
+    assert job.main([*args, *fast, "loss.dice=0"]) == 2  # a changed setting, not allowed
+    # its only checkpoint torn: set aside, and with none left the run stops in one line (exit 2)
+    (only,) = (run / "checkpoints").glob("step_*")
+    shard = next(only.glob("__0_*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    capsys.readouterr()
+    assert job.main([*args, *fast]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: no readable checkpoint left in")
+    assert [p.name.split("-")[1] for p in (run / "checkpoints").iterdir()] == [only.name]  # kept, set aside
     # the fine-tuned model's backbone (not its head) starts another run through --backbone
     finetuned = str(run / "finetuned.safetensors")
     job.check_backbone(finetuned, load_config(FinetuneConfig, TINY))
