@@ -113,18 +113,22 @@ def permanent(exc: BaseException) -> str | None:
     return None
 
 
-def record(run_uri: str, rank: int, exc: BaseException) -> str | None:
-    """Keep ``exc``'s traceback under ``<run>/errors/`` and return where (None when even that write fails: a full
-    disk may refuse it)."""
+def record(run_uri: str, rank: int, exc: BaseException) -> None:
+    """Keep ``exc``'s traceback under ``<run>/errors/`` (where a full disk allows it)."""
     fs, run = storage.resolve(run_uri)
-    path = storage.join(run, ERRORS, f"rank-{rank:05d}-{time.time_ns()}.txt")
     try:
         fs.create_dir(storage.join(run, ERRORS), recursive=True)
-        with fs.open_output_stream(path) as f:
+        with fs.open_output_stream(storage.join(run, ERRORS, f"rank-{rank:05d}-{time.time_ns()}.txt")) as f:
             f.write("".join(traceback.format_exception(exc)).encode())
     except Exception:  # noqa: BLE001 - the failure itself is what the run ends with
-        return None
-    return storage.display_uri(run_uri, path)
+        pass
+
+
+RAY_TRAIN_ERRORS = "ray.train.v2._internal.util"  # the logger of Ray Train's "Error in training function"
+
+
+def _not_permanent(rec: logging.LogRecord) -> bool:
+    return f"{Permanent.__module__}.{Permanent.__qualname__}" not in rec.getMessage()
 
 
 @contextmanager
@@ -143,13 +147,6 @@ def classified(run_uri: str, rank: int) -> Iterator[None]:
         # Ray Train logs every failure's traceback at error level; a permanent one is the job's one line instead
         logging.getLogger(RAY_TRAIN_ERRORS).addFilter(_not_permanent)
         raise Permanent(line) from None
-
-
-RAY_TRAIN_ERRORS = "ray.train.v2._internal.util"  # the logger of Ray Train's "Error in training function"
-
-
-def _not_permanent(rec: logging.LogRecord) -> bool:
-    return f"{Permanent.__module__}.{Permanent.__qualname__}" not in rec.getMessage()
 
 
 class Exhausted(Exception):
