@@ -1,4 +1,5 @@
-"""The pool's own metadata of each input: WebDataset sidecars and a Parquet pool's other columns.
+"""The pool's own metadata of each input: sidecars (in a WebDataset tar or beside a file of a folder) and a Parquet
+pool's other columns.
 
 What img2dataset, and most crawls, write beside an image — its URL, caption, licence, original size — is what a
 published dataset must keep to be cited, filtered or taken down. Readers gather it per input (``InputMetadata``) and
