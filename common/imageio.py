@@ -243,15 +243,22 @@ _TOKEN = re.compile(r"[A-Za-z0-9]+")
 
 
 def safe_error(exc: BaseException, data: bytes = b"") -> str:
-    """``Type: message`` of an exception raised on ``data``, fit for the ledger: decoders quote the bytes they choke
-    on (``invalid literal for int() with base 10: b'...'``), and a "file" may be anything, secrets included. Quoted
-    parts, object reprs, non-printable and non-ASCII characters are dropped, every word of 3+ characters found in
-    ``data`` (ignoring case; for longer words, any 4 characters of it) is redacted, a message that still shares 8
-    characters with ``data`` is dropped, and the whole is at most 120 characters."""
+    """``Type: message`` of an exception raised on ``data``, fit for the ledger (``safe_message``), at most 120
+    characters in all."""
     name = type(exc).__name__
     if isinstance(exc, PictureMismatch):  # ours: sizes and PIL's format name only, which redaction would garble
         return f"{name}: {exc}"[:_MAX_DETAIL]
-    text = _UNCLOSED.sub("", _QUOTED.sub("", _OBJECT_REPR.sub("", str(exc))))  # a bytes message is quoted whole
+    text = safe_message(str(exc), data, _MAX_DETAIL - len(name) - 2)
+    return f"{name}: {text}" if text else name
+
+
+def safe_message(text: str, data: bytes = b"", limit: int = _MAX_DETAIL) -> str:
+    """A message about ``data`` fit for the ledger: decoders quote the bytes they choke on (``invalid literal for
+    int() with base 10: b'...'``), and a "file" may be anything, secrets included. Quoted parts, object reprs,
+    non-printable and non-ASCII characters are dropped, every word of 3+ characters found in ``data`` (ignoring case;
+    for longer words, any 4 characters of it) is redacted, a message that still shares 8 characters with ``data`` is
+    dropped (""), and the rest is at most ``limit`` characters."""
+    text = _UNCLOSED.sub("", _QUOTED.sub("", _OBJECT_REPR.sub("", text)))  # a bytes message is quoted whole
     text = "".join(c for c in text if " " <= c <= "~")
     haystack = data.lower()
 
@@ -264,10 +271,9 @@ def safe_error(exc: BaseException, data: bytes = b"") -> str:
         return m.group()
 
     text = " ".join(_TOKEN.sub(redact, text).split()).strip(" :,;-")
-    room = _MAX_DETAIL - len(name) - 2
-    if len(text) > room:
-        text = text[: room - 3].rstrip() + "..."
+    if len(text) > limit:
+        text = text[: limit - 3].rstrip() + "..."
     low = text.lower().encode()
     if any(low[i : i + 8] in haystack for i in range(len(low) - 7)):
         text = ""
-    return f"{name}: {text}" if text else name
+    return text

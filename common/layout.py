@@ -32,11 +32,14 @@ from __future__ import annotations
 PHASES = ("score", "dedup", "sample", "write")
 GLOBAL_PHASES = PHASES[1:]
 TAKEDOWN = "takedown"  # the step after publishing that removes images (jobs.takedown): a stage of its own in funnels
+# The step before scoring: a URL of the pool's downloader record (img2dataset's) that brought no image; the first
+# stage of a funnel, so that the ledger accounts for the whole URL list.
+DOWNLOAD = "download"
 
 
 def funnel_phase(stage: str | None) -> str:
-    """The phase a ledger row's stage belongs to in a funnel: a global phase, the takedown, or score."""
-    return stage if stage in GLOBAL_PHASES or stage == TAKEDOWN else "score"
+    """The phase a ledger row's stage belongs to in a funnel: the download, a global phase, the takedown, or score."""
+    return stage if stage in GLOBAL_PHASES or stage in (TAKEDOWN, DOWNLOAD) else "score"
 
 
 class OutputLayout:

@@ -41,7 +41,9 @@ class InputSettings(Strict):
     # auto: a folder of image files, *.parquet files or *.tar WebDataset shards, told by the files found.
     format: Literal["auto", "folder", "parquet", "webdataset"] = "auto"
     files_per_shard: int = Field(64, ge=1)  # folder pools: files per input shard (the unit of resume)
-    image_column: str = "image"  # parquet pools: binary column, or struct with a 'bytes' field
+    # parquet pools: binary column, or struct with a 'bytes' field; a file without it is read from its one binary
+    # column (img2dataset's jpg, png or webp)
+    image_column: str = "image"
     source_column: str | None = None  # parquet pools: column naming each image (default: file#row=N)
     # Parquet files and tars stream in chunks of about this size: a 50 GB shard never sits in memory whole.
     read_chunk_mb: int = Field(64, ge=1)

@@ -3,6 +3,7 @@ ledger and the final shards, typed where the run agrees on a type, and back out 
 
 import io
 import json
+import os
 import tarfile
 from pathlib import Path
 
@@ -30,9 +31,18 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes, size: int | None = None) 
     tar.addfile(info, io.BytesIO(data))
 
 
-def _tar_pool(tmp_path: Path, members: list[tuple[str, bytes]]) -> Path:
+# A folder pool reads the sidecars beside a picture as a tar reads its members: the same tests hold for both.
+LAYOUTS = ("tar", "folder")
+
+
+def _tar_pool(tmp_path: Path, members: list[tuple[str, bytes]], layout: str = "tar") -> Path:
+    """The members as one tar, or as the files of a folder pool."""
     root = tmp_path / "pool"
     root.mkdir()
+    if layout == "folder":
+        for name, data in members:
+            (root / name).write_bytes(data)
+        return root
     with tarfile.open(root / "a.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
         for name, data in members:
             _add(tar, name, data)
@@ -43,7 +53,7 @@ def _metadata_rows(root: Path, settings: InputSettings | None = None) -> dict[st
     (shard,) = list_shards(str(root), settings or InputSettings())
     rows = read_shard(root, shard, settings).select(["source", "metadata_json", "metadata_note"]).to_pylist()
     return {
-        r["source"].rsplit("#", 1)[-1]: (
+        r["source"].rsplit("#", 1)[-1].rsplit("/", 1)[-1]: (
             None if r["metadata_json"] is None else json.loads(r["metadata_json"]),
             r["metadata_note"],
         )
@@ -61,7 +71,8 @@ def test_sample_key_is_webdatasets():
     assert sample_key("README") == ("README", "")
 
 
-def test_sidecars_before_or_after_the_image_join_it(tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sidecars_before_or_after_the_image_join_it(tmp_path, layout):
     root = _tar_pool(
         tmp_path,
         [
@@ -72,18 +83,21 @@ def test_sidecars_before_or_after_the_image_join_it(tmp_path):
             ("001.cls", b"7\n"),
             ("001.png", _jpeg()),
             ("002.jpg", _jpeg()),  # no sidecar
-            ("003.json", b"{}"),  # a sidecar without an image: no row
+            ("003.json", b"{}"),  # a sidecar without an image: no row in a tar, a stray input in a folder
         ],
+        layout,
     )
     rows = _metadata_rows(root)
     assert rows == {
         "000.jpg": ({"url": "http://x/0", "width": 400, "txt": "a man walking"}, None),
         "001.png": ({"txt": "caption first, \u00e9", "cls": 7}, None),
         "002.jpg": (None, None),
+        **({"003.json": (None, None)} if layout == "folder" else {}),
     }
 
 
-def test_bad_sidecars_are_notes_and_the_image_stays(tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bad_sidecars_are_notes_and_the_image_stays(tmp_path, layout):
     root = _tar_pool(
         tmp_path,
         [
@@ -97,6 +111,7 @@ def test_bad_sidecars_are_notes_and_the_image_stays(tmp_path):
             ("003.jpg", _jpeg()),
             ("003.json", b"[1, 2]"),  # JSON, not an object
         ],
+        layout,
     )
     rows = _metadata_rows(root, InputSettings(max_metadata_kb=4))
     meta, note = rows["000.jpg"]
@@ -111,10 +126,12 @@ def test_bad_sidecars_are_notes_and_the_image_stays(tmp_path):
     assert table.num_rows == 4 and all(r["image"] for r in table.select(["image"]).to_pylist())
 
 
-def test_metadata_over_the_limit_drops_the_largest_fields(tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_metadata_over_the_limit_drops_the_largest_fields(tmp_path, layout):
     fields = {"url": "u", "bigger": "c" * 2500}  # each sidecar fits, the two together do not
     members = [("000.jpg", _jpeg()), ("000.json", json.dumps(fields).encode()), ("000.txt", b"b" * 1500)]
-    (meta, note), *_ = _metadata_rows(_tar_pool(tmp_path, members), InputSettings(max_metadata_kb=3)).values()
+    root = _tar_pool(tmp_path, members, layout)
+    (meta, note), *_ = _metadata_rows(root, InputSettings(max_metadata_kb=3)).values()
     assert meta == {"url": "u", "txt": "b" * 1500}
     assert note == "field(s) bigger dropped: the metadata is over input.max_metadata_kb (3)"
 
@@ -134,10 +151,40 @@ def test_a_sidecar_that_lies_about_its_size_ends_the_tar_with_a_row(tmp_path):
     assert by_name["<after 1 members>"]["reason"].startswith("unreadable: the member's header declares")
 
 
-def test_only_the_fields_asked_for_are_kept(tmp_path):
-    root = _tar_pool(tmp_path, [("000.jpg", _jpeg()), ("000.json", b'{"url": "u", "exif": "{}"}'), ("000.txt", b"c")])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_only_the_fields_asked_for_are_kept(tmp_path, layout):
+    members = [("000.jpg", _jpeg()), ("000.json", b'{"url": "u", "exif": "{}"}'), ("000.txt", b"c")]
+    root = _tar_pool(tmp_path, members, layout)
     assert _metadata_rows(root, InputSettings(metadata=["url", "txt"]))["000.jpg"] == ({"url": "u", "txt": "c"}, None)
     assert _metadata_rows(root, InputSettings(metadata=[]))["000.jpg"] == (None, None)
+
+
+def test_a_folders_sidecars_are_regular_files_of_the_pool_and_stray_ones_are_inputs(tmp_path):
+    """The listing's rule for any input holds for a sidecar: a link out of the pool is never followed (it is an input
+    with its row); binary parts are never read; a sidecar with no picture of its key is an input like any file."""
+    members = [("000.jpg", _jpeg()), ("000.npy", b"\x93NUMPY"), ("notes.txt", b"how we crawled")]
+    root = _tar_pool(tmp_path, members, "folder")
+    outside = tmp_path / "secret.json"
+    outside.write_text('{"token": "x"}')
+    os.symlink(outside, root / "000.json")
+    (shard,) = list_shards(str(root), InputSettings())
+    rows = {r["source"].rsplit("/", 1)[-1]: r for r in read_shard(root, shard).to_pylist()}
+    assert set(rows) == {"000.jpg", "000.json", "notes.txt"}
+    assert rows["000.jpg"]["metadata_json"] is None and rows["000.jpg"]["metadata_note"] is None
+    assert rows["000.json"]["reason"].startswith("link_outside_pool")
+    assert rows["notes.txt"]["image"]["bytes"] == b"how we crawled"  # decode calls it not_an_image
+
+
+def test_a_shard_of_loose_files_never_parts_a_sample(tmp_path):
+    members = [(f"{k:03d}.{ext}", _jpeg() if ext == "jpg" else b"{}") for k in range(5) for ext in ("jpg", "json")]
+    root = _tar_pool(tmp_path, members, "folder")
+    shards = list_shards(str(root), InputSettings(files_per_shard=3))
+    assert [[p.rsplit("/", 1)[-1] for p in s.paths] for s in shards] == [
+        ["000.jpg", "000.json", "001.jpg", "001.json"],
+        ["002.jpg", "002.json", "003.jpg", "003.json"],
+        ["004.jpg", "004.json"],
+    ]
+    assert sum(read_shard(root, s).num_rows for s in shards) == 5
 
 
 def test_parquet_columns_are_metadata_but_bytes_are_not(tmp_path):

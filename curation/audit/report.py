@@ -35,13 +35,13 @@ from PIL import Image, UnidentifiedImageError
 
 from common import schema
 from common.imageio import BOMB_ERRORS, open_image, open_reduced, safe_error
-from common.layout import GLOBAL_PHASES, LAYOUT, PHASES
+from common.layout import DOWNLOAD, GLOBAL_PHASES, LAYOUT, PHASES
 from common.progress import progress
 from common.storage import StorageError, exists, join, redact, resolve, write_bytes_atomic
 from curation.audit.verify import AuditResult
 from curation.config import CurateConfig
 from curation.records import input_name, read_commits, read_done, read_manifest, read_run_record
-from curation.score.ledger import funnel_steps, read_ledger, reason_code, stopped_by_stage
+from curation.score.ledger import download_note, funnel_steps, read_ledger, reason_code, stopped_by_stage
 from curation.score.pool import TAR_SUFFIXES
 
 log = logging.getLogger(__name__)
@@ -564,7 +564,8 @@ class _Report:
         )
         html_ = (
             f"<p>{total} inputs. Each image stops at the first stage that rejects it; percentages are of all inputs "
-            f'and of the images that reached the stage.</p><img class="chart" src="{src}" alt="funnel chart">'
+            f"and of the images that reached the stage. {_esc(download_note(steps))}</p>"
+            f'<img class="chart" src="{src}" alt="funnel chart">'
             '<table class="funnel"><tr><th>phase</th><th>stage</th><th>outcome</th><th>images</th>'
             "<th>% of inputs</th><th>% of reached</th><th></th></tr>" + "".join(rows) + "</table>"
         )
@@ -608,7 +609,7 @@ class _Report:
         for r in self.rows:
             if r["status"] in (schema.REJECTED, schema.ERROR):
                 groups[(r["stage"], r["status"], reason_code(r["reason"]))].append(r)
-        order = {s: i for i, s in enumerate(self.cfg.enabled_stages)}
+        order = {s: i for i, s in enumerate([DOWNLOAD, *self.cfg.enabled_stages])}  # in the funnel's order
         sheets: list[Part] = []
         for (stage, status, code), members in sorted(
             groups.items(), key=lambda kv: (order.get(kv[0][0], 99), -len(kv[1]), kv[0])

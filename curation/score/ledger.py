@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from common import schema
-from common.layout import GLOBAL_PHASES, LAYOUT, TAKEDOWN, funnel_phase
+from common.layout import DOWNLOAD, GLOBAL_PHASES, LAYOUT, TAKEDOWN, funnel_phase
 from common.storage import exists, join, resolve
 from curation.records import read_commits, read_manifest
 
@@ -88,18 +88,31 @@ def stopped_in_funnel(funnel: dict[str, int]) -> dict[str, Counter]:
 
 def funnel_steps(stopped: dict[str, Counter], total: int, stage_order: Sequence[str]) -> list[FunnelStep]:
     """How many of ``total`` inputs reached each stage and phase, and what stopped there (by status and reason
-    code); scoring stages in ``stage_order``, then any other scoring stage that stopped images, then the global
-    phases."""
+    code): the downloader's failures where the pool recorded them, scoring stages in ``stage_order``, then any other
+    scoring stage that stopped images, then the global phases."""
+    before = [DOWNLOAD] if DOWNLOAD in stopped else []
     after = [*GLOBAL_PHASES, *([TAKEDOWN] if TAKEDOWN in stopped else [])]
-    scoring = [s for s in stage_order if s not in after]
-    scoring += sorted(s for s in stopped if s not in scoring and s not in after)
+    not_scoring = {DOWNLOAD, *after}
+    scoring = [s for s in stage_order if s not in not_scoring]
+    scoring += sorted(s for s in stopped if s not in scoring and s not in not_scoring)
     remaining, steps = total, []
-    for stage in [*scoring, *after]:
+    for stage in [*before, *scoring, *after]:
         counts = stopped.get(stage, Counter())
         outcomes = [(status, code, n) for (status, code), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
         steps.append(FunnelStep(funnel_phase(stage), stage, remaining, outcomes))
         remaining -= sum(n for *_, n in outcomes)
     return steps
+
+
+def download_note(steps: Sequence[FunnelStep]) -> str:
+    """What a funnel's first stage means when it is the download ("" when the pool recorded no failed download)."""
+    failed = sum(n for step in steps if step.stage == DOWNLOAD for *_, n in step.outcomes)
+    if not failed:
+        return ""
+    return (
+        f"{failed} of the inputs are URLs the pool's downloader tried and got no image from (its per-shard record, "
+        "as img2dataset writes it): stage download, the downloader's status as the reason code."
+    )
 
 
 def funnel_of(ledger: pa.Table) -> Counter:

@@ -1,4 +1,5 @@
-"""The pool's own metadata of each input: WebDataset sidecars and a Parquet pool's other columns.
+"""The pool's own metadata of each input: sidecars (in a WebDataset tar or beside a file of a folder) and a Parquet
+pool's other columns.
 
 What img2dataset, and most crawls, write beside an image — its URL, caption, licence, original size — is what a
 published dataset must keep to be cited, filtered or taken down. Readers gather it per input (``InputMetadata``) and
@@ -84,10 +85,15 @@ class InputMetadata:
             return
         self.fields[name] = _plain(value)
 
+    @staticmethod
+    def parses(extension: str) -> bool:
+        """Whether a sidecar of this extension is metadata: JSON or text (binary parts never are)."""
+        return extension == "json" or extension in TEXT_SIDECARS
+
     def add_sidecar(self, member: str, extension: str, data: bytes | None, size: int) -> None:
         """A sidecar member's bytes (None: over the size limit, unread)."""
-        if extension != "json" and extension not in TEXT_SIDECARS:
-            return  # binary parts are not metadata
+        if not self.parses(extension):
+            return
         if data is None:
             self.note(f"sidecar {member} is {size} bytes, over input.max_metadata_kb ({self.limit // 1024}); dropped")
             return

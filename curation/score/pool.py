@@ -24,19 +24,30 @@ What a pool may hold, and what becomes of it (every input gets exactly one ledge
 - Repeated names inside one shard (tar members, a Parquet ``source_column``) are made unique with ``#dup=<k>``;
   a null name becomes ``#row=<i>``. A shard that holds no inputs (a 0-row Parquet file, a tar of sidecars only)
   gets one ``empty_shard`` row, so it is committed like any other.
+- Sidecars (``SIDECAR_SUFFIXES``) describe the picture of their sample key, in a folder as in a tar: they are its
+  metadata, not inputs. A folder's sidecar with no picture beside it is read as an input, as any stray file is.
+- A downloader's own files beside its shards (img2dataset's ``<shard>.parquet`` record of every URL it tried and
+  ``<shard>_stats.json``) are not inputs: each URL the record says brought no image is one row (stage
+  ``download``, the downloader's status as the reason code), so the ledger accounts for the whole URL list. In
+  img2dataset's Parquet output, the record is the file itself: a row with null bytes and a failed status.
 
 Naming of inputs (the ledger's ``source``): a file's path or URI (no query string, no credentials);
 ``<file.parquet>#row=<i>`` (or ``#<value of input.source_column>``); ``<shard.tar>#<member>``; a part of a
-container that could not be read, ``<file.parquet>#<from row i>``, ``<shard.tar>#<after n members>``.
+container that could not be read, ``<file.parquet>#<from row i>``, ``<shard.tar>#<after n members>``; a failed
+download, ``<record.parquet>#row=<i>``.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import logging
 import os
+import re
 import stat
 import tarfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,8 +57,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from common import schema
-from common.imageio import safe_error
-from common.layout import LAYOUT
+from common.imageio import safe_error, safe_message
+from common.layout import DOWNLOAD, LAYOUT
 from common.storage import (
     StorageError,
     display_uri,
@@ -64,6 +75,8 @@ from curation.score.metadata import InputMetadata, sample_key
 if TYPE_CHECKING:  # only: the config imports the stages, and the decode stage imports this module
     from curation.settings import InputSettings
 
+log = logging.getLogger(__name__)
+
 # Members of a WebDataset sample that describe its picture (labels, captions, URLs, features): not inputs. Every other
 # regular member is an input, whatever its suffix: the decode stage tells a picture from the rest.
 SIDECAR_SUFFIXES = (
@@ -77,6 +90,15 @@ _PARQUET_BUFFER = 8 << 20
 _PATH_MAX = os.pathconf("/", "PC_PATH_MAX") if hasattr(os, "pathconf") else 4096
 # DEFLATE's largest expansion is 1032:1, so a gzip'ed member larger than that times what is left is a lie.
 _GZIP_MAX_RATIO = 1032
+
+# What img2dataset writes beside each shard it fetched (<stem>.tar, a folder <stem>/ of files, or <stem>.parquet):
+# <stem>.parquet, its record of every URL it tried (the URL list's columns, key, status, error_message, sizes), and
+# <stem>_stats.json, its counts. In its Parquet output the record is the shard itself, bytes in a column named by
+# the encode format (jpg, png, webp) and null where the download failed.
+STATS_SUFFIX = "_stats.json"
+DOWNLOAD_STATUS, DOWNLOAD_ERROR, DOWNLOAD_URL = "status", "error_message", "url"
+DOWNLOADED = "success"
+_RECORD_BATCH_ROWS = 256
 
 # Reason codes of inputs that were never read; the decode stage records them as given.
 READ_CODES = ("unreadable", "file_too_large", "empty_shard", "link_outside_pool", "linked_folder", "not_a_file")
@@ -102,20 +124,24 @@ class InputShard:
     kind: str  # "files" | "parquet" | "webdataset"
     paths: tuple[str, ...]  # filesystem paths under the pool root (local ones may hold surrogate escapes)
     sizes: tuple[int, ...] = ()  # bytes per path as listed (-1: not a regular file, read to learn why)
+    records: tuple[str, ...] = ()  # the downloader's records of the shard, read for the URLs that failed
 
     def to_row(self) -> dict:
-        """An Arrow-safe row: paths as raw bytes, since a local name need not be UTF-8."""
+        """An Arrow-safe row: paths as raw bytes, since a local name need not be UTF-8. The records follow the
+        paths in one list (a column of one type whether or not a shard has records)."""
         return {
             "shard_id": self.shard_id,
             "kind": self.kind,
-            "paths": [path_bytes(p) for p in self.paths],
+            "paths": [path_bytes(p) for p in (*self.paths, *self.records)],
             "sizes": list(self.sizes),
+            "records": len(self.records),
         }
 
     @classmethod
     def from_row(cls, row: dict) -> InputShard:
         paths = tuple(p.decode("utf-8", "surrogateescape") for p in row["paths"])
-        return cls(row["shard_id"], row["kind"], paths, tuple(row["sizes"] or ()))
+        inputs = len(paths) - (row.get("records") or 0)
+        return cls(row["shard_id"], row["kind"], paths[:inputs], tuple(row["sizes"] or ()), paths[inputs:])
 
 
 # --- listing (driver) ----------------------------------------------------------------------------------------------
@@ -206,25 +232,133 @@ def list_shards(input_uri: str, settings: InputSettings) -> list[InputShard]:
         raise PoolError(
             f"--input {redact(input_uri)}: the folder holds no files (names starting with '_' or '.' are skipped)"
         )
-    kind: str = settings.format  # the format read: "files" for a folder's loose files
-    if kind == "auto":
-        counts = Counter(_kind_of(p) for p, _ in files)
-        kind = max(("webdataset", "parquet", "files"), key=lambda k: counts[k])  # ties go to the loose-file reading
-    kind = "files" if kind == "folder" else kind
+    kind, files, records, stats = _downloader_files(files, settings.format)
     base = root if info.type == pafs.FileType.Directory else os.path.dirname(root)
     own = [(p, s) for p, s in files if kind != "files" and _kind_of(p) == kind]
     loose = [(p, s) for p, s in files if kind == "files" or _kind_of(p) != kind]
+    chunks = list(_sample_chunks(loose, settings.files_per_shard))
+    homes = _record_homes(records, [p for p, _ in own], [p for p, _ in loose], [len(c) for c in chunks])
     shards = [
-        InputShard(safe_name(f"{kind}-{_shard_stem(printable(p[len(base) :]).lstrip('/'))}"), kind, (p,), (s,))
-        for p, s in own
-    ]
-    step = settings.files_per_shard
-    for i in range(0, len(loose), step):
-        chunk = loose[i : i + step]
-        shards.append(
-            InputShard(f"files-{i // step:06d}", "files", tuple(p for p, _ in chunk), tuple(s for _, s in chunk))
+        InputShard(
+            safe_name(f"{kind}-{_shard_stem(printable(p[len(base) :]).lstrip('/'))}"), kind, (p,), (s,),
+            tuple(homes.get(i, ())),
         )
+        for i, (p, s) in enumerate(own)
+    ]  # fmt: skip
+    for k, chunk in enumerate(chunks):
+        paths, sizes = tuple(p for p, _ in chunk), tuple(s for _, s in chunk)
+        shards.append(InputShard(f"files-{k:06d}", "files", paths, sizes, tuple(homes.get(len(own) + k, ()))))
+    if not shards:  # every file is a downloader's record: every URL of the pool failed
+        shards.append(InputShard("files-000000", "files", (), (), tuple(records)))
+    if records or stats:
+        what = [f"{len(records)} per-shard record(s) of the URLs it tried"] * bool(records)
+        what += [f"{len(stats)} {STATS_SUFFIX}"] * bool(stats)
+        failed = f"; each URL a record says failed is one ledger row (stage {DOWNLOAD})" if records else ""
+        log.info(
+            f"[score] {len(records) + len(stats)} files beside the shards are the downloader's own "
+            f"({', '.join(what)}): not inputs{failed}"
+        )
+    if kind == "parquet" and own:
+        _note_image_column(fs, own[0][0], settings)
     return shards
+
+
+def _split_name(path: str) -> tuple[str, str]:
+    """(folder, file name) of a listed path."""
+    folder, _, name = path.rpartition("/")
+    return folder, name
+
+
+def _folder_stem(path: str) -> tuple[str, str]:
+    """(folder, name without its format suffix) of a listed path: what a shard's companions share."""
+    folder, name = _split_name(path)
+    return folder, _shard_stem(name)
+
+
+def _downloader_files(
+    files: list[tuple[str, int]], fmt: str
+) -> tuple[str, list[tuple[str, int]], list[str], list[str]]:
+    """(kind, inputs, records, stats): the pool's kind (the majority kind of its inputs unless ``input.format``
+    names it; "files" for loose files) and its input files, apart from what a downloader wrote about its shards: its
+    records (``<stem>.parquet`` beside a tar or a folder ``<stem>``) and counts (``<stem>_stats.json`` beside any
+    shard). Told by their names alone: the driver reads no file to list a pool."""
+    paths = [p for p, _ in files]
+    tars = {_folder_stem(p) for p in paths if _kind_of(p) == "webdataset"}
+    folders = {_split_name(_split_name(p)[0]) for p in paths}  # (parent, name) of each folder that holds files
+    shard_stems = tars | folders | {_folder_stem(p) for p in paths if _kind_of(p) == "parquet"}
+    stats = {
+        p: (d, n[: -len(STATS_SUFFIX)])
+        for p, (d, n) in zip(paths, map(_split_name, paths))
+        if n.lower().endswith(STATS_SUFFIX) and (d, n[: -len(STATS_SUFFIX)]) in shard_stems
+    }
+
+    def records_in(candidates: Iterable[str], homes: set[tuple[str, str]]) -> set[str]:
+        return {p for p in candidates if _kind_of(p) == "parquet" and _folder_stem(p) in homes}
+
+    records = records_in(paths, tars | folders)
+    inputs = [(p, s) for p, s in files if p not in stats and p not in records]
+    kind = fmt
+    if kind == "auto":
+        counts = Counter(_kind_of(p) for p, _ in inputs)
+        kind = max(("webdataset", "parquet", "files"), key=lambda k: counts[k])  # ties go to the loose-file reading
+    kind = "files" if kind == "folder" else kind
+    if kind != "parquet":  # a folder whose every download failed holds no file: its stats name the record
+        late = records_in((p for p, _ in inputs), set(stats.values()))
+        records |= late
+        inputs = [(p, s) for p, s in inputs if p not in late]
+    return kind, inputs, sorted(records, key=path_bytes), sorted(stats, key=path_bytes)
+
+
+def _sample_chunks(files: list[tuple[str, int]], step: int) -> Iterator[list[tuple[str, int]]]:
+    """The loose files in groups of about ``step``: a group ends at a sample's end, so that a sidecar and its
+    picture (adjacent in the listing's order) are read together; only a sample of ``2 * step`` files or more is
+    parted."""
+    chunk: list[tuple[str, int]] = []
+    for path, size in files:
+        if len(chunk) >= 2 * step or (len(chunk) >= step and sample_key(path)[0] != sample_key(chunk[-1][0])[0]):
+            yield chunk
+            chunk = []
+        chunk.append((path, size))
+    if chunk:
+        yield chunk
+
+
+def _record_homes(records: list[str], own: list[str], loose: list[str], chunk_sizes: list[int]) -> dict[int, list[str]]:
+    """The shard (index into the own shards, then the chunks of loose files) that reads each record: the tar of its
+    name, else the chunk holding its folder's first file (or where that folder would sort, when every download of
+    the shard failed), else the nearest shard in the listing's order."""
+    by_stem = {_folder_stem(p): i for i, p in enumerate(own)}
+    loose_keys = [path_bytes(p) for p in loose]
+    starts = list(itertools.accumulate([0, *chunk_sizes[:-1]]))  # index of each chunk's first loose file
+    own_keys = [path_bytes(p) for p in own]
+    homes: dict[int, list[str]] = {}
+    for record in records:
+        folder, stem = _folder_stem(record)
+        home = by_stem.get((folder, stem))
+        if home is None and chunk_sizes:
+            first = bisect.bisect_left(loose_keys, path_bytes(f"{folder}/{stem}/"))
+            home = len(own) + max(0, bisect.bisect_right(starts, first) - 1)
+        elif home is None:
+            home = max(0, bisect.bisect_right(own_keys, path_bytes(record)) - 1)
+        homes.setdefault(home, []).append(record)
+    return homes
+
+
+def _note_image_column(fs: pafs.FileSystem, path: str, settings: InputSettings) -> None:
+    """Say which column a Parquet pool's images are read from when ``input.image_column`` is not the files' own (as
+    in img2dataset's output: jpg, png or webp); the first file's footer tells. A file that cannot be read here gets
+    its own ledger row from the reader."""
+    try:
+        with open(path, "rb") if is_local(fs) else fs.open_input_file(path) as f:
+            file_schema = pq.read_schema(f)
+    except Exception:  # noqa: BLE001 - the reader records what is wrong with the file
+        return
+    column, problem = _image_column(file_schema, settings)
+    if problem is None and column != settings.image_column:
+        log.info(
+            f"[score] the Parquet files hold no column {settings.image_column!r} (input.image_column): each file's "
+            f"one binary column is read as its images ({column!r} in {printable(_split_name(path)[1])})"
+        )
 
 
 # --- the pinned listing of a run (driver) --------------------------------------------------------------------------
@@ -237,18 +371,24 @@ def _layout(settings: InputSettings) -> dict[str, str]:
 
 
 def pin_listing(out_uri: str, shards: list[InputShard], settings: InputSettings) -> None:
-    """Record the run's input shards beside its output (one row per file), with the settings that formed them."""
+    """Record the run's input shards beside its output (one row per file, a downloader's records marked), with the
+    settings that formed them."""
     from common.storage import write_parquet_atomic
 
     fs, root = resolve(out_uri)
-    rows = [(s.shard_id, s.kind, path_bytes(p), size) for s in shards for p, size in zip(s.paths, s.sizes)]
-    shard_id, kind, path, size = (list(col) for col in zip(*rows)) if rows else ([], [], [], [])
+    rows = [
+        (s.shard_id, s.kind, path_bytes(p), size, record)
+        for s in shards
+        for p, size, record in [*zip(s.paths, s.sizes, itertools.repeat(False)), *((r, -1, True) for r in s.records)]
+    ]
+    shard_id, kind, path, size, record = (list(col) for col in zip(*rows)) if rows else ([], [], [], [], [])
     table = pa.table(
         {
             "shard_id": pa.array(shard_id, pa.string()),
             "kind": pa.array(kind, pa.string()),
             "path": pa.array(path, pa.binary()),
             "size": pa.array(size, pa.int64()),
+            "record": pa.array(record, pa.bool_()),
         }
     ).replace_schema_metadata({f"input.{k}": v for k, v in _layout(settings).items()})
     write_parquet_atomic(fs, join(root, LAYOUT.listing), table, row_group_size=100_000)
@@ -274,15 +414,22 @@ def pinned_listing(out_uri: str, settings: InputSettings) -> list[InputShard] | 
             f"{redact(out_uri)} was started with {was}; its input shards are pinned in {LAYOUT.listing}. Resume with "
             "the same input settings, choose another --output, or pass --new-run to start over."
         )
-    shards: dict[str, InputShard] = {}
-    for row in table.to_pylist():
-        s = shards.get(row["shard_id"])
-        path_str = row["path"].decode("utf-8", "surrogateescape")
-        if s is None:
-            shards[row["shard_id"]] = InputShard(row["shard_id"], row["kind"], (path_str,), (row["size"],))
+    paths: dict[str, list[str]] = {}
+    sizes: dict[str, list[int]] = {}
+    records: dict[str, list[str]] = {}
+    kinds: dict[str, str] = {}
+    for row in table.to_pylist():  # a listing pinned before records were told apart has no "record" column
+        shard_id, path_str = row["shard_id"], row["path"].decode("utf-8", "surrogateescape")
+        kinds.setdefault(shard_id, row["kind"])
+        if row.get("record"):
+            records.setdefault(shard_id, []).append(path_str)
         else:
-            shards[row["shard_id"]] = InputShard(s.shard_id, s.kind, (*s.paths, path_str), (*s.sizes, row["size"]))
-    return list(shards.values())
+            paths.setdefault(shard_id, []).append(path_str)
+            sizes.setdefault(shard_id, []).append(row["size"])
+    return [
+        InputShard(i, kind, tuple(paths.get(i, ())), tuple(sizes.get(i, ())), tuple(records.get(i, ())))
+        for i, kind in kinds.items()
+    ]
 
 
 # --- reading one shard (runs inside Ray tasks) ---------------------------------------------------------------------
@@ -338,7 +485,10 @@ class ShardReader:
         return os.stat(path).st_size if is_local(self.fs) else self.fs.get_file_info(path).size
 
     def read(self, shard: InputShard) -> Iterator[pa.Table]:
-        rows = {"files": self._files, "parquet": self._parquet, "webdataset": self._tar}[shard.kind](shard)
+        rows = itertools.chain(
+            {"files": self._files, "parquet": self._parquet, "webdataset": self._tar}[shard.kind](shard),
+            *(self._download_record(record) for record in shard.records),
+        )
         chunk: list[dict] = []
         chunk_bytes, total, names = 0, 0, _Names()
         for row in rows:
@@ -365,15 +515,45 @@ class ShardReader:
 
     def _table(self, rows: list[dict], shard_id: str, total: int | None) -> pa.Table:
         for row in rows:
-            row.update(shard_id=shard_id, shard_size=total, status=schema.PENDING)
+            row.update(shard_id=shard_id, shard_size=total)
+            row.setdefault("status", schema.PENDING)  # a failed download is decided already
         return pa.Table.from_pylist(rows, schema=self.schema)
 
     # --- one reader per kind: each yields rows {source, image, reason} ---------------------------------------------
 
     def _files(self, shard: InputShard) -> Iterator[dict]:
+        """Loose files; the sidecars of a sample (files sharing its key, as in a tar) are its pictures' metadata."""
         sizes = shard.sizes or (None,) * len(shard.paths)
-        for path, size in zip(shard.paths, sizes):
-            yield self._read_file(path, size)
+        for _, parts in itertools.groupby(zip(shard.paths, sizes), key=lambda part: sample_key(part[0])[0]):
+            files = list(parts)
+            # a regular file of a sidecar's name: links out of the pool and special files stay inputs, with their row
+            sidecars = [(p, s) for p, s in files if _is_sidecar(p) and (s is None or s >= 0)]
+            pictures = [(p, s) for p, s in files if (p, s) not in sidecars]
+            if not pictures:  # no picture beside them: stray files, read as inputs
+                yield from (self._read_file(p, s) for p, s in files)
+                continue
+            meta = self._metadata()
+            for path, size in sidecars if meta.enabled else ():
+                self._read_sidecar(path, size, meta)
+            yield from _with_metadata([self._read_file(p, s) for p, s in pictures], meta)
+
+    def _read_sidecar(self, path: str, listed_size: int | None, meta: InputMetadata) -> None:
+        """A sidecar file into its sample's metadata, under the limit a tar's sidecar has; one that cannot be read
+        is a note on its sample's rows."""
+        name, extension = printable(_split_name(path)[1]), sample_key(path)[1]
+        if not meta.parses(extension):
+            return  # binary parts are not metadata: never read
+        try:
+            size = self._size(path) if listed_size is None or listed_size < 0 else listed_size
+            data = None
+            if size is None or size <= meta.limit:
+                with self._open(path) as f:
+                    data = f.read(meta.limit + 1)  # bounded even if the file grew since it was listed
+                size = len(data)
+            meta.add_sidecar(name, extension, data if size <= meta.limit else None, size)
+        except Exception as exc:  # noqa: BLE001 - the picture goes on; its row says what was lost
+            self._store_failed(exc, self.name(path))
+            meta.note(f"sidecar {name} unreadable: {safe_error(exc)}")
 
     def _read_file(self, path: str, listed_size: int | None) -> dict:
         source = self.name(path)
@@ -435,18 +615,24 @@ class ShardReader:
             # lies, and reading it could allocate for rows that are not there
             yield _row(uri, None, f"unreadable: the footer claims {promised} rows in a file of {size} bytes; not read")
             return
-        problem = _layout_problem(pf.schema_arrow, self.settings)
+        column, problem = _image_column(pf.schema_arrow, self.settings)
+        if column not in pf.schema_arrow.names and DOWNLOAD_STATUS in pf.schema_arrow.names:
+            # no bytes, a downloader's status: the record of a shard none of whose URLs brought a picture
+            yield from self._download_record(path, beside_pictures=False)
+            return
         if problem:  # one row for the file, with what to do: its rows cannot be told apart without its columns
             yield _row(uri, None, f"unreadable: {problem} ({promised} rows per the footer, none read)")
             return
-        column, source_column = self.settings.image_column, self.settings.source_column
+        source_column = self.settings.source_column
         columns = [column] + ([source_column] if source_column else [])
         metadata_columns = self._metadata_columns(pf.schema_arrow, columns)
-        columns += metadata_columns
+        # a downloader's status of each row (img2dataset's Parquet output): a null image is a failed download
+        download_columns = [c for c in _DOWNLOAD_COLUMNS if c in pf.schema_arrow.names]
+        columns = list(dict.fromkeys([*columns, *metadata_columns, *download_columns]))
         index = 0
         try:
             for group in range(meta.num_row_groups):
-                rows, image_bytes = self._row_group_size(meta, group)
+                rows, image_bytes = self._row_group_size(meta, group, column)
                 if image_bytes > self.settings.max_row_group_mb * 2**20:
                     yield _row(
                         f"{uri}#<rows {index}-{index + rows - 1}>", None,
@@ -458,7 +644,7 @@ class ShardReader:
                     continue
                 batch_size = max(1, min(64, self.chunk_bytes * max(rows, 1) // max(image_bytes, 1)))
                 for batch in pf.iter_batches(batch_size=batch_size, row_groups=[group], columns=columns):
-                    yield from self._parquet_rows(batch, uri, index, metadata_columns)
+                    yield from self._parquet_rows(batch, uri, index, column, metadata_columns)
                     index += batch.num_rows
         except Exception as exc:  # noqa: BLE001 - what was read stands; one row for the rest of the file
             self._store_failed(exc, uri)
@@ -473,13 +659,14 @@ class ShardReader:
                 f"unreadable: the footer promises {promised} rows; {index} are in the file",
             )  # fmt: skip
 
-    def _row_group_size(self, meta: pq.FileMetaData, group: int) -> tuple[int, int]:
+    @staticmethod
+    def _row_group_size(meta: pq.FileMetaData, group: int, column: str) -> tuple[int, int]:
         """(rows, uncompressed bytes of the image column) of a row group, as its footer says."""
         rg = meta.row_group(group)
         image_bytes = sum(
             rg.column(i).total_uncompressed_size
             for i in range(rg.num_columns)
-            if rg.column(i).path_in_schema.split(".")[0] == self.settings.image_column
+            if rg.column(i).path_in_schema.split(".")[0] == column
         )
         return rg.num_rows, image_bytes
 
@@ -490,13 +677,13 @@ class ShardReader:
         return [
             f.name
             for f in file_schema
-            if f.name not in taken
-            and ("*" in wanted or f.name in wanted)
-            and not any(is_binary(f.type) for is_binary in _BINARY_TYPES)
+            if f.name not in taken and ("*" in wanted or f.name in wanted) and not _is_binary(f.type)
         ]
 
-    def _parquet_rows(self, batch: pa.RecordBatch, uri: str, first: int, metadata_columns: list[str]) -> Iterator[dict]:
-        images = batch.column(self.settings.image_column)
+    def _parquet_rows(
+        self, batch: pa.RecordBatch, uri: str, first: int, column: str, metadata_columns: list[str]
+    ) -> Iterator[dict]:
+        images = batch.column(column)
         if pa.types.is_struct(images.type):
             images = images.field("bytes")
         if not (pa.types.is_binary(images.type) or pa.types.is_large_binary(images.type)):
@@ -505,21 +692,58 @@ class ShardReader:
         source_column = self.settings.source_column
         names = batch.column(source_column).to_pylist() if source_column else [None] * batch.num_rows
         extra = batch.select(metadata_columns).to_pylist() if metadata_columns else None
+        downloads = _Downloads(batch)
         for i, (length, name) in enumerate(zip(lengths, names)):
             source = f"{uri}#{_as_name(name)}" if name is not None else f"{uri}#row={first + i}"
             if length is None:
-                row = _row(source, None, "unreadable: image bytes are null in the Parquet row")
+                failed = downloads.failed_row(source, i)
+                row = failed or _row(source, None, "unreadable: image bytes are null in the Parquet row")
             elif length > self.max_file_bytes:
                 row = _row(source, None, f"file_too_large: {length} bytes > {self.max_file_bytes}")
             else:
                 row = _row(source, images[i].as_py())
-            if extra is not None:
-                meta = self._metadata()
-                for field, value in extra[i].items():
-                    meta.add(field, value)
-                yield from _with_metadata([row], meta)
-            else:
-                yield row
+            yield from self._with_fields(row, extra[i] if extra is not None else None)
+
+    def _with_fields(self, row: dict, fields: dict | None) -> Iterator[dict]:
+        """The row with the metadata of its Parquet columns (``fields``; None: the file gives none)."""
+        if fields is None:
+            yield row
+            return
+        meta = self._metadata()
+        for field, value in fields.items():
+            meta.add(field, value)
+        yield from _with_metadata([row], meta)
+
+    def _download_record(self, path: str, beside_pictures: bool = True) -> Iterator[dict]:
+        """A downloader's record of a shard (img2dataset's ``<shard>.parquet``): one row per URL whose status is not
+        a success. Beside the shard, the URLs that succeeded are its pictures, read from the shard itself; a record
+        read alone (no picture of its shard is in the pool) gives each of them a row saying so."""
+        uri, index = self.name(path), 0
+        try:
+            pf = pq.ParquetFile(self._open(path), buffer_size=_PARQUET_BUFFER)
+            names = pf.schema_arrow.names
+            if DOWNLOAD_STATUS not in names:
+                yield _row(uri, None, f"unreadable: no column {DOWNLOAD_STATUS!r} in a downloader's record of a "
+                                      f"shard (columns: {names[:32]})")  # fmt: skip
+                return
+            metadata_columns = self._metadata_columns(pf.schema_arrow, [])
+            columns = list(dict.fromkeys([*metadata_columns, *(c for c in _DOWNLOAD_COLUMNS if c in names)]))
+            for batch in pf.iter_batches(batch_size=_RECORD_BATCH_ROWS, columns=columns):
+                downloads = _Downloads(batch)
+                listed = [i for i in range(batch.num_rows) if downloads.failed(i) or not beside_pictures]
+                extra = batch.select(metadata_columns).take(listed).to_pylist() if metadata_columns and listed else None
+                for k, i in enumerate(listed):
+                    source = f"{uri}#row={index + i}"
+                    row = downloads.failed_row(source, i) or _row(
+                        source, None, "unreadable: the downloader's record has no failure for it, and no picture of "
+                                      "its shard is in the pool"
+                    )  # fmt: skip
+                    yield from self._with_fields(row, extra[k] if extra is not None else None)
+                index += batch.num_rows
+        except Exception as exc:  # noqa: BLE001 - what was read stands; one row for the rest of the record
+            self._store_failed(exc, uri)
+            yield _row(f"{uri}#<from row {index}>", None, f"unreadable: the downloader's record of the shard is "
+                                                          f"unreadable from row {index}: {safe_error(exc)}")  # fmt: skip
 
     def _metadata(self) -> InputMetadata:
         return InputMetadata(self.settings.metadata, self.settings.max_metadata_kb)
@@ -543,7 +767,7 @@ class ShardReader:
                         yield from _with_metadata(sample[1], sample[2])
                         sample = (key, [], self._metadata())
                     held, meta = sample[1], sample[2]
-                    sidecar = member.isfile() and member.name.lower().endswith(SIDECAR_SUFFIXES)
+                    sidecar = member.isfile() and _is_sidecar(member.name)
                     source = f"{uri}#{printable(member.name)}"
                     if not sidecar:
                         members += 1
@@ -654,22 +878,68 @@ def _member_kind(member: tarfile.TarInfo) -> str:
 _BINARY_TYPES = (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_binary_view, pa.types.is_fixed_size_binary)
 
 
-def _layout_problem(file_schema: pa.Schema, settings: InputSettings) -> str | None:
-    """Why the columns of a Parquet pool file do not fit ``input.*``; None when they do."""
+def _is_binary(dtype: pa.DataType) -> bool:
+    return any(is_binary(dtype) for is_binary in _BINARY_TYPES)
+
+
+def _is_sidecar(name: str) -> bool:
+    return name.lower().endswith(SIDECAR_SUFFIXES)
+
+
+def _image_column(file_schema: pa.Schema, settings: InputSettings) -> tuple[str, str | None]:
+    """The column a Parquet pool file's images are read from: ``input.image_column``, or, in a file without it, the
+    file's one binary column (img2dataset names it after its encode format: jpg, png, webp); and why the file's
+    columns do not fit ``input.*`` (None when they do)."""
     names, column, source_column = file_schema.names, settings.image_column, settings.source_column
     if column not in names:
-        return f"no column {column!r} (columns: {names}); set input.image_column"
+        binary = [f.name for f in file_schema if _is_binary(f.type)]
+        if len(binary) != 1:
+            choices = f" (one of its binary columns: {', '.join(binary)})" if binary else ""
+            return column, f"no column {column!r} (columns: {names}); set input.image_column{choices}"
+        column = binary[0]
     image_type = file_schema.field(column).type
     if pa.types.is_struct(image_type) and image_type.get_field_index("bytes") >= 0:
         image_type = image_type.field("bytes").type
-    if not any(is_binary(image_type) for is_binary in _BINARY_TYPES):
-        return (
+    if not _is_binary(image_type):
+        return column, (
             f"column {column!r} holds {image_type}, not image bytes (binary, or a struct with a binary 'bytes' "
             "field); set input.image_column"
         )
     if source_column and source_column not in names:
-        return f"no column {source_column!r} (columns: {names}); set input.source_column"
-    return None
+        return column, f"no column {source_column!r} (columns: {names}); set input.source_column"
+    return column, None
+
+
+_DOWNLOAD_COLUMNS = (DOWNLOAD_STATUS, DOWNLOAD_ERROR, DOWNLOAD_URL)
+_MAX_DOWNLOAD_MESSAGE = 4096  # characters of a downloader's message looked at; the ledger keeps far fewer
+
+
+class _Downloads:
+    """A batch's downloader columns (img2dataset's status, error_message and url), where it has them."""
+
+    def __init__(self, batch: pa.RecordBatch):
+        def texts(name: str) -> list[str | None]:
+            if name not in batch.schema.names:
+                return [None] * batch.num_rows
+            return [None if v is None else str(v) for v in batch.column(name).to_pylist()]
+
+        self.status, self.error, self.url = (texts(name) for name in _DOWNLOAD_COLUMNS)
+
+    def failed(self, i: int) -> bool:
+        return self.status[i] not in (None, DOWNLOADED)
+
+    def failed_row(self, source: str, i: int) -> dict | None:
+        """Row ``i`` as a failed download (stage download, the status as its reason code, the downloader's message
+        as its detail, sanitised as every reason is); None where the row is no failed download."""
+        status = self.status[i]
+        if status is None or not self.failed(i):
+            return None
+        code = re.sub(r"[^a-z0-9_]+", "_", status.lower()).strip("_")[:64] or "failed"
+        message, url = (self.error[i] or "")[:_MAX_DOWNLOAD_MESSAGE], self.url[i]
+        detail = safe_message(message.replace(url, "the URL") if url else message)
+        row = _row(source, None, f"{code}: {detail}" if detail else code)
+        row.update(stage=DOWNLOAD, status=schema.REJECTED)
+        return row
 
 
 def _with_metadata(rows: list[dict], meta: InputMetadata) -> Iterator[dict]:

@@ -14,7 +14,7 @@ import yaml
 from common import schema
 from common.layout import LAYOUT
 from common.storage import join, resolve, write_bytes_atomic
-from curation.score.ledger import funnel_steps, stopped_in_funnel
+from curation.score.ledger import download_note, funnel_steps, stopped_in_funnel
 
 # The Hub's size categories: (upper bound, label), the first bound above the row count wins.
 _SIZE_CATEGORIES = [
@@ -65,13 +65,15 @@ def funnel_markdown(stages: list[str], funnel: dict[str, int]) -> str:
         "|---|---|---|---:|---:|",
         f"| | inputs | | {total} | {_pct(total, total)} |",
     ]
-    for step in funnel_steps(stopped_in_funnel(funnel), total, stages):
+    steps = funnel_steps(stopped_in_funnel(funnel), total, stages)
+    for step in steps:
         lines.append(f"| {step.phase} | {step.stage} | reached | {step.reached} | {_pct(step.reached, total)} |")
         for status, code, n in step.outcomes:
             outcome = status + (f": {code}" if code and code != status else "")
             lines.append(f"| | | {outcome} | {n} | {_pct(n, total)} |")
     lines.append(f"| write | final shards | kept | {kept} | {_pct(kept, total)} |")
-    return "\n".join(lines)
+    note = download_note(steps)
+    return "\n".join(lines) + (f"\n\n{note}" if note else "")
 
 
 def metadata_markdown(manifest: dict) -> str:
