@@ -33,6 +33,7 @@ container that could not be read, ``<file.parquet>#<from row i>``, ``<shard.tar>
 from __future__ import annotations
 
 import os
+import re
 import stat
 import tarfile
 from collections import Counter
@@ -670,6 +671,19 @@ def _layout_problem(file_schema: pa.Schema, settings: InputSettings) -> str | No
     if source_column and source_column not in names:
         return f"no column {source_column!r} (columns: {names}); set input.source_column"
     return None
+
+
+# The ledger reason of a Parquet file left unread for its columns, as the reader words it above.
+_UNREAD_LAYOUT = re.compile(
+    r"unreadable: (?P<problem>.*; set input\.\w+) \(-?\d+ rows per the footer, none read\)", re.S
+)
+
+
+def layout_problem(reason: str | None) -> str | None:
+    """What a ledger reason says is wrong with an unread Parquet file's columns (``no column 'image' (columns:
+    [...]); set input.image_column``); None for any other reason."""
+    found = _UNREAD_LAYOUT.fullmatch(reason or "")
+    return found["problem"] if found else None
 
 
 def _with_metadata(rows: list[dict], meta: InputMetadata) -> Iterator[dict]:
