@@ -25,7 +25,7 @@ from common.watchdog import Watchdog
 from curation.config import CurateConfig
 from curation.phases.pipeline import GlobalPhases, PhaseOrderError, check_order, phase_done
 from curation.phases.release import Release, ReleaseError, open_release
-from curation.score.ledger import read_ledger, summary_table
+from curation.score.ledger import CAUSE_COLUMNS, likely_causes, read_ledger, summary_table
 from curation.score.phase import RunMismatch, ScorePhase, claim_output, io_note
 from curation.score.pool import InputShard, PoolError, list_shards, pin_listing, pinned_listing
 
@@ -132,8 +132,10 @@ def _run_phases(
         )
     for phase in (p for p in GLOBAL_PHASES if p in phases):
         GlobalPhases(cfg, args.output, guard=lease.check, against=release).run(phase)
-    ledger = read_ledger(args.output, ["status", "stage", "reason"])
+    ledger = read_ledger(args.output, CAUSE_COLUMNS)
     print(f"\n[curate] summary (all phases, {time.monotonic() - start:.1f} s this run)\n" + summary_table(ledger))
+    for cause in likely_causes(ledger, cfg.filters.min_short_side):
+        print(f"[curate] likely cause: {cause}")
     where, commands = next_commands(args)
     print()
     next_steps("curate", where, commands)

@@ -41,7 +41,14 @@ from common.storage import StorageError, exists, join, redact, resolve, write_by
 from curation.audit.verify import AuditResult
 from curation.config import CurateConfig
 from curation.records import input_name, read_commits, read_done, read_manifest, read_run_record
-from curation.score.ledger import download_note, funnel_steps, read_ledger, reason_code, stopped_by_stage
+from curation.score.ledger import (
+    download_note,
+    funnel_steps,
+    likely_causes,
+    read_ledger,
+    reason_code,
+    stopped_by_stage,
+)
 from curation.score.pool import TAR_SUFFIXES
 
 log = logging.getLogger(__name__)
@@ -450,6 +457,7 @@ class _Report:
 
     def load(self) -> None:
         table = read_ledger(self.out_uri, LEDGER_COLUMNS)
+        self.causes = likely_causes(table, self.cfg.filters.min_short_side)
         self.rows = sorted(table.to_pylist(), key=lambda r: r["source"])
         for r in self.rows:
             w, h = r["width"], r["height"]
@@ -562,7 +570,8 @@ class _Report:
             f'<tr class="stage"><td>write</td><td>final shards</td><td>kept</td><td class="n">{kept}</td>'
             f'<td class="n">{_pct(kept, total)}</td><td></td><td></td></tr>'
         )
-        html_ = (
+        causes = "".join(f'<p class="note">Likely cause: {_esc(cause)}</p>' for cause in self.causes)
+        html_ = causes + (
             f"<p>{total} inputs. Each image stops at the first stage that rejects it; percentages are of all inputs "
             f"and of the images that reached the stage. {_esc(download_note(steps))}</p>"
             f'<img class="chart" src="{src}" alt="funnel chart">'

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from common import schema
 from common.layout import DOWNLOAD, GLOBAL_PHASES, LAYOUT, TAKEDOWN, funnel_phase
 from common.storage import exists, join, resolve
 from curation.records import read_commits, read_manifest
+from curation.score.pool import layout_problem
 
 
 def committed_files(out_uri: str, kind: str) -> list[str]:
@@ -57,6 +59,65 @@ def summary_table(ledger: pa.Table) -> str:
         label = f"{st} / {code}" + (" (error)" if status_ == schema.ERROR else "")
         lines.append(f"{label:<{width}}{n:>8}  {pct(n)}")
     return "\n".join(lines)
+
+
+# Columns of the ledger ``likely_causes`` reads.
+CAUSE_COLUMNS = ["source", "status", "stage", "reason", "width", "height"]
+MOST = 0.5  # share of the inputs past which one reason names the pool's likely fault
+NEARLY_ALL = 0.9  # share of the images with a size that must be too small, and of them at one size, to say so
+
+
+def likely_causes(ledger: pa.Table, min_short_side: int) -> list[str]:
+    """What is likely wrong with a pool (or its settings) when one reason dominates its ledger, one line each: Parquet
+    files left unread for their columns, inputs that are not images, images too small at one size (a crawl resized
+    on download). The console's summary and the audit report both show these. ``ledger``: ``CAUSE_COLUMNS``."""
+    total = ledger.num_rows
+    rejected = ledger.filter(pc.and_(pc.equal(ledger["status"], schema.REJECTED), pc.equal(ledger["stage"], "decode")))
+    reasons = rejected.column("reason").to_pylist()
+    codes = [reason_code(r) for r in reasons]
+    causes = []
+    problems = Counter(p for p in map(layout_problem, reasons) if p)
+    if problems and sum(problems.values()) > MOST * total:
+        problem, n = problems.most_common(1)[0]
+        causes.append(f"{n} Parquet file{'s' if n > 1 else ''} unread: {problem}")
+    not_images = [s for s, code in zip(rejected.column("source").to_pylist(), codes) if code == "not_an_image"]
+    if len(not_images) > MOST * total:
+        kinds = Counter(_suffix(s) for s in not_images).most_common()
+        shown = ", ".join(f"{kind} {n}" for kind, n in kinds[:5]) + (", ..." if len(kinds) > 5 else "")
+        causes.append(
+            f"{_of(len(not_images), total, 'input')} not images ({shown}): --input should hold images, as files, "
+            "Parquet files with an image column or WebDataset tars"
+        )
+    sized = int(pc.sum(pc.and_(pc.is_valid(ledger["width"]), pc.is_valid(ledger["height"]))).as_py() or 0)
+    small = rejected.filter(pa.array([c == "too_small" for c in codes], pa.bool_()))
+    sizes = zip(small.column("width").to_pylist(), small.column("height").to_pylist())
+    sides = Counter(min(w, h) for w, h in sizes if w is not None and h is not None)
+    if sides and sides.total() >= NEARLY_ALL * sized:
+        side, n = sides.most_common(1)[0]
+        if n >= NEARLY_ALL * sized:
+            causes.append(
+                f"{_of(n, sized, 'image')} {side} px on the short side: downloaded at {side} px? re-download at "
+                f">= {min_short_side} (img2dataset --resize_mode no) or set filters.min_short_side"
+            )
+        else:
+            causes.append(
+                f"{_of(sides.total(), sized, 'image')} under {min_short_side} px on the short side ({min(sides)} to "
+                f"{max(sides)} px): find larger copies or set filters.min_short_side"
+            )
+    return causes
+
+
+def _of(n: int, total: int, noun: str) -> str:
+    """``all 53 images are``, ``50 of 53 images are``, ``the one image is``."""
+    if total == 1:
+        return f"the one {noun} is"
+    return f"all {total} {noun}s are" if n == total else f"{n} of {total} {noun}s are"
+
+
+def _suffix(source: str) -> str:
+    """An input's file suffix, lower case: of the file, or of the tar member after ``#``."""
+    name = posixpath.basename(source).rsplit("#", 1)[-1]
+    return posixpath.splitext(name)[1].lower() or "no suffix"
 
 
 @dataclass

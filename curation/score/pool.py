@@ -942,6 +942,19 @@ class _Downloads:
         return row
 
 
+# The ledger reason of a Parquet file left unread for its columns, as the reader words it above.
+_UNREAD_LAYOUT = re.compile(
+    r"unreadable: (?P<problem>.*; set input\.\w+) \(-?\d+ rows per the footer, none read\)", re.S
+)
+
+
+def layout_problem(reason: str | None) -> str | None:
+    """What a ledger reason says is wrong with an unread Parquet file's columns (``no column 'image' (columns:
+    [...]); set input.image_column``); None for any other reason."""
+    found = _UNREAD_LAYOUT.fullmatch(reason or "")
+    return found["problem"] if found else None
+
+
 def _with_metadata(rows: list[dict], meta: InputMetadata) -> Iterator[dict]:
     """A sample's rows, each with the sample's metadata."""
     if not rows:
