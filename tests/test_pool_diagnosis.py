@@ -84,19 +84,22 @@ def test_nearly_all_at_one_size_is_named_and_small_images_of_many_sizes_are_too(
 def test_a_parquet_pool_without_an_image_column_names_the_setting(tmp_path, cfg):
     pool = tmp_path / "pool"
     pool.mkdir()
-    for k in range(3):
-        table = pa.table({"jpg": [_jpeg((400, 500), i) for i in range(4)], "url": [f"u{i}" for i in range(4)]})
+    for k in range(3):  # two binary columns: which holds the images is not for the reader to guess
+        jpegs = [_jpeg((400, 500), i) for i in range(4)]
+        table = pa.table({"jpg": jpegs, "thumb": jpegs, "url": [f"u{i}" for i in range(4)]})
         pq.write_table(table, pool / f"part-{k}.parquet")
     assert likely_causes(decoded_ledger(pool, cfg), 384) == [
-        "3 Parquet files unread: no column 'image' (columns: ['jpg', 'url']); set input.image_column"
+        "3 Parquet files unread: no column 'image' (columns: ['jpg', 'thumb', 'url']); set input.image_column (one of "
+        "its binary columns: jpg, thumb)"
     ]
     cfg_jpg = load_config(CurateConfig, LITE, ["input.image_column=jpg"])
     assert likely_causes(decoded_ledger(pool, cfg_jpg), 384) == []
 
 
 def test_a_pool_of_mostly_other_files_names_their_suffixes(tmp_path, cfg):
-    sidecars = {f"{i:06d}.json": json.dumps({"url": f"u{i}"}).encode() for i in range(3)}
-    sidecars |= {f"{i:06d}.txt": b"a caption" for i in range(3)} | {"README": b"crawl of 2024"}
+    # sidecars of no image (beside an image they would be its metadata, not inputs)
+    sidecars = {f"meta-{i}.json": json.dumps({"url": f"u{i}"}).encode() for i in range(3)}
+    sidecars |= {f"meta-{i}.txt": b"a caption" for i in range(3)} | {"README": b"crawl of 2024"}
     pool = _folder(tmp_path / "pool", [(400, 500), (640, 480)], sidecars)
     assert likely_causes(decoded_ledger(pool, cfg), 384) == [
         "7 of 9 inputs are not images (.json 3, .txt 3, no suffix 1): --input should hold images, as files, Parquet "

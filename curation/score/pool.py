@@ -944,7 +944,9 @@ class _Downloads:
 
 # The ledger reason of a Parquet file left unread for its columns, as the reader words it above.
 _UNREAD_LAYOUT = re.compile(
-    r"unreadable: (?P<problem>.*; set input\.\w+) \(-?\d+ rows per the footer, none read\)", re.S
+    r"unreadable: (?P<problem>.*; set input\.\w+(?: \(one of its binary columns: [^)]*\))?) "
+    r"\(-?\d+ rows per the footer, none read\)",
+    re.S,
 )
 
 
