@@ -50,8 +50,10 @@ def ray_storage(storage_path: str) -> dict:
     return {"storage_path": path, "storage_filesystem": fs}
 
 
-def _shown(value: object) -> str:
-    return repr(value) if isinstance(value, str) else str(value)
+def _listed(changes: dict[str, tuple], keys: Iterable[str]) -> str:
+    """``optim.lr 0.00015 -> 0.01, steps 30 -> 60``: the changes of ``keys``, as the console and refusals name them."""
+    shown = [(k, *(repr(v) if isinstance(v, str) else str(v) for v in changes[k])) for k in keys]
+    return ", ".join(f"{k} {old} -> {new}" for k, old, new in shown)
 
 
 def check_run(
@@ -83,9 +85,9 @@ def check_run(
     allowed = list(allowed)
     refused = [k for k in changes if not any(k == a or k.startswith(a + ".") for a in allowed)]
     if refused:
-        listed = ", ".join(f"{k} {_shown(changes[k][0])} -> {_shown(changes[k][1])}" for k in refused)
         raise ConfigError(
-            f"run {storage.redact(run_uri)} goes on with the settings it started with; this command changes {listed}. "
+            f"run {storage.redact(run_uri)} goes on with the settings it started with; this command changes "
+            f"{_listed(changes, refused)}. "
             f"To change {'it' if len(refused) == 1 else 'them'} from the newest checkpoint on, add --allow-change "
             f"{','.join(refused)} (recorded in {RUN_FILE}); for a different run use a new --name"
         )
@@ -138,7 +140,7 @@ def describe_changes(changes: dict[str, tuple] | None) -> str:
     """`` with optim.lr 0.00015 -> 0.01`` for the console's start line ('' without changes)."""
     if not changes:
         return ""
-    return " with " + ", ".join(f"{k} {_shown(old)} -> {_shown(new)}" for k, (old, new) in changes.items())
+    return " with " + _listed(changes, changes)
 
 
 def check_free_space(run_uri: str, estimate: int, keep: int) -> None:
