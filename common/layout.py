@@ -11,9 +11,10 @@ step's scratch files inside its own work folder (``dedup/components/``, ``sample
     _state/inputs.parquet                   the input shards the first run listed, pinned for every resume
     _state/run.json                         the run's input and results hash
     _state/score/<shard_id>.json            phase 1's commit record per input shard
-    _state/<phase>.started.json             a global phase's settings hash, written when it starts
     _state/<phase>.done.json                a phase's record, written last
-    _state/<step>/<unit>.json               receipts of a global step's finished units
+    _state/steps/<phase>/<step>.started.json   a global step's fingerprint, written when it starts (curation.phases.step)
+    _state/steps/<phase>/<step>/<unit>.json    the receipt of each finished unit of the step
+    _state/steps/<phase>/<step>.done.json      the step's stats, written last
     _state/takedown/<list id>.json          a takedown: the list, who, when, what it removed, the files it replaced
     _state/takedown/<list id>.entries.parquet   the list's entries (keys, sources, URLs), which no version may hold
     scored/<shard_id>/part-*.parquet        phase 1's kept rows, with scores, hashes and embeddings
@@ -91,20 +92,28 @@ class OutputLayout:
     def done(self, phase: str) -> str:
         return f"{self.state}/{phase}.done.json"
 
-    def started(self, phase: str) -> str:
-        return f"{self.state}/{phase}.started.json"
+    steps = "_state/steps"
 
     def units(self, step: str) -> str:
-        """The folder of a global step's unit receipts."""
+        """The folder of the unit receipts of a job's own step (``jobs.export``'s tars)."""
         return f"{self.state}/{step}"
 
-    def phase_folders(self, phase: str) -> tuple[str, ...]:
-        """What a global phase writes before its done record (cleared when it starts over with other settings)."""
-        return {
-            "dedup": ("dedup", self.units("dedup")),
-            "sample": ("sample",),
-            "write": (self.units("write"),),
-        }[phase]
+    def step_started(self, phase: str, step: str) -> str:
+        return f"{self.steps}/{phase}/{step}.started.json"
+
+    def step_done(self, phase: str, step: str) -> str:
+        return f"{self.steps}/{phase}/{step}.done.json"
+
+    def step_units(self, phase: str, step: str) -> str:
+        """The folder of a global step's unit receipts."""
+        return f"{self.steps}/{phase}/{step}"
+
+    def step_unit(self, phase: str, step: str, unit: str) -> str:
+        return f"{self.steps}/{phase}/{step}/{unit}.json"
+
+    def phase_steps(self, phase: str) -> str:
+        """Every step record of a global phase."""
+        return f"{self.steps}/{phase}"
 
     # --- files ----------------------------------------------------------------------------------------------------
 

@@ -39,9 +39,9 @@ def _shown(fs: pafs.FileSystem, root: str, rel: str) -> str:
 
 
 def _phase_records(fs: pafs.FileSystem, root: str, phases: tuple[str, ...]) -> str:
-    """The started and done records of ``phases``, in one brace pattern a shell expands."""
+    """The done records of ``phases``, in one brace pattern a shell expands."""
     names = phases[0] if len(phases) == 1 else "{" + ",".join(phases) + "}"
-    return f"{_shown(fs, root, LAYOUT.state)}/{names}.{{started,done}}.json"
+    return f"{_shown(fs, root, LAYOUT.state)}/{names}.done.json"
 
 
 def read_commit(fs: pafs.FileSystem, root: str, path: str) -> dict:
@@ -124,30 +124,25 @@ def read_done(fs: pafs.FileSystem, root: str, phase: str) -> dict:
     )
 
 
-def read_started(fs: pafs.FileSystem, root: str, phase: str) -> dict:
-    """A global phase's start record: the settings hash its partial outputs were written with."""
-    return read_json(
-        fs,
-        join(root, LAYOUT.started(phase)),
-        fields={"settings_hash": str},
-        advice=(
-            f"It is phase {phase}'s start record. Delete it and rerun the same command: phase {phase} starts over "
-            "(what it wrote so far is cleared)"
-        ),
-    )
+_STEP_FIELDS: dict[str, dict[str, FieldTypes]] = {
+    "started": {"fingerprint": str},
+    "unit": {"fingerprint": str, "receipt": dict},
+    "done": {"fingerprint": str, "stats": dict, "seconds": _NUMBER},
+}
 
 
-def read_unit(fs: pafs.FileSystem, path: str, step: str) -> dict:
-    """The receipt of a finished unit of a global step (``_state/<step>/<unit>.json``)."""
-    unit = path.rsplit("/", 1)[-1].removesuffix(".json")
+def read_step_record(fs: pafs.FileSystem, path: str, phase: str, kind: str) -> dict:
+    """A global step's record (``curation.phases.step``): ``kind`` is started, unit or done."""
+    advice = {
+        "started": "the step starts over (what it wrote so far is cleared)",
+        "unit": "that unit is done again",
+        "done": "the step runs again, keeping the units it recorded",
+    }[kind]
     return read_json(
         fs,
         path,
-        fields={"settings_hash": str, "receipt": dict},
-        advice=(
-            f"It is the receipt of unit {unit} of step {step}. Delete it and rerun the same command: that unit is done "
-            "again"
-        ),
+        fields=_STEP_FIELDS[kind],
+        advice=f"It is a {kind} record of a step of phase {phase}. Delete it and rerun the same command: {advice}",
     )
 
 
@@ -155,8 +150,8 @@ def step_advice(fs: pafs.FileSystem, root: str, phase: str) -> str:
     """What to do about a damaged record that a global phase keeps among its outputs (a plan, a settings spec)."""
     return (
         f"It is a record of phase {phase}'s progress. To redo phase {phase}, delete "
-        f"{_shown(fs, root, LAYOUT.started(phase))} and rerun the same command: the phase starts over and clears what "
-        "it wrote, this file included"
+        f"{_shown(fs, root, LAYOUT.phase_steps(phase))} and rerun the same command: its steps start over and clear what "
+        "they wrote, this file included"
     )
 
 

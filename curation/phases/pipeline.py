@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pyarrow.fs as pafs
 import ray
@@ -38,7 +38,6 @@ import ray
 from common import watchdog
 from common.config import hash_json
 from common.layout import GLOBAL_PHASES, LAYOUT
-from common.progress import progress
 from common.storage import (
     delete_quietly,
     exists,
@@ -54,13 +53,14 @@ from curation.phases.dedup.components import run_components
 from curation.phases.dedup.embedding_pairs import run_embedding_pairs
 from curation.phases.dedup.phash_pairs import run_phash_pairs
 from curation.phases.release import RELEASE_UID_MIN, Release, survey_release_partition
-from curation.phases.runtime import Phase, UnitRecords, run_units, task_window
+from curation.phases.runtime import Phase, task_window
 from curation.phases.sample.cluster_sampling import run_sample
+from curation.phases.step import Output, Step, StepRunner
 from curation.phases.write.card import write_card
 from curation.phases.write.shards import (
     write_phase,
 )
-from curation.records import read_commits, read_done, read_started
+from curation.records import read_commits, read_done
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,55 @@ def check_order(cfg: CurateConfig, out_uri: str, phases: list[str], against: Rel
             require_phase(cfg, out_uri, phase, against)
 
 
+class Survey(Step):
+    """Dedup's first step: one survivor partition per unit, from the committed input shards (and the release's kept
+    images, when curating against one)."""
+
+    name = "survey"
+    unit_name = "partitions"
+
+    def __init__(self, phases: GlobalPhases):
+        cfg = phases.cfg
+        self.calls: dict[str, tuple] = {
+            f"part-{i:06d}": (
+                _survey_task,
+                (phases.out_uri, shards, path, cfg.dedup.keep_score, cfg.sample.balance_key, cfg.embedding_dim),
+            )
+            for i, (shards, path) in enumerate(zip(phases.partitions, phases.survivor_files))
+        }
+        for j, path in enumerate(phases.release_files):
+            assert phases.against is not None  # release files exist only with a release
+            self.calls[f"release-{j:06d}"] = (
+                survey_release_partition,
+                (phases.against.uri, j, phases.out_uri, path, cfg.embedding_dim),
+            )
+
+        # the commit records each partition is made of: scoring more shards, or again, redoes the survey and the rest
+        self.plan = hash_json([[r for _, r in shards] for shards in phases.partitions])
+
+    def fingerprint(self) -> str:
+        return self.plan
+
+    def outputs(self) -> list[str]:
+        return [LAYOUT.survivors]
+
+    def units(self) -> list[str]:
+        return list(self.calls)
+
+    def run_unit(self, unit: str) -> ray.ObjectRef:
+        task, args = self.calls[unit]
+        return task.remote(*args)
+
+    def reduce(self, receipts: Sequence[dict]) -> dict:
+        for unit, receipt in zip(self.calls, receipts):
+            if receipt["missing_embedding"]:
+                raise PhaseOrderError(
+                    f"{unit}: {receipt['missing_embedding']} images without an embedding: the global phases need the "
+                    "embedding stage (enable stages.embedding and rescore, or run --phases score only)"
+                )
+        return {"rows": sum(r["rows"] for r in receipts)}
+
+
 @ray.remote(num_cpus=0.5)
 def _survey_task(
     out_uri: str, shards: list, path: str, keep_score: list[str], balance_key: str | None, dim: int
@@ -127,7 +176,8 @@ class GlobalPhases:
         against: Release | None = None,
     ):
         self.cfg, self.out_uri, self.guard, self.against = cfg, out_uri, guard, against
-        self.fs, self.root = resolve(out_uri)
+        self.output = Output.at(out_uri)
+        self.fs, self.root = self.output.fs, self.output.root
         self.records = read_commits(self.fs, self.root)
         self.partitions = sv.plan_partitions(list(self.records.values()), cfg.dedup.rows_per_partition)
         self.survivor_files = [sv.partition_path(i) for i in range(len(self.partitions))]
@@ -143,10 +193,6 @@ class GlobalPhases:
     def phase_hash(self, phase: str) -> str:
         return phase_hash(self.cfg, phase, self.against)
 
-    @property
-    def window(self) -> int:
-        return task_window(per_cpu=4)
-
     # --- bookkeeping ---------------------------------------------------------------------------------------------
 
     def _require(self, phase: str) -> None:
@@ -157,16 +203,10 @@ class GlobalPhases:
         remove_temporaries(self.fs, join(self.root, LAYOUT.state))
         for later in LAYOUT.from_phase_on(phase):
             delete_quietly(self.fs, _done_path(self.root, later))
-        started = join(self.root, LAYOUT.started(phase))
-        settings_hash = self.phase_hash(phase)
-        if exists(self.fs, started) and read_started(self.fs, self.root, phase)["settings_hash"] == settings_hash:
-            log.info(f"[{phase}] resuming: partitions written by the interrupted run are kept")
-            for folder in LAYOUT.phase_folders(phase):
-                remove_temporaries(self.fs, join(self.root, folder), recursive=True)
-            return
-        for folder in LAYOUT.phase_folders(phase):
-            delete_quietly(self.fs, join(self.root, folder))
-        write_json_atomic(self.fs, started, {"settings_hash": settings_hash})
+
+    def runner(self, phase: str) -> StepRunner:
+        """The runner of ``phase``'s steps: each step's records, resume and clearing (``curation.phases.step``)."""
+        return StepRunner(self.output, phase, self.phase_hash(phase), task_window(per_cpu=4), self.guard)
 
     def _finish(self, phase: str, record: dict, start: float) -> None:
         record = {**record, "settings_hash": self.phase_hash(phase), "seconds": round(time.monotonic() - start, 2)}
@@ -190,38 +230,13 @@ class GlobalPhases:
 
     # --- phase 2: dedup ------------------------------------------------------------------------------------------
 
-    def _survey(self) -> int:
+    def _survey(self, runner: StepRunner) -> int:
         """Write the survivor partitions (those not yet written); returns the number of survivors."""
-        cfg = self.cfg
-        balance_key = cfg.sample.balance_key
-        units = {
-            f"part-{i:06d}": lambda shards=shards, path=path: _survey_task.remote(
-                self.out_uri, shards, path, cfg.dedup.keep_score, balance_key, cfg.embedding_dim
-            )
-            for i, (shards, path) in enumerate(zip(self.partitions, self.survivor_files))
-        }
-        for j, path in enumerate(self.release_files):
-            assert self.against is not None  # release files exist only with a release
-            units[f"release-{j:06d}"] = functools.partial(
-                survey_release_partition.remote, self.against.uri, j, self.out_uri, path, cfg.embedding_dim
-            )
-        records = UnitRecords(self.fs, self.root, LAYOUT.survey_units, self.phase_hash("dedup"))
-        total = 0
-        survey = progress(
-            run_units(records, units, self.window), "[dedup] survey", len(units), log.info, unit="partitions"
-        )
-        for path, receipt in survey:
-            if receipt["missing_embedding"]:
-                raise PhaseOrderError(
-                    f"{path}: {receipt['missing_embedding']} images without an embedding: the global phases need the "
-                    "embedding stage (enable stages.embedding and rescore, or run --phases score only)"
-                )
-            total += receipt["rows"]
-        return total
+        return runner.run(Survey(self))["rows"]
 
     def _dedup(self) -> dict:
         cfg = self.cfg.dedup
-        n = self._survey()
+        n = self._survey(self.runner("dedup"))
         files = self.survivor_files + self.release_files  # the release's images are linked like any survivor
         pair_files: dict[str, list[str]] = {}
         summaries = {}

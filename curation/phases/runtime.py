@@ -22,7 +22,7 @@ from common import watchdog
 from common.layout import LAYOUT
 from common.progress import Progress
 from common.storage import exists, join, write_json_atomic
-from curation.records import read_unit
+from curation.records import read_step_record
 
 Launch = Callable[[], ray.ObjectRef]
 T = TypeVar("T")
@@ -119,11 +119,11 @@ class UnitRecords:
         path = self.path(unit)
         if not exists(self.fs, path):
             return None
-        record = read_unit(self.fs, path, self.step)
-        return record["receipt"] if record["settings_hash"] == self.settings_hash else None
+        record = read_step_record(self.fs, path, self.step, "unit")
+        return record["receipt"] if record["fingerprint"] == self.settings_hash else None
 
     def put(self, unit: str, receipt: dict) -> None:
-        write_json_atomic(self.fs, self.path(unit), {"settings_hash": self.settings_hash, "receipt": receipt})
+        write_json_atomic(self.fs, self.path(unit), {"fingerprint": self.settings_hash, "receipt": receipt})
 
 
 def run_units(records: UnitRecords, units: Mapping[str, Launch], window: int) -> Iterator[tuple[str, dict]]:

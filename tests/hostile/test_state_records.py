@@ -116,7 +116,7 @@ def test_a_damaged_record_stops_the_rerun_naming_the_file_and_what_to_do(record,
     for words in advice:
         assert words in line, line
     if record == "commit":  # the later phases' records it names are the ones this output holds
-        assert f"{out}/_state/{{dedup,sample,write}}.{{started,done}}.json" in line
+        assert f"{out}/_state/{{dedup,sample,write}}.done.json" in line
 
 
 @pytest.mark.parametrize("record, field", [("commit", "ledger_files"), ("manifest", "final_ledger"), ("run", "input")])
@@ -136,19 +136,21 @@ def test_a_record_missing_a_field_it_needs_is_damaged(record, field, pool, out, 
     [
         (
             "dedup",
-            lambda out: out / LAYOUT.started("dedup"),
-            "Delete it and rerun the same command: phase dedup starts",
+            lambda out: out / LAYOUT.step_started("dedup", "survey"),
+            "It is a started record of a step of phase dedup. Delete it and rerun the same command: the step starts",
         ),
         (
-            "write",
-            lambda out: sorted((out / LAYOUT.units("write")).glob("*.json"))[0],
-            "It is the receipt of unit ",
+            "dedup",
+            lambda out: sorted((out / LAYOUT.step_units("dedup", "survey")).glob("*.json"))[0],
+            "It is a unit record of a step of phase dedup. Delete it and rerun the same command: that unit is done",
         ),
     ],
     ids=["start record", "unit receipt"],
 )
 def test_records_read_while_a_phase_runs_are_named_too(phase, damaged, advice, pool, out, capsys):
-    (out / LAYOUT.done(phase)).unlink()  # so that the phase runs again and reads them
+    # so that the phase and its first step run again and read them
+    (out / LAYOUT.done(phase)).unlink()
+    (out / LAYOUT.step_done(phase, "survey")).unlink()
     path = damaged(out)
     path.write_text("{]")
     capsys.readouterr()
@@ -192,8 +194,7 @@ def test_a_damaged_commit_record_deleted_as_told_is_scored_again(finished, pool,
     _one_error(capsys)
     commit.unlink()
     for phase in ("dedup", "sample", "write"):
-        for rel in (LAYOUT.started(phase), LAYOUT.done(phase)):
-            (out / rel).unlink()
+        (out / LAYOUT.done(phase)).unlink()
     assert curate.main(_args(pool, out)) == 0
     console = capsys.readouterr().out
     assert "[score] 2 input shards, 1 already committed, 1 to score" in console
@@ -228,7 +229,7 @@ def test_the_audit_lists_damaged_records_as_problems(out, capsys):
         f"{LAYOUT.done('score')}: damaged record: empty (0 bytes). It is phase score's done record. Delete it and "
         "rerun the same command: phase score writes it again (committed input shards are not scored again)",
         f"{rel}: damaged record: holds an array, not a JSON object. It is input shard {commit.stem}'s commit record "
-        f"(phase score). To score that shard again, delete it and {out}/_state/{{dedup,sample,write}}.{{started,done}}"
+        f"(phase score). To score that shard again, delete it and {out}/_state/{{dedup,sample,write}}.done"
         ".json (so the later phases redo their work on its new results), then rerun the same command",
     ], printed.out
 

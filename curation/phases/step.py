@@ -1,0 +1,193 @@
+"""The one contract of global curation work: a ``Step`` says what its units are and how one runs; the ``StepRunner``
+owns everything else, once, for every step of dedup, sample and write.
+
+A step is a list of units (survivor partitions, pair partitions, buckets, shard groups), each one Ray task that
+writes its outputs atomically and returns a receipt (a small JSON dict: rows, counts, file names). The runner:
+
+- fingerprints the step: the phase's fingerprint (its settings, and the release it curates against), the previous
+  step's fingerprint (so a change upstream redoes everything after it) and what the step adds (``fingerprint()``:
+  its plan, its inputs' footers);
+- clears the step's outputs and records when a rerun finds them written under another fingerprint, and only then;
+- runs the units not yet receipted through the bounded task window (``curation.phases.runtime.run_tasks``), writes
+  each receipt as its task finishes, beats the watchdog and logs progress;
+- reduces the receipts, in unit order, to the step's stats, and writes its done record last: a rerun with the same
+  fingerprint returns the recorded stats without touching the cluster.
+
+Every record has one format and one place (``common.layout.OutputLayout.step_*``)::
+
+    _state/steps/<phase>/<step>.started.json   {"fingerprint"}
+    _state/steps/<phase>/<step>/<unit>.json     {"fingerprint", "receipt"}
+    _state/steps/<phase>/<step>.done.json       {"fingerprint", "stats", "seconds"}
+
+At 10^9 images a step has at most ~10^4 units (survivor partitions of 10^5 rows): the driver holds that many
+receipts and never more than ``window`` tasks in flight; a resume reads the receipts with one listing and
+``runtime.FOOTER_THREADS`` reads at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pyarrow.fs as pafs
+import ray
+
+from common import watchdog
+from common.config import hash_json
+from common.layout import LAYOUT
+from common.progress import Progress
+from common.storage import delete_quietly, exists, join, list_files, remove_temporaries, resolve, write_json_atomic
+from curation.phases.runtime import map_footers, run_tasks
+from curation.records import read_step_record
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Output:
+    """A curation output, resolved once where a job starts: its URI (what Ray tasks are handed), filesystem and root.
+    Paths are ``LAYOUT`` names joined to the root with ``path``."""
+
+    uri: str
+    fs: pafs.FileSystem
+    root: str
+
+    @classmethod
+    def at(cls, uri: str) -> Output:
+        fs, root = resolve(uri)
+        return cls(uri, fs, root)
+
+    def path(self, rel: str) -> str:
+        return join(self.root, rel)
+
+    def exists(self, rel: str) -> bool:
+        return exists(self.fs, self.path(rel))
+
+    def listed(self, folder: str, suffix: str = ".parquet") -> list[str]:
+        """The files under ``folder``, relative to the root (sorted; bookkeeping names skipped)."""
+        return [p[len(self.root) + 1 :] for p in list_files(self.fs, self.path(folder), suffix)]
+
+
+class Step(ABC):
+    """One unit of global curation work. Subclasses set ``name`` (unique within the phase; ``/`` nests, as in
+    ``components/round-002/hook``), ``unit_name`` (what progress lines count), and implement ``units`` and
+    ``run_unit``; ``outputs`` names what the step writes (cleared with its records when its fingerprint changes),
+    ``fingerprint`` what it depends on beyond the phase's settings and the steps before it, and ``reduce`` its
+    stats. A unit's receipt must be a small JSON dict: it is recorded and handed back on every rerun."""
+
+    name: ClassVar[str] = ""
+    unit_name: ClassVar[str] = "tasks"
+
+    def fingerprint(self) -> Any:
+        return None
+
+    def outputs(self) -> Sequence[str]:
+        return ()
+
+    @abstractmethod
+    def units(self) -> Sequence[str]: ...
+
+    @abstractmethod
+    def run_unit(self, unit: str) -> ray.ObjectRef: ...
+
+    def reduce(self, receipts: Sequence[dict]) -> dict:
+        """The step's stats from every unit's receipt, in ``units()`` order. Default: the sum of each numeric field."""
+        totals: dict[str, Any] = {}
+        for receipt in receipts:
+            for key, value in receipt.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    totals[key] = totals.get(key, 0) + value
+        return totals
+
+
+class StepRunner:
+    """Runs the steps of one phase of ``output`` in order (see the module docstring). ``phase_fingerprint``: the
+    phase's settings fingerprint; ``window``: tasks in flight; ``guard`` runs before each done record and raises
+    when this run may no longer write the output (``common.lease.Lease.check``)."""
+
+    def __init__(
+        self,
+        output: Output,
+        phase: str,
+        phase_fingerprint: str,
+        window: int,
+        guard: Callable[[], None] = lambda: None,
+    ):
+        self.output, self.phase, self.window, self.guard = output, phase, window, guard
+        self.previous = phase_fingerprint
+
+    def fingerprint(self, step: Step) -> str:
+        return hash_json({"previous": self.previous, "step": step.name, "own": step.fingerprint()})
+
+    def run(self, step: Step) -> dict:
+        """The step's stats: recorded ones when it is done with this fingerprint, else from running its missing
+        units. The next step's fingerprint follows from this one."""
+        out, fingerprint = self.output, self.fingerprint(step)
+        self.previous = fingerprint
+        done = self._record(LAYOUT.step_done(self.phase, step.name), "done")
+        if done is not None and done["fingerprint"] == fingerprint:
+            return done["stats"]
+        watchdog.stage(f"{self.phase} step {step.name}")
+        start = time.monotonic()
+        self._claim(step, fingerprint)
+        units = list(step.units())
+        receipts = self._recorded(step, fingerprint)
+        todo = [u for u in units if u not in receipts]
+        if len(todo) < len(units):
+            log.info(
+                f"[{self.phase}] {step.name}: {len(units) - len(todo)} of {len(units)} {step.unit_name} done before"
+            )
+        shown = Progress(f"[{self.phase}] {step.name}", len(todo), log.info, unit=step.unit_name)
+        launches = (lambda u=u: step.run_unit(u) for u in todo)
+        for unit, receipt in zip(todo, run_tasks(launches, self.window, ordered=True, progress=shown)):
+            write_json_atomic(
+                out.fs,
+                out.path(LAYOUT.step_unit(self.phase, step.name, unit)),
+                {"fingerprint": fingerprint, "receipt": receipt},
+            )
+            receipts[unit] = receipt
+        stats = step.reduce([receipts[u] for u in units])
+        self.guard()
+        record = {"fingerprint": fingerprint, "stats": stats, "seconds": round(time.monotonic() - start, 2)}
+        write_json_atomic(out.fs, out.path(LAYOUT.step_done(self.phase, step.name)), record)
+        return stats
+
+    # --- records ---------------------------------------------------------------------------------------------------
+
+    def _record(self, rel: str, kind: str) -> dict | None:
+        path = self.output.path(rel)
+        return read_step_record(self.output.fs, path, self.phase, kind) if exists(self.output.fs, path) else None
+
+    def _claim(self, step: Step, fingerprint: str) -> None:
+        """Keep what an interrupted run of this fingerprint wrote (less its torn temporaries); clear anything else."""
+        out = self.output
+        started = self._record(LAYOUT.step_started(self.phase, step.name), "started")
+        folders = [*step.outputs(), LAYOUT.step_units(self.phase, step.name)]
+        if started is not None and started["fingerprint"] == fingerprint:
+            for rel in folders:
+                remove_temporaries(out.fs, out.path(rel), recursive=True)
+            return
+        if started is not None:
+            log.info(f"[{self.phase}] {step.name}: settings or inputs changed since it ran: its outputs are cleared")
+        for rel in (*folders, LAYOUT.step_done(self.phase, step.name)):
+            delete_quietly(out.fs, out.path(rel))
+        write_json_atomic(out.fs, out.path(LAYOUT.step_started(self.phase, step.name)), {"fingerprint": fingerprint})
+
+    def _recorded(self, step: Step, fingerprint: str) -> dict[str, dict]:
+        out = self.output
+        paths = list_files(out.fs, out.path(LAYOUT.step_units(self.phase, step.name)), ".json")
+        records = map_footers(lambda p: read_step_record(out.fs, p, self.phase, "unit"), paths)
+        return {
+            p.rsplit("/", 1)[-1].removesuffix(".json"): r["receipt"]
+            for p, r in zip(paths, records)
+            if r["fingerprint"] == fingerprint
+        }
+
+
+def launches(task: Any, calls: Mapping[str, tuple]) -> Callable[[str], ray.ObjectRef]:
+    """``run_unit`` for a step whose unit ``u`` is ``task.remote(*calls[u])``."""
+    return lambda unit: task.remote(*calls[unit])
