@@ -12,7 +12,9 @@ images with no cast. Bytes are the original encoded bytes, never re-encoded; ``k
 
 from __future__ import annotations
 
+import importlib
 import json
+from collections.abc import Callable
 
 import pyarrow as pa
 
@@ -97,25 +99,28 @@ _IDENTITY = [
     pa.field("metadata_note", pa.string()),  # why some of the input's metadata was dropped or altered; null: none was
 ]
 
-# Every score a stage may write. All nullable: a rejected image keeps only the scores computed before.
-_SCORES = [
-    pa.field("persons", pa.list_(PERSON_TYPE)),
-    pa.field("faces", pa.list_(FACE_TYPE)),
-    pa.field("person_count", pa.int16()),
-    pa.field("prominent_count", pa.int16()),
-    pa.field("main_person_score", pa.float32()),
-    pa.field("main_person_height_frac", pa.float32()),
-    pa.field("main_person_area_frac", pa.float32()),
-    pa.field("head_yaw_class", pa.string()),  # of the main (most prominent) person
-    pa.field("head_confidence", pa.float32()),
-    pa.field("quality", pa.float32()),
-    pa.field("quality_parts", QUALITY_PARTS_TYPE),
-    pa.field("aesthetic", pa.float32()),  # full profile: learned aesthetic predictor
-    pa.field("realism", pa.float32()),  # full profile: zero-shot photo-vs-rendering score
-    pa.field("text_area_frac", pa.float32()),
-    pa.field("text_boxes", pa.int16()),
-    pa.field("phash", pa.uint64()),  # 64-bit DCT perceptual hash (imagehash bit order, big-endian)
-]
+# The columns the scoring stages write are declared by the stages themselves (each stage class's ``columns``, in
+# curation/stages/), and the stage package installs their assembly here when it is imported. A process that builds a
+# table's schema before importing it (a takedown rewriting a card, a verify) has it imported by name: common imports
+# no module of curation otherwise. All nullable: a rejected image keeps only the scores computed before.
+STAGE_REGISTRY = "curation.stages"
+_stage_columns: Callable[[], list[pa.Field]] | None = None
+
+
+def use_stage_columns(assemble: Callable[[], list[pa.Field]]) -> None:
+    """Take the stages' columns from ``assemble`` (called each time a table's schema is built)."""
+    global _stage_columns
+    _stage_columns = assemble
+
+
+def stage_columns() -> list[pa.Field]:
+    """Every column a scoring stage may write, in the tables' order."""
+    if _stage_columns is None:
+        importlib.import_module(STAGE_REGISTRY)  # installs them
+    if _stage_columns is None:
+        raise RuntimeError(f"{STAGE_REGISTRY} was imported but installed no stage columns")
+    return _stage_columns()
+
 
 _FATE = [
     pa.field("status", pa.string(), nullable=False),
@@ -147,7 +152,7 @@ def working_schema(embedding_dim: int) -> pa.Schema:
                 "shard_size", pa.int32()
             ),  # rows of the shard, on its last chunk only: tells the driver it is complete
             image_field(),
-            *_SCORES,
+            *stage_columns(),
             pa.field("embedding", embedding_type(embedding_dim)),
             *_FATE,
             *_GLOBAL,
@@ -156,11 +161,13 @@ def working_schema(embedding_dim: int) -> pa.Schema:
 
 
 def scored_schema(embedding_dim: int) -> pa.Schema:
-    return pa.schema([*_IDENTITY, image_field(), *_SCORES, pa.field("embedding", embedding_type(embedding_dim))])
+    return pa.schema(
+        [*_IDENTITY, image_field(), *stage_columns(), pa.field("embedding", embedding_type(embedding_dim))]
+    )
 
 
 def ledger_schema() -> pa.Schema:
-    return pa.schema([*_FATE, *_IDENTITY, *_SCORES, *_GLOBAL])
+    return pa.schema([*_FATE, *_IDENTITY, *stage_columns(), *_GLOBAL])
 
 
 def curated_schema(embedding_dim: int | None, metadata_fields: dict[str, str] | None = None) -> pa.Schema:
@@ -169,7 +176,7 @@ def curated_schema(embedding_dim: int | None, metadata_fields: dict[str, str] | 
     none: no such column); the embedding only when asked for."""
     typed = [pa.field("metadata", metadata_struct(metadata_fields))] if metadata_fields else []
     embedding = [pa.field("embedding", embedding_type(embedding_dim))] if embedding_dim else []
-    return pa.schema([*_IDENTITY, *typed, image_field(), *_SCORES, _GLOBAL[2], *embedding])
+    return pa.schema([*_IDENTITY, *typed, image_field(), *stage_columns(), _GLOBAL[2], *embedding])
 
 
 # --- the pool's metadata --------------------------------------------------------------------------------------------

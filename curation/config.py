@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 import functools
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SerializeAsAny, field_validator, model_validator
 
 from curation.score.stage import Stage
 from curation.settings import CurationSettings, StageSettings
@@ -22,7 +22,7 @@ def _default_stages() -> dict[str, StageSettings]:
 
 
 class CurateConfig(CurationSettings):
-    stages: dict[str, StageSettings] = Field(default_factory=_default_stages)  # run in this order
+    stages: dict[str, SerializeAsAny[StageSettings]] = Field(default_factory=_default_stages)  # run in this order
     # Runs of consecutive stages that one Ray actor pool runs, each actor calling the stages in turn on its batch:
     # fewer processes, queues and hand-offs between them where a node has few cores. Each stage keeps its own time
     # limit and ledger reasons, so results do not change. The pool has its first stage's batch_size, num_cpus,
@@ -32,18 +32,19 @@ class CurateConfig(CurationSettings):
     @field_validator("stages", mode="before")
     @classmethod
     def _stage_defaults_under_entries(cls, stages: object) -> object:
-        """A stage's entry states only what differs from the settings its class declares."""
+        """A stage's entry states only what differs from the settings its class declares, and is of their class."""
         if not isinstance(stages, dict):
             return stages
         known = stage_classes()
         if unknown := [name for name in stages if name not in known]:
             raise ValueError(unknown_stages(unknown, known))
-        return {
-            name: {**known[name].default_settings.model_dump(), **given}
-            if name in known and isinstance(given, dict)
-            else given
-            for name, given in stages.items()
-        }
+        out = {}
+        for name, given in stages.items():
+            defaults = known[name].default_settings
+            out[name] = (
+                type(defaults).model_validate({**defaults.model_dump(), **given}) if isinstance(given, dict) else given
+            )
+        return out
 
     @model_validator(mode="after")
     def _decode_first(self) -> CurateConfig:

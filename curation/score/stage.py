@@ -41,7 +41,7 @@ import traceback
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -50,10 +50,7 @@ import ray
 
 from common import schema
 from curation.score.ledger import reason_code
-from curation.settings import CurationSettings, StageSettings
-
-if TYPE_CHECKING:
-    pass
+from curation.settings import CurationSettings, Filters, ModelSettings, StageSettings
 
 REJECT = "reject"  # key of an update dict that rejects the row; its value is "reason_code: detail"
 _FAULT = "_fault"  # key of an update dict that makes the row an error row; its value is the ledger reason
@@ -82,6 +79,17 @@ class Stage:
     default_order: ClassVar[int | None] = None
     # A stage for tests of the runner (fault injection): a config may list it, but no message offers it as a choice.
     internal: ClassVar[bool] = False
+    # The columns the stage adds to the tables, with their Arrow types (common.schema assembles the tables from
+    # every stage's); two stages may declare one column with one type. ``writes`` defaults to their names.
+    columns: ClassVar[tuple[pa.Field, ...]] = ()
+    # Where its columns sit among the stages' columns (ties by stage name); None: at its default_order, and a stage
+    # with neither after the others.
+    column_order: ClassVar[int | None] = None
+    # What it reads of the config besides its ``stages.<name>`` entry (whose class is default_settings' class: a
+    # stage's own model references and thresholds are fields of a StageSettings subclass): the shared sections of
+    # the stages that predate that, its model family under ``models`` and the ``filters`` deciding its rejections.
+    model_section: ClassVar[str | None] = None
+    thresholds: ClassVar[tuple[str, ...]] = ()
     # Every named stage class by name, filled as their modules are imported; curation.stages imports them all.
     registry: ClassVar[dict[str, type[Stage]]] = {}
 
@@ -89,6 +97,13 @@ class Stage:
         super().__init_subclass__(**kwargs)
         if "name" not in cls.__dict__:
             return  # a base for other stages, not a stage of its own
+        if "writes" not in cls.__dict__ and "columns" in cls.__dict__:
+            cls.writes = tuple(f.name for f in cls.columns)
+        where = f"stage {cls.name!r} ({cls.__module__}.{cls.__qualname__})"
+        if cls.model_section is not None and cls.model_section not in ModelSettings.model_fields:
+            raise TypeError(f"{where}: model_section {cls.model_section!r} is no section of models")
+        if unknown := [t for t in cls.thresholds if t not in Filters.model_fields]:
+            raise TypeError(f"{where}: thresholds {unknown} are no fields of filters")
         known = Stage.registry.get(cls.name)
         if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
             raise TypeError(
@@ -100,6 +115,12 @@ class Stage:
     def __init__(self, cfg: CurationSettings):
         self.cfg = cfg
         self.settings = cfg.stages[self.name]
+
+    @classmethod
+    def config_keys(cls) -> list[str]:
+        """Every key of a config the stage reads: its entry, its model family, its thresholds."""
+        models = [f"models.{cls.model_section}"] if cls.model_section else []
+        return [f"stages.{cls.name}", *models, *(f"filters.{t}" for t in cls.thresholds)]
 
     def setup(self) -> None:
         """Load models and other per-process state. Called once before the first batch."""

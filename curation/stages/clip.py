@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 from PIL import Image
 
 from common.imageio import open_reduced
@@ -58,7 +59,14 @@ def clip_input(
 class ClipStage(Stage):
     name = "clip"
     reads = ("image", "width", "height")
+    columns = (
+        pa.field("aesthetic", pa.float32()),  # learned aesthetic predictor
+        pa.field("realism", pa.float32()),  # zero-shot photo-vs-rendering score
+    )
+    column_order = 35  # after the lite profile's quality columns
     writes = ("embedding", "aesthetic", "realism")
+    model_section = "clip"
+    thresholds = ("min_aesthetic", "min_realism", "prompt_filters")
     uses_actors = True
 
     def setup(self) -> None:

@@ -37,7 +37,8 @@ _DRAFT_SCALES = (1, 2, 4, 8)  # libjpeg's draft reductions; other formats decode
 class DecodeStage(Stage):
     name = "decode"
     reads = ("image", "reason")
-    writes = ("key", "file_size", "format", "mode", "encoding_quality", "width", "height", "orientation")
+    writes = ("key", "file_size", "format", "mode", "encoding_quality", "width", "height", "orientation")  # identity
+    thresholds = ("min_short_side", "max_pixels", "max_aspect_ratio", "max_file_bytes", "reject_animated")
     default_settings = StageSettings(batch_size=32, num_cpus=0.5)
     default_order = 0
 

@@ -115,7 +115,8 @@ def embed(rgb: np.ndarray, dim: int = NATIVE_DIM) -> np.ndarray:
 class EmbeddingStage(Stage):
     name = "embedding"
     reads = ("image",)
-    writes = ("embedding",)
+    writes = ("embedding",)  # a column of the tables (its size is models.embedding.dim)
+    model_section = "embedding"
     default_settings = StageSettings(batch_size=32, num_cpus=0.5)
     default_order = 60
 

@@ -16,6 +16,7 @@ class FaultInjectionStage(Stage):
     reads = ("key",)
     uses_actors = True  # like the model stages, whose hangs it stands for
     internal = True
+    model_section = "fault_injection"
 
     def process_batch(self, rows: list[Row]) -> list[Update]:
         plan = self.cfg.models.fault_injection

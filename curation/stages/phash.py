@@ -14,6 +14,7 @@ most significant bit first, exactly the order of ``str(imagehash.ImageHash)``. S
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 from PIL import Image
 
 from common.imageio import open_reduced
@@ -40,7 +41,9 @@ def hamming(a: int, b: int) -> int:
 class PhashStage(Stage):
     name = "phash"
     reads = ("image",)
-    writes = ("phash",)
+    # 64-bit DCT perceptual hash (imagehash bit order, big-endian)
+    columns = (pa.field("phash", pa.uint64()),)
+    model_section = "phash"
     default_settings = StageSettings(batch_size=32, num_cpus=0.25)
     default_order = 50
 

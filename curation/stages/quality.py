@@ -29,6 +29,7 @@ while an otherwise perfect grayscale photo scores 0.79.
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 
 from common.imageio import decode
 from common.schema import QUALITY_PARTS_TYPE
@@ -133,7 +134,9 @@ def weakest(parts: dict[str, float]) -> str:
 class QualityStage(Stage):
     name = "quality"
     reads = ("image",)
-    writes = ("quality", "quality_parts")
+    columns = (pa.field("quality", pa.float32()), pa.field("quality_parts", QUALITY_PARTS_TYPE))
+    model_section = "quality"
+    thresholds = ("min_quality",)
     default_settings = StageSettings(batch_size=16, num_cpus=0.5)
     default_order = 30
 

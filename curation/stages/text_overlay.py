@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from common.imageio import decode
 from curation.models.runtimes import OpenVinoNetwork, choose_runtime
@@ -72,7 +73,9 @@ def _shipped_detector(det_cfg: Any) -> Path:
 class TextOverlayStage(Stage):
     name = "text_overlay"
     reads = ("image",)
-    writes = ("text_area_frac", "text_boxes")
+    columns = (pa.field("text_area_frac", pa.float32()), pa.field("text_boxes", pa.int16()))
+    model_section = "ocr"
+    thresholds = ("max_text_area_frac",)
     uses_actors = True
     default_settings = StageSettings(batch_size=8, num_cpus=0.5, actors=(1, 2))
     default_order = 40

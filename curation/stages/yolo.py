@@ -5,7 +5,7 @@ One stage, one decode and one letterboxed batch for both models: the keypoints a
 pose, so they do not flow to another stage. The pose model's detections are matched to the detector's boxes by IoU;
 with ``models.yolo.detector: null`` the pose model's own boxes are the persons (one model, less accuracy).
 
-Written columns follow the lite profile's conventions (curation/stages/people.py): boxes in pixels of the
+Written columns follow the lite profile's conventions (curation/stages/person_rules.py): boxes in pixels of the
 EXIF-oriented image, ``persons[0]`` the main person, the same prominent-person rule and reject reasons, the same
 ``head_yaw_class`` values. ``faces`` holds a face box estimated from the fitted head model for every person whose
 face is visible, with its view.
@@ -36,7 +36,15 @@ import numpy as np
 
 from common.imageio import decode
 from curation.score.stage import Row, Stage, Update
-from curation.stages.people import PERSON_COLUMNS, Face, order_main_first, person_update, prominence, yaw_class
+from curation.stages.person_rules import (
+    HEAD_FIELDS,
+    PERSON_FIELDS,
+    Face,
+    order_main_first,
+    person_update,
+    prominence,
+    yaw_class,
+)
 
 if TYPE_CHECKING:
     pass
@@ -206,7 +214,10 @@ def _none_if_nan(v: float) -> float | None:
 class YoloPersonStage(Stage):
     name = "yolo_person"
     reads = ("image", "width", "height")
-    writes = (*PERSON_COLUMNS, "head_yaw_class", "head_confidence")
+    columns = (*PERSON_FIELDS, *HEAD_FIELDS)
+    column_order = 10  # with the lite profile's person columns
+    model_section = "yolo"
+    thresholds = ("person_min_score", "person_min_height_frac", "person_min_area_frac")
     uses_actors = True
 
     def setup(self) -> None:
