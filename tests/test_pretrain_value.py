@@ -133,7 +133,7 @@ def test_the_chain_runs_end_to_end_at_a_microscopic_size(tmp_path, ray_local, ca
         heldout=4, control=16, control_steps=4, sources=("raw",), exports=("student", "teacher"), probe_iters=5,
     )  # fmt: skip
     results = pv.run_chain(tmp_path, budget)
-    (raw,) = results["pretraining"].values()  # both sets: tests/test_gpu_check.py's value part
+    (raw,) = results["pretraining"].values()  # both sets: tests/benchmarks/test_gpu_check.py's value part
     assert raw["images"] == 60  # every image of the pool decodes, junk included
     assert results["inits"] == ["random", "random-ls1", "supervised", "raw", "raw-teacher"]
     mae = raw["heldout_mae"]

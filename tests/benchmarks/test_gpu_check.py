@@ -1,11 +1,11 @@
 """The prepared GPU check (benchmarks/gpu_check.py) in its --cpu-smoke mode: the same code paths as on a GPU, at
 tiny sizes on CPU, so the script cannot rot before GPU time comes. Every part must come back with figures, and a
 part that fails (raises, or hangs past its hard stop) must be reported while the others still run. The value part
-(a whole pretrained-vs-random chain, several minutes on 2 CPUs) has a test of its own."""
+(a whole pretrained-vs-random chain, several minutes on 2 CPUs) has a test of its own; the parts' own pieces are
+tested beside it, in gpu/."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 FIRST_THREE = ("--only", "curation", "--only", "pretrain", "--only", "data_wait")
 
@@ -106,63 +106,11 @@ def test_a_failing_part_is_reported_and_the_others_run(tmp_path):
     assert "failure injected" in printed and "stopped at its time budget" in printed
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    gc = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = gc  # its dataclasses look their module up there
-    spec.loader.exec_module(gc)
-    return gc
-
-
-def test_one_run_changes_sizes_by_field_or_dict_key():
-    gc = load_script()
-    sz = gc.resized(gc.GPU, ['value_models=[["tiny", null, ["optim.lr=2e-3"]]]', "value_budget.steps=1000"])
-    assert sz.value_models == (("tiny", None, ("optim.lr=2e-3",)),)
-    assert sz.value_budget["steps"] == 1000 and gc.GPU.value_budget["steps"] == 600  # the default is untouched
-    assert {k: v for k, v in sz.value_budget.items() if k != "steps"} == {
-        k: v for k, v in gc.GPU.value_budget.items() if k != "steps"
-    }
-    for bad in ("budget_steps=1000", "images.x=1", "images=ten", "images"):
-        with pytest.raises(ValueError, match="--size"):
-            gc.resized(gc.GPU, [bad])
+def test_a_size_that_is_no_field_is_refused_at_the_command_line():
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--size", "no_such_field=1"], capture_output=True, text=True, cwd=REPO
     )
     assert proc.returncode == 2 and "FIELD one of" in proc.stderr
-
-
-def test_the_value_rows_tell_each_cell_and_how_far_a_cut_off_chain_got():
-    gc = load_script()
-    cell = {"measure": "probe mIoU", "init": "student", "random": "0.1000 ± 0.0100", "pretrained": "0.2000 ± 0.0100"}
-    finished = {
-        "size": "tiny", "patch_size": 8, "pool": 400, "pretrain_steps": 938, "global_batch": 128, "seconds": 90.0,
-        "pretraining": {"curated": {"images": 160, "epochs": 750.4,
-                                    "heldout_mae": {"initial": 1.3, "pretrained": 0.9}}},
-        "pretrain_run": {"curated": {"step_s": 0.025, "images_per_s": 5120.0, "mfu": None}},
-        "cells": [{**cell, "ahead": True, "beyond_spread": True}, {**cell, "measure": "k-NN", "ahead": False,
-                                                                    "beyond_spread": False}],
-        "verdicts": ["control: supervised ahead of random on 1/1, beyond the seed spread on 1"],
-        "goal_met": False,
-    }  # fmt: skip
-    report = {
-        "status": "error", "seconds": 331.0, "budget_s": 331.0, "error": "stopped at its time budget (331 s)",
-        "models": [finished],
-        "current": {"size": "0.1b", "running": "probe student, colour, seed 1",
-                    "steps_s": {"pretrain in this process, 938 steps": 61}},
-    }  # fmt: skip
-    rows = {what: value for part, what, value in gc.table_rows({"value": report}) if part == "value"}
-    assert rows["ERROR"] == "stopped at its time budget (331 s)"
-    assert rows["tiny (patch 8): 400 renders, 938 steps x 128 on each set"] == "chain 90.0 s"
-    head = "tiny: pretrained on curated, 160 images (750.4 epochs)"
-    assert rows[head].startswith("held-out MAE 1.3000 at init -> 0.9000; 0.025 s/step")
-    assert rows["tiny: probe mIoU"].endswith("student 0.2000 ± 0.0100 | gain > seed spread yes")
-    assert rows["tiny: k-NN"].endswith("gain > seed spread no")
-    assert rows["tiny: pretrained beyond the seed spread on every fine-tuning cell"].startswith("no (1 of 2 cells")
-    assert rows["tiny: verdict"].startswith("control: supervised ahead of random")
-    assert rows["0.1b: unfinished (at: probe student, colour, seed 1)"] == "pretrain in this process, 938 steps 61 s"
-    assert rows["seconds (budget)"] == "331.0 (331.0)"
-    assert "every fine-tuning cell" in gc.GOALS["value"] and gc.PARTS[-1] == "value"
 
 
 # What a GPU machine running on benchmarks/offline_site.py's archive lacks: the lite runtimes, ultralytics' polars.

@@ -1,0 +1,124 @@
+"""Part ``pretrain``: the backbone's pretraining step in one process, eager and compiled, with and without activation
+checkpointing: step time, throughput, peak memory and MFU."""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmarks.gpu.harness import MARGIN_S, REPO, Deadline, PartReport
+from benchmarks.gpu.sizes import Sizes
+from benchmarks.timing import timed
+
+
+def pretrain_config(sz: Sizes, context: dict, *extra: str):
+    from common.config import load_config
+    from pretrain.config import PretrainConfig
+
+    peak = [f"log.peak_tflops={context['peak_tflops']}"] if context.get("peak_tflops") else []
+    return load_config(PretrainConfig, REPO / sz.config, ["ray.workers=1", *sz.overrides, *peak, *extra])
+
+
+def init_single_process_group():
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return device
+
+
+def set_activation_checkpointing(model, on: bool) -> None:
+    for module in model.modules():
+        if hasattr(module, "activation_checkpointing"):
+            module.activation_checkpointing = on
+
+
+def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadline) -> dict:
+    """Step time of the worker's step (``pretrain.train.Trainer.train_step``: the objective, the learning-rate and
+    weight-decay schedules, clipping, AdamW, the EMA teacher) on random uint8 images, median of ``steps`` after
+    ``warmup``; throughput, memory and MFU from it."""
+    import torch
+
+    from pretrain.train import Trainer, peak_flops, train_flops_per_image
+
+    trainer = Trainer(model, cfg, device)  # one process: the global batch is its optim.grad_accum micro-batches
+    images = torch.randint(0, 256, (cfg.data.batch_size, 3, *cfg.image_size), dtype=torch.uint8, device=device)
+    micro_batches = [images] * cfg.optim.grad_accum
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for step in range(warmup + steps):
+        if step > warmup and deadline.left() < MARGIN_S:
+            break  # enough for a figure; the next setting may not fit otherwise
+        times.append(timed(lambda step=step: trainer.train_step(step, micro_batches))[0])
+    timed_steps = times[warmup:] or times[-1:]
+    step_s = statistics.median(timed_steps)
+    flops_per_image, tokens_per_image = train_flops_per_image(cfg)
+    images_per_s = trainer.global_batch / step_s
+    peak = peak_flops(cfg, device)
+    return {
+        "step_s": round(step_s, 4),
+        "first_step_s": round(times[0], 2),
+        "timed_steps": len(timed_steps),
+        "images_per_s": round(images_per_s, 2),
+        "tokens_per_s": round(images_per_s * tokens_per_image),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "mfu": round(images_per_s * flops_per_image / peak, 4) if peak else None,
+    }
+
+
+def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: dict) -> None:
+    import torch
+
+    from pretrain.train import PEAK_TFLOPS, build_model, peak_flops, train_flops_per_image
+
+    device = init_single_process_group()
+    cfg = pretrain_config(sz, context)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    peak = peak_flops(cfg, device)
+    flops_per_image, tokens_per_image = train_flops_per_image(cfg)
+    report.set(
+        device=name,
+        size=cfg.model.size,
+        image=list(cfg.image_size),
+        batch=cfg.data.batch_size,
+        precision=cfg.precision if device.type == "cuda" else "fp32 (CPU)",
+        train_tflop_per_image=round(flops_per_image / 1e12, 4),
+        tokens_per_image=tokens_per_image,
+        peak_tflops=peak / 1e12 if peak else None,
+        peak_source=("--peak-tflops" if cfg.log.peak_tflops else f"pretrain.train.PEAK_TFLOPS for {name!r}")
+        if peak
+        else f"none for {name!r} (known: {sorted(PEAK_TFLOPS)}; pass --peak-tflops): no MFU",
+    )
+    model, built = None, None
+    for compiled, checkpointing in sz.pretrain_settings:
+        setting = {"compile": compiled, "activation_checkpointing": checkpointing}
+        if compiled and not sz.compile:
+            report.append("skipped", {**setting, "why": "--cpu-smoke: inductor's CPU code generation takes minutes"})
+            continue
+        if deadline.left() < MARGIN_S:
+            report.append("skipped", {**setting, "why": f"{deadline.left():.0f} s left"})
+            continue
+        if built != compiled:
+            model = None  # the eager model's memory goes before the compiled one is built
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            cfg = pretrain_config(sz, context, f"model.compile={str(compiled).lower()}")
+            model, built = build_model(cfg, device), compiled
+        set_activation_checkpointing(model, checkpointing)
+        try:
+            result = measure_steps(cfg, model, device, sz.warmup, sz.steps, deadline)
+        except Exception as exc:  # noqa: BLE001 - out of memory, a compiler error: that setting's row says so
+            first_line = (str(exc).splitlines() or [""])[0][:300]
+            report.append("runs", {**setting, "error": f"{type(exc).__name__}: {first_line}"})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        report.append("runs", {**setting, **result})
+    runs = [r for r in report.data.get("runs", []) if "step_s" in r]
+    if not runs:
+        raise RuntimeError("no setting completed a timed step")
+    best = min(runs, key=lambda r: r["step_s"])
+    report.set(best=best)
