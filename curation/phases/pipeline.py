@@ -42,7 +42,6 @@ from common.storage import (
     delete_quietly,
     exists,
     join,
-    list_files,
     remove_temporaries,
     resolve,
     write_json_atomic,
@@ -230,19 +229,15 @@ class GlobalPhases:
 
     # --- phase 2: dedup ------------------------------------------------------------------------------------------
 
-    def _survey(self, runner: StepRunner) -> int:
-        """Write the survivor partitions (those not yet written); returns the number of survivors."""
-        return runner.run(Survey(self))["rows"]
-
     def _dedup(self) -> dict:
-        cfg = self.cfg.dedup
-        n = self._survey(self.runner("dedup"))
+        cfg, runner = self.cfg.dedup, self.runner("dedup")
+        n = runner.run(Survey(self))["rows"]
         files = self.survivor_files + self.release_files  # the release's images are linked like any survivor
         pair_files: dict[str, list[str]] = {}
         summaries = {}
         if "phash" in cfg.signals and n:
-            summaries["phash"] = run_phash_pairs(self.out_uri, files, cfg.phash_radius)
-            pair_files["phash"] = self._listed(LAYOUT.phash_pairs)
+            summaries["phash"] = run_phash_pairs(runner, files, cfg.phash_radius)
+            pair_files["phash"] = self.output.listed(LAYOUT.phash_pairs)
         if "embedding" in cfg.signals and n:
             summaries["embedding"] = run_embedding_pairs(
                 self.out_uri,
@@ -254,15 +249,11 @@ class GlobalPhases:
                 max_probes=cfg.max_probes,
                 probe_z=cfg.probe_z,
             )
-            pair_files["embedding"] = self._listed(LAYOUT.embedding_pairs)
-        result = run_components(self.out_uri, pair_files, files) if n else {}
+            pair_files["embedding"] = self.output.listed(LAYOUT.embedding_pairs)
+        result = run_components(runner, pair_files, files) if n else {}
         released = f" (the release's kept images in {len(self.release_files)} of them)" if self.release_files else ""
         log.info(f"[dedup] {n} survivors in {len(files)} partitions{released}; {result}")
         return {"inputs": n, "partitions": len(files), "pairs": summaries, "components": result}
-
-    def _listed(self, folder: str) -> list[str]:
-        base = join(self.root, folder)
-        return [p[len(self.root) + 1 :] for p in list_files(self.fs, base, ".parquet")]
 
     # --- phase 3: sample -----------------------------------------------------------------------------------------
 

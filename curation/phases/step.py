@@ -188,6 +188,36 @@ class StepRunner:
         }
 
 
-def launches(task: Any, calls: Mapping[str, tuple]) -> Callable[[str], ray.ObjectRef]:
-    """``run_unit`` for a step whose unit ``u`` is ``task.remote(*calls[u])``."""
-    return lambda unit: task.remote(*calls[unit])
+class Calls(Step):
+    """A step whose unit ``u`` is one call ``task.remote(*args)`` of ``calls[u] = (task, args)``: the steps that are
+    a list of task calls with nothing else to say (``own``: its fingerprint beyond the steps before it;
+    ``summarise``: its ``reduce``, the sum of each numeric field by default)."""
+
+    def __init__(
+        self,
+        name: str,
+        calls: Mapping[str, tuple[Any, tuple]],
+        *,
+        unit_name: str = "tasks",
+        own: Any = None,
+        outputs: Sequence[str] = (),
+        summarise: Callable[[Sequence[dict]], dict] | None = None,
+    ):
+        self.name, self.unit_name = name, unit_name  # type: ignore[misc]  # per instance, not per class
+        self.calls, self.own, self.written, self.summarise = calls, own, list(outputs), summarise
+
+    def fingerprint(self) -> Any:
+        return self.own
+
+    def outputs(self) -> list[str]:
+        return self.written
+
+    def units(self) -> list[str]:
+        return list(self.calls)
+
+    def run_unit(self, unit: str) -> ray.ObjectRef:
+        task, args = self.calls[unit]
+        return task.remote(*args)
+
+    def reduce(self, receipts: Sequence[dict]) -> dict:
+        return self.summarise(receipts) if self.summarise else super().reduce(receipts)

@@ -47,14 +47,11 @@ files to the 2500 file groups have 20 KB footers. The driver: O(P) receipts per 
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from hashlib import sha256
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -64,9 +61,8 @@ import pyarrow.parquet as pq
 import ray
 
 from common.layout import LAYOUT
-from common.progress import Progress
-from common.storage import delete_quietly, exists, join, read_json, resolve, write_json_atomic, write_parquet_atomic
-from curation.phases.dedup import kernels as dd
+from common.storage import delete_quietly, exists, join, resolve, write_parquet_atomic
+from curation.phases.dedup import kernels
 from curation.phases.routed import (
     read_plain,
     read_receipt,
@@ -74,13 +70,12 @@ from curation.phases.routed import (
     write_plain,
     write_routed,
 )
-from curation.phases.runtime import map_footers, parquet_rows, run_tasks, task_window
-from curation.records import step_advice
+from curation.phases.runtime import map_footers, parquet_rows
+from curation.phases.step import Calls, StepRunner
 
 log = logging.getLogger(__name__)
 
 WORK_DIR, DECISIONS_DIR = LAYOUT.components, LAYOUT.dedup_decisions
-SUMMARY = LAYOUT.components_summary
 SURVIVOR_COLUMNS = ["uid", "shard_id", "source", "key", "score", "width", "height", "encoding_quality", "released"]
 
 EDGES = pa.schema([("src", pa.int64()), ("dst", pa.int64()), ("code", pa.int8())])
@@ -213,9 +208,9 @@ def _numbers(table: pa.Table, name: str, fill, dtype) -> np.ndarray:
     return pc.fill_null(column, fill).to_numpy(zero_copy_only=False)
 
 
-def keep_attributes(survivors: pa.Table) -> dd.KeepAttributes:
+def keep_attributes(survivors: pa.Table) -> kernels.KeepAttributes:
     """What the keep rule ranks, from survivor rows (``curation.phases.survivors``; a missing value ranks lowest)."""
-    return dd.KeepAttributes(
+    return kernels.KeepAttributes(
         released=_numbers(survivors, "released", False, bool),
         width=_numbers(survivors, "width", 0, np.int64),
         height=_numbers(survivors, "height", 0, np.int64),
@@ -469,7 +464,7 @@ def _keep_task(
     keys = np.asarray(
         [f"{k}\x00{s}" for k, s in zip(m.column("key").to_pylist(), m.column("source").to_pylist())], object
     )
-    result = dd.resolve_duplicates(
+    result = kernels.resolve_duplicates(
         m.num_rows,
         links,
         keep_attributes(m),
@@ -522,23 +517,31 @@ def _parts(stage: str, n: int) -> list[str]:
     return [_work(stage, f"part-{p:06d}.parquet") for p in range(n)]
 
 
+def _units(calls: Sequence[tuple[Any, tuple]]) -> dict[str, tuple[Any, tuple]]:
+    return {f"part-{k:06d}": call for k, call in enumerate(calls)}
+
+
+def _total(field: str) -> Callable[[Sequence[dict]], dict]:
+    return lambda receipts: {field: sum(r[field] for r in receipts)}
+
+
 def _label_components(
-    out_uri: str,
+    runner: StepRunner,
     layout: ray.ObjectRef,
     edges: list[str],
     remaining: int,
     n_parts: int,
     local_edges: int,
     max_rounds: int,
-    run: Callable[[list], list[dict]],
 ) -> tuple[list[str], int, bool]:
     """Steps 3-5: the routed label files of every node in some pair, the rounds run, whether one task finished."""
-    # 3-4: contraction rounds, then the rest in one task
+    uri = runner.output.uri
     adjacency, routed, rounds, labels, finished_locally = edges, False, 0, [], False
     while remaining:
         if remaining <= local_edges:
             labels = [_work(f"round-{rounds + 1:03d}", "labels-local.parquet")]
-            done = run([(_finish_task, (out_uri, layout, adjacency, labels[0]))])[0]
+            call = (_finish_task, (uri, layout, adjacency, labels[0]))
+            done = runner.run(Calls(f"components/round-{rounds + 1:03d}/finish", {"all": call}))
             log.info(
                 f"[components] {remaining} directed edges left: finished in one task ({done['components']} components)"
             )
@@ -552,46 +555,37 @@ def _label_components(
         rounds += 1
         step = f"round-{rounds:03d}"
         hooks, messages = _parts(f"{step}/hooks", n_parts), _parts(f"{step}/messages", n_parts)
-        run(
-            [
-                # round 1 reads its own edges file; later rounds their rows of every routed edges file
-                (
-                    _hook_task,
-                    (
-                        out_uri,
-                        layout,
-                        rounds,
-                        adjacency if routed else [adjacency[p]],
-                        routed,
-                        p,
-                        hooks[p],
-                        messages[p],
-                    ),
-                )
-                for p in range(n_parts)
-            ]
-        )
+        # round 1 reads its own edges file; later rounds their rows of every routed edges file
+        hook = [
+            (
+                _hook_task,
+                (uri, layout, rounds, adjacency if routed else [adjacency[p]], routed, p, hooks[p], messages[p]),
+            )
+            for p in range(n_parts)
+        ]
+        runner.run(Calls(f"components/{step}/hook", _units(hook), unit_name="partitions"))
         adjacency, children = _parts(f"{step}/edges", n_parts), _parts(f"{step}/children", n_parts)
-        receipts = run(
-            [
-                (_contract_task, (out_uri, layout, hooks[p], messages, p, adjacency[p], children[p]))
-                for p in range(n_parts)
-            ]
+        contract = [
+            (_contract_task, (uri, layout, hooks[p], messages, p, adjacency[p], children[p])) for p in range(n_parts)
+        ]
+        step_stats = Calls(
+            f"components/{step}/contract", _units(contract), unit_name="partitions", summarise=_total("edges")
         )
-        routed, remaining = True, sum(r["edges"] for r in receipts)
+        routed, remaining = True, runner.run(step_stats)["edges"]
         log.info(f"[components] round {rounds}: {remaining} directed edges left")
 
     # 5: labels back through the rounds
     for r in range(rounds, 0, -1):
         step = f"round-{r:03d}"
         children, out = _parts(f"{step}/children", n_parts), _parts(f"{step}/labels", n_parts)
-        run([(_label_task, (out_uri, layout, children, labels, p, out[p])) for p in range(n_parts)])
+        label = [(_label_task, (uri, layout, children, labels, p, out[p])) for p in range(n_parts)]
+        runner.run(Calls(f"components/{step}/labels", _units(label), unit_name="partitions"))
         labels = out
     return labels, rounds, finished_locally
 
 
 def run_components(
-    out_uri: str,
+    runner: StepRunner,
     pair_files: dict[str, list[str]],
     survivor_files: list[str],
     partitions: int | None = None,
@@ -601,25 +595,24 @@ def run_components(
     local_edges: int | None = None,
     files_per_task: int = 4,
     survivor_batch_rows: int = 65_536,
-    window: int | None = None,
     keep_work: bool = False,
 ) -> dict:
     """Components of the pairs of every signal and the keep rule; writes ``LAYOUT.dedup_decision(i)`` per survivor file.
 
-    ``pair_files`` maps each signal to its pair files (relative to ``out_uri``), in priority order: a pair that
+    ``pair_files`` maps each signal to its pair files (relative to the output), in priority order: a pair that
     two signals link counts as the first's. ``partitions`` (P) defaults to twice the pair rows over
     ``edges_per_partition``; ``local_edges`` (default ``edges_per_partition``) is the most directed edges left that
     one task finishes alone. Raises ``ComponentsError`` when ``max_rounds`` rounds leave more than that.
     ``files_per_task`` survivor files make one ``members`` / ``write`` task.
     Intermediate files live under ``dedup/components/`` and are removed at the end unless ``keep_work``.
     """
-    fs, root = resolve(out_uri)
+    out, uri = runner.output, runner.output.uri
     signals = tuple(pair_files)
     if len(signals) > 127:
         raise ValueError("at most 127 signals")
     pair_list = [(code, path) for code, s in enumerate(signals) for path in pair_files[s]]
     if partitions is None:
-        pair_rows = sum(parquet_rows(fs, [join(root, path) for _, path in pair_list]))
+        pair_rows = sum(parquet_rows(out.fs, [out.path(path) for _, path in pair_list]))
         partitions = math.ceil(2 * pair_rows / edges_per_partition)
     n_parts = max(1, int(partitions))
     local_edges = edges_per_partition if local_edges is None else local_edges
@@ -630,84 +623,75 @@ def run_components(
         "local_edges": int(local_edges),
         "files_per_task": int(files_per_task),
     }
-    plan_digest = sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
-    outputs = [LAYOUT.dedup_decision(i) for i in range(len(survivor_files))]
-    summary_path, plan_path = join(root, SUMMARY), join(root, _work("plan.json"))
-    advice = step_advice(fs, root, "dedup")
-    previous = read_json(fs, summary_path, fields={"plan": str}, advice=advice) if exists(fs, summary_path) else None
-    if previous is None and exists(fs, plan_path):
-        previous = {"plan": read_json(fs, plan_path, fields={"digest": str}, advice=advice)["digest"]}
-    if previous is not None and previous["plan"] != plan_digest:
-        log.info("[components] inputs or partitioning changed: earlier components work and decisions removed")
-        delete_quietly(fs, join(root, WORK_DIR))
-        delete_quietly(fs, join(root, DECISIONS_DIR))
-        previous = None
-    if previous and "summary" in previous and all(exists(fs, join(root, o)) for o in outputs):
-        log.info("[components] decisions already written, skipped")
-        return previous["summary"]
-    write_json_atomic(fs, plan_path, {"digest": plan_digest, **plan})
-
     # O(F) file boundaries, shared by every task through the object store (not copied into each call)
-    layout_here = _layout(fs, root, survivor_files, n_parts, files_per_task)
+    layout_here = _layout(out.fs, out.root, survivor_files, n_parts, files_per_task)
     layout = ray.put(layout_here)
-    window = window or task_window()
-
-    def run(calls: Sequence[tuple[Any, tuple]], what: str = "tasks") -> list[dict]:
-        """``fn.remote(*args)`` for each ``(fn, args)``; the results in call order."""
-        shown = Progress(f"[components] {what}", len(calls), log.info, unit="tasks")
-        launches = (functools.partial(fn.remote, *args) for fn, args in calls)
-        return list(run_tasks(launches, window, ordered=True, progress=shown))
 
     # 1-2: edges
     routes = [_work("pairs", f"{code:03d}-{k:06d}.parquet") for k, (code, _) in enumerate(pair_list)]
-    receipts = run(
-        [(_pairs_task, (out_uri, layout, path, code, r)) for (code, path), r in zip(pair_list, routes)], "pair files"
-    )
-    pair_counts = {s: 0 for s in signals}
-    for (code, _), receipt in zip(pair_list, receipts):
-        pair_counts[signals[code]] += receipt["rows"]
+    calls = [(_pairs_task, (uri, layout, path, code, r)) for (code, path), r in zip(pair_list, routes)]
+    rows = runner.run(
+        Calls(
+            "components/pairs",
+            _units(calls),
+            unit_name="pair files",
+            own=plan,
+            outputs=[WORK_DIR],
+            summarise=lambda receipts: {"rows": [r["rows"] for r in receipts]},
+        )
+    )["rows"]
+    pair_counts = {s: sum(n for (code, _), n in zip(pair_list, rows) if signals[code] == s) for s in signals}
     edges = _parts("edges", n_parts)
-    edge_calls = [(_edges_task, (out_uri, layout, routes, p, edges[p])) for p in range(n_parts)]
-    remaining = sum(r["edges"] for r in run(edge_calls, "edge partitions"))
-    distinct_edges = remaining // 2
-    log.info(f"[components] {pair_counts} pairs: {distinct_edges} distinct edges in {n_parts} partitions")
-
+    calls = [(_edges_task, (uri, layout, routes, p, edges[p])) for p in range(n_parts)]
+    remaining = runner.run(Calls("components/edges", _units(calls), unit_name="partitions", summarise=_total("edges")))[
+        "edges"
+    ]
+    log.info(f"[components] {pair_counts} pairs: {remaining // 2} distinct edges in {n_parts} partitions")
     labels, rounds, finished_locally = _label_components(
-        out_uri, layout, edges, remaining, n_parts, local_edges, max_rounds, run
+        runner, layout, edges, remaining, n_parts, local_edges, max_rounds
     )
 
     # 6: keep rule
     group_edges, file_labels = _parts("keep/edges", n_parts), _parts("keep/labels", n_parts)
-    receipts = run(
-        [(_attach_task, (out_uri, layout, labels, edges[p], p, group_edges[p], file_labels[p])) for p in range(n_parts)]
-    )
-    nodes = sum(r["nodes"] for r in receipts)
+    calls = [(_attach_task, (uri, layout, labels, edges[p], p, group_edges[p], file_labels[p])) for p in range(n_parts)]
+    nodes = runner.run(Calls("components/attach", _units(calls), unit_name="partitions", summarise=_total("nodes")))[
+        "nodes"
+    ]
     groups = [layout_here.files_of_group(g) for g in range(layout_here.n_groups)]
     members = _parts("keep/members", len(groups))
-    run(
-        [
-            (
-                _members_task,
-                (out_uri, layout, file_labels, g, [survivor_files[i] for i in files], survivor_batch_rows, members[g]),
-            )
-            for g, files in enumerate(groups)
-        ]
-    )
+    calls = [
+        (
+            _members_task,
+            (uri, layout, file_labels, g, [survivor_files[i] for i in files], survivor_batch_rows, members[g]),
+        )
+        for g, files in enumerate(groups)
+    ]
+    runner.run(Calls("components/members", _units(calls), unit_name="file groups"))
     dropped = _parts("keep/dropped", n_parts)
-    receipts = run(
-        [(_keep_task, (out_uri, layout, signals, members, group_edges, p, dropped[p])) for p in range(n_parts)]
+    calls = [(_keep_task, (uri, layout, signals, members, group_edges, p, dropped[p])) for p in range(n_parts)]
+    kept = runner.run(
+        Calls(
+            "components/keep",
+            _units(calls),
+            unit_name="partitions",
+            summarise=lambda receipts: {
+                "components": sum(r["components"] for r in receipts),
+                "by_signal": {s: sum(r["dropped"][s] for r in receipts) for s in signals},
+            },
+        )
     )
-    by_signal = {s: sum(r["dropped"][s] for r in receipts) for s in signals}
-    run(
-        [(_write_task, (out_uri, layout, dropped, g, [outputs[i] for i in files])) for g, files in enumerate(groups)],
-        "decision files",
-    )
+    outputs = [LAYOUT.dedup_decision(i) for i in range(len(survivor_files))]
+    calls = [(_write_task, (uri, layout, dropped, g, [outputs[i] for i in files])) for g, files in enumerate(groups)]
+    runner.run(Calls("components/write", _units(calls), unit_name="file groups", outputs=[DECISIONS_DIR]))
+    if not keep_work:
+        delete_quietly(out.fs, out.path(WORK_DIR))
 
+    by_signal = kept["by_signal"]
     summary = {
         "pairs": pair_counts,
-        "edges": distinct_edges,
+        "edges": remaining // 2,
         "nodes": nodes,
-        "components": sum(r["components"] for r in receipts),
+        "components": kept["components"],
         "dropped": sum(by_signal.values()),
         "by_signal": by_signal,
         "rounds": rounds,
@@ -718,7 +702,4 @@ def run_components(
         f"[components] {nodes} survivors in {summary['components']} groups; {summary['dropped']} dropped {by_signal}; "
         f"{rounds} rounds"
     )
-    write_json_atomic(fs, summary_path, {"plan": plan_digest, "summary": summary})
-    if not keep_work:
-        delete_quietly(fs, join(root, WORK_DIR))
     return summary

@@ -32,9 +32,9 @@ Steps and files (``S`` = survivors with a pHash, ``M`` = survivor files, ``P`` =
   each while sorted), writes ``part-<p>.parquet``, deletes its shuffle folder. A family's hashes above
   ``max_kernel_hashes`` are searched in blocks, block against block, so the kernel's memory (about 100 bytes per
   hash, a 16 MiB band table and ``dedup.MAX_CANDIDATES_PER_STEP`` candidates) never grows with ``S``.
-- the driver holds the file lists, the plan and one small receipt per task; a rerun skips every partition whose
-  ``part`` file exists and every shuffle file that exists; ``_spec.json`` records the settings, and a different
-  spec clears the folder first.
+- the driver holds the file lists, the plan and one small receipt per task. The two steps run on the phase's
+  ``StepRunner`` (``curation.phases.step``): a rerun skips every receipted task, a task skips a shuffle file or a
+  partition whose output exists, and another plan or other inputs clear the folder first.
 
 At 10^9 survivors and radius 8: 3 bands (22, 21, 21 bits), ``f = 2``, ``K = 9`` families of 7-8 bit sub-bands,
 1280 groups in all. With uniform hashes a group holds about ``S / 128 = 7.8M`` hashes, so
@@ -51,14 +51,12 @@ about 1.7x ``dedup.phash_pairs``'s, in exchange for never holding more than a pa
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from hashlib import sha256
 
 import numpy as np
 import pyarrow as pa
@@ -68,25 +66,14 @@ import pyarrow.parquet as pq
 import ray
 
 from common.layout import LAYOUT
-from common.progress import progress
-from common.storage import (
-    delete_quietly,
-    exists,
-    join,
-    list_files,
-    read_json,
-    resolve,
-    write_json_atomic,
-    write_parquet_atomic,
-)
-from curation.phases.dedup import kernels as dd
-from curation.phases.runtime import parquet_rows, run_tasks, task_window
-from curation.records import step_advice
+from common.storage import delete_quietly, exists, join, resolve, write_parquet_atomic
+from curation.phases.dedup import kernels
+from curation.phases.runtime import parquet_rows
+from curation.phases.step import Output, Step, StepRunner
 
 log = logging.getLogger(__name__)
 
 SHUFFLE_DIR = "_shuffle"  # "_" names are skipped by readers listing the pair files
-SPEC_FILE = "_spec.json"
 ROWS_PER_PARTITION = 1_000_000  # shuffle rows per reduce task (17 bytes each before decoding)
 MAX_KERNEL_HASHES = 2_000_000  # distinct hashes given to one band_pairs call
 ROW_GROUP_SIZE = 1 << 20
@@ -117,18 +104,18 @@ class Family:
     """A sub-band of band ``band_index``; the hashes sharing one value of it form a group."""
 
     band_index: int
-    sub: dd.Band  # absolute bit positions
+    sub: kernels.Band  # absolute bit positions
 
 
 @dataclass(frozen=True)
-class SubBandPlan(dd.BandPlan):
+class SubBandPlan(kernels.BandPlan):
     """A band plan whose flip masks leave ``fixed`` (a sub-band of the scanned band) alone.
 
     ``band_pairs`` then only pairs bucket keys that agree on ``fixed``: hashes of one group, however many groups
     share the table.
     """
 
-    fixed: dd.Band
+    fixed: kernels.Band
 
     def masks(self, band_index: int) -> np.ndarray:
         band = self.bands[band_index]
@@ -144,7 +131,7 @@ class SubBandPlan(dd.BandPlan):
 class PairPlan:
     """Everything a task needs: the band plan, the families in reporting order, the number of partitions."""
 
-    bands: dd.BandPlan
+    bands: kernels.BandPlan
     families: tuple[Family, ...]
     partitions: int
 
@@ -172,12 +159,12 @@ class PairPlan:
         }
 
 
-def _sub_bands(band: dd.Band, parts: int) -> list[dd.Band]:
+def _sub_bands(band: kernels.Band, parts: int) -> list[kernels.Band]:
     """``band`` cut into ``parts`` contiguous sub-bands, as even as possible (zero-width when parts > width: such
     a sub-band always agrees, which keeps the pigeonhole true)."""
     widths = [band.width // parts + (1 if k < band.width % parts else 0) for k in range(parts)]
     shifts = band.shift + np.concatenate([[0], np.cumsum(widths)[:-1]])
-    return [dd.Band(int(s), int(w)) for s, w in zip(shifts, widths)]
+    return [kernels.Band(int(s), int(w)) for s, w in zip(shifts, widths)]
 
 
 def plan_pairs(
@@ -191,7 +178,7 @@ def plan_pairs(
     """The plan for about ``n_hashes`` hashes: ``dedup.plan_bands``'s bands, each cut into ``max_flips + 1``
     families; by default as many partitions as give ``rows_per_partition`` shuffle rows each, at most one per
     group (a group is never split). Radius 0 needs one family only (the one that lists exact duplicates)."""
-    bands = dd.plan_bands(max(n_hashes, 1), radius, n_bands)
+    bands = kernels.plan_bands(max(n_hashes, 1), radius, n_bands)
     families = tuple(
         Family(b, sub) for b, band in enumerate(bands.bands) for sub in _sub_bands(band, bands.max_flips + 1)
     )
@@ -227,7 +214,7 @@ def family_pairs(
         idx = np.arange(first, min(first + block, unique.size))
         if second != first:
             idx = np.concatenate([idx, np.arange(second, min(second + block, unique.size))])
-        u, v, d = dd.band_pairs(unique[idx], sub_plan, family.band_index)
+        u, v, d = kernels.band_pairs(unique[idx], sub_plan, family.band_index)
         if second != first:  # pairs inside one block are its own call's
             across = (u < block) & (v >= block)
             u, v, d = u[across], v[across], d[across]
@@ -275,7 +262,7 @@ def _map_task(
     t = pq.read_table(join(root, survivor_file), columns=["uid", "phash"], filesystem=fs)
     t = t.filter(pc.is_valid(t.column("phash")))
     uid = t.column("uid").to_numpy().astype(np.int64)
-    hashes = dd.as_hashes(t.column("phash").to_numpy())
+    hashes = kernels.as_hashes(t.column("phash").to_numpy())
     order = np.lexsort((uid, hashes))
     hashes, uid = hashes[order], uid[order]
     first = _runs(hashes)  # each distinct hash once, with its smallest uid in this file
@@ -355,19 +342,60 @@ def _reduce_task(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _claim(fs: pafs.FileSystem, folder: str, spec: dict, advice: str) -> None:
-    """Resume only what was started with the same settings and inputs; anything else is cleared first."""
-    path = join(folder, SPEC_FILE)
-    if exists(fs, path) and read_json(fs, path, advice=advice) == spec:
-        return
-    if exists(fs, folder):
-        log.info(f"[phash pairs] {folder} holds results of other settings or inputs: cleared")
-        delete_quietly(fs, folder)
-    write_json_atomic(fs, path, spec)
+class PhashMap(Step):
+    """Each survivor file's hashes to the shuffle partitions of their groups."""
+
+    name = "phash/map"
+    unit_name = "survivor files"
+
+    def __init__(self, output: Output, survivor_files: Sequence[str], plan: PairPlan, out_dir: str):
+        self.output, self.files, self.plan, self.out_dir = output, list(survivor_files), plan, out_dir
+
+    def fingerprint(self) -> dict:
+        return {**self.plan.describe(), "inputs": self.files}
+
+    def outputs(self) -> list[str]:
+        return [self.out_dir]  # the shuffle and the pairs: the reduce step's fingerprint follows this one's
+
+    def units(self) -> list[str]:
+        return [f"file-{m:06d}" for m in range(len(self.files))]
+
+    def run_unit(self, unit: str) -> ray.ObjectRef:
+        m = int(unit.removeprefix("file-"))
+        partitions = list(range(self.plan.partitions))
+        return _map_task.remote(self.output.uri, self.out_dir, self.files[m], m, self.plan, partitions)
+
+
+class PhashReduce(Step):
+    """Each partition's pairs, from its shuffle files."""
+
+    name = "phash/reduce"
+    unit_name = "partitions"
+
+    def __init__(self, output: Output, n_maps: int, plan: PairPlan, out_dir: str, max_kernel_hashes: int):
+        self.output, self.n_maps, self.plan, self.out_dir = output, n_maps, plan, out_dir
+        self.max_kernel_hashes = max_kernel_hashes
+
+    def units(self) -> list[str]:
+        return [f"part-{p:05d}" for p in range(self.plan.partitions)]
+
+    def run_unit(self, unit: str) -> ray.ObjectRef:
+        p = int(unit.removeprefix("part-"))
+        return _reduce_task.remote(self.output.uri, self.out_dir, p, self.n_maps, self.plan, self.max_kernel_hashes)
+
+    def reduce(self, receipts: Sequence[dict]) -> dict:
+        done = [r for r in receipts if not r["skipped"]]
+        return {
+            "partitions_computed": len(done),
+            "exact_pairs_computed": sum(r["exact_pairs"] for r in done),
+            "largest_partition_rows": max((r["rows"] for r in done), default=0),
+            "largest_family_hashes": max((r["largest_family"] for r in done), default=0),
+            "task_cpu_s": round(sum(r["cpu_s"] for r in done), 1),
+        }
 
 
 def run_phash_pairs(
-    out_uri: str,
+    runner: StepRunner,
     survivor_files: Sequence[str],
     radius: int,
     out_dir: str = LAYOUT.phash_pairs,
@@ -376,75 +404,31 @@ def run_phash_pairs(
     n_bands: int | None = None,
     rows_per_partition: int = ROWS_PER_PARTITION,
     max_kernel_hashes: int = MAX_KERNEL_HASHES,
-    max_in_flight: int | None = None,
 ) -> dict:
     """Write every pair of survivors within Hamming distance ``radius`` (exact) under ``out_dir`` (see module doc).
 
-    ``survivor_files`` are paths relative to ``out_uri`` in the survivors schema (only ``uid`` and ``phash`` are
+    ``survivor_files`` are paths relative to the output in the survivors schema (only ``uid`` and ``phash`` are
     read). ``partitions`` defaults to ``plan_pairs``'s choice from the survivors' row count. Returns a summary.
     """
     start = time.monotonic()
-    fs, root = resolve(out_uri)
-    folder = join(root, out_dir)
-    n_rows = sum(parquet_rows(fs, [join(root, f) for f in survivor_files]))
+    out = runner.output
+    n_rows = sum(parquet_rows(out.fs, [out.path(f) for f in survivor_files]))
     plan = plan_pairs(n_rows, radius, partitions, n_bands=n_bands, rows_per_partition=rows_per_partition)
-    inputs = sha256("\n".join(survivor_files).encode()).hexdigest()
-    _claim(fs, folder, {**plan.describe(), "inputs": inputs}, step_advice(fs, root, "dedup"))
-
-    present = {path.rpartition("/")[2] for path in list_files(fs, folder, ".parquet")}
-    missing = [p for p in range(plan.partitions) if LAYOUT.pair_part(out_dir, p).rpartition("/")[2] not in present]
     log.info(
         f"[phash pairs] {n_rows} survivors, radius {radius}: {len(plan.bands.bands)} bands, "
-        f"{len(plan.families)} families, {plan.partitions} partitions ({len(missing)} to do)"
+        f"{len(plan.families)} families, {plan.partitions} partitions"
     )
-    window = max_in_flight or task_window()
-    maps, reduces = [], []
-    if missing:
-        maps = list(
-            progress(
-                run_tasks(
-                    (
-                        functools.partial(_map_task.remote, out_uri, out_dir, f, m, plan, missing)
-                        for m, f in enumerate(survivor_files)
-                    ),
-                    window,
-                ),
-                "[phash pairs] map",
-                len(survivor_files),
-                log.info,
-                unit="survivor files",
-            )
-        )
-        reduces = list(
-            progress(
-                run_tasks(
-                    (
-                        functools.partial(
-                            _reduce_task.remote, out_uri, out_dir, p, len(survivor_files), plan, max_kernel_hashes
-                        )
-                        for p in missing
-                    ),
-                    window,
-                ),
-                "[phash pairs] reduce",
-                len(missing),
-                log.info,
-                unit="partitions",
-            )
-        )
-    delete_quietly(fs, join(folder, SHUFFLE_DIR))
-    done = [r for r in reduces if not r["skipped"]]
-    n_pairs = sum(parquet_rows(fs, [join(root, LAYOUT.pair_part(out_dir, p)) for p in range(plan.partitions)]))
+    mapped = runner.run(PhashMap(out, survivor_files, plan, out_dir))
+    reduced = runner.run(PhashReduce(out, len(survivor_files), plan, out_dir, max_kernel_hashes))
+    delete_quietly(out.fs, out.path(join(out_dir, SHUFFLE_DIR)))
+    n_pairs = sum(parquet_rows(out.fs, [out.path(LAYOUT.pair_part(out_dir, p)) for p in range(plan.partitions)]))
     summary = {
         **plan.describe(),
+        **reduced,
         "survivors": n_rows,
         "pairs": n_pairs,
-        "partitions_computed": len(done),
-        "shuffle_rows": sum(r["rows"] for r in maps),
-        "exact_pairs_computed": sum(r["exact_pairs"] for r in done),
-        "largest_partition_rows": max((r["rows"] for r in done), default=0),
-        "largest_family_hashes": max((r["largest_family"] for r in done), default=0),
-        "task_cpu_s": round(sum(r["cpu_s"] for r in [*maps, *done]), 1),
+        "shuffle_rows": mapped.get("rows", 0),
+        "task_cpu_s": round(reduced["task_cpu_s"] + mapped.get("cpu_s", 0.0), 1),
         "seconds": round(time.monotonic() - start, 2),
     }
     log.info(f"[phash pairs] {n_pairs} pairs in {plan.partitions} files, {summary['seconds']} s")

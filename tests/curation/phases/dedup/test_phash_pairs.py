@@ -9,9 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from common.layout import LAYOUT
 from common.storage import resolve, write_parquet_atomic
 from curation.phases import reference as single_process
 from curation.phases.dedup.phash_pairs import PAIR_SCHEMA, SHUFFLE_DIR, plan_pairs, run_phash_pairs
+from curation.phases.step import Output, StepRunner
 from curation.phases.survivors import make_uid, partition_path, survivors_schema
 
 DIM = 4
@@ -90,7 +92,7 @@ def reference(uid, hashes, valid, radius: int, *, brute: bool) -> list[tuple[int
 
 
 def run(out: Path, files: list[str], radius: int, **kwargs) -> dict:
-    return run_phash_pairs(str(out), files, radius, **kwargs)
+    return run_phash_pairs(StepRunner(Output.at(str(out)), "dedup", "settings", window=4), files, radius, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -139,14 +141,26 @@ def test_rerun_skips_done_partitions_and_gives_the_same_bytes(tmp_path, ray_loca
     first = run(tmp_path, files, 8, partitions=4)
     snapshot = {p.name: p.read_bytes() for p in folder.glob("part-*.parquet")}
     assert first["partitions_computed"] == 4 and len(snapshot) == 4
+    written = {p.name: p.stat().st_mtime_ns for p in folder.glob("part-*.parquet")}
 
-    again = run(tmp_path, files, 8, partitions=4)
-    assert again["partitions_computed"] == 0 and again["shuffle_rows"] == 0 and again["pairs"] == first["pairs"]
+    again = run(tmp_path, files, 8, partitions=4)  # done: the recorded summary, nothing runs
+    assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in first.items() if k != "seconds"}
 
+    # a kill during the reduce: one partition neither written nor receipted, the map step's shuffle not yet removed
     (folder / "part-00002.parquet").unlink()
-    redo = run(tmp_path, files, 8, partitions=4)
-    assert redo["partitions_computed"] == 1
+    for rel in (
+        LAYOUT.step_unit("dedup", "phash/reduce", "part-00002"),
+        LAYOUT.step_done("dedup", "phash/reduce"),
+        LAYOUT.step_done("dedup", "phash/map"),
+    ):
+        (tmp_path / rel).unlink()
+    for receipt in (tmp_path / LAYOUT.step_units("dedup", "phash/map")).glob("*.json"):
+        receipt.unlink()
+    run(tmp_path, files, 8, partitions=4)
     assert {p.name: p.read_bytes() for p in folder.glob("part-*.parquet")} == snapshot
+    again_written = {p.name: p.stat().st_mtime_ns for p in folder.glob("part-*.parquet")}
+    assert [name for name in written if written[name] != again_written[name]] == ["part-00002.parquet"]
+    assert not (folder / SHUFFLE_DIR).exists()
 
     other = run(tmp_path, files, 8, partitions=3)  # other settings: the old files are not mixed in
     assert other["partitions_computed"] == 3 and sorted(p.name for p in folder.glob("part-*.parquet")) == [

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import NamedTuple
 
@@ -13,8 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from common.layout import LAYOUT
+from curation.phases.dedup import components as components_module
 from curation.phases.dedup import kernels as dd
-from curation.phases.dedup.components import WORK_DIR, ComponentsError, keep_attributes, run_components
+from curation.phases.dedup.components import WORK_DIR, ComponentsError, keep_attributes
+from curation.phases.step import Output, StepRunner
 from curation.phases.survivors import make_uid, survivors_schema
 
 DIM = 4
@@ -161,6 +162,11 @@ def case(tmp_path_factory):
     return root, survivors, graph, write_pairs(root, survivors, graph, files_per_signal=3)
 
 
+def run_components(out, *args, **kwargs) -> dict:
+    runner = StepRunner(Output.at(str(out)), "dedup", "settings", window=4)
+    return components_module.run_components(runner, *args, **kwargs)
+
+
 @pytest.mark.parametrize(
     "partitions,local_edges,files_per_task", [(3, 0, 4), (5, 0, 1), (2, None, 3)], ids=["rounds-3", "rounds-5", "local"]
 )
@@ -168,7 +174,7 @@ def test_decisions_match_single_process(ray_local, case, tmp_path, partitions, l
     root, survivors, graph, pairs = case
     out = copy_inputs(root, tmp_path / "out", survivors, pairs)
     summary = run_components(
-        str(out),
+        out,
         pairs,
         survivors.files,
         partitions,
@@ -192,36 +198,39 @@ def test_long_chain_converges_and_max_rounds_stops(ray_local, tmp_path):
     graph = {"phash": (order[:-1], order[1:]), "embedding": (np.empty(0, np.int64), np.empty(0, np.int64))}
     pairs = write_pairs(tmp_path, survivors, graph, files_per_signal=2)
     with pytest.raises(ComponentsError, match="max_rounds=2"):
-        run_components(str(tmp_path), pairs, survivors.files, partitions=2, max_rounds=2, local_edges=0)
-    summary = run_components(str(tmp_path), pairs, survivors.files, partitions=2, local_edges=0)
+        run_components(tmp_path, pairs, survivors.files, partitions=2, max_rounds=2, local_edges=0)
+    summary = run_components(tmp_path, pairs, survivors.files, partitions=2, local_edges=0)
     assert 2 < summary["rounds"] <= 25 and summary["components"] == 1 and summary["dropped"] == n - 1
     assert decisions(tmp_path, survivors) == reference(survivors, graph)
 
 
-def test_rerun_skips_finished_work_and_is_byte_identical(ray_local, case, tmp_path, caplog):
+def test_rerun_skips_finished_work_and_is_byte_identical(ray_local, case, tmp_path):
     root, survivors, _graph, pairs = case
     out = copy_inputs(root, tmp_path / "out", survivors, pairs)
     args = dict(partitions=3, local_edges=0, keep_work=True)
-    first = run_components(str(out), pairs, survivors.files, **args)
+    first = run_components(out, pairs, survivors.files, **args)
     written = {p: p.read_bytes() for p in sorted((out / "dedup/decisions").glob("*.parquet"))}
     work = {p: p.stat().st_mtime_ns for p in (out / WORK_DIR).rglob("*.parquet")}
 
-    caplog.set_level(logging.INFO, logger="curation")
-    assert run_components(str(out), pairs, survivors.files, **args) == first
-    assert any("skipped" in line for line in caplog.messages)
+    assert run_components(out, pairs, survivors.files, **args) == first  # done: nothing runs
+    assert all(p.stat().st_mtime_ns == t for p, t in work.items())
 
-    # an interrupted run: the summary, one decisions file and some of the later work are missing
-    (out / "dedup/decisions/_summary.json").unlink()
+    # an interrupted run: the last two steps not done, one decisions file and one keep task's output neither
+    # written nor receipted
+    for step in ("components/keep", "components/write"):
+        (out / LAYOUT.step_done("dedup", step)).unlink()
     next(iter(written)).unlink()
-    removed = [p for p in work if "keep/" in str(p) and "part-000001" in p.name]
+    (out / LAYOUT.step_unit("dedup", "components/write", "part-000000")).unlink()
+    removed = [p for p in work if "keep/dropped" in str(p) and "part-000001" in p.name]
     for p in removed:
         p.unlink()
-    assert run_components(str(out), pairs, survivors.files, **args) == first
+    (out / LAYOUT.step_unit("dedup", "components/keep", "part-000001")).unlink()
+    assert run_components(out, pairs, survivors.files, **args) == first
     assert {p: p.read_bytes() for p in written} == written
     assert all(p.stat().st_mtime_ns == t for p, t in work.items() if p not in removed), "finished tasks were redone"
 
     # other partitioning: same decisions, earlier work thrown away
-    again = run_components(str(out), pairs, survivors.files, **{**args, "partitions": 4})
+    again = run_components(out, pairs, survivors.files, **{**args, "partitions": 4})
     assert {p: p.read_bytes() for p in written} == written
     assert {k: again[k] for k in ("dropped", "by_signal", "components")} == {
         k: first[k] for k in ("dropped", "by_signal", "components")
@@ -232,11 +241,11 @@ def test_no_pairs_keeps_everyone_and_unknown_uids_are_refused(ray_local, tmp_pat
     survivors = write_survivors(tmp_path, n_files=2, shards_per_file=1, rows_per_shard=50, seed=5)
     empty = np.empty(0, np.int64)
     pairs = write_pairs(tmp_path, survivors, {"phash": (empty, empty)}, files_per_signal=1)
-    summary = run_components(str(tmp_path), pairs, survivors.files)
+    summary = run_components(tmp_path, pairs, survivors.files)
     assert summary["dropped"] == 0 and summary["components"] == 0 and summary["rounds"] == 0
     assert all(pq.read_table(tmp_path / LAYOUT.dedup_decision(i)).num_rows == 0 for i in range(2))
 
     bad = tmp_path / "dedup/pairs/bad.parquet"
     pq.write_table(pa.table({"a": [int(survivors.table.column("uid")[0].as_py())], "b": [make_uid(99, 0)]}), bad)
     with pytest.raises(ComponentsError, match="no survivor file"):
-        run_components(str(tmp_path), {"phash": ["dedup/pairs/bad.parquet"]}, survivors.files)
+        run_components(tmp_path, {"phash": ["dedup/pairs/bad.parquet"]}, survivors.files)
