@@ -629,7 +629,7 @@ def run_components(
 
     # 1-2: edges
     routes = [_work("pairs", f"{code:03d}-{k:06d}.parquet") for k, (code, _) in enumerate(pair_list)]
-    calls = [(_pairs_task, (uri, layout, path, code, r)) for (code, path), r in zip(pair_list, routes)]
+    calls: list[tuple[Any, tuple]] = [(_pairs_task, (uri, layout, path, code, r)) for (code, path), r in zip(pair_list, routes)]
     rows = runner.run(
         Calls(
             "components/pairs",
