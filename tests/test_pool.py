@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 
 from common import schema
-from curation.score.pool import PoolError, ShardReader, list_shards
+from curation.score.pool import PoolError, list_shards
+from curation.score.reader import ShardReader
 from curation.settings import InputSettings
 
 

@@ -15,7 +15,8 @@ from common import schema
 from common.layout import DOWNLOAD, GLOBAL_PHASES, LAYOUT, TAKEDOWN, funnel_phase
 from common.storage import exists, join, resolve
 from curation.records import read_commits, read_manifest
-from curation.score.pool import layout_problem
+from curation.score.read_parquet import layout_problem
+from curation.score.sources import parse_source
 
 
 def committed_files(out_uri: str, kind: str) -> list[str]:
@@ -115,9 +116,8 @@ def _of(n: int, total: int, noun: str) -> str:
 
 
 def _suffix(source: str) -> str:
-    """An input's file suffix, lower case: of the file, or of the tar member after ``#``."""
-    name = posixpath.basename(source).rsplit("#", 1)[-1]
-    return posixpath.splitext(name)[1].lower() or "no suffix"
+    """An input's file suffix, lower case: of the file, or of the tar member."""
+    return posixpath.splitext(parse_source(source).leaf)[1].lower() or "no suffix"
 
 
 @dataclass
