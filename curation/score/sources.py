@@ -112,4 +112,4 @@ def parse_source(source: str) -> Source:
                 return Source(container, kind, repeated[1], int(repeated[2]))
             return Source(container, kind, part)
         start = cut + 1
-    return Source(source, "files")
+    return Source(source, container_kind(source))
