@@ -31,7 +31,8 @@ from curation.audit.charts import score_histogram
 from curation.audit.report import _NOT_REOPENED, write_report
 from curation.audit.report_data import SCORES, ReportOptions
 from curation.audit.thumbnails import SourceReader, SourceUnreadable, Thumbnails, Tile
-from curation.audit.verify import Problem, audit, funnel_key
+from curation.audit.verify import audit, funnel_key
+from curation.audit.verify_shards import Problem
 from curation.config import CurateConfig
 from curation.score.ledger import read_ledger, reason_code
 from jobs import audit as audit_job
