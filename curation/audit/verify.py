@@ -24,7 +24,7 @@ import os
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -63,16 +63,6 @@ class AuditResult:
 def funnel_key(stage: str | None, status: str, reason: str | None) -> str:
     """The manifest's funnel bucket of a final-ledger row: ``<phase>/<stage>/<status>/<reason code>``."""
     return f"{funnel_phase(stage)}/{stage}/{status}/{reason_code(reason)}"
-
-
-@dataclass
-class _ShardRows:
-    """What one shard contributes to the cross-shard checks: (key, source) per row, in file order."""
-
-    file: str
-    keys: list[str | None] = field(default_factory=list)
-    sources: list[str | None] = field(default_factory=list)
-    decoded: int = 0
 
 
 class _Auditor:

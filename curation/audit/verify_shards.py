@@ -37,42 +37,6 @@ class ShardRows:
     decoded: int = 0
 
 
-def _short(digest: str | None) -> str:
-    return "null" if digest is None else f"{digest[:16]}…"
-
-
-def _decode_error(data: bytes) -> str | None:
-    """None when the bytes decode to an image; else why not. A draft decode still reads the whole stream."""
-    try:
-        open_reduced(data, max_side=64).load()
-    except Exception as exc:  # noqa: BLE001 - any decoder failure is the finding
-        return safe_error(exc, data)
-    return None
-
-
-def _schema_difference(actual: pa.Schema, expected: pa.Schema) -> str | None:
-    if actual.remove_metadata().equals(expected):
-        return None
-    parts = []
-    missing = [n for n in expected.names if n not in actual.names]
-    extra = [n for n in actual.names if n not in expected.names]
-    if missing:
-        parts.append(f"missing columns {missing}")
-    if extra:
-        parts.append(f"unexpected columns {extra}")
-    for f in expected:
-        if f.name in actual.names:
-            got = actual.field(f.name)
-            if not got.type.equals(f.type) or got.nullable != f.nullable:
-                parts.append(
-                    f"column {f.name} is {got.type}{'' if got.nullable else ' not null'}, expected {f.type}"
-                    f"{'' if f.nullable else ' not null'}"
-                )
-    if not parts and actual.names != expected.names:
-        parts.append(f"columns in order {actual.names}, expected {expected.names}")
-    return "schema differs from common/schema.py curated_schema: " + "; ".join(parts)
-
-
 def short(digest: str | None) -> str:
     return "null" if digest is None else f"{digest[:16]}…"
 
