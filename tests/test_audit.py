@@ -27,18 +27,12 @@ from PIL import Image, ImageOps
 from common import schema
 from common.config import load_config
 from common.layout import LAYOUT
-from curation.audit.report import (
-    _NOT_REOPENED,
-    SCORES,
-    ReportOptions,
-    SourceReader,
-    SourceUnreadable,
-    Thumbnails,
-    Tile,
-    score_histogram,
-    write_report,
-)
-from curation.audit.verify import Problem, audit, funnel_key
+from curation.audit.charts import score_histogram
+from curation.audit.report import _NOT_REOPENED, write_report
+from curation.audit.report_data import SCORES, ReportOptions
+from curation.audit.thumbnails import SourceReader, SourceUnreadable, Thumbnails, Tile
+from curation.audit.verify import audit, funnel_key
+from curation.audit.verify_shards import Problem
 from curation.config import CurateConfig
 from curation.score.ledger import read_ledger, reason_code
 from jobs import audit as audit_job
@@ -434,7 +428,7 @@ def test_source_reader_reads_files_parquet_rows_and_tar_members(tmp_path):
         (str(tmp_path / "gone.jpg"), "missing"),
         (f"{tmp_path}/pool.parquet#row=7", "no row 7"),
         (f"{tmp_path}/pool.parquet#photo-12", "source_column"),
-        (f"{tmp_path}/pool.tar#nope.jpg", "KeyError"),
+        (f"{tmp_path}/pool.tar#nope.jpg", "no member"),
     ):
         with pytest.raises(SourceUnreadable, match=why):
             reader.read(source)

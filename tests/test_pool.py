@@ -8,7 +8,9 @@ import pytest
 from PIL import Image
 
 from common import schema
-from curation.score.pool import PoolError, ShardReader, list_shards
+from curation.score.pool import PoolError, list_shards
+from curation.score.reader import ShardReader
+from curation.score.sources import parse_source
 from curation.settings import InputSettings
 
 
@@ -102,7 +104,7 @@ def test_webdataset_tars_and_a_truncated_tar(tmp_path):
     shards = list_shards(str(root), InputSettings())
     assert [s.kind for s in shards] == ["webdataset", "webdataset"]
     good = read_shard(root, shards[0])
-    assert [s.rsplit("#", 1)[1] for s in good.column("source").to_pylist()] == ["s0.jpg", "s1.jpg", "s2.jpg"]
+    assert [parse_source(s).part for s in good.column("source").to_pylist()] == ["s0.jpg", "s1.jpg", "s2.jpg"]
     bad = read_shard(root, shards[1]).to_pylist()
     assert bad[-1]["image"] is None and "tar shard unreadable" in bad[-1]["reason"]
 

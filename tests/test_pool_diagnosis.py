@@ -17,7 +17,8 @@ from PIL import Image
 from common.config import load_config
 from curation.config import CurateConfig
 from curation.score.ledger import CAUSE_COLUMNS, likely_causes, read_ledger
-from curation.score.pool import ShardReader, list_shards
+from curation.score.pool import list_shards
+from curation.score.reader import ShardReader
 from curation.score.stage import StageRunner
 from curation.stages.decode import DecodeStage
 

@@ -17,6 +17,7 @@ from curation.phases.write.shards import with_typed_metadata
 from curation.score.ledger import read_ledger
 from curation.score.metadata import merge_all, metadata_types, sample_key, split_metadata
 from curation.score.pool import list_shards
+from curation.score.sources import parse_source
 from curation.settings import InputSettings
 from generators.sample_pool import read_manifest
 from jobs import export
@@ -53,7 +54,7 @@ def _metadata_rows(root: Path, settings: InputSettings | None = None) -> dict[st
     (shard,) = list_shards(str(root), settings or InputSettings())
     rows = read_shard(root, shard, settings).select(["source", "metadata_json", "metadata_note"]).to_pylist()
     return {
-        r["source"].rsplit("#", 1)[-1].rsplit("/", 1)[-1]: (
+        parse_source(r["source"]).leaf: (
             None if r["metadata_json"] is None else json.loads(r["metadata_json"]),
             r["metadata_note"],
         )
@@ -145,7 +146,7 @@ def test_a_sidecar_that_lies_about_its_size_ends_the_tar_with_a_row(tmp_path):
         info.size = 10**15
         tar.addfile(info)  # header only: the "data" is whatever follows
     rows = read_shard(root, list_shards(str(root), InputSettings())[0]).to_pylist()
-    by_name = {r["source"].rsplit("#", 1)[-1]: r for r in rows}
+    by_name = {parse_source(r["source"]).part: r for r in rows}
     assert by_name["000.jpg"]["image"] is not None
     assert "declares more bytes than the tar holds" in by_name["000.jpg"]["metadata_note"]
     assert by_name["<after 1 members>"]["reason"].startswith("unreadable: the member's header declares")
@@ -265,7 +266,9 @@ def _truth(pool: Path) -> dict[str, dict]:
     """The metadata the sample pool's sidecars hold, by ledger source."""
     with_sidecars = {}
     for row in read_manifest(pool):
-        tar_name, member = row["path"].split("#", 1)
+        name = parse_source(row["path"])
+        tar_name, member = name.container, name.part
+        assert member is not None
         with tarfile.open(pool / tar_name) as tar:
             stem = member.rsplit(".", 1)[0]
             meta = json.load(tar.extractfile(f"{stem}.json"))

@@ -21,7 +21,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from common.imageio import _to_mode, open_image
 from curation.config import CurateConfig
-from curation.score.pool import ShardReader, list_shards
+from curation.score.pool import list_shards
+from curation.score.reader import ShardReader
 from curation.score.stage import REJECT
 from curation.settings import InputSettings
 from curation.stages.decode import DecodeStage

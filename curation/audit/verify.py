@@ -20,12 +20,11 @@ Everything goes through ``common.storage``, so ``s3://bucket/prefix`` is audited
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import os
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -33,25 +32,14 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from common import schema, watchdog
-from common.imageio import open_reduced, safe_error
 from common.layout import GLOBAL_PHASES, LAYOUT, funnel_phase
 from common.storage import DamagedRecordError, exists, file_sha256, join, list_files, path_on_store, resolve
+from curation.audit.verify_shards import Problem, ShardRows, check_shard, short
 from curation.phases.write.takedown import Takedowns, listed_rows, record_path, recorded_entries, takedown_records
 from curation.records import read_commit, read_done, read_manifest
 from curation.score.ledger import reason_code
 
 STATUSES = (schema.KEPT, schema.REJECTED, schema.ERROR, schema.DUPLICATE, schema.UNSAMPLED, schema.TAKEN_DOWN)
-
-
-@dataclass(frozen=True, order=True)
-class Problem:
-    file: str  # relative to the output root
-    row: int | None  # 0-based row in that file, when the problem is one row's
-    what: str
-
-    def __str__(self) -> str:
-        where = self.file if self.row is None else f"{self.file} row {self.row}"
-        return f"{where}: {self.what}"
 
 
 @dataclass
@@ -75,52 +63,6 @@ class AuditResult:
 def funnel_key(stage: str | None, status: str, reason: str | None) -> str:
     """The manifest's funnel bucket of a final-ledger row: ``<phase>/<stage>/<status>/<reason code>``."""
     return f"{funnel_phase(stage)}/{stage}/{status}/{reason_code(reason)}"
-
-
-@dataclass
-class _ShardRows:
-    """What one shard contributes to the cross-shard checks: (key, source) per row, in file order."""
-
-    file: str
-    keys: list[str | None] = field(default_factory=list)
-    sources: list[str | None] = field(default_factory=list)
-    decoded: int = 0
-
-
-def _short(digest: str | None) -> str:
-    return "null" if digest is None else f"{digest[:16]}…"
-
-
-def _decode_error(data: bytes) -> str | None:
-    """None when the bytes decode to an image; else why not. A draft decode still reads the whole stream."""
-    try:
-        open_reduced(data, max_side=64).load()
-    except Exception as exc:  # noqa: BLE001 - any decoder failure is the finding
-        return safe_error(exc, data)
-    return None
-
-
-def _schema_difference(actual: pa.Schema, expected: pa.Schema) -> str | None:
-    if actual.remove_metadata().equals(expected):
-        return None
-    parts = []
-    missing = [n for n in expected.names if n not in actual.names]
-    extra = [n for n in actual.names if n not in expected.names]
-    if missing:
-        parts.append(f"missing columns {missing}")
-    if extra:
-        parts.append(f"unexpected columns {extra}")
-    for f in expected:
-        if f.name in actual.names:
-            got = actual.field(f.name)
-            if not got.type.equals(f.type) or got.nullable != f.nullable:
-                parts.append(
-                    f"column {f.name} is {got.type}{'' if got.nullable else ' not null'}, expected {f.type}"
-                    f"{'' if f.nullable else ' not null'}"
-                )
-    if not parts and actual.names != expected.names:
-        parts.append(f"columns in order {actual.names}, expected {expected.names}")
-    return "schema differs from common/schema.py curated_schema: " + "; ".join(parts)
 
 
 class _Auditor:
@@ -196,88 +138,11 @@ class _Auditor:
                 )
         return manifest
 
-    def check_shard(self, entry: dict, manifest: dict) -> tuple[list[Problem], _ShardRows]:
-        rel = f"{LAYOUT.shards}/{entry['file']}"
-        problems: list[Problem] = []
-        rows = _ShardRows(rel)
-        add = lambda row, what: problems.append(Problem(rel, row, what))  # noqa: E731
-        path = self.path(rel)
-        info = self.fs.get_file_info(path)
-        if info.type != pafs.FileType.File:
-            add(None, "listed in the manifest but missing")
-            return problems, rows
-        if info.size != entry["bytes"]:
-            add(None, f"{info.size} bytes, the manifest says {entry['bytes']} (truncated or appended to)")
-        digest = file_sha256(self.fs, path)
-        if digest != entry["sha256"]:
-            add(
-                None,
-                f"sha256 {_short(digest)} differs from the manifest's {_short(entry['sha256'])} (contents changed)",
-            )
-        try:
-            pf = pq.ParquetFile(self.fs.open_input_file(path))
-        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for damaged footers
-            add(None, f"not a readable Parquet file: {type(exc).__name__}: {exc}")
-            return problems, rows
-        actual = pf.schema_arrow
-        meta = schema.read_metadata(actual)
-        dim = (meta.get("extra") or {}).get("embedding_dim") if "embedding" in actual.names else None
-        expected = schema.curated_schema(dim, manifest.get("metadata_fields"))
-        if (diff := _schema_difference(actual, expected)) is not None:
-            add(None, diff)
-        for name, want in (
-            ("table", "curated"),
-            ("schema_version", manifest["schema_version"]),
-            ("config_hash", manifest["config_hash"]),
-        ):
-            if meta.get(name) != want:
-                add(None, f"file metadata humans1b.{name} is {meta.get(name)!r}, expected {want!r}")
-        if (actual.metadata or {}).get(schema.HF_METADATA_KEY) != schema.hf_metadata(actual)[schema.HF_METADATA_KEY]:
-            add(
-                None,
-                "file metadata huggingface is missing or does not describe the columns (datasets would not "
-                "decode the images)",
-            )
-        if pf.metadata.num_rows != entry["rows"]:
-            add(None, f"{pf.metadata.num_rows} rows, the manifest says {entry['rows']}")
-        columns = [c for c in ("key", "source", "image") if c in actual.names]
-        offset = 0
-        for rg in range(pf.num_row_groups):
-            n = pf.metadata.row_group(rg).num_rows
-            try:
-                t = pf.read_row_group(rg, columns=columns)
-            except Exception as exc:  # noqa: BLE001 - a damaged page: name the rows it holds
-                add(offset, f"row group {rg} (rows {offset}-{offset + n - 1}) unreadable: {type(exc).__name__}: {exc}")
-                rows.keys.extend([None] * n)
-                rows.sources.extend([None] * n)
-                offset += n
-                continue
-            keys = t.column("key").to_pylist() if "key" in columns else [None] * n
-            sources = t.column("source").to_pylist() if "source" in columns else [None] * n
-            images = t.column("image").to_pylist() if "image" in columns else [None] * n
-            for i, (key, image) in enumerate(zip(keys, images)):
-                data = (image or {}).get("bytes")
-                if data is None:
-                    add(offset + i, "image bytes are null")
-                    continue
-                actual_key = hashlib.sha256(data).hexdigest()
-                if actual_key != key:
-                    add(offset + i, f"sha256 of the image bytes is {_short(actual_key)}, the key says {_short(key)}")
-                if self.decode:
-                    if (err := _decode_error(data)) is not None:
-                        add(offset + i, f"image does not decode: {err}")
-                    else:
-                        rows.decoded += 1
-            rows.keys.extend(keys)
-            rows.sources.extend(sources)
-            offset += n
-        return problems, rows
-
-    def shards(self, manifest: dict) -> list[_ShardRows]:
+    def shards(self, manifest: dict) -> list[ShardRows]:
         entries = manifest["shards"]
         with ThreadPoolExecutor(max_workers=max(1, self.workers)) as pool:
             results = []
-            for result in pool.map(lambda e: self.check_shard(e, manifest), entries):
+            for result in pool.map(lambda e: check_shard(self.fs, self.root, e, manifest, self.decode), entries):
                 results.append(result)
                 watchdog.beat(f"[audit] {len(results)}/{len(entries)} shards checked")
         listed = {f"{LAYOUT.shards}/{e['file']}" for e in entries}
@@ -306,7 +171,7 @@ class _Auditor:
                         self.problem(
                             rows.file,
                             i,
-                            f"{what} {_short(value) if what == 'key' else value} is not unique: also at {f} row {r}",
+                            f"{what} {short(value) if what == 'key' else value} is not unique: also at {f} row {r}",
                         )
                     else:
                         first[value] = (rows.file, i)
@@ -346,7 +211,7 @@ class _Auditor:
                 self.problem(
                     rel,
                     None,
-                    f"sha256 {_short(digest)} differs from the manifest's {_short(entry['sha256'])} (contents changed)",
+                    f"sha256 {short(digest)} differs from the manifest's {short(entry['sha256'])} (contents changed)",
                 )
         for shard_id in sorted(set(records) - set(listed.values())):
             self.problem(LAYOUT.manifest, None, f"lists no final-ledger file for committed input shard {shard_id}")
@@ -490,7 +355,7 @@ class _Auditor:
                 for row in pc.indices_nonzero(listed_rows(table, pa.array(entries, pa.string()))).to_pylist():
                     self.problem(rel, row, f"holds {table.column('source')[row]}, which takedown {list_id} removed")
 
-    def cross_check(self, manifest: dict, shard_rows: list[_ShardRows], ledger: list[dict]) -> None:
+    def cross_check(self, manifest: dict, shard_rows: list[ShardRows], ledger: list[dict]) -> None:
         funnel = Counter(funnel_key(r["stage"], r["status"], r["reason"]) for r in ledger)
         for key in sorted(set(funnel) | set(manifest["funnel"])):
             if funnel.get(key, 0) != manifest["funnel"].get(key, 0):
@@ -520,7 +385,7 @@ class _Auditor:
                     self.problem(
                         rows.file,
                         i,
-                        f"key {_short(key)} differs from {entry['file']} row {entry['row']}'s {_short(entry['key'])}",
+                        f"key {short(key)} differs from {entry['file']} row {entry['row']}'s {short(entry['key'])}",
                     )
         for r in ledger:
             if r["status"] == schema.KEPT and r["source"] not in in_shards:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import posixpath
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -15,7 +15,8 @@ from common import schema
 from common.layout import DOWNLOAD, GLOBAL_PHASES, LAYOUT, TAKEDOWN, funnel_phase
 from common.storage import exists, join, resolve
 from curation.records import read_commits, read_manifest
-from curation.score.pool import layout_problem
+from curation.score.read_parquet import layout_problem
+from curation.score.sources import parse_source
 
 
 def committed_files(out_uri: str, kind: str) -> list[str]:
@@ -27,17 +28,22 @@ def committed_files(out_uri: str, kind: str) -> list[str]:
 def read_ledger(out_uri: str, columns: list[str] | None = None) -> pa.Table:
     """One row per input: the final ledger once the write phase is done (the files its manifest lists), else phase
     1's committed ledger."""
+    tables = list(iter_ledger(out_uri, columns))
+    if not tables:
+        return schema.ledger_schema().empty_table().select(columns or schema.ledger_schema().names)
+    return pa.concat_tables(tables)
+
+
+def iter_ledger(out_uri: str, columns: list[str] | None = None) -> Iterator[pa.Table]:
+    """The ledger of ``read_ledger`` one file at a time, for readers that hold a summary rather than every row."""
     fs, root = resolve(out_uri)
     if exists(fs, join(root, LAYOUT.done("write"))):
         entries = read_manifest(fs, root, fields={"final_ledger": list})["final_ledger"]
         files = [join(root, LAYOUT.final_ledger, e["file"]) for e in entries]
-        return pa.concat_tables([pq.read_table(f, columns=columns, filesystem=fs) for f in files])
-    tables = [
-        pq.read_table(join(root, f), columns=columns, filesystem=fs) for f in committed_files(out_uri, LAYOUT.ledger)
-    ]
-    if not tables:
-        return schema.ledger_schema().empty_table().select(columns or schema.ledger_schema().names)
-    return pa.concat_tables(tables)
+    else:
+        files = [join(root, f) for f in committed_files(out_uri, LAYOUT.ledger)]
+    for f in files:
+        yield pq.read_table(f, columns=columns, filesystem=fs)
 
 
 def reason_code(reason: str | None) -> str:
@@ -71,40 +77,62 @@ def likely_causes(ledger: pa.Table, min_short_side: int) -> list[str]:
     """What is likely wrong with a pool (or its settings) when one reason dominates its ledger, one line each: Parquet
     files left unread for their columns, inputs that are not images, images too small at one size (a crawl resized
     on download). The console's summary and the audit report both show these. ``ledger``: ``CAUSE_COLUMNS``."""
-    total = ledger.num_rows
-    rejected = ledger.filter(pc.and_(pc.equal(ledger["status"], schema.REJECTED), pc.equal(ledger["stage"], "decode")))
-    reasons = rejected.column("reason").to_pylist()
-    codes = [reason_code(r) for r in reasons]
-    causes = []
-    problems = Counter(p for p in map(layout_problem, reasons) if p)
-    if problems and sum(problems.values()) > MOST * total:
-        problem, n = problems.most_common(1)[0]
-        causes.append(f"{n} Parquet file{'s' if n > 1 else ''} unread: {problem}")
-    not_images = [s for s, code in zip(rejected.column("source").to_pylist(), codes) if code == "not_an_image"]
-    if len(not_images) > MOST * total:
-        kinds = Counter(_suffix(s) for s in not_images).most_common()
-        shown = ", ".join(f"{kind} {n}" for kind, n in kinds[:5]) + (", ..." if len(kinds) > 5 else "")
-        causes.append(
-            f"{_of(len(not_images), total, 'input')} not images ({shown}): --input should hold images, as files, "
-            "Parquet files with an image column or WebDataset tars"
+    counts = CauseCounts()
+    counts.add(ledger)
+    return counts.causes(min_short_side)
+
+
+class CauseCounts:
+    """What ``likely_causes`` counts, added up one part of the ledger at a time (``CAUSE_COLUMNS``)."""
+
+    def __init__(self) -> None:
+        self.total = self.sized = 0
+        self.problems: Counter[str] = Counter()  # why unread Parquet files were not read
+        self.not_images: Counter[str] = Counter()  # file suffixes of the inputs that are not images
+        self.sides: Counter[int] = Counter()  # short sides of the images too small
+
+    def add(self, ledger: pa.Table) -> None:
+        self.total += ledger.num_rows
+        rejected = ledger.filter(
+            pc.and_(pc.equal(ledger["status"], schema.REJECTED), pc.equal(ledger["stage"], "decode"))
         )
-    sized = int(pc.sum(pc.and_(pc.is_valid(ledger["width"]), pc.is_valid(ledger["height"]))).as_py() or 0)
-    small = rejected.filter(pa.array([c == "too_small" for c in codes], pa.bool_()))
-    sizes = zip(small.column("width").to_pylist(), small.column("height").to_pylist())
-    sides = Counter(min(w, h) for w, h in sizes if w is not None and h is not None)
-    if sides and sides.total() >= NEARLY_ALL * sized:
-        side, n = sides.most_common(1)[0]
-        if n >= NEARLY_ALL * sized:
+        reasons = rejected.column("reason").to_pylist()
+        codes = [reason_code(r) for r in reasons]
+        self.problems.update(p for p in map(layout_problem, reasons) if p)
+        sources = rejected.column("source").to_pylist()
+        self.not_images.update(_suffix(s) for s, code in zip(sources, codes) if code == "not_an_image")
+        self.sized += int(pc.sum(pc.and_(pc.is_valid(ledger["width"]), pc.is_valid(ledger["height"]))).as_py() or 0)
+        small = rejected.filter(pa.array([c == "too_small" for c in codes], pa.bool_()))
+        sizes = zip(small.column("width").to_pylist(), small.column("height").to_pylist())
+        self.sides.update(min(w, h) for w, h in sizes if w is not None and h is not None)
+
+    def causes(self, min_short_side: int) -> list[str]:
+        total, sized, problems, sides = self.total, self.sized, self.problems, self.sides
+        causes = []
+        if problems and sum(problems.values()) > MOST * total:
+            problem, n = problems.most_common(1)[0]
+            causes.append(f"{n} Parquet file{'s' if n > 1 else ''} unread: {problem}")
+        not_images = self.not_images.total()
+        if not_images > MOST * total:
+            kinds = self.not_images.most_common()
+            shown = ", ".join(f"{kind} {n}" for kind, n in kinds[:5]) + (", ..." if len(kinds) > 5 else "")
             causes.append(
-                f"{_of(n, sized, 'image')} {side} px on the short side: downloaded at {side} px? re-download at "
-                f">= {min_short_side} (img2dataset --resize_mode no) or set filters.min_short_side"
+                f"{_of(not_images, total, 'input')} not images ({shown}): --input should hold images, as files, "
+                "Parquet files with an image column or WebDataset tars"
             )
-        else:
-            causes.append(
-                f"{_of(sides.total(), sized, 'image')} under {min_short_side} px on the short side ({min(sides)} to "
-                f"{max(sides)} px): find larger copies or set filters.min_short_side"
-            )
-    return causes
+        if sides and sides.total() >= NEARLY_ALL * sized:
+            side, n = sides.most_common(1)[0]
+            if n >= NEARLY_ALL * sized:
+                causes.append(
+                    f"{_of(n, sized, 'image')} {side} px on the short side: downloaded at {side} px? re-download at "
+                    f">= {min_short_side} (img2dataset --resize_mode no) or set filters.min_short_side"
+                )
+            else:
+                causes.append(
+                    f"{_of(sides.total(), sized, 'image')} under {min_short_side} px on the short side ({min(sides)} "
+                    f"to {max(sides)} px): find larger copies or set filters.min_short_side"
+                )
+        return causes
 
 
 def _of(n: int, total: int, noun: str) -> str:
@@ -115,9 +143,8 @@ def _of(n: int, total: int, noun: str) -> str:
 
 
 def _suffix(source: str) -> str:
-    """An input's file suffix, lower case: of the file, or of the tar member after ``#``."""
-    name = posixpath.basename(source).rsplit("#", 1)[-1]
-    return posixpath.splitext(name)[1].lower() or "no suffix"
+    """An input's file suffix, lower case: of the file, or of the tar member."""
+    return posixpath.splitext(parse_source(source).leaf)[1].lower() or "no suffix"
 
 
 @dataclass

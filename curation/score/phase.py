@@ -52,8 +52,9 @@ from common.storage import (
 )
 from curation.config import CurateConfig, config_from_json
 from curation.records import read_commits, read_run_record, run_record
+from curation.score.inputs import InputShard
 from curation.score.metadata import merge_all, metadata_types
-from curation.score.pool import InputShard, ShardReader
+from curation.score.reader import ShardReader
 from curation.score.stage import StageRunner
 from curation.stages import stage_classes
 

@@ -28,7 +28,7 @@ from common.imageio import (
     safe_error,
     sequence_frames,
 )
-from curation.score.pool import split_read_reason
+from curation.score.inputs import split_read_reason
 from curation.score.stage import Row, Stage, StageSettings, Update, reject
 
 _DRAFT_SCALES = (1, 2, 4, 8)  # libjpeg's draft reductions; other formats decode at scale 1

@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.score.ledger import reason_code
-from curation.score.pool import ShardReader, list_shards
+from curation.score.pool import list_shards
+from curation.score.reader import ShardReader
 from curation.settings import InputSettings
 from tests.hostile.test_pool_inputs import MB, add_member, ledger_rows, photo, read_all, run
 
@@ -266,7 +267,8 @@ READ_PEAK = """
 import sys
 import pyarrow.parquet  # the reader's own imports, so that the baseline below holds them
 from curation.settings import InputSettings
-from curation.score.pool import ShardReader, list_shards
+from curation.score.pool import list_shards
+from curation.score.reader import ShardReader
 settings = InputSettings(read_chunk_mb=8, max_row_group_mb=int(sys.argv[2]))
 (shard,) = list_shards(sys.argv[1], settings)
 def peak_mb():  # VmHWM: this process's own peak (ru_maxrss would carry the parent's across fork and exec)

@@ -18,7 +18,8 @@ import pytest
 from PIL import Image
 
 from curation.score.ledger import read_ledger, reason_code
-from curation.score.pool import ShardReader, list_shards
+from curation.score.pool import list_shards
+from curation.score.reader import ShardReader
 from curation.settings import InputSettings
 from jobs import curate
 
