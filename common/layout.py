@@ -59,8 +59,7 @@ class OutputLayout:
     phash_pairs = "dedup/pairs/phash"
     embedding_pairs = "dedup/pairs/embedding"
     embedding_buckets = "dedup/embedding_buckets"
-    embedding_centroids = "dedup/embedding_centroids.npy"
-    embedding_plan = "dedup/embedding_plan.json"
+    embedding_plan = "dedup/embedding_plan"  # centroids.npy, buckets.json (the bucket of each cluster)
     components = "dedup/components"
     dedup_decisions = "dedup/decisions"
 
