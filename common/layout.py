@@ -63,7 +63,6 @@ class OutputLayout:
     components = "dedup/components"
     dedup_decisions = "dedup/decisions"
 
-    sample_run = "sample/run.json"
     sample_hierarchy = "sample/hierarchy.parquet"
     sample_work = "sample/work"
     sample_decisions = "sample/decisions"

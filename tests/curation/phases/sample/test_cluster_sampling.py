@@ -1,10 +1,13 @@
 """The partitioned sample phase (curation/phases/sample/cluster_sampling.py) against the single-process kernel
-(curation/phases/sample/kmeans.py): the same selection when trained on everything, exact sizes, balance no worse, whole small
-clusters, independence from partitioning, deterministic bytes, resume."""
+(curation/phases/sample/kmeans.py): the same selection when trained on everything, exact sizes, balance no worse,
+whole small clusters, independence from partitioning, deterministic bytes; its steps on the runner: a killed step
+resumes, changed settings or inputs clear."""
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import faiss
@@ -16,7 +19,10 @@ import pytest
 from common.layout import LAYOUT
 from curation.phases import reference
 from curation.phases.sample import cluster_sampling as cs
-from curation.phases.sample import kmeans as sampling
+from curation.phases.sample import kmeans
+from curation.phases.sample.selection import TRAIN_STREAM, uid_uniform
+from curation.phases.sample.tasks import DECISIONS_SCHEMA, HIERARCHY_FILE
+from curation.phases.step import Output, StepRunner
 from curation.phases.survivors import make_uid, survivors_schema
 from curation.settings import SampleSettings
 
@@ -81,6 +87,11 @@ def write_survivors(
     return survivor_files, decision_files
 
 
+def run(root: Path, files: tuple[list[str], list[str]], settings: SampleSettings, **kwargs) -> dict:
+    """``run_sample`` on a runner of the sample phase, as ``curation.phases.pipeline`` hands it one."""
+    return cs.run_sample(StepRunner(Output.at(str(root)), "sample", "phase", window=2), *files, settings, **kwargs)
+
+
 def read_decisions(root: Path, n_files: int) -> pa.Table:
     return pa.concat_tables([pq.read_table(root / LAYOUT.sample_decision(i)) for i in range(n_files)])
 
@@ -101,7 +112,7 @@ def test_trained_on_everything_it_selects_what_the_single_process_kernel_selects
     x, _, balance, dropped = data
     files = write_survivors(tmp_path, x, balance, dropped, n_files=3)
     settings = SampleSettings(target_count=1500, clusters=[60, 8], mode="closest", balance_key=None, seed=4)
-    summary = cs.run_sample(str(tmp_path), *files, settings, buckets=4, sample_size=10**6)
+    summary = run(tmp_path, files, settings, buckets=4, sample_size=10**6)
 
     alive = np.setdiff1d(np.arange(x.shape[0]), dropped)
     single = reference.balanced_sample(x[alive], size=1500, n_clusters=[60, 8], mode="closest", seed=4)
@@ -133,7 +144,7 @@ def test_exact_size_and_balance_no_worse_than_single_process(ray_local, tmp_path
     ours, theirs = [], []
     for seed in range(4):
         settings = SampleSettings(target_fraction=0.1, clusters=[100, 16], balance_key="head_yaw_class", seed=seed)
-        summary = cs.run_sample(str(tmp_path), *files, settings, buckets=3, sample_size=4000)
+        summary = run(tmp_path, files, settings, buckets=3, sample_size=4000)
         chosen = np.flatnonzero(read_decisions(tmp_path, 4).column("selected").to_numpy())
         single = reference.balanced_sample(
             x[alive], fraction=0.1, n_clusters=[100, 16], mode="closest", balance_key=codes, seed=seed
@@ -151,7 +162,7 @@ def test_clusters_below_their_share_are_taken_whole_and_closest_first(ray_local,
     x, _, balance, dropped = data
     files = write_survivors(tmp_path, x, balance, dropped, n_files=2)
     settings = SampleSettings(target_count=3000, clusters=[40], mode="closest", balance_key="head_yaw_class")
-    cs.run_sample(str(tmp_path), *files, settings, buckets=2, sample_size=3000)
+    run(tmp_path, files, settings, buckets=2, sample_size=3000)
     got = read_decisions(tmp_path, 2)
     leaf = np.asarray(got.column("cluster_ids").to_pylist())[:, 0]
     selected = got.column("selected").to_numpy()
@@ -162,7 +173,7 @@ def test_clusters_below_their_share_are_taken_whole_and_closest_first(ray_local,
     assert (~partial).sum() >= 3 and np.all(size[~partial] <= level + 1)  # small leaves whole
 
     # inside a (leaf, value) group, every pick is closer to the leaf centroid than every item left out
-    centroids = pq.read_table(tmp_path / cs.HIERARCHY_FILE).filter(pa.compute.equal(pa.compute.field("level"), 0))
+    centroids = pq.read_table(tmp_path / HIERARCHY_FILE).filter(pa.compute.equal(pa.compute.field("level"), 0))
     c = np.stack(centroids.column("centroid").to_numpy(zero_copy_only=False))
     alive = np.setdiff1d(np.arange(x.shape[0]), dropped)
     dist = ((x[alive] - c[leaf]) ** 2).sum(axis=1)
@@ -180,16 +191,16 @@ def test_independent_of_partitioning_and_deterministic(ray_local, tmp_path, data
     for name, n_files, buckets in (("a", 2, 1), ("b", 5, 4), ("c", 5, 4)):
         root = tmp_path / name
         files = write_survivors(root, x, balance, dropped, n_files=n_files)
-        cs.run_sample(str(root), *files, settings, buckets=buckets, sample_size=5000)
+        run(root, files, settings, buckets=buckets, sample_size=5000)
         runs.append(read_decisions(root, n_files))
     assert runs[0].equals(runs[1])
 
     # the training set is the 5000 alive items of lowest hash, in uid order
     alive = np.setdiff1d(np.arange(x.shape[0]), dropped)
     uid = make_uid(alive // 400, alive % 400).astype(np.int64)
-    lowest = np.sort(np.argsort(cs.uid_uniform(uid, 7, cs._TRAIN_STREAM))[:5000])
-    want = sampling.hierarchical_kmeans(x[alive][lowest], [50, 6], seed=7)
-    got = pq.read_table(tmp_path / "a" / cs.HIERARCHY_FILE).to_pydict()
+    lowest = np.sort(np.argsort(uid_uniform(uid, 7, TRAIN_STREAM))[:5000])
+    want = kmeans.hierarchical_kmeans(x[alive][lowest], [50, 6], seed=7)
+    got = pq.read_table(tmp_path / "a" / HIERARCHY_FILE).to_pydict()
     for level in (0, 1):
         rows = [i for i, lv in enumerate(got["level"]) if lv == level]
         assert np.array_equal(np.asarray([got["centroid"][i] for i in rows], np.float32), want.centroids[level])
@@ -198,47 +209,73 @@ def test_independent_of_partitioning_and_deterministic(ray_local, tmp_path, data
         assert b.read_bytes() == c.read_bytes()
 
 
-def test_reruns_skip_done_work_and_restart_on_changed_settings(ray_local, tmp_path, data, caplog):
+def test_a_killed_step_resumes_and_changed_settings_or_inputs_clear(ray_local, tmp_path, data, caplog):
     x, _, balance, dropped = data
     files = write_survivors(tmp_path, x[:3000], balance[:3000], dropped[dropped < 3000], n_files=3)
     settings = SampleSettings(target_count=500, clusters=[30, 5])
     caplog.set_level(logging.INFO, logger="curation")
-    first = cs.run_sample(str(tmp_path), *files, settings, buckets=2)
+    first = run(tmp_path, files, settings, buckets=2)
     outputs = {i: tmp_path / LAYOUT.sample_decision(i) for i in range(3)}
+    hierarchy, buckets = tmp_path / HIERARCHY_FILE, tmp_path / "sample/work/buckets/part-000000.parquet"
     before = {i: (p.read_bytes(), p.stat().st_mtime_ns) for i, p in outputs.items()}
+    untouched = {p: p.stat().st_mtime_ns for p in (hierarchy, buckets)}
 
-    # everything done: nothing rewritten
-    assert cs.run_sample(str(tmp_path), *files, settings, buckets=2) == first
-    assert "3 of 3 decision files done before" in caplog.messages[-1]
+    # everything done: nothing runs, nothing is rewritten
+    caplog.clear()
+    assert run(tmp_path, files, settings, buckets=2) == first
+    assert not any("done before" in line for line in caplog.messages)
     assert all(p.stat().st_mtime_ns == before[i][1] for i, p in outputs.items())
 
-    # a lost decisions file and a lost assignment: only those are redone, byte-identical
+    # a kill in the select step, after bucket 0 was receipted and before assemble started: bucket 1 and assemble
+    # run again, the steps before are not touched, the bytes are the same
+    state = tmp_path / "_state/steps/sample"
+    for path in (state / "select.done.json", state / "select/bucket-00001.json", state / "assemble.started.json"):
+        path.unlink()
+    for path in (state / "assemble.done.json", *(state / "assemble").iterdir()):
+        path.unlink()
+    (tmp_path / "sample/work/selected/bucket-00001.parquet").unlink()
     outputs[1].unlink()
-    (tmp_path / "sample/work/buckets/part-000002.parquet").unlink()
     caplog.clear()
-    assert cs.run_sample(str(tmp_path), *files, settings, buckets=2) == first
-    assert (
-        any("(2 of 3 files done before)" in line for line in caplog.messages)
-        and "2 of 3 decision files" in caplog.messages[-1]
-    )
+    assert run(tmp_path, files, settings, buckets=2) == first
+    assert "[sample] select: 1 of 2 buckets done before" in caplog.messages
+    assert not any(" done before" in line for line in caplog.messages if "assemble" in line or "assign" in line)
     assert all(p.read_bytes() == before[i][0] for i, p in outputs.items())
-    assert outputs[0].stat().st_mtime_ns == before[0][1]
+    assert all(p.stat().st_mtime_ns == t for p, t in untouched.items())
 
-    # other settings: the old outputs are cleared, not mixed in
+    # other settings: every step's outputs are cleared as it comes to it, not mixed in
+    stray = tmp_path / "sample/work/selected/bucket-00009.parquet"
+    stray.write_bytes(b"from another run")
     caplog.clear()
-    other = cs.run_sample(str(tmp_path), *files, settings.model_copy(update={"seed": 9}), buckets=2)
-    assert (
-        "changed" in caplog.messages[0] and "0 of 3 decision files" in caplog.messages[-1] and other["selected"] == 500
-    )
+    other = run(tmp_path, files, settings.model_copy(update={"seed": 9}), buckets=2)
+    assert other["selected"] == 500 and not stray.exists()
+    assert any("train: settings or inputs changed" in line for line in caplog.messages)
+    assert hierarchy.stat().st_mtime_ns != untouched[hierarchy]
+
+    # other inputs (a survivors file rewritten: its modification time changed): the same
+    survivors = tmp_path / files[0][0]
+    os.utime(survivors, ns=(survivors.stat().st_atime_ns, survivors.stat().st_mtime_ns + 10**9))
+    caplog.clear()
+    assert run(tmp_path, files, settings, buckets=2) == first
+    assert any("train: settings or inputs changed" in line for line in caplog.messages)
+    assert all(p.read_bytes() == before[i][0] for i, p in outputs.items())
 
 
 def test_tiny_and_empty_inputs(ray_local, tmp_path, data):
     x, _, balance, _ = data
+    tiny = {"inputs": 5, "selected": 3, "unsampled": 2, "levels": 1, "clusters_per_level": [1]}
     files = write_survivors(tmp_path / "tiny", x[:6], balance[:6], np.array([2]), n_files=2)
-    summary = cs.run_sample(str(tmp_path / "tiny"), *files, SampleSettings(target_count=3))
-    assert summary == {"inputs": 5, "selected": 3, "unsampled": 2, "levels": 1, "clusters_per_level": [1]}
+    assert run(tmp_path / "tiny", files, SampleSettings(target_count=3)) == tiny
 
     files = write_survivors(tmp_path / "gone", x[:6], balance[:6], np.arange(6), n_files=2)
-    summary = cs.run_sample(str(tmp_path / "gone"), *files, SampleSettings(target_count=3))
+    summary = run(tmp_path / "gone", files, SampleSettings(target_count=3))
     assert summary["inputs"] == 0 and read_decisions(tmp_path / "gone", 2).num_rows == 0
-    assert read_decisions(tmp_path / "gone", 2).schema.equals(cs.DECISIONS_SCHEMA)
+    assert read_decisions(tmp_path / "gone", 2).schema.equals(DECISIONS_SCHEMA)
+
+    # the same output with survivors alive again, then none: each run's decisions, never the other's
+    shutil.rmtree(tmp_path / "gone/dedup/decisions")
+    write_survivors(tmp_path / "gone", x[:6], balance[:6], np.array([2]), n_files=2)
+    assert run(tmp_path / "gone", files, SampleSettings(target_count=3)) == tiny
+    assert read_decisions(tmp_path / "gone", 2).num_rows == 5
+    write_survivors(tmp_path / "gone", x[:6], balance[:6], np.arange(6), n_files=2)
+    assert run(tmp_path / "gone", files, SampleSettings(target_count=3))["inputs"] == 0
+    assert read_decisions(tmp_path / "gone", 2).num_rows == 0
