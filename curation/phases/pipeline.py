@@ -240,7 +240,7 @@ class GlobalPhases:
             pair_files["phash"] = self.output.listed(LAYOUT.phash_pairs)
         if "embedding" in cfg.signals and n:
             summaries["embedding"] = run_embedding_pairs(
-                self.out_uri,
+                runner,
                 files,
                 cfg.embedding_threshold,
                 cfg.embedding_k,
@@ -261,7 +261,7 @@ class GlobalPhases:
         files = self.survivor_files + self.release_files  # the release's images: clustered with, and chosen before
         decisions = [LAYOUT.dedup_decision(i) for i in range(len(files))]
         chosen_from = RELEASE_UID_MIN if self.release_files else None
-        summary = run_sample(self.out_uri, files, decisions, self.cfg.sample, chosen_from=chosen_from)
+        summary = run_sample(self.runner("sample"), files, decisions, self.cfg.sample, chosen_from=chosen_from)
         log.info(f"[sample] {summary}")
         return summary
 
