@@ -14,7 +14,8 @@ import pytest
 from common.layout import LAYOUT
 from curation.phases.dedup import components as components_module
 from curation.phases.dedup import kernels as dd
-from curation.phases.dedup.components import WORK_DIR, ComponentsError, keep_attributes
+from curation.phases.dedup.component_files import WORK_DIR, ComponentsError
+from curation.phases.dedup.component_tasks import keep_attributes
 from curation.phases.step import Output, StepRunner
 from curation.phases.survivors import make_uid, survivors_schema
 
