@@ -14,6 +14,24 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 disable_telemetry()  # the tests that load the models in this process, as the jobs do in theirs (common.telemetry)
 
 
+# the tiny pretraining every training test runs: its config and the overrides that make it a 12-step run
+TINY = str(Path(__file__).resolve().parents[1] / "configs/pretrain/tiny.yaml")
+STEPS, EVERY = 12, 4
+FAST = [
+    f"steps={STEPS}",
+    f"checkpoint.every={EVERY}",
+    "checkpoint.keep=2",
+    "objective.views.global_size=[64,48]",
+    "objective.views.local_size=[32,32]",
+    "optim.warmup_steps=2",
+    "data.batch_size=1",  # 2 micro-batches of 1 per step and worker: accumulation on, a global batch of 4
+    "optim.grad_accum=2",
+    "log.every=1",
+    "log.record_keys=true",
+    "log.collapse_patience=3",
+]
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> pathlib.Path:
     return REPO

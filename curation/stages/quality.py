@@ -3,7 +3,7 @@
 Five measurements on one decode at ``cfg.models.quality.max_side`` (long side), each mapped to a part score in
 [0, 1] by a smoothstep ramp ``_ramp(x, lo, hi)`` (0 at or below ``lo``, 1 at or above ``hi``; reversed where a
 larger value is worse). The thresholds were set on real photos and on degraded copies of them (heavy blur,
-x0.15 brightness, x3 brightness, sigma-40 noise, near-flat); see tests/test_quality_phash_embedding.py.
+x0.15 brightness, x3 brightness, sigma-40 noise, near-flat); see tests/curation/stages/test_quality_phash_embedding.py.
 
 - sharpness: RMS Laplacian / RMS gradient magnitude over the 10 % strongest-gradient pixels. For an edge
   blurred by a Gaussian of sigma s pixels this ratio falls as 1/s and it does not depend on contrast, so dark

@@ -21,7 +21,7 @@ from curation.config import CurateConfig
 from curation.score.phase import ScorePhase
 from curation.score.pool import list_shards
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_quiet_threads_error_is_not_printed_and_any_other_threads_is(monkeypatch):

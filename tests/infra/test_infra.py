@@ -31,7 +31,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 INFRA = REPO / "infra"
 LAUNCHERS = sorted(INFRA.glob("*/cluster.yaml"))
 MANIFESTS = sorted((INFRA / "kuberay").glob("*.yaml"))

@@ -17,7 +17,7 @@ from jobs import audit, curate, export, finetune, make_synthetic, pretrain, prob
 from pretrain.config import PretrainConfig
 from training.runner import claim_run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LITE = str(REPO / "configs/curate/lite.yaml")
 TINY = str(REPO / "configs/pretrain/tiny.yaml")
 TINY_SEG = str(REPO / "configs/finetune/tiny-seg.yaml")

@@ -12,7 +12,7 @@ from common.config import ConfigError, load_config
 from pretrain.config import PretrainConfig
 from training.metrics_sinks import Sinks, scalars
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_records_become_grouped_scalars_and_a_resume_replaces_the_steps_after_its_checkpoint(tmp_path):

@@ -61,7 +61,7 @@ def out(curated_run, tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def lite() -> CurateConfig:
-    return load_config(CurateConfig, Path(__file__).resolve().parents[1] / LITE)
+    return load_config(CurateConfig, Path(__file__).resolve().parents[3] / LITE)
 
 
 def _manifest(out: Path) -> dict:
@@ -306,7 +306,7 @@ def reported(curated_run, lite, tmp_path_factory) -> Path:
     """A copy of the output with its report, made through the command line."""
     dst = tmp_path_factory.mktemp("reported") / "out"
     shutil.copytree(curated_run, dst)
-    assert audit_job.main([str(dst), "--report", "--config", str(Path(__file__).resolve().parents[1] / LITE)]) == 0
+    assert audit_job.main([str(dst), "--report", "--config", str(Path(__file__).resolve().parents[3] / LITE)]) == 0
     return dst
 
 
@@ -613,7 +613,7 @@ def _squash(text: str) -> str:
 
 
 def _readme_examples() -> str:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     section = readme.split("\n## Auditing", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert blocks, "README's Auditing section has no python example"

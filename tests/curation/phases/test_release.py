@@ -20,7 +20,7 @@ from curation.score.ledger import read_ledger
 from jobs import curate, make_synthetic
 from pretrain.data import DataIndex
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 LITE = str(REPO / "configs/curate/lite.yaml")
 
 

@@ -238,7 +238,7 @@ def test_readme_examples_load_the_output_and_the_tars(curated_run, tmp_path, mon
     """The README's "other tools" section, run as written on a copy of a curated output and its export."""
     (tmp_path / "out").mkdir()
     shutil.copytree(curated_run, tmp_path / "out" / "curated")
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("\n## Using the curated data in other tools", 1)[1].split("\n## ", 1)[0]
     command = re.search(r"```bash\n(python -m jobs.export [^\n\[]*)", section).group(1).split()
     monkeypatch.chdir(tmp_path)

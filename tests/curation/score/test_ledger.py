@@ -22,7 +22,7 @@ from curation.score.reader import ShardReader
 from curation.score.stage import StageRunner
 from curation.stages.decode import DecodeStage
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 LITE = REPO / "configs/curate/lite.yaml"
 
 

@@ -41,7 +41,7 @@ from curation.stages.yolo import (
 )
 from generators.random_models import TINY_CLIP, build_random_store, store_overrides
 
-FULL = Path(__file__).resolve().parents[1] / "configs" / "curate" / "full.yaml"
+FULL = Path(__file__).resolve().parents[3] / "configs" / "curate" / "full.yaml"
 CLIP_DIM = TINY_CLIP["embed_dim"]
 
 

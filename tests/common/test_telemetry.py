@@ -16,7 +16,7 @@ from curation.config import CurateConfig
 from curation.models import ModelStore
 from curation.settings import ModelStoreSettings
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LITE = REPO / "configs/curate/lite.yaml"
 # What a run may leave in its home folder, relative to it: the model cache (models.store.cache_dir, README) and the
 # token a local Ray keeps for its token authentication (README, "Curating a pool"; infra/README.md).

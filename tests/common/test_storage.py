@@ -33,7 +33,7 @@ from curation.score.phase import _read_shards
 from curation.score.pool import list_shards
 from jobs import curate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LITE = str(REPO / "configs/curate/lite.yaml")
 FAST = [  # the stages these tests do not need
     "stages.person.enabled=false",

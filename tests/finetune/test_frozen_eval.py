@@ -39,7 +39,7 @@ from finetune.labels import PARTS
 from finetune.train import build_model, make_task
 from jobs import make_synthetic, probe
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/finetune/tiny.yaml"
 C = len(PARTS)
 GRID = (16, 12)  # 8-pixel tokens on 128x96 renders

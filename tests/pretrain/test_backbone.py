@@ -38,7 +38,7 @@ from pretrain.export import BACKBONE_FILE, export_backbone, load_backbone
 from training import checkpoint as ckpt
 
 TINY = SIZES["tiny"]
-FINETUNE_TINY = Path(__file__).resolve().parents[1] / "configs/finetune/tiny.yaml"
+FINETUNE_TINY = Path(__file__).resolve().parents[2] / "configs/finetune/tiny.yaml"
 
 
 def _model(cfg: BackboneConfig, seed: int = 0) -> Sapiens2Backbone:

@@ -18,7 +18,7 @@ from curation.score.phase import claim_output
 from jobs import curate
 from jobs import takedown as job
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[4]
 
 
 @pytest.fixture()

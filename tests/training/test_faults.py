@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_pretrain import FAST, TINY
+from conftest import FAST, TINY
 
 from common.config import ConfigError, load_config
 from common.storage import StorageError
@@ -31,7 +31,7 @@ from training import failures
 from training.metrics import MetricsLog, drop_after, read_metrics
 from training.runner import check_free_space, check_run, claim_run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FINETUNE_TINY = str(REPO / "configs/finetune/tiny.yaml")
 
 

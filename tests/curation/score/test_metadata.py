@@ -10,6 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tests.curation.score.test_pool import _jpeg, read_shard
 
 from common import schema
 from common.layout import LAYOUT
@@ -21,9 +22,8 @@ from curation.score.sources import parse_source
 from curation.settings import InputSettings
 from generators.sample_pool import read_manifest
 from jobs import export
-from tests.test_pool import _jpeg, read_shard
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes, size: int | None = None) -> None:

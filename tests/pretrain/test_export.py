@@ -20,7 +20,7 @@ from pretrain.objective import JointObjective
 from pretrain.train import build_optimizer
 from training import checkpoint as ckpt
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
 SMALL = ["objective.views.global_size=[64,48]", "objective.views.local_size=[32,32]", f"steps={STEPS}"]
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process checkpoints, as meant

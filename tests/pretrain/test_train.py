@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from conftest import tensorboard_scalars
+from conftest import EVERY, FAST, STEPS, TINY, tensorboard_scalars
 from torch.distributed.checkpoint.api import CheckpointException
 
 from common import storage as fs_storage
@@ -40,22 +40,7 @@ from training.config import OptimSettings
 from training.metrics import latest_per_step, read_metrics
 from training.schedules import lr_at, wd_at
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = str(REPO / "configs/pretrain/tiny.yaml")
-STEPS, EVERY = 12, 4
-FAST = [
-    f"steps={STEPS}",
-    f"checkpoint.every={EVERY}",
-    "checkpoint.keep=2",
-    "objective.views.global_size=[64,48]",
-    "objective.views.local_size=[32,32]",
-    "optim.warmup_steps=2",
-    "data.batch_size=1",  # 2 micro-batches of 1 per step and worker: accumulation on, a global batch of 4
-    "optim.grad_accum=2",
-    "log.every=1",
-    "log.record_keys=true",
-    "log.collapse_patience=3",
-]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_job(shards: Path, storage: Path, name: str, *overrides: str) -> Path:

@@ -21,7 +21,7 @@ from pretrain.train import Trainer
 from pretrain.train import build_model as build_pretrain_model
 from training import sharding
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 
 

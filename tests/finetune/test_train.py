@@ -40,7 +40,7 @@ from training import checkpoint as ckpt
 from training.schedules import lr_at
 from training.sharding import optimizer_step
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs/finetune/tiny.yaml")
 CFG = RenderConfig(height=128, width=96)
 

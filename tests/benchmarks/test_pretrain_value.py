@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("pretrain_value", REPO / "benchmarks" / "pretrain_value.py")
 assert spec is not None and spec.loader is not None
 pv = importlib.util.module_from_spec(spec)

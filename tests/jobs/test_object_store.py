@@ -36,7 +36,7 @@ from training import checkpoint as ckpt
 from training.metrics import latest_per_step, read_metrics
 from training.runner import ray_storage, run_uri_for
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SECRET = "runsecret"
 CREDS = f"runuser:{SECRET}"
 PRETRAIN = [  # the tiny config, a few small steps
