@@ -47,7 +47,7 @@ from common.storage import (
     write_json_atomic,
 )
 from curation.config import CurateConfig
-from curation.phases import survivors as sv
+from curation.phases import survivors
 from curation.phases.dedup.components import run_components
 from curation.phases.dedup.embedding_pairs import run_embedding_pairs
 from curation.phases.dedup.phash_pairs import run_phash_pairs
@@ -160,7 +160,7 @@ class Survey(Step):
 def _survey_task(
     out_uri: str, shards: list, path: str, keep_score: list[str], balance_key: str | None, dim: int
 ) -> dict:
-    return sv.survey_partition(out_uri, shards, path, keep_score, balance_key, dim)
+    return survivors.survey_partition(out_uri, shards, path, keep_score, balance_key, dim)
 
 
 class GlobalPhases:
@@ -178,11 +178,11 @@ class GlobalPhases:
         self.output = Output.at(out_uri)
         self.fs, self.root = self.output.fs, self.output.root
         self.records = read_commits(self.fs, self.root)
-        self.partitions = sv.plan_partitions(list(self.records.values()), cfg.dedup.rows_per_partition)
-        self.survivor_files = [sv.partition_path(i) for i in range(len(self.partitions))]
+        self.partitions = survivors.plan_partitions(list(self.records.values()), cfg.dedup.rows_per_partition)
+        self.survivor_files = [survivors.partition_path(i) for i in range(len(self.partitions))]
         # the release's kept images, as survivor partitions after the run's own (curation.phases.release)
         n = len(self.partitions)
-        self.release_files = [sv.partition_path(n + j) for j in range(against.partitions if against else 0)]
+        self.release_files = [survivors.partition_path(n + j) for j in range(against.partitions if against else 0)]
         steps = {"dedup": self._dedup, "sample": self._sample, "write": self._write}
         self.phases = {
             name: Phase(name, LAYOUT.needs(name), functools.partial(self.phase_hash, name), steps[name])

@@ -293,7 +293,7 @@ def keep_task(
     part: int,
     out: str,
 ) -> dict:
-    """``dedup.resolve_duplicates`` on whole components. Members are indexed in uid order (the global order),
+    """``kernels.resolve_duplicates`` on whole components. Members are indexed in uid order (the global order),
     so keep order, key ranks and breadth-first parents are those of the single-process run."""
     fs, root = resolve(out_uri)
     if (done := read_receipt(fs, join(root, out))) is not None:

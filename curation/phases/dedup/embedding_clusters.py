@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from curation.phases.dedup import kernels as dd
+from curation.phases.dedup import kernels
 
 POINTS_PER_CENTROID = 64  # k-means training rows per centroid
 KMEANS_ITERATIONS = 10
@@ -268,7 +268,7 @@ def _search(
             )
     sims, pos = faiss.knn(x[rows], x[home], min(s.k + 1, home.size), metric=faiss.METRIC_INNER_PRODUCT)
     ids = np.where(pos >= 0, home[np.maximum(pos, 0)], -1)
-    return dd.threshold_neighbours(rows, sims, ids, s.k, s.threshold)
+    return kernels.threshold_neighbours(rows, sims, ids, s.k, s.threshold)
 
 
 def cluster_pairs(

@@ -17,7 +17,7 @@ step's outputs when its fingerprint changes and keeps them, with their receipts,
    cluster's bucket: ``dedup/embedding_buckets/b<bucket>/part-<file>.arrow`` (Arrow IPC, deleted once searched) with
    columns ``cluster``, ``uid``, ``home``, ``ranked`` (its home, then its probes) and ``embedding``.
 3. ``embedding-search`` (one task per bucket). In each cluster every row, home or probe, takes its ``k`` nearest *home*
-   rows; pairs at >= ``threshold`` are kept (``dedup.threshold_neighbours``). Two survivors are compared when they share
+   rows; pairs at >= ``threshold`` are kept (``kernels.threshold_neighbours``). Two survivors are compared when they share
    a home or one probes the other's home. Written: ``dedup/pairs/embedding/part-<bucket>.parquet`` (``a`` < ``b`` uids,
    int64; ``similarity`` float32, their inner product; sorted by (a, b)).
    Cap: a cluster with more than ``max_cluster`` home rows (a prediction that was off, or a region denser than the
@@ -30,8 +30,8 @@ home of the smaller uid owns the pair; the other cluster's task sees this in the
 it. Repeats within a cluster (found from both ends, or through two sub-clusters) are merged there.
 
 Approximate like any inverted file: a pair is missed when neither survivor probes the other's home; and, as with
-``dedup.ivf_block_pairs``, each survivor's k nearest are taken per cluster, so a pair beyond a survivor's global k
-nearest can be listed. Every listed pair is at >= ``threshold``. Against the exact search (``dedup.flat_pairs``)
+``reference.ivf_block_pairs``, each survivor's k nearest are taken per cluster, so a pair beyond a survivor's global k
+nearest can be listed. Every listed pair is at >= ``threshold``. Against the exact search (``reference.flat_pairs``)
 on a 384-d Gaussian mixture with planted copies at cosine 0.96-0.99: recall 0.998 at 100k survivors, 0.994 of the
 planted pairs at 1M.
 

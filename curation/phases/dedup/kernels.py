@@ -366,7 +366,7 @@ class KeepAttributes:
     2. resolution, ``width * height``: a copy's pixels are what training can use; a resized copy lost some;
     3. ``quality``, the encoding quality (``common.encoding.encoding_quality``: a JPEG's IJG quality, 100 for a
        lossless encoding, NaN unknown): between copies of one size, the one re-saved at quality 40 loses;
-    4. ``score``, the keep score (``dedup.keep_score``; NaN: none), the models' judgement of the content.
+    4. ``score``, the keep score (``dedup.keep_score`` in the settings; NaN: none), the models' judgement of the content.
     """
 
     released: np.ndarray | None = None

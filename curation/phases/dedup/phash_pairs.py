@@ -2,17 +2,17 @@
 
 ``run_phash_pairs`` writes ``<out_dir>/part-<p:05d>.parquet`` (columns ``a`` int64 < ``b`` int64 survivor uids,
 ``distance`` uint8), rows sorted by (a, b) in each file; over all files every pair is listed exactly once. The
-pair set is the one ``dedup.phash_pairs`` (``spanning=True``) gives on the same rows in uid order: each distinct
+pair set is the one ``reference.phash_pairs`` (``spanning=True``) gives on the same rows in uid order: each distinct
 hash is represented by its smallest uid; every other survivor with that hash is paired with it (distance 0, a
 star, never a clique), and two distinct hashes within ``radius`` bits pair their representatives. A null pHash
 is no signal: that survivor is in no pair.
 
-Why it is exact without gathering the hashes. ``dedup.plan_bands`` cuts the 64 bits into ``n`` bands, and two
+Why it is exact without gathering the hashes. ``kernels.plan_bands`` cuts the 64 bits into ``n`` bands, and two
 hashes within ``radius`` differ in at most ``f = radius // n`` bits of some band. Cutting each band into ``f + 1``
 sub-bands, a band that differs in at most ``f`` bits agrees exactly on one of its sub-bands. A *family* is one
 (band, sub-band); a *group* is the hashes with one value of that sub-band. So every pair within ``radius`` shares a
 group, and groups can be placed anywhere: the map step sends each hash to the shuffle partition of each of its
-``n (f + 1)`` groups; the reduce step runs ``dedup.band_pairs`` on each family's hashes of its partition, with the
+``n (f + 1)`` groups; the reduce step runs ``kernels.band_pairs`` on each family's hashes of its partition, with the
 flip masks kept off the family's sub-band (``SubBandPlan``), so only hashes of one group are ever compared. A pair
 is reported only by the first family, in (band, sub-band) order, in which the two hashes agree on the sub-band and
 are within ``f`` bits over the band (``band_pairs`` already skips earlier bands; earlier sub-bands are checked
@@ -31,7 +31,7 @@ Steps and files (``S`` = survivors with a pHash, ``M`` = survivor files, ``P`` =
 - reduce, one task per partition: reads its ``M`` shuffle files (about ``K S / P`` rows, some 60 bytes of memory
   each while sorted), writes ``part-<p>.parquet``, deletes its shuffle folder. A family's hashes above
   ``max_kernel_hashes`` are searched in blocks, block against block, so the kernel's memory (about 100 bytes per
-  hash, a 16 MiB band table and ``dedup.MAX_CANDIDATES_PER_STEP`` candidates) never grows with ``S``.
+  hash, a 16 MiB band table and ``kernels.MAX_CANDIDATES_PER_STEP`` candidates) never grows with ``S``.
 - the driver holds the file lists, the plan and one small receipt per task. The two steps run on the phase's
   ``StepRunner`` (``curation.phases.step``): a rerun skips every receipted task, a task skips a shuffle file or a
   partition whose output exists, and another plan or other inputs clear the folder first.
@@ -46,7 +46,7 @@ repeated ``c`` times puts its ``c`` uids and ``c - 1`` star pairs in one reduce 
 ``S^2``: each family checks about ``S^2 masks / 2^(band width + 1)`` candidates, ~2e14 in all at 10^9 uniform
 hashes, spread over the reduce tasks. Per hash it probes ~1.4x the flip masks of the single-process search (each
 family flips only the ~14 bits outside its sub-band, but there are ``f + 1`` families per band), so its CPU time is
-about 1.7x ``dedup.phash_pairs``'s, in exchange for never holding more than a partition.
+about 1.7x ``reference.phash_pairs``'s, in exchange for never holding more than a partition.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def plan_pairs(
     n_bands: int | None = None,
     rows_per_partition: int = ROWS_PER_PARTITION,
 ) -> PairPlan:
-    """The plan for about ``n_hashes`` hashes: ``dedup.plan_bands``'s bands, each cut into ``max_flips + 1``
+    """The plan for about ``n_hashes`` hashes: ``kernels.plan_bands``'s bands, each cut into ``max_flips + 1``
     families; by default as many partitions as give ``rows_per_partition`` shuffle rows each, at most one per
     group (a group is never split). Radius 0 needs one family only (the one that lists exact duplicates)."""
     bands = kernels.plan_bands(max(n_hashes, 1), radius, n_bands)
