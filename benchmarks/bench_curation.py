@@ -36,7 +36,8 @@ from common import schema
 from common.config import load_config
 from common.ray_utils import init_ray
 from curation.config import CurateConfig
-from curation.score.phase import ScorePhase, claim_output, score_in_process, stage_runner
+from curation.score.chain import score_in_process, stage_runner
+from curation.score.phase import ScorePhase, claim_output
 from curation.score.pool import list_shards
 from curation.score.stage import _FAULT, REJECT, StageRunner, Update
 from jobs import make_sample_pool

@@ -25,9 +25,10 @@ from common.watchdog import Watchdog
 from curation.config import CurateConfig
 from curation.phases.pipeline import GlobalPhases, PhaseOrderError, check_order, phase_done
 from curation.phases.release import Release, ReleaseError, open_release
+from curation.score.chain import io_note
 from curation.score.inputs import InputShard
 from curation.score.ledger import CAUSE_COLUMNS, likely_causes, read_ledger, summary_table
-from curation.score.phase import RunMismatch, ScorePhase, claim_output, io_note
+from curation.score.phase import RunMismatch, ScorePhase, claim_output
 from curation.score.pool import PoolError, list_shards, pin_listing, pinned_listing
 
 

@@ -16,283 +16,45 @@ of the processes that handled it (``peak_rss_mb``).
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import logging
 import math
-import resource
-import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import NotRequired, TypedDict, cast
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import ray
 from ray.data import ActorPoolStrategy
 
-from common import schema, watchdog
+from common import watchdog
 from common.layout import LAYOUT
 from common.storage import (
     delete_quietly,
     exists,
-    io_counts,
     join,
-    redact,
     remove_temporaries,
     resolve,
-    retry_io,
-    retry_io_stream,
     write_json_atomic,
-    write_parquet_atomic,
 )
-from curation.config import CurateConfig, config_from_json
+from curation.config import CurateConfig
 from curation.records import read_commits, read_run_record, run_record
+from curation.score.chain import (
+    IO_COLUMNS,
+    io_note,
+    named_actor,
+    named_fused_actor,
+    named_task,
+    read_shards,
+    write_parts,
+)
 from curation.score.inputs import InputShard
-from curation.score.metadata import merge_all, metadata_types
-from curation.score.reader import ShardReader
-from curation.score.stage import StageRunner
+from curation.score.metadata import merge_all
 from curation.stages import stage_classes
 
 log = logging.getLogger(__name__)
-
-
-def stage_runner(stage_name: str, cfg: CurateConfig) -> StageRunner:
-    """The runner of the stage a config names, its models set up."""
-    return StageRunner(stage_classes()[stage_name], cfg)
-
-
-@functools.cache
-def _task_runner(stage_name: str, cfg_json: str) -> StageRunner:
-    """Task stages are set up once per worker process, like an actor's setup()."""
-    return stage_runner(stage_name, config_from_json(cfg_json))
-
-
-# A column the score chain hands on with the rows: the highest peak RSS (KiB) of the processes that handled the row so
-# far. The writer drops it (it selects the schemas' columns).
-PEAK_RSS = "_peak_rss_kib"
-
-
-def _reset_peak_rss() -> None:
-    """Start this process's peak RSS afresh, so that a task's peak is its own and not an earlier task's in the same
-    (reused) Ray worker. Linux only (/proc/self/clear_refs); elsewhere the peak stays the process's."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _peak_rss_kib() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak // 1024 if sys.platform == "darwin" else peak  # bytes on macOS, KiB on Linux
-
-
-def _raise_peak(table: pa.Table) -> pa.Table:
-    """``table`` with its rows' peak RSS raised to this process's."""
-    peak = _peak_rss_kib()
-    if PEAK_RSS not in table.schema.names:
-        return table.append_column(PEAK_RSS, pa.array(np.full(table.num_rows, peak, np.int64)))
-    i = table.schema.get_field_index(PEAK_RSS)
-    return table.set_column(i, PEAK_RSS, pc.max_element_wise(table.column(i), pa.scalar(peak, pa.int64())))
-
-
-def _mib(kib: int) -> int:
-    return math.ceil(kib / 1024)
-
-
-def _named_task(stage_name: str) -> Callable[..., pa.Table]:
-    """A task function named after its stage, so Ray Data's progress shows stage names."""
-
-    def run(table: pa.Table, cfg_json: str) -> pa.Table:
-        _reset_peak_rss()
-        return _raise_peak(_task_runner(stage_name, cfg_json)(table))
-
-    run.__name__ = run.__qualname__ = stage_name
-    return run
-
-
-class _MeasuredRunner(StageRunner):
-    """An actor stage's runner that raises its rows' peak RSS to the actor's over the call (its models included)."""
-
-    def __call__(self, table: pa.Table) -> pa.Table:
-        _reset_peak_rss()
-        return _raise_peak(super().__call__(table))
-
-
-def _named_actor(stage_name: str) -> type[StageRunner]:
-    return type(stage_name, (_MeasuredRunner,), {"__module__": __name__})
-
-
-class _FusedRunner:
-    """A fused run's actor (``fused`` in the config): the stages' runners, called in turn on each batch."""
-
-    def __init__(self, stage_classes: list[type], cfg: CurateConfig):
-        self.runners = [StageRunner(stage_class, cfg) for stage_class in stage_classes]
-
-    def __call__(self, table: pa.Table) -> pa.Table:
-        _reset_peak_rss()
-        for runner in self.runners:
-            table = runner(table)
-        return _raise_peak(table)
-
-
-def _named_fused_actor(step: tuple[str, ...]) -> type[_FusedRunner]:
-    return type("+".join(step), (_FusedRunner,), {"__module__": __name__})
-
-
-def _shard_reader(cfg: CurateConfig, input_uri: str) -> ShardReader:
-    return ShardReader(input_uri, cfg.input, cfg.embedding_dim, cfg.filters.max_file_bytes)
-
-
-# Columns the score chain hands on with the rows, like PEAK_RSS: the retried I/O calls and throttling answers of reading
-# them, each counted on one row (the chunk's first), so that a shard's rows add up to its read's counts.
-IO_COLUMNS = {"_io_retries": "io_retries", "_io_throttles": "io_throttles"}
-
-
-def _counted_chunks(chunks: Iterator[pa.Table]) -> Iterator[pa.Table]:
-    """``chunks`` with the I/O counts of making each (this process's, while the reader ran: stages fused into the
-    same task count their own) on its first row; a chunk without rows hands them on to the next."""
-    pending = dict.fromkeys(IO_COLUMNS.values(), 0)
-    while True:
-        before = io_counts()
-        chunk = next(chunks, None)
-        after = io_counts()
-        if chunk is None:
-            return
-        for key in pending:
-            pending[key] += after[key] - before[key]
-        for column, key in IO_COLUMNS.items():
-            values = np.zeros(chunk.num_rows, np.int64)
-            if chunk.num_rows:
-                values[0], pending[key] = pending[key], 0
-            chunk = chunk.append_column(column, pa.array(values))
-        yield chunk
-
-
-def io_note(counts: dict) -> str:
-    """The console's words for a phase's I/O retries and throttling answers; empty when there were none."""
-    retries, throttles = counts.get("io_retries", 0), counts.get("io_throttles", 0)
-    return f"; {retries} I/O retries ({throttles} throttled by the store)" if retries or throttles else ""
-
-
-def _read_shards(batch: pa.Table, cfg_json: str, input_uri: str) -> Iterator[pa.Table]:
-    """Stream each input shard in chunks (a generator: Ray Data never holds a whole shard in one block)."""
-    cfg = config_from_json(cfg_json)
-    reader = _shard_reader(cfg, input_uri)
-    policy = cfg.ray.io_retry_policy()
-    for row in batch.to_pylist():
-        shard = InputShard.from_row(row)
-        _reset_peak_rss()
-        first = reader.name(shard.paths[0]) if shard.paths else "no files"
-        what = f"reading input shard {shard.shard_id} ({first}{' and more' if len(shard.paths) > 1 else ''})"
-        for chunk in _counted_chunks(retry_io_stream(functools.partial(reader.read, shard), policy, what)):
-            yield _raise_peak(chunk)
-
-
-def _finalise(table: pa.Table) -> pa.Table:
-    """Rows still pending after the last stage are kept."""
-    status = pc.if_else(pc.equal(table.column("status"), schema.PENDING), schema.KEPT, table.column("status"))
-    return table.set_column(table.schema.get_field_index("status"), "status", status)
-
-
-def _write_parts(batch: pa.Table, out_uri: str, cfg_json: str, results_hash: str) -> pa.Table:
-    """Write the batch's rows as one ledger part (and one scored part) per input shard; return receipts. Each write
-    is atomic and named by its content, so one retried after an I/O error leaves what one try would."""
-    _reset_peak_rss()
-    cfg = config_from_json(cfg_json)
-    seen = io_counts()
-    shards = sorted(set(batch.column("shard_id").to_pylist()))
-    what = f"writing the results of input shard(s) {', '.join(shards[:3])}{' ...' if len(shards) > 3 else ''}"
-    receipts = retry_io(
-        lambda: _write_parts_once(batch, out_uri, cfg, results_hash),
-        cfg.ray.io_retry_policy(),
-        f"{what} to {redact(out_uri)}",
-    )
-    now = io_counts()
-    for key in IO_COLUMNS.values():  # the writes' own counts go on the batch's first receipt
-        extra = np.zeros(receipts.num_rows, np.int64)
-        extra[:1] = now[key] - seen[key]
-        receipts = receipts.set_column(receipts.schema.get_field_index(key), key, pc.add(receipts.column(key), extra))
-    return receipts
-
-
-def _write_parts_once(batch: pa.Table, out_uri: str, cfg: CurateConfig, results_hash: str) -> pa.Table:
-    fs, root = resolve(out_uri)
-    batch = _finalise(batch)
-    scored_schema = schema.with_metadata(
-        schema.scored_schema(cfg.embedding_dim),
-        table="scored",
-        config_hash=results_hash,
-        extra={"embedding_model": cfg.models.embedding.name, "embedding_dim": cfg.embedding_dim},
-    )
-    ledger_schema = schema.with_metadata(schema.ledger_schema(), table="ledger", config_hash=results_hash)
-    receipts = []
-    peaks = []  # per receipt: the highest peak of the tasks before this one that handled the shard's rows here
-    for shard_id in sorted(set(batch.column("shard_id").to_pylist())):
-        rows = batch.filter(pc.equal(batch.column("shard_id"), shard_id))
-        sources = sorted(rows.column("source").to_pylist())
-        part = "part-" + hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16] + ".parquet"
-        ledger_file = f"{LAYOUT.ledger}/{shard_id}/{part}"
-        write_parquet_atomic(
-            fs,
-            join(root, ledger_file),
-            rows.select(ledger_schema.names).cast(ledger_schema),
-            row_group_size=cfg.output.ledger_row_group_size,
-            compression=cfg.output.compression,
-        )
-        kept = rows.filter(pc.equal(rows.column("status"), schema.KEPT))
-        scored_file = None
-        if kept.num_rows:
-            scored_file = f"{LAYOUT.scored}/{shard_id}/{part}"
-            write_parquet_atomic(
-                fs,
-                join(root, scored_file),
-                kept.select(scored_schema.names).cast(scored_schema),
-                row_group_size=cfg.output.row_group_size,
-                compression=cfg.output.compression,
-            )
-        receipts.append(
-            {
-                "shard_id": shard_id,
-                "shard_size": pc.max(rows.column("shard_size")).as_py(),  # null unless the shard's last chunk is here
-                "rows": rows.num_rows,
-                "kept": kept.num_rows,
-                "ledger_file": ledger_file,  # relative to the output root
-                "scored_file": scored_file,
-                **{key: _column_sum(rows, column) for column, key in IO_COLUMNS.items()},
-                # which JSON types each metadata field of the kept rows took: the write phase types the columns
-                # (JSON text: a dict column of changing keys would not stay one Arrow type across receipts)
-                "metadata_types": json.dumps(metadata_types(kept.column("metadata_json").to_pylist())),
-            }
-        )
-        before = pc.max(rows.column(PEAK_RSS)).as_py() if PEAK_RSS in rows.schema.names else None
-        peaks.append(before or 0)
-    mine = _peak_rss_kib()  # after every write of the batch
-    for receipt, peak in zip(receipts, peaks):
-        receipt["peak_rss_mb"] = _mib(max(peak, mine))
-    return pa.Table.from_pylist(receipts)
-
-
-def _column_sum(table: pa.Table, column: str) -> int:
-    return int(pc.sum(table.column(column)).as_py() or 0) if column in table.schema.names else 0
-
-
-def score_in_process(cfg: CurateConfig, shards: list[InputShard], input_uri: str) -> pa.Table:
-    """The same stages in this process, batch by batch, without Ray: the baseline benchmarks compare against."""
-    runners = [(stage_runner(name, cfg), cfg.stages[name].batch_size) for name in cfg.enabled_stages]
-    reader = _shard_reader(cfg, input_uri)
-    tables = []
-    for shard in shards:
-        table = reader.read_table(shard)
-        for runner, size in runners:
-            table = pa.concat_tables([runner(table.slice(i, size)) for i in range(0, table.num_rows, size)])
-        tables.append(_finalise(table))
-    return pa.concat_tables(tables)
 
 
 def _as_they_come(ds: ray.data.Dataset) -> Iterator[dict]:
@@ -415,7 +177,7 @@ class ScorePhase:
         # I/O errors are retried inside the read and write functions (ray.io_retries); Ray Data retries the tasks
         # of lost workers and nodes itself
         ds = ds.map_batches(
-            _read_shards,  # type: ignore[arg-type]  # Ray types fn as taking the batch alone; fn_kwargs gives the rest
+            read_shards,  # type: ignore[arg-type]  # Ray types fn as taking the batch alone; fn_kwargs gives the rest
             batch_size=1,
             batch_format="pyarrow",
             num_cpus=_IO_CPUS,
@@ -431,12 +193,12 @@ class ScorePhase:
                 common["num_gpus"] = settings.num_gpus
             actors = self._actors(step)
             if actors is None:
-                ds = ds.map_batches(_named_task(step[0]), fn_kwargs={"cfg_json": cfg_json}, **common)
+                ds = ds.map_batches(named_task(step[0]), fn_kwargs={"cfg_json": cfg_json}, **common)
                 continue
             runner, kwargs = (
-                (_named_actor(step[0]), {"stage_class": stage_classes()[step[0]], "cfg": self.cfg})
+                (named_actor(step[0]), {"stage_class": stage_classes()[step[0]], "cfg": self.cfg})
                 if len(step) == 1
-                else (_named_fused_actor(step), {"stage_classes": [stage_classes()[n] for n in step], "cfg": self.cfg})
+                else (named_fused_actor(step), {"stage_classes": [stage_classes()[n] for n in step], "cfg": self.cfg})
             )
             ds = ds.map_batches(
                 runner,
@@ -445,7 +207,7 @@ class ScorePhase:
                 **common,
             )
         return ds.map_batches(
-            _write_parts,  # type: ignore[arg-type]  # Ray types fn as taking the batch alone; fn_kwargs gives the rest
+            write_parts,  # type: ignore[arg-type]  # Ray types fn as taking the batch alone; fn_kwargs gives the rest
             batch_size=self.cfg.input.files_per_shard,
             batch_format="pyarrow",
             num_cpus=_IO_CPUS,
@@ -465,7 +227,7 @@ class ScorePhase:
             )
             for step in self.cfg.steps
         }
-        return {"the reader (_read_shards)": ask(_IO_CPUS), **steps, "the writer (_write_parts)": ask(_IO_CPUS)}
+        return {"the reader (read_shards)": ask(_IO_CPUS), **steps, "the writer (write_parts)": ask(_IO_CPUS)}
 
     def run(self, shards: list[InputShard]) -> dict:
         committed = self.committed()

@@ -28,8 +28,8 @@ from common.config import load_config
 from common.layout import LAYOUT
 from common.storage import RetriesExhausted, RetryPolicy, io_counts, retry_io, retry_io_stream
 from curation.config import CurateConfig
+from curation.score.chain import read_shards
 from curation.score.ledger import read_ledger
-from curation.score.phase import _read_shards
 from curation.score.pool import list_shards
 from jobs import curate
 
@@ -277,7 +277,7 @@ def test_a_throttled_pool_file_is_read_again_not_recorded_unreadable(store, prox
     cfg = load_config(CurateConfig, LITE, [*FAST, "ray.io_backoff_s=0.01"])
     (shard,) = list_shards(pool, cfg.input)
     batch = pa.Table.from_pylist([shard.to_row()])
-    table = pa.concat_tables(_read_shards(batch, cfg.model_dump_json(), pool))
+    table = pa.concat_tables(read_shards(batch, cfg.model_dump_json(), pool))
     rows = table.to_pylist()
     assert sorted(r["source"] for r in rows) == ["s3://bkt/pool1/a.jpg", "s3://bkt/pool1/b.jpg"]
     assert all(r["image"] is not None and r["reason"] is None for r in rows), [r["reason"] for r in rows]

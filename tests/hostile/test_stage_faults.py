@@ -17,8 +17,8 @@ from PIL import Image
 from common import schema
 from common.imageio import decode, open_reduced
 from curation.config import CurateConfig
+from curation.score.chain import stage_runner
 from curation.score.ledger import read_ledger
-from curation.score.phase import stage_runner
 from curation.stages.faults import FaultInjectionStage
 from jobs import curate
 

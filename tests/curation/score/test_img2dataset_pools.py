@@ -30,7 +30,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
-from tests.curation.score.test_pool import _jpeg, read_shard
 
 from common import schema
 from common.layout import DOWNLOAD, LAYOUT
@@ -38,6 +37,7 @@ from curation.phases.write.card import funnel_markdown
 from curation.score.ledger import read_ledger, reason_code
 from curation.score.pool import list_shards, pin_listing, pinned_listing
 from curation.settings import InputSettings
+from tests.curation.score.test_pool import _jpeg, read_shard
 
 REPO = Path(__file__).resolve().parents[3]
 LITE = str(REPO / "configs" / "curate" / "lite.yaml")

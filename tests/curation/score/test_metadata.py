@@ -10,7 +10,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tests.curation.score.test_pool import _jpeg, read_shard
 
 from common import schema
 from common.layout import LAYOUT
@@ -22,6 +21,7 @@ from curation.score.sources import parse_source
 from curation.settings import InputSettings
 from generators.sample_pool import read_manifest
 from jobs import export
+from tests.curation.score.test_pool import _jpeg, read_shard
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -11,7 +11,7 @@ import curation.stages
 from common import schema
 from common.config import ConfigError, load_config
 from curation.config import CurateConfig, config_from_json
-from curation.score.phase import score_in_process
+from curation.score.chain import score_in_process
 from curation.score.pool import list_shards
 from curation.score.stage import Stage
 

@@ -22,8 +22,8 @@ from common.config import ConfigError, load_config
 from common.imageio import decode
 from curation import models
 from curation.config import CurateConfig
+from curation.score.chain import stage_runner
 from curation.score.ledger import committed_files, read_ledger, reason_code
-from curation.score.phase import stage_runner
 from curation.score.stage import REJECT
 from curation.stages.clip import ClipStage
 from curation.stages.yolo import (
