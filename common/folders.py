@@ -16,7 +16,9 @@ from common.layout import LAYOUT
 from common.storage import StorageError, exists, join, redact, resolve
 
 TRAINING_RUN_RECORD = "run.json"  # <storage>/<name>/run.json: what a training run trains (training.runner)
-EXPORT_STEP = "export"  # jobs.export records each tar it wrote in <out>/_state/export/
+# jobs.export runs one step, "tars", and records each tar it wrote in <out>/_state/steps/export/tars/
+EXPORT_PHASE, EXPORT_STEP = "export", "tars"
+EXPORT_RECORDS = LAYOUT.step_units(EXPORT_PHASE, EXPORT_STEP)
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,8 @@ class Kind:
 
 CURATED = Kind("a curated output (jobs.curate --output)", (LAYOUT.run_record, LAYOUT.manifest))
 TRAINING_RUN = Kind("a training run (jobs.pretrain / jobs.finetune)", (TRAINING_RUN_RECORD,))
-EXPORT = Kind("a WebDataset export (jobs.export --output)", (LAYOUT.units(EXPORT_STEP),))
+# _state/export: where an export recorded its tars before its step records
+EXPORT = Kind("a WebDataset export (jobs.export --output)", (EXPORT_RECORDS, join(LAYOUT.state, "export")))
 LABELLED = Kind("labelled shards (jobs.make_synthetic --out)", (join("train", LAYOUT.manifest_name),))
 # after EXPORT, whose folder holds a manifest.json too
 SHARDS = Kind("the shards folder of a curated output", (LAYOUT.manifest_name,))

@@ -92,10 +92,6 @@ class OutputLayout:
 
     steps = "_state/steps"
 
-    def units(self, step: str) -> str:
-        """The folder of the unit receipts of a job's own step (``jobs.export``'s tars)."""
-        return f"{self.state}/{step}"
-
     def step_started(self, phase: str, step: str) -> str:
         return f"{self.steps}/{phase}/{step}.started.json"
 

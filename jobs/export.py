@@ -12,9 +12,9 @@ as the pool's sample had them (``<key>.txt``, ``<key>.cls``: the metadata fields
 sha256.
 
 Only the shards ``manifest.json`` lists are read, a row group at a time. Each tar is written atomically and
-recorded in ``_state/export/``; the same command again skips the tars already written and redoes the rest, and an
-export with other shards or another ``--samples-per-tar`` rewrites the folder's tars (one export per output folder
-at a time).
+recorded in ``_state/steps/export/tars/`` (a ``curation.phases.step`` step); the same command again skips the tars
+already written and redoes the rest, and an export with other shards or another ``--samples-per-tar`` rewrites the
+folder's tars (one export per output folder at a time).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import logging
 import re
 import sys
 import tarfile
-import time
 from typing import IO, cast
 
 import pyarrow as pa
@@ -55,7 +54,9 @@ from common.storage import (
     write_json_atomic,
 )
 from common.watchdog import Watchdog, WatchdogSettings
-from curation.phases.runtime import UnitRecords, run_units, task_window
+from curation.phases.runtime import task_window
+from curation.phases.step import Output, StepRunner
+from curation.phases.task_step import task_step
 from curation.phases.write.shards import plan_output_shards
 from curation.records import manifest_advice
 from curation.score.metadata import sidecars_of
@@ -178,12 +179,7 @@ def _write_tar(shards_uri: str, files: list[str], pieces: list[tuple[int, int, i
     return {"file": name, "samples": samples, "skipped": skipped, "bytes": sink.size, "sha256": sink.digest.hexdigest()}
 
 
-class _TarRecords(UnitRecords):
-    """A tar's record counts only while the tar is still there."""
-
-    def get(self, unit: str) -> dict | None:
-        receipt = super().get(unit)
-        return receipt if receipt is not None and exists(self.fs, join(self.root, unit)) else None
+_Tars = task_step(folders.EXPORT_STEP, "tars", _write_tar)
 
 
 def plan_tars(rows: list[int], samples_per_tar: int | None) -> list[list[tuple[int, int, int]]]:
@@ -209,8 +205,18 @@ def read_source(shards_uri: str) -> dict:
 def written(out_uri: str) -> str:
     """What an interrupted export keeps: the tars it wrote and recorded, which a rerun skips."""
     fs, root = resolve(out_uri)
-    tars = len(list_files(fs, join(root, LAYOUT.units(folders.EXPORT_STEP)), ".json"))
+    tars = len(list_files(fs, join(root, folders.EXPORT_RECORDS), ".json"))
     return f"{tars} tar(s) written and recorded in {redact(out_uri)}"
+
+
+def _forget_lost(out: Output) -> None:
+    """A tar's receipt counts only while the tar is there: the receipts of tars since removed are deleted, with the
+    step's done record, so that the step writes those tars again."""
+    there = {path.rpartition("/")[2] for path in list_files(out.fs, out.root, ".tar")}
+    receipts = out.listed(folders.EXPORT_RECORDS, ".json")
+    lost = [rel for rel in receipts if rel.rpartition("/")[2].removesuffix(".json") not in there]
+    for rel in [*lost, LAYOUT.step_done(folders.EXPORT_PHASE, _Tars.name)] if lost else []:
+        delete_quietly(out.fs, out.path(rel))
 
 
 def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None) -> dict:
@@ -230,24 +236,15 @@ def export_webdataset(shards_uri: str, out_uri: str, samples_per_tar: int | None
     }
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     remove_temporaries(out_fs, out_root)  # tars a killed export left half-written
-    records = _TarRecords(out_fs, out_root, folders.EXPORT_STEP, settings_hash)
-    names = [tar_name(k) for k in range(len(plan))]
-    already = sum(records.get(name) is not None for name in names)
+    out = Output.at(out_uri)
+    _forget_lost(out)
     log.info(
-        f"[export] {sum(s['rows'] for s in source['shards'])} samples of {len(files)} shards into {len(plan)} tars; "
-        f"{already} already written, skipped"
+        f"[export] {sum(s['rows'] for s in source['shards'])} samples of {len(files)} shards into {len(plan)} tars"
     )
-    units = {
-        name: lambda pieces=pieces, name=name: _write_tar.remote(shards_uri, files, pieces, out_uri, name)
-        for name, pieces in zip(names, plan)
-    }
-    window = task_window(per_cpu=4)
-    started, tars, step = time.monotonic(), {}, max(1, len(plan) // 20)
-    for name, receipt in run_units(records, units, window):
-        tars[name] = receipt
-        if len(tars) % step == 0 or len(tars) == len(plan):
-            log.info(f"[export] {len(tars)}/{len(plan)} tars ({time.monotonic() - started:.1f} s)")
-    entries = [tars[name] for name in names]
+    names = [tar_name(k) for k in range(len(plan))]
+    calls = {name: (shards_uri, files, pieces, out_uri, name) for name, pieces in zip(names, plan)}
+    runner = StepRunner(out, folders.EXPORT_PHASE, settings_hash, task_window(per_cpu=4))
+    entries = runner.run(_Tars(calls))["receipts"]
     manifest = {
         "format": "webdataset",
         "settings_hash": settings_hash,

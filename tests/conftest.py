@@ -32,6 +32,20 @@ FAST = [
 ]
 
 
+class CountedTask:
+    """A Ray task in a step's place (set as a ``TaskStep``'s ``task``): counts its launches, and at launch
+    ``kill_at`` raises ``KeyboardInterrupt`` as a driver killed between units would."""
+
+    def __init__(self, task, kill_at: int | None = None):
+        self.task, self.kill_at, self.launched = task, kill_at, 0
+
+    def remote(self, *args):
+        if self.launched == self.kill_at:
+            raise KeyboardInterrupt("killed between units")
+        self.launched += 1
+        return self.task.remote(*args)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> pathlib.Path:
     return REPO

@@ -269,14 +269,7 @@ class GlobalPhases:
 
     def _write(self) -> dict:
         partition_of = {record["shard_id"]: i for i, shards in enumerate(self.partitions) for _, record in shards}
-        manifest = write_phase(
-            self.cfg,
-            self.out_uri,
-            self.records,
-            partition_of,
-            len(self.partitions),
-            self.phase_hash("write"),
-        )
+        manifest = write_phase(self.runner("write"), self.cfg, self.records, partition_of, len(self.partitions))
         if self.against is not None:  # this output is the release's next version
             manifest = {**manifest, "version": self.against.version + 1, "previous": self.against.previous()}
         self.guard()

@@ -1,15 +1,15 @@
 """The one task runner of the global phases: Ray tasks launched through a bounded window, results in completion or
-submission order, and units of work whose receipts are recorded so that a rerun skips them.
+submission order.
 
-Every step of dedup, sample, write, the export and the takedown runs its tasks through ``run_tasks`` (or
-``run_units`` when its units must survive a kill), so the driver holds at most ``window`` object refs however many
-tasks a step has (10^6 shards at 1B images: 64 in flight on 32 CPUs, not 10^6), every finished task is a watchdog
-beat, and the window is sized in one place (``task_window``).
+Every step of dedup, sample, write, the export and the takedown runs its tasks through ``run_tasks`` (most of them
+as units of a ``curation.phases.step.Step``, whose runner records their receipts), so the driver holds at most
+``window`` object refs however many tasks a step has (10^6 shards at 1B images: 64 in flight on 32 CPUs, not 10^6),
+every finished task is a watchdog beat, and the window is sized in one place (``task_window``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -19,10 +19,7 @@ import pyarrow.parquet as pq
 import ray
 
 from common import watchdog
-from common.layout import LAYOUT
 from common.progress import Progress
-from common.storage import exists, join, write_json_atomic
-from curation.records import read_step_record
 
 Launch = Callable[[], ray.ObjectRef]
 T = TypeVar("T")
@@ -60,7 +57,7 @@ def run_tasks(
 def _run(
     launches: Iterable[Launch], window: int, ordered: bool, progress: Progress | None
 ) -> Iterator[tuple[int, Any]]:
-    """(launch index, result) pairs: the loop behind ``run_tasks`` and ``run_units``."""
+    """(launch index, result) pairs: the loop behind ``run_tasks``."""
     pending: dict[ray.ObjectRef, int] = {}
     finished: dict[int, Any] = {}
     next_out = 0
@@ -103,39 +100,3 @@ def parquet_rows(fs: pafs.FileSystem, paths: Sequence[str]) -> list[int]:
             return pq.ParquetFile(f).metadata.num_rows
 
     return map_footers(rows, paths)
-
-
-class UnitRecords:
-    """Receipts of the finished units of a global step in ``_state/<step>/<unit>.json``, valid for one settings
-    hash: the one resume record of every step whose units are too big to redo after a kill."""
-
-    def __init__(self, fs: pafs.FileSystem, root: str, step: str, settings_hash: str):
-        self.fs, self.root, self.step, self.settings_hash = fs, root, step, settings_hash
-
-    def path(self, unit: str) -> str:
-        return join(self.root, LAYOUT.units(self.step), f"{unit}.json")
-
-    def get(self, unit: str) -> dict | None:
-        path = self.path(unit)
-        if not exists(self.fs, path):
-            return None
-        record = read_step_record(self.fs, path, self.step, "unit")
-        return record["receipt"] if record["fingerprint"] == self.settings_hash else None
-
-    def put(self, unit: str, receipt: dict) -> None:
-        write_json_atomic(self.fs, self.path(unit), {"fingerprint": self.settings_hash, "receipt": receipt})
-
-
-def run_units(records: UnitRecords, units: Mapping[str, Launch], window: int) -> Iterator[tuple[str, dict]]:
-    """Run the units not yet recorded, at most ``window`` at a time, recording each receipt as its task finishes;
-    yields (unit, receipt) for every unit, recorded ones first, then in completion order."""
-    todo: list[str] = []
-    for unit in units:
-        done = records.get(unit)
-        if done is None:
-            todo.append(unit)
-        else:
-            yield unit, done
-    for index, receipt in _run((units[u] for u in todo), window, ordered=False, progress=None):
-        records.put(todo[index], receipt)
-        yield todo[index], receipt

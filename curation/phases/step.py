@@ -118,7 +118,12 @@ class StepRunner:
         guard: Callable[[], None] = lambda: None,
     ):
         self.output, self.phase, self.window, self.guard = output, phase, window, guard
-        self.previous = phase_fingerprint
+        self._phase_fingerprint = self.previous = phase_fingerprint
+
+    @property
+    def phase_fingerprint(self) -> str:
+        """The phase's settings fingerprint the runner was made with (the first step's ``previous``)."""
+        return self._phase_fingerprint
 
     def fingerprint(self, step: Step) -> str:
         return hash_json({"previous": self.previous, "step": step.name, "own": step.fingerprint()})

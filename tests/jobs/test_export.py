@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from conftest import REPO
 from PIL import Image, ImageOps
 
 from common import schema
@@ -206,7 +207,7 @@ def test_webdataset_export_round_trips(curated_run, tmp_path, per_tar, capsys):
     lost.unlink()
     capsys.readouterr()
     assert export.main(argv) == 0
-    assert f"{len(tars) - 1} already written, skipped" in capsys.readouterr().out
+    assert f"{len(tars) - 1} of {len(tars)} tars done before" in capsys.readouterr().out
     assert {t.name: t.stat().st_mtime_ns for t in sorted(out.glob("part-*.tar")) if t != lost} == {
         n: m for n, m in written.items() if n != lost.name
     }
@@ -238,7 +239,7 @@ def test_readme_examples_load_the_output_and_the_tars(curated_run, tmp_path, mon
     """The README's "other tools" section, run as written on a copy of a curated output and its export."""
     (tmp_path / "out").mkdir()
     shutil.copytree(curated_run, tmp_path / "out" / "curated")
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     section = readme.split("\n## Using the curated data in other tools", 1)[1].split("\n## ", 1)[0]
     command = re.search(r"```bash\n(python -m jobs.export [^\n\[]*)", section).group(1).split()
     monkeypatch.chdir(tmp_path)

@@ -11,9 +11,10 @@ whether it was selected). Partition ``i`` covers a contiguous run of input shard
 - Final ledger: one task per run of input shards (about ``write.ledger_rows_per_task`` inputs) applies the
   decisions of its shards to their phase-1 ledger rows, by position within each shard (rows sorted by source), and
   writes one file per input shard; it returns its part of the funnel.
-- Each unit's receipt is recorded in ``_state/write/<unit>.json`` with the settings hash, so a killed write phase
-  redoes only the units it had not finished. Files are named by their content (``<stem>-<sha256 prefix>``), so a
-  rerun writes the same names and bytes, and the manifest, written last, is the one switch.
+- Three steps of the phase's ``StepRunner`` (``curation.phases.step``): ``selected`` (the counts), ``shards`` and
+  ``ledger``; each unit's receipt is recorded, so a killed write phase redoes only the units it had not finished.
+  Files are named by their content (``<stem>-<sha256 prefix>``), so a rerun writes the same names and bytes, and
+  the manifest, written last, is the one switch.
 
 Sizes at 1B survivors: the driver holds one count per partition (10^4 at 10^5 rows per partition) and one entry
 per output shard (10^6 at 1000 rows per shard: the manifest lists them anyway); a shard task holds 1000 images; a
@@ -22,12 +23,12 @@ ledger task ``write.ledger_rows_per_task`` ledger rows.
 
 from __future__ import annotations
 
+import functools
 import logging
-import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Sequence
 from hashlib import sha256
-from typing import Generic, TypeVar
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -36,10 +37,12 @@ import pyarrow.parquet as pq
 import ray
 
 from common import schema
+from common.config import hash_json
 from common.layout import LAYOUT
 from common.storage import encode_parquet, exists, join, resolve, write_bytes_atomic
 from curation.config import CurateConfig, config_from_json
-from curation.phases.runtime import UnitRecords, run_units, task_window
+from curation.phases.step import StepRunner
+from curation.phases.task_step import TaskStep
 from curation.phases.write.takedown import Takedowns, applied_takedowns
 from curation.score.ledger import funnel_of
 from curation.score.metadata import merge_all, split_metadata
@@ -87,28 +90,10 @@ def plan_output_shards(selected: list[int], rows_per_shard: int) -> list[list[tu
 
 
 @ray.remote(num_cpus=0.25)
-def _count_selected(out_uri: str, path: str) -> int:
+def _count_selected(out_uri: str, path: str) -> dict:
     fs, root = resolve(out_uri)
     table = _read_if_exists(fs, root, path, ["selected"])
-    return 0 if table is None else int(pc.sum(table.column("selected")).as_py() or 0)
-
-
-K = TypeVar("K")
-
-
-class _InOrder(Generic[K]):
-    """Tables loaded on first use and dropped once a later key is asked for: the output shards of a unit walk the
-    partitions and input shards in increasing order, so each file is read once and at most one of each is held."""
-
-    def __init__(self, load: Callable[[K], pa.Table]):
-        self.load = load
-        self.key: K | None = None
-        self.table: pa.Table | None = None
-
-    def __call__(self, key: K) -> pa.Table:
-        if key != self.key:
-            self.key, self.table = key, self.load(key)
-        return self.table
+    return {"selected": 0 if table is None else int(pc.sum(table.column("selected")).as_py() or 0)}
 
 
 def final_shard_schema(cfg: CurateConfig, metadata_fields: dict[str, str] | None = None) -> pa.Schema:
@@ -160,7 +145,8 @@ def _write_output_shards(
             [pq.read_table(join(root, f), columns=columns, filesystem=fs) for f in scored_files[shard_id]]
         )
 
-    selected, scored = _InOrder(selected_of), _InOrder(scored_of)
+    # the output shards walk the partitions and input shards in increasing order: each file is read once, one held
+    selected, scored = functools.lru_cache(maxsize=1)(selected_of), functools.lru_cache(maxsize=1)(scored_of)
     shards = []
     for k, pieces in enumerate(plan, start=first):
         wanted = pa.concat_tables([selected(p).slice(start, stop - start) for p, start, stop in pieces])
@@ -296,65 +282,91 @@ def _write_ledger_group(
 # --- the phase ----------------------------------------------------------------------------------------------------------
 
 
+class _Selected(TaskStep):
+    """How many images each survivor partition's sample decisions select: what cuts the global order into shards."""
+
+    name, unit_name, task = "selected", "partitions", _count_selected
+
+    def __init__(self, out_uri: str, records: dict[str, dict], partitions: int):
+        # own: the commit records decided on, so that scoring more shards, or again, redoes the phase
+        super().__init__(
+            {f"part-{i:06d}": (out_uri, LAYOUT.sample_decision(i)) for i in range(partitions)}, hash_json(records)
+        )
+
+    def reduce(self, receipts: Sequence[dict]) -> dict:
+        return {"selected": [r["selected"] for r in receipts]}
+
+
+class _Shards(TaskStep):
+    """The final shards: one unit per survivor partition, the output shards that start in it (they read its
+    decisions and a little of the next's)."""
+
+    name, unit_name, task = "shards", "partitions", _write_output_shards
+
+    def __init__(self, plan: list, scored: dict[int, dict[str, list[str]]], out_uri: str, *args: Any):
+        starts: dict[int, list[int]] = {}
+        for k, pieces in enumerate(plan):
+            starts.setdefault(pieces[0][0], []).append(k)
+        calls = {
+            f"part-{partition:06d}": (
+                out_uri,
+                ks[0],
+                plan[ks[0] : ks[-1] + 1],
+                {s: files for k in ks for p, _, _ in plan[k] for s, files in scored[p].items()},
+                *args,  # cfg_json, target, takedowns: the same for every unit
+            )
+            for partition, ks in starts.items()
+        }
+        takedowns: Takedowns = args[-1]
+        super().__init__(calls, [reason for _, reason in takedowns.lists])  # a takedown since: its images left out
+
+    def reduce(self, receipts: Sequence[dict]) -> dict:
+        return {"shards": [shard for r in receipts for shard in r["shards"]]}
+
+
+class _Ledger(TaskStep):
+    """The final ledger: one unit per run of input shards of about ``write.ledger_rows_per_task`` inputs."""
+
+    name, unit_name, task = "ledger", "tasks", _write_ledger_group
+
+    def __init__(self, records: dict[str, dict], partition_of: dict[str, int], rows_per_task: int, *args: Any):
+        calls: dict[str, tuple] = {}
+        group, rows = [], 0  # args: out_uri, cfg_json, takedowns
+        for n, shard_id in enumerate(sorted(records), start=1):
+            group.append((shard_id, records[shard_id]["ledger_files"], partition_of.get(shard_id)))
+            rows += records[shard_id]["rows"]
+            if rows >= rows_per_task or n == len(records):
+                calls[f"group-{len(calls):07d}"] = (args[0], group, *args[1:])
+                group, rows = [], 0
+        super().__init__(calls)
+
+    def reduce(self, receipts: Sequence[dict]) -> dict:
+        funnel: Counter = Counter()
+        for receipt in receipts:
+            funnel.update(receipt["funnel"])
+        return {"files": [f for r in receipts for f in r["files"]], "funnel": dict(sorted(funnel.items()))}
+
+
 def write_phase(
-    cfg: CurateConfig,
-    out_uri: str,
-    records: dict[str, dict],
-    partition_of: dict[str, int],
-    partitions: int,
-    settings_hash: str,
+    runner: StepRunner, cfg: CurateConfig, records: dict[str, dict], partition_of: dict[str, int], partitions: int
 ) -> dict:
-    """Write the final shards and final ledger; returns the manifest (not yet switched to: the caller writes it)."""
-    fs, root = resolve(out_uri)
-    cfg_json = cfg.model_dump_json()
+    """Write the final shards and final ledger as ``runner``'s steps; returns the manifest (not yet switched to: the
+    caller writes it)."""
+    out, cfg_json = runner.output, cfg.model_dump_json()
     metadata_fields = schema.typed_metadata_fields(merge_all(r.get("metadata_types") or {} for r in records.values()))
     target = final_shard_schema(cfg, metadata_fields)  # once per run: every shard task gets the same schema
-    takedowns = applied_takedowns(fs, root)  # images taken down stay down when the shards are written again
-    window = task_window(per_cpu=4)
-    selected = ray.get([_count_selected.remote(out_uri, LAYOUT.sample_decision(i)) for i in range(partitions)])
-    plan = plan_output_shards(selected, cfg.write.rows_per_shard)
-    shards_in: dict[int, list[str]] = {}
+    takedowns = applied_takedowns(out.fs, out.root)  # images taken down stay down when the shards are written again
+    scored: dict[int, dict[str, list[str]]] = {}
     for shard_id, partition in partition_of.items():
-        shards_in.setdefault(partition, []).append(shard_id)
-    # one unit per partition: the output shards that start in it (they read its decisions and a little of the next's)
-    starts: dict[int, list[int]] = {}
-    for k, pieces in enumerate(plan):
-        starts.setdefault(pieces[0][0], []).append(k)
-    units = {}
-    for partition, ks in starts.items():
-        scored = {s: records[s]["scored_files"] for k in ks for p, _, _ in plan[k] for s in shards_in[p]}
-        units[f"shards-{partition:06d}"] = lambda ks=ks, scored=scored: _write_output_shards.remote(
-            out_uri, ks[0], plan[ks[0] : ks[-1] + 1], scored, cfg_json, target, takedowns
-        )
-    unit_records = UnitRecords(fs, root, "write", settings_hash)
-    started = time.monotonic()
-    shards = [shard for _, receipt in sorted(run_units(unit_records, units, window)) for shard in receipt["shards"]]
-    log.info(f"[write] {len(shards)} final shards from {len(units)} partitions in {time.monotonic() - started:.1f} s")
-    started = time.monotonic()
-    groups, group, rows = [], [], 0
-    for shard_id in sorted(records):
-        group.append((shard_id, records[shard_id]["ledger_files"], partition_of.get(shard_id)))
-        rows += records[shard_id]["rows"]
-        if rows >= cfg.write.ledger_rows_per_task:
-            groups.append(group)
-            group, rows = [], 0
-    if group:
-        groups.append(group)
-    ledger_units = {
-        f"ledger-{g:07d}": lambda g=g: _write_ledger_group.remote(out_uri, groups[g], cfg_json, takedowns)
-        for g in range(len(groups))
-    }
-    ledgers = dict(run_units(unit_records, ledger_units, window))
-    log.info(
-        f"[write] final ledger of {len(records)} input shards in {len(groups)} tasks in {time.monotonic() - started:.1f} s"
-    )
-    funnel: Counter = Counter()
-    for receipt in ledgers.values():
-        funnel.update(receipt["funnel"])
+        scored.setdefault(partition, {})[shard_id] = records[shard_id]["scored_files"]
+    plan = plan_output_shards(runner.run(_Selected(out.uri, records, partitions))["selected"], cfg.write.rows_per_shard)
+    shards = runner.run(_Shards(plan, scored, out.uri, cfg_json, target, takedowns))["shards"]
+    ledger = runner.run(_Ledger(records, partition_of, cfg.write.ledger_rows_per_task, out.uri, cfg_json, takedowns))
+    log.info(f"[write] {len(shards)} final shards; the final ledger of {len(records)} input shards")
     return {
         "schema_version": schema.SCHEMA_VERSION,
         "config_hash": cfg.results_hash(),
-        "settings_hash": settings_hash,
+        "settings_hash": runner.phase_fingerprint,
         "embedding_model": cfg.models.embedding.name,
         "metadata_fields": metadata_fields,  # the pool's metadata fields typed in the shards' metadata struct
         # what the dataset card says of the curation, so that a takedown can rewrite the card from the manifest alone
@@ -366,11 +378,11 @@ def write_phase(
         "embedding_dim": cfg.embedding_dim if cfg.write.include_embedding else None,  # in the shards, when there
         "version": 1,  # a takedown publishes the next
         "shards": shards,
-        "final_ledger": [f for u in sorted(ledgers) for f in ledgers[u]["files"]],
+        "final_ledger": ledger["files"],
         "totals": {
             "shards": len(shards),
             "rows": sum(s["rows"] for s in shards),
             "bytes": sum(s["bytes"] for s in shards),
         },
-        "funnel": dict(sorted(funnel.items())),
+        "funnel": ledger["funnel"],
     }

@@ -21,7 +21,6 @@ a scan task reads the small columns of ``_SHARDS_PER_SCAN`` shards, a rewrite ta
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import json
 import logging
 from collections import Counter
@@ -34,7 +33,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from common import schema, watchdog
+from common import schema
+from common.config import hash_json
 from common.layout import LAYOUT, TAKEDOWN
 from common.storage import (
     StorageError,
@@ -50,7 +50,9 @@ from common.storage import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from curation.phases.runtime import run_tasks, task_window
+from curation.phases.runtime import task_window
+from curation.phases.step import Output, StepRunner
+from curation.phases.task_step import task_step
 from curation.phases.write.card import write_card
 from curation.records import read_manifest
 from curation.score.ledger import funnel_of
@@ -105,10 +107,8 @@ def listed_rows(table: pa.Table, entries: pa.Array) -> pa.ChunkedArray:
 
 def _urls(table: pa.Table) -> pa.Array | None:
     """The pool's url of each row: the typed metadata field, else the one in metadata_json."""
-    if "metadata" in table.column_names and table.schema.field("metadata").type.get_field_index(URL_FIELD) >= 0:
-        typed = pc.struct_field(table.column("metadata"), URL_FIELD)
-    else:
-        typed = None
+    has_typed = "metadata" in table.column_names and table.schema.field("metadata").type.get_field_index(URL_FIELD) >= 0
+    typed = pc.struct_field(table.column("metadata"), URL_FIELD) if has_typed else None
     if "metadata_json" not in table.column_names:
         return typed
     rest = [
@@ -151,11 +151,11 @@ def applied_takedowns(fs, root: str) -> Takedowns:
 
 
 @ray.remote(num_cpus=0.25)
-def _scan(out_uri: str, files: list[str], entries: list[str]) -> list[tuple[str, list[int]]]:
-    """Rows the entries name in each of ``files`` (final shards): (file, row indices), for files with any."""
+def _scan(out_uri: str, files: list[str], entries: list[str]) -> dict:
+    """Rows the entries name in each of ``files`` (final shards): file -> row indices, for files with any."""
     fs, root = resolve(out_uri)
     value_set = pa.array(entries, pa.string())
-    found = []
+    found = {}
     for name in files:
         path = join(root, LAYOUT.shards, name)
         columns = [
@@ -164,8 +164,8 @@ def _scan(out_uri: str, files: list[str], entries: list[str]) -> list[tuple[str,
         table = pq.read_table(path, columns=columns, filesystem=fs)
         rows = pc.indices_nonzero(listed_rows(table, value_set)).to_pylist()
         if rows:
-            found.append((name, rows))
-    return found
+            found[name] = rows
+    return {"hits": found}
 
 
 def _rewrite(fs, root: str, folder: str, name: str, table: pa.Table, like: pq.ParquetFile) -> dict:
@@ -221,9 +221,12 @@ def _rewrite_ledger(out_uri: str, entry: dict, sources: list[str], reason: str) 
     return {"entry": {**new, "shard_id": entry["shard_id"]}, "funnel": {k: v for k, v in delta.items() if v}}
 
 
-def _in_window(task, calls: list[tuple], window: int) -> list:
-    """``task.remote(*args)`` for each of ``calls``, at most ``window`` at a time; the results in order."""
-    return list(run_tasks((functools.partial(task.remote, *args) for args in calls), window, ordered=True))
+# the takedown's steps: the shards holding listed images, ``_SHARDS_PER_SCAN`` a unit; each of them without those
+# images; the final-ledger file of each input shard they came from, with them taken down (the step adds the reason,
+# which dates the list: a rerun on another day writes those files again)
+_Scan = task_step("scan", "scans", _scan)
+_RewriteShards = task_step("shards", "shards", _rewrite_shard)
+_RewriteLedger = task_step("ledger", "files", _rewrite_ledger)
 
 
 # --- the step ---------------------------------------------------------------------------------------------------------
@@ -269,12 +272,14 @@ def run_takedown(
     at = pending["at"] if pending is not None else _now()  # a rerun after a kill writes the same files
     entries = pa.table({"entry": pa.array(lst.entries, pa.string())})
     write_parquet_atomic(fs, join(root, entries_path(lst.id)), entries, row_group_size=100_000)
-    window = task_window()
-    watchdog.stage("the takedown's shard scan and rewrites")
-    files = [s["file"] for s in manifest["shards"]]
-    entries_ref = ray.put(list(lst.entries))
-    scans = [(out_uri, files[i : i + _SHARDS_PER_SCAN], entries_ref) for i in range(0, len(files), _SHARDS_PER_SCAN)]
-    hits = dict(hit for found in _in_window(_scan, scans, window) for hit in found)
+    # the steps' receipts hold for this list against this manifest: a rerun after a kill keeps them
+    runner = StepRunner(Output.at(out_uri), TAKEDOWN, hash_json([lst.id, _digest(manifest)]), task_window())
+    files, entries_ref = [s["file"] for s in manifest["shards"]], ray.put(list(lst.entries))
+    scans = {
+        f"scan-{i:07d}": (out_uri, files[i : i + _SHARDS_PER_SCAN], entries_ref)
+        for i in range(0, len(files), _SHARDS_PER_SCAN)
+    }
+    hits = {name: rows for r in runner.run(_Scan(scans))["receipts"] for name, rows in r["hits"].items()}
     log.info(
         f"[takedown] list {lst.id} ({len(lst.entries)} entries): {sum(map(len, hits.values()))} images listed in "
         f"{len(hits)} of {len(files)} shards"
@@ -299,7 +304,7 @@ def run_takedown(
         "purged": False,
     }
     if hits:
-        manifest, removed, superseded = _rewrite_listed(out_uri, manifest, hits, lst, at, window)
+        manifest, removed, superseded = _rewrite_listed(runner, manifest, hits, lst, at)
         record["removed"] = [*record["removed"], *removed]
         record["superseded"] = [*record["superseded"], *superseded]
     write_json_atomic(fs, path, {**record, "manifest_sha256": _digest(manifest)})
@@ -314,12 +319,13 @@ def _digest(manifest: dict) -> str:
 
 
 def _rewrite_listed(
-    out_uri: str, manifest: dict, hits: dict[str, list[int]], lst: TakedownList, at: str, window: int
+    runner: StepRunner, manifest: dict, hits: dict[str, list[int]], lst: TakedownList, at: str
 ) -> tuple[dict, list[dict], list[str]]:
     """Rewrite the shards with listed rows and their input shards' ledger files: (the next manifest, the removed
     images, the files it no longer lists)."""
     names = sorted(hits)
-    rewritten = _in_window(_rewrite_shard, [(out_uri, n, hits[n]) for n in names], window)
+    shard_calls = {f"shard-{k:06d}": (runner.output.uri, n, hits[n]) for k, n in enumerate(names)}
+    rewritten = runner.run(_RewriteShards(shard_calls))["receipts"]
     new_entry = dict(zip(names, (r["entry"] for r in rewritten)))
     removed = [row for r in rewritten for row in r["removed"]]
     by_shard: dict[str, list[str]] = {}
@@ -327,8 +333,10 @@ def _rewrite_listed(
         by_shard.setdefault(row["shard_id"], []).append(row["source"])
     reason = taken_down_reason(lst.name, lst.id, at)
     ledger_entries = [e for e in manifest["final_ledger"] if e["shard_id"] in by_shard]
-    calls = [(out_uri, e, by_shard[e["shard_id"]], reason) for e in ledger_entries]
-    new_ledger = {e["file"]: r for e, r in zip(ledger_entries, _in_window(_rewrite_ledger, calls, window))}
+    calls = {
+        f"file-{k:06d}": (runner.output.uri, e, by_shard[e["shard_id"]], reason) for k, e in enumerate(ledger_entries)
+    }
+    new_ledger = {e["file"]: r for e, r in zip(ledger_entries, runner.run(_RewriteLedger(calls, reason))["receipts"])}
     funnel = Counter(manifest["funnel"])
     for r in new_ledger.values():
         funnel.update(r["funnel"])
@@ -367,10 +375,6 @@ def _finish(fs, root: str, out_uri: str, record: dict, manifest: dict, grace_min
     return record
 
 
-def _time(iso: str) -> dt.datetime:
-    return dt.datetime.fromisoformat(iso)
-
-
 def purge_due(fs, root: str, manifest: dict, now: str | None = None) -> int:
     """Delete the replaced files of takedowns whose grace has passed (never a file the manifest lists)."""
     listed = {f"{LAYOUT.shards}/{s['file']}" for s in manifest["shards"]}
@@ -378,7 +382,8 @@ def purge_due(fs, root: str, manifest: dict, now: str | None = None) -> int:
     now = now or _now()
     deleted = 0
     for record in takedown_records(fs, root):
-        if record.get("purged") or record["status"] != "done" or _time(record["delete_after"]) > _time(now):
+        due = dt.datetime.fromisoformat(record["delete_after"]) <= dt.datetime.fromisoformat(now)
+        if record.get("purged") or record["status"] != "done" or not due:
             continue
         for rel in record["superseded"]:
             if rel not in listed:

@@ -8,17 +8,16 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import REPO, CountedTask
 
 from common import schema
-from common.layout import LAYOUT
+from common.layout import LAYOUT, TAKEDOWN
 from curation.audit.verify import audit
 from curation.phases.write import takedown as td
 from curation.score.ledger import read_ledger
 from curation.score.phase import claim_output
 from jobs import curate
 from jobs import takedown as job
-
-REPO = Path(__file__).resolve().parents[4]
 
 
 @pytest.fixture()
@@ -123,10 +122,41 @@ def test_a_takedown_killed_midway_and_rerun_removes_exactly_the_listed(out, tmp_
         with pytest.raises(KeyboardInterrupt):
             td.run_takedown(str(out), lst, by="t", grace_minutes=0)
     assert audit(str(out)).problems  # the record says the takedown did not finish
+    if where == "before the switch":  # every step had finished: the rerun finishes from their records, no task runs
+        for step, task in (
+            (td._Scan, td._scan),
+            (td._RewriteShards, td._rewrite_shard),
+            (td._RewriteLedger, td._rewrite_ledger),
+        ):
+            monkeypatch.setattr(step, "task", CountedTask(task, kill_at=0))
     record = td.run_takedown(str(out), lst, by="t", grace_minutes=0)
     assert {r["source"] for r in record["removed"]} == sources
     assert {r["source"] for r in _rows(out)} == kept_before - sources
     assert _manifest(out)["version"] == 2
+    result = audit(str(out))
+    assert result.ok, result.summary()
+
+
+def test_a_takedown_killed_between_units_reruns_only_the_rest(out, tmp_path, monkeypatch):
+    shards = pa.concat_tables(pq.read_table(out / LAYOUT.shards / s["file"]) for s in _manifest(out)["shards"])
+    firsts = {}  # an image of each input shard: one final-ledger file each to rewrite
+    for row in shards.select(["key", "source", "shard_id"]).to_pylist():
+        firsts.setdefault(row["shard_id"], row)
+    picked = list(firsts.values())
+    assert len(picked) >= 2
+    lst = td.read_list(str(_list(tmp_path, *(r["key"] for r in picked))))
+    monkeypatch.setattr(td, "task_window", lambda: 1)  # one task in flight: the first file is done when it is killed
+    monkeypatch.setattr(td._RewriteLedger, "task", CountedTask(td._rewrite_ledger, kill_at=1))
+    with pytest.raises(KeyboardInterrupt):
+        td.run_takedown(str(out), lst, by="t", grace_minutes=0)
+    assert len(list((out / LAYOUT.step_units(TAKEDOWN, "ledger")).glob("*.json"))) == 1
+
+    resumed = CountedTask(td._rewrite_ledger)
+    monkeypatch.setattr(td._RewriteLedger, "task", resumed)
+    record = td.run_takedown(str(out), lst, by="t", grace_minutes=0)
+    assert resumed.launched == len(picked) - 1
+    assert {r["source"] for r in record["removed"]} == {r["source"] for r in picked}
+    assert all(_ledger(out)[r["source"]]["status"] == schema.TAKEN_DOWN for r in picked)
     result = audit(str(out))
     assert result.ok, result.summary()
 
