@@ -55,8 +55,7 @@ from common.storage import (
 )
 from common.watchdog import Watchdog, WatchdogSettings
 from curation.phases.runtime import task_window
-from curation.phases.step import Output, StepRunner
-from curation.phases.task_step import task_step
+from curation.phases.step import Output, StepRunner, task_step
 from curation.phases.write.shards import plan_output_shards
 from curation.records import manifest_advice
 from curation.score.metadata import sidecars_of

@@ -15,10 +15,13 @@ beside the output (``curation.phases.survivors`` describes the partitioning):
     shards/manifest.json                    the current shards and final-ledger files, totals, funnel
     README.md                               the dataset card for Hugging Face datasets and the Hub (curation.phases.write.card)
 
-Resume: a phase records ``_state/<phase>.started.json`` with its settings hash; a rerun with the same settings keeps
-every partition already written (a step's output file, written atomically, is its own commit record) and redoes
-the rest; other settings clear the phase's folders first. ``_state/<phase>.done.json`` is written last, so a rerun
-skips a phase that is done with the same settings, and re-running one phase clears the later ones.
+Each phase is a short list of steps on one ``StepRunner`` (``curation.phases.step``), fingerprinted by the phase's
+settings hash: dedup = survey, pHash pairs (map, reduce), embedding pairs (plan, assign, search), components
+(pairs, edges, contraction rounds, labels, the keep rule); sample = train, assign, budget, select, assemble;
+write = selected, shards, ledger. The runner keeps each step's receipts and done record, so a rerun with the same
+settings redoes only the units not receipted, and other settings clear a step's outputs before it runs again.
+``_state/<phase>.done.json`` is written last, so a rerun skips a phase that is done with the same settings, and
+re-running one phase clears the later ones' done records.
 
 The manifest is the commit point of "write": the new files are written beside the old ones under names that end in
 a prefix of their sha256, then the manifest is replaced in one atomic write, then the files it does not list are

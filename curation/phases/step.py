@@ -193,36 +193,40 @@ class StepRunner:
         }
 
 
-class Calls(Step):
-    """A step whose unit ``u`` is one call ``task.remote(*args)`` of ``calls[u] = (task, args)``: the steps that are
-    a list of task calls with nothing else to say (``own``: its fingerprint beyond the steps before it;
-    ``summarise``: its ``reduce``, the sum of each numeric field by default)."""
+class TaskStep(Step):
+    """A step whose unit ``u`` is ``task.remote(*calls[u])``, the units in ``calls``' order (a class attribute, so a
+    test can put a counting or failing task in its place); ``own`` is what the step adds to its fingerprint. Stats:
+    the receipts in unit order, unless a subclass (or ``task_step``'s ``reduce``) sums them up."""
 
-    def __init__(
-        self,
-        name: str,
-        calls: Mapping[str, tuple[Any, tuple]],
-        *,
-        unit_name: str = "tasks",
-        own: Any = None,
-        outputs: Sequence[str] = (),
-        summarise: Callable[[Sequence[dict]], dict] | None = None,
-    ):
-        self.name, self.unit_name = name, unit_name  # type: ignore[misc]  # per instance, not per class
-        self.calls, self.own, self.written, self.summarise = calls, own, list(outputs), summarise
+    task: ClassVar[Any]  # a Ray remote function
+
+    def __init__(self, calls: Mapping[str, tuple], own: Any = None):
+        self.calls, self.own = dict(calls), own
 
     def fingerprint(self) -> Any:
         return self.own
-
-    def outputs(self) -> list[str]:
-        return self.written
 
     def units(self) -> list[str]:
         return list(self.calls)
 
     def run_unit(self, unit: str) -> ray.ObjectRef:
-        task, args = self.calls[unit]
-        return task.remote(*args)
+        return self.task.remote(*self.calls[unit])
 
     def reduce(self, receipts: Sequence[dict]) -> dict:
-        return self.summarise(receipts) if self.summarise else super().reduce(receipts)
+        return {"receipts": list(receipts)}
+
+
+def task_step(
+    name: str,
+    unit_name: str,
+    task: Any,
+    *,
+    outputs: Sequence[str] = (),
+    reduce: Callable[[Sequence[dict]], dict] | None = None,
+) -> type[TaskStep]:
+    """The ``TaskStep`` named ``name`` whose units, counted as ``unit_name``, are calls of ``task``; ``outputs``: what
+    it writes (cleared when its fingerprint changes); ``reduce``: its stats from the receipts."""
+    body: dict[str, Any] = {"name": name, "unit_name": unit_name, "task": task, "outputs": lambda self: list(outputs)}
+    if reduce is not None:
+        body["reduce"] = lambda self, receipts: reduce(receipts)
+    return type(f"TaskStep[{name}]", (TaskStep,), body)

@@ -50,8 +50,10 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import ray
 
 from common.layout import LAYOUT
@@ -70,7 +72,7 @@ from curation.phases.dedup.component_tasks import (
     write_task,
 )
 from curation.phases.runtime import parquet_rows
-from curation.phases.step import Calls, StepRunner
+from curation.phases.step import StepRunner, task_step
 
 log = logging.getLogger(__name__)
 
@@ -87,36 +89,44 @@ def _parts(stage: str, n: int) -> list[str]:
     return [_work(stage, f"part-{p:06d}.parquet") for p in range(n)]
 
 
-def _units(calls: Sequence[tuple[Any, tuple]]) -> dict[str, tuple[Any, tuple]]:
-    return {f"part-{k:06d}": call for k, call in enumerate(calls)}
+def _run(
+    runner: StepRunner,
+    name: str,
+    unit_name: str,
+    task: Any,
+    args: Sequence[tuple],
+    *,
+    own: Any = None,
+    outputs: Sequence[str] = (),
+    reduce: Callable[[Sequence[dict]], dict] | None = None,
+) -> dict:
+    """Run ``task`` once per ``args`` as the step ``components/<name>``; its stats."""
+    step = task_step(f"components/{name}", unit_name, task, outputs=outputs, reduce=reduce)
+    return runner.run(step({f"part-{k:06d}": a for k, a in enumerate(args)}, own))
 
 
 def _total(field: str) -> Callable[[Sequence[dict]], dict]:
     return lambda receipts: {field: sum(r[field] for r in receipts)}
 
 
-def _label_components(
-    runner: StepRunner,
-    layout: ray.ObjectRef,
-    edges: list[str],
-    remaining: int,
-    n_parts: int,
-    local_edges: int,
-    max_rounds: int,
-) -> tuple[list[str], int, bool]:
+@dataclass(frozen=True)
+class _Plan:
+    """What every step of one components run shares."""
+
+    runner: StepRunner
+    layout: ray.ObjectRef  # the survivor files' layout, shared by every task through the object store
+    n_parts: int
+
+    @property
+    def uri(self) -> str:
+        return self.runner.output.uri
+
+
+def _label_components(plan: _Plan, edges: list[str], remaining: int, local_edges: int, max_rounds: int):
     """Steps 3-5: the routed label files of every node in some pair, the rounds run, whether one task finished."""
-    uri = runner.output.uri
-    adjacency, routed, rounds, labels, finished_locally = edges, False, 0, [], False
-    while remaining:
-        if remaining <= local_edges:
-            labels = [_work(f"round-{rounds + 1:03d}", "labels-local.parquet")]
-            call = (finish_task, (uri, layout, adjacency, labels[0]))
-            done = runner.run(Calls(f"components/round-{rounds + 1:03d}/finish", {"all": call}))
-            log.info(
-                f"[components] {remaining} directed edges left: finished in one task ({done['components']} components)"
-            )
-            finished_locally = True
-            break
+    uri, layout, n = plan.uri, plan.layout, plan.n_parts
+    adjacency, routed, rounds, labels = edges, False, 0, []
+    while remaining > local_edges:
         if rounds == max_rounds:
             raise ComponentsError(
                 f"connected components not converged after max_rounds={max_rounds} rounds: {remaining} directed "
@@ -124,34 +134,95 @@ def _label_components(
             )
         rounds += 1
         step = f"round-{rounds:03d}"
-        hooks, messages = _parts(f"{step}/hooks", n_parts), _parts(f"{step}/messages", n_parts)
+        hooks, messages = _parts(f"{step}/hooks", n), _parts(f"{step}/messages", n)
         # round 1 reads its own edges file; later rounds their rows of every routed edges file
-        hook = [
-            (
-                hook_task,
-                (uri, layout, rounds, adjacency if routed else [adjacency[p]], routed, p, hooks[p], messages[p]),
-            )
-            for p in range(n_parts)
+        mine = [adjacency if routed else [adjacency[p]] for p in range(n)]
+        args: list[tuple] = [(uri, layout, rounds, mine[p], routed, p, hooks[p], messages[p]) for p in range(n)]
+        _run(plan.runner, f"{step}/hook", "partitions", hook_task, args)
+        adjacency, children = _parts(f"{step}/edges", n), _parts(f"{step}/children", n)
+        args = [(uri, layout, hooks[p], messages, p, adjacency[p], children[p]) for p in range(n)]
+        remaining = _run(plan.runner, f"{step}/contract", "partitions", contract_task, args, reduce=_total("edges"))[
+            "edges"
         ]
-        runner.run(Calls(f"components/{step}/hook", _units(hook), unit_name="partitions"))
-        adjacency, children = _parts(f"{step}/edges", n_parts), _parts(f"{step}/children", n_parts)
-        contract = [
-            (contract_task, (uri, layout, hooks[p], messages, p, adjacency[p], children[p])) for p in range(n_parts)
-        ]
-        step_stats = Calls(
-            f"components/{step}/contract", _units(contract), unit_name="partitions", summarise=_total("edges")
-        )
-        routed, remaining = True, runner.run(step_stats)["edges"]
+        routed = True
         log.info(f"[components] round {rounds}: {remaining} directed edges left")
-
+    if remaining:  # what is left fits one task
+        labels = [_work(f"round-{rounds + 1:03d}", "labels-local.parquet")]
+        args = [(uri, layout, adjacency, labels[0])]
+        done = _run(
+            plan.runner, f"round-{rounds + 1:03d}/finish", "tasks", finish_task, args, reduce=_total("components")
+        )
+        log.info(
+            f"[components] {remaining} directed edges left: finished in one task ({done['components']} components)"
+        )
     # 5: labels back through the rounds
     for r in range(rounds, 0, -1):
         step = f"round-{r:03d}"
-        children, out = _parts(f"{step}/children", n_parts), _parts(f"{step}/labels", n_parts)
-        label = [(label_task, (uri, layout, children, labels, p, out[p])) for p in range(n_parts)]
-        runner.run(Calls(f"components/{step}/labels", _units(label), unit_name="partitions"))
+        children, out = _parts(f"{step}/children", n), _parts(f"{step}/labels", n)
+        args = [(uri, layout, children, labels, p, out[p]) for p in range(n)]
+        _run(plan.runner, f"{step}/labels", "partitions", label_task, args)
         labels = out
-    return labels, rounds, finished_locally
+    return labels, rounds, bool(remaining)
+
+
+def _edges(plan: _Plan, pair_list: list[tuple[int, str]], own: dict) -> tuple[list[int], list[str], int]:
+    """Steps 1-2: each pair file's rows, the edge partitions, and how many directed edges they hold."""
+    uri, layout, n = plan.uri, plan.layout, plan.n_parts
+    routes = [_work("pairs", f"{code:03d}-{k:06d}.parquet") for k, (code, _) in enumerate(pair_list)]
+    args: list[tuple] = [(uri, layout, path, code, r) for (code, path), r in zip(pair_list, routes)]
+    rows = _run(
+        plan.runner,
+        "pairs",
+        "pair files",
+        pairs_task,
+        args,
+        own=own,
+        outputs=[WORK_DIR],
+        reduce=lambda receipts: {"rows": [r["rows"] for r in receipts]},
+    )["rows"]
+    edges = _parts("edges", n)
+    args = [(uri, layout, routes, p, edges[p]) for p in range(n)]
+    remaining = _run(plan.runner, "edges", "partitions", edges_task, args, reduce=_total("edges"))["edges"]
+    return rows, edges, remaining
+
+
+def _keep(
+    plan: _Plan,
+    groups: list[np.ndarray],
+    survivor_files: list[str],
+    labels: list[str],
+    edges: list[str],
+    signals: tuple[str, ...],
+    batch_rows: int,
+) -> dict:
+    """Step 6: the keep rule on each component, and the decisions files."""
+    uri, layout, n, runner = plan.uri, plan.layout, plan.n_parts, plan.runner
+    group_edges, file_labels = _parts("keep/edges", n), _parts("keep/labels", n)
+    args: list[tuple] = [(uri, layout, labels, edges[p], p, group_edges[p], file_labels[p]) for p in range(n)]
+    nodes = _run(runner, "attach", "partitions", attach_task, args, reduce=_total("nodes"))["nodes"]
+    members = _parts("keep/members", len(groups))
+    args = [
+        (uri, layout, file_labels, g, [survivor_files[i] for i in files], batch_rows, members[g])
+        for g, files in enumerate(groups)
+    ]
+    _run(runner, "members", "file groups", members_task, args)
+    dropped = _parts("keep/dropped", n)
+    args = [(uri, layout, signals, members, group_edges, p, dropped[p]) for p in range(n)]
+    kept = _run(
+        runner,
+        "keep",
+        "partitions",
+        keep_task,
+        args,
+        reduce=lambda receipts: {
+            "components": sum(r["components"] for r in receipts),
+            "by_signal": {s: sum(r["dropped"][s] for r in receipts) for s in signals},
+        },
+    )
+    outputs = [LAYOUT.dedup_decision(i) for i in range(len(survivor_files))]
+    args = [(uri, layout, dropped, g, [outputs[i] for i in files]) for g, files in enumerate(groups)]
+    _run(runner, "write", "file groups", write_task, args, outputs=[DECISIONS_DIR])
+    return {"nodes": nodes, **kept}
 
 
 def run_components(
@@ -176,7 +247,7 @@ def run_components(
     ``files_per_task`` survivor files make one ``members`` / ``write`` task.
     Intermediate files live under ``dedup/components/`` and are removed at the end unless ``keep_work``.
     """
-    out, uri = runner.output, runner.output.uri
+    out = runner.output
     signals = tuple(pair_files)
     if len(signals) > 127:
         raise ValueError("at most 127 signals")
@@ -186,75 +257,22 @@ def run_components(
         partitions = math.ceil(2 * pair_rows / edges_per_partition)
     n_parts = max(1, int(partitions))
     local_edges = edges_per_partition if local_edges is None else local_edges
-    plan = {
+    own = {
         "survivor_files": list(survivor_files),
         "pair_files": {s: list(pair_files[s]) for s in signals},
         "partitions": n_parts,
         "local_edges": int(local_edges),
         "files_per_task": int(files_per_task),
     }
-    # O(F) file boundaries, shared by every task through the object store (not copied into each call)
-    layout_here = layout_of(out.fs, out.root, survivor_files, n_parts, files_per_task)
-    layout = ray.put(layout_here)
+    layout = layout_of(out.fs, out.root, survivor_files, n_parts, files_per_task)  # O(F) file boundaries
+    plan = _Plan(runner, ray.put(layout), n_parts)
 
-    # 1-2: edges
-    routes = [_work("pairs", f"{code:03d}-{k:06d}.parquet") for k, (code, _) in enumerate(pair_list)]
-    calls: list[tuple[Any, tuple]] = [
-        (pairs_task, (uri, layout, path, code, r)) for (code, path), r in zip(pair_list, routes)
-    ]
-    rows = runner.run(
-        Calls(
-            "components/pairs",
-            _units(calls),
-            unit_name="pair files",
-            own=plan,
-            outputs=[WORK_DIR],
-            summarise=lambda receipts: {"rows": [r["rows"] for r in receipts]},
-        )
-    )["rows"]
+    rows, edges, remaining = _edges(plan, pair_list, own)
     pair_counts = {s: sum(n for (code, _), n in zip(pair_list, rows) if signals[code] == s) for s in signals}
-    edges = _parts("edges", n_parts)
-    calls = [(edges_task, (uri, layout, routes, p, edges[p])) for p in range(n_parts)]
-    remaining = runner.run(Calls("components/edges", _units(calls), unit_name="partitions", summarise=_total("edges")))[
-        "edges"
-    ]
     log.info(f"[components] {pair_counts} pairs: {remaining // 2} distinct edges in {n_parts} partitions")
-    labels, rounds, finished_locally = _label_components(
-        runner, layout, edges, remaining, n_parts, local_edges, max_rounds
-    )
-
-    # 6: keep rule
-    group_edges, file_labels = _parts("keep/edges", n_parts), _parts("keep/labels", n_parts)
-    calls = [(attach_task, (uri, layout, labels, edges[p], p, group_edges[p], file_labels[p])) for p in range(n_parts)]
-    nodes = runner.run(Calls("components/attach", _units(calls), unit_name="partitions", summarise=_total("nodes")))[
-        "nodes"
-    ]
-    groups = [layout_here.files_of_group(g) for g in range(layout_here.n_groups)]
-    members = _parts("keep/members", len(groups))
-    calls = [
-        (
-            members_task,
-            (uri, layout, file_labels, g, [survivor_files[i] for i in files], survivor_batch_rows, members[g]),
-        )
-        for g, files in enumerate(groups)
-    ]
-    runner.run(Calls("components/members", _units(calls), unit_name="file groups"))
-    dropped = _parts("keep/dropped", n_parts)
-    calls = [(keep_task, (uri, layout, signals, members, group_edges, p, dropped[p])) for p in range(n_parts)]
-    kept = runner.run(
-        Calls(
-            "components/keep",
-            _units(calls),
-            unit_name="partitions",
-            summarise=lambda receipts: {
-                "components": sum(r["components"] for r in receipts),
-                "by_signal": {s: sum(r["dropped"][s] for r in receipts) for s in signals},
-            },
-        )
-    )
-    outputs = [LAYOUT.dedup_decision(i) for i in range(len(survivor_files))]
-    calls = [(write_task, (uri, layout, dropped, g, [outputs[i] for i in files])) for g, files in enumerate(groups)]
-    runner.run(Calls("components/write", _units(calls), unit_name="file groups", outputs=[DECISIONS_DIR]))
+    labels, rounds, finished_locally = _label_components(plan, edges, remaining, local_edges, max_rounds)
+    groups = [layout.files_of_group(g) for g in range(layout.n_groups)]
+    kept = _keep(plan, groups, survivor_files, labels, edges, signals, survivor_batch_rows)
     if not keep_work:
         delete_quietly(out.fs, out.path(WORK_DIR))
 
@@ -262,7 +280,7 @@ def run_components(
     summary = {
         "pairs": pair_counts,
         "edges": remaining // 2,
-        "nodes": nodes,
+        "nodes": kept["nodes"],
         "components": kept["components"],
         "dropped": sum(by_signal.values()),
         "by_signal": by_signal,
@@ -271,7 +289,7 @@ def run_components(
         "partitions": n_parts,
     }
     log.info(
-        f"[components] {nodes} survivors in {summary['components']} groups; {summary['dropped']} dropped {by_signal}; "
+        f"[components] {kept['nodes']} survivors in {summary['components']} groups; {summary['dropped']} dropped {by_signal}; "
         f"{rounds} rounds"
     )
     return summary

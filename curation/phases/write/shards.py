@@ -41,8 +41,7 @@ from common.config import hash_json
 from common.layout import LAYOUT
 from common.storage import encode_parquet, exists, join, resolve, write_bytes_atomic
 from curation.config import CurateConfig, config_from_json
-from curation.phases.step import StepRunner
-from curation.phases.task_step import TaskStep
+from curation.phases.step import StepRunner, TaskStep
 from curation.phases.write.takedown import Takedowns, applied_takedowns
 from curation.score.ledger import funnel_of
 from curation.score.metadata import merge_all, split_metadata

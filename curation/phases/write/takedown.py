@@ -51,8 +51,7 @@ from common.storage import (
     write_parquet_atomic,
 )
 from curation.phases.runtime import task_window
-from curation.phases.step import Output, StepRunner
-from curation.phases.task_step import task_step
+from curation.phases.step import Output, StepRunner, task_step
 from curation.phases.write.card import write_card
 from curation.records import read_manifest
 from curation.score.ledger import funnel_of
