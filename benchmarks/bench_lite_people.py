@@ -15,7 +15,7 @@ changed); its own ``curation`` package and ``configs/curate/lite.yaml`` run in a
     (``curation.stages.yolo.estimate_head_pose``) run on the same person's nose, eye and ear keypoints (the lite
     keypoints: the full profile's YOLO pose weights are not in a package);
 (d) lite scoring end to end on the sample pool (``jobs.make_sample_pool``, default size): every lite stage in one
-    process, batch by batch (``curation.score.phase.score_in_process``), images per second, and how many inputs end
+    process, batch by batch (``curation.score.chain.score_in_process``), images per second, and how many inputs end
     otherwise than the pool's manifest expects; with ``--ray`` also phase 1 on a local Ray: images per second, and
     when the first shard committed (the actors' start-up, the same at any pool size).
 
@@ -82,21 +82,31 @@ def _module(name: str):
         return importlib.import_module(older)
 
 
+def _chain():
+    """The score chain's processes: ``curation.score.chain``, or the phase module of a baseline that held them."""
+    import importlib
+
+    try:
+        return importlib.import_module("curation.score.chain")
+    except ImportError:
+        return _module("curation.score.phase")
+
+
 def _runner(stage_name: str, cfg):
     """A set-up stage runner, in this tree or in a baseline that builds runners from the config's JSON."""
-    phase = _module("curation.score.phase")
-    if hasattr(phase, "stage_runner"):
-        return phase.stage_runner(stage_name, cfg)
+    chain = _chain()
+    if hasattr(chain, "stage_runner"):
+        return chain.stage_runner(stage_name, cfg)
     return _module("curation.score.stage").StageRunner(stage_name, cfg.model_dump_json())
 
 
 def scoring_in_process(cfg, pool: Path) -> dict:
-    """Phase 1 in this process, batch by batch, as ``curation.score.phase.score_in_process`` runs it, with the CPU time
+    """Phase 1 in this process, batch by batch, as ``curation.score.chain.score_in_process`` runs it, with the CPU time
     of each stage (its native threads included) and the rows it saw still pending."""
     import pyarrow as pa
 
-    phase, list_shards = _module("curation.score.phase"), _module("curation.score.pool").list_shards
-    _finalise, _shard_reader = phase._finalise, phase._shard_reader
+    chain, list_shards = _chain(), _module("curation.score.pool").list_shards
+    _finalise, _shard_reader = chain._finalise, chain._shard_reader
 
     runners = [(name, _runner(name, cfg), cfg.stages[name].batch_size) for name in cfg.enabled_stages]
     reader = _shard_reader(cfg, str(pool))
