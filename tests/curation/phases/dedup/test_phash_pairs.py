@@ -12,7 +12,7 @@ import pytest
 from common.layout import LAYOUT
 from common.storage import resolve, write_parquet_atomic
 from curation.phases import reference as single_process
-from curation.phases.dedup.phash_pairs import PAIR_SCHEMA, SHUFFLE_DIR, plan_pairs, run_phash_pairs
+from curation.phases.dedup.phash_pairs import PAIR_SCHEMA, SHUFFLE_DIR, run_phash_pairs
 from curation.phases.step import Output, StepRunner
 from curation.phases.survivors import make_uid, partition_path, survivors_schema
 
@@ -167,11 +167,3 @@ def test_rerun_skips_done_partitions_and_gives_the_same_bytes(tmp_path, ray_loca
         f"part-{p:05d}.parquet" for p in range(3)
     ]
     assert sorted(read_pairs(tmp_path)) == reference(uid, hashes, np.ones(n, bool), 8, brute=False)
-
-
-def test_plan_caps_partitions_at_the_number_of_groups():
-    plan = plan_pairs(10**9, 8)
-    assert [b.width for b in plan.bands.bands] == [22, 21, 21] and len(plan.families) == 9
-    assert plan.partitions == sum(1 << f.sub.width for f in plan.families) == 1280
-    assert plan_pairs(10**6, 8).partitions == 9
-    assert len(plan_pairs(10**6, 0).families) == 1
