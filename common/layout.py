@@ -55,7 +55,6 @@ class OutputLayout:
     ledger = "ledger"
 
     survivors = "dedup/survivors"
-    survey_units = "dedup/survey"
     phash_pairs = "dedup/pairs/phash"
     embedding_pairs = "dedup/pairs/embedding"
     embedding_buckets = "dedup/embedding_buckets"
@@ -124,7 +123,6 @@ class OutputLayout:
         """Partition ``partition`` of a pair folder (``phash_pairs``, ``embedding_pairs``), which components read."""
         return f"{folder}/part-{partition:05d}.parquet"
 
-    components_summary = f"{dedup_decisions}/_summary.json"
 
     def takedown_record(self, list_id: str) -> str:
         return f"{self.takedowns}/{list_id}.json"
