@@ -104,6 +104,11 @@ class OutputLayout:
     def step_unit(self, phase: str, step: str, unit: str) -> str:
         return f"{self.steps}/{phase}/{step}/{unit}.json"
 
+    def phase_folders(self, phase: str) -> tuple[str, ...]:
+        """What a global phase writes beside its records: where a killed write (or a task attempt that Ray retried)
+        leaves a torn ``_tmp-`` file for the phase's next run to remove."""
+        return {"dedup": ("dedup",), "sample": ("sample",), "write": (self.shards, self.final_ledger)}[phase]
+
     def phase_steps(self, phase: str) -> str:
         """Every step record of a global phase."""
         return f"{self.steps}/{phase}"

@@ -203,6 +203,8 @@ class GlobalPhases:
     def _start(self, phase: str) -> None:
         # writes a kill cut short leave _tmp- files; this run holds the lease, so none of them is live
         remove_temporaries(self.fs, join(self.root, LAYOUT.state))
+        for folder in (*LAYOUT.phase_folders(phase), LAYOUT.phase_steps(phase)):
+            remove_temporaries(self.fs, join(self.root, folder), recursive=True)
         for later in LAYOUT.from_phase_on(phase):
             delete_quietly(self.fs, _done_path(self.root, later))
 
