@@ -34,6 +34,7 @@ def errors(parts: dict) -> dict:
     return {name: (p.get("error"), p["log"]) for name, p in parts.items() if p["status"] != "ok"}
 
 
+@pytest.mark.slow
 def test_every_part_measures(tmp_path):
     results, printed = run_check(tmp_path, *FIRST_THREE)
     parts = results["parts"]
@@ -79,6 +80,7 @@ def test_every_part_measures(tmp_path):
     assert "data wait" in printed and "ms/image, clip: image tower forward" in printed
 
 
+@pytest.mark.slow
 def test_a_failing_part_is_reported_and_the_others_run(tmp_path):
     results, printed = run_check(
         tmp_path,

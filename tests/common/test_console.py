@@ -234,6 +234,7 @@ def job_console(module: str, args: list[str], ray_local, timeout: int = 900) -> 
     return console
 
 
+@pytest.mark.slow
 def test_a_curation_job_prints_its_progress_and_summary_and_no_ray_noise(sample_pool, ray_local, tmp_path):
     """The lite profile on the sample pool: its head-pose actors run TFLite, Ray Data starts actor pools from the
     driver. The lines dropped from the console stay in Ray's log files."""
@@ -249,6 +250,7 @@ def test_a_curation_job_prints_its_progress_and_summary_and_no_ray_noise(sample_
     assert any("has constructor arguments in the object store" in text for text in spent)
 
 
+@pytest.mark.slow
 def test_a_training_job_prints_rank_zero_lines_and_no_ray_noise(curated_run, ray_local, tmp_path):
     args = ["--config", str(REPO / "configs/pretrain/tiny.yaml"), "--data", str(curated_run / "shards"),
             "--storage", str(tmp_path), "--name", "quiet", "steps=4", "checkpoint.every=2", "log.every=1",

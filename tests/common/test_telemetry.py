@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from common.config import load_config
 from common.telemetry import MODEL_CACHE, TELEMETRY_OFF
 from curation.config import CurateConfig
@@ -94,6 +96,7 @@ def test_every_ray_worker_has_telemetry_off(ray_local):
     assert carried == here == TELEMETRY_OFF and openvino_stubbed
 
 
+@pytest.mark.slow
 def test_a_lite_curation_leaves_nothing_in_home_but_the_model_cache(sample_pool, tmp_path):
     """The README's curation run (local Ray, lite profile) in a process whose home folder holds only the model cache:
     onnxruntime, OpenVINO and Ray leave nothing beside it (left on, they write ~/.cache/Microsoft and ~/intel)."""

@@ -719,6 +719,7 @@ def test_job_refuses_bad_inputs_with_a_clear_message(shards, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_finetune_job_trains_evaluates_and_resumes(shards, tmp_path, ray_local, capsys):
     args = ["--task", "seg", "--config", TINY, "--data", str(shards), "--storage", str(tmp_path), "--name", "seg"]
     fast = ["steps=6", "log.every=2", "eval.every=3", "eval.visualise=2", "data.batch_size=2", "ray.workers=2",
@@ -788,6 +789,7 @@ def _check_run(run: Path, task_name: str, steps: int) -> None:
     assert task.name == task_name and out.shape[0] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task_name", ["pointmap", "normal", "albedo"])  # seg and pose: the tests around these
 def test_every_task_runs_end_to_end_through_the_job(task_name, shards, tmp_path, ray_local):
     config = str(REPO / f"configs/finetune/tiny-{task_name}.yaml")
@@ -800,6 +802,7 @@ def _finetuned_tensors(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "finetuned.safetensors")
 
 
+@pytest.mark.slow
 def test_killed_finetuning_job_resumes_to_the_uninterrupted_weights(shards, tmp_path, ray_local):
     """SIGKILL the driver after its first checkpoint, submit the same command again: the final weights are those
     of a run that was never interrupted (same seed, same batches, same augmentation draws)."""

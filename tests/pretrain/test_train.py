@@ -94,6 +94,7 @@ def reference(shards, storage) -> Path:
 # --- the reference run ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_readme_tiny_run_learns_without_a_collapse(shards, tmp_path):
     """The README's first command's pretraining, as shipped (60 steps, 2 workers, the sample pool's curated
     images): the MAE term falls, and so do the student's KL to its targets and the loss the console line leads
@@ -144,6 +145,7 @@ def test_the_console_line_leads_with_the_loss_the_student_can_lower():
         assert terms.endswith(f"cls std/rms 0.75 [{state}]"), terms
 
 
+@pytest.mark.slow
 def test_short_fsdp_run_finishes_and_its_loss_falls(reference):
     train = latest_per_step(read_metrics(str(reference)))
     assert sorted(train) == list(range(1, STEPS + 1))
@@ -244,6 +246,7 @@ def killed(shards, storage, reference) -> Path:
     return run_job(shards, storage, "killed", "fault.kill_at_step=6", "fault.kill_rank=1")
 
 
+@pytest.mark.slow
 def test_killed_worker_resumes_from_last_checkpoint_with_the_same_samples_and_state(killed, reference):
     (resume,) = read_metrics(str(killed), "resume")
     assert resume["step"] == EVERY and resume["checkpoint"].endswith(f"step_{EVERY:09d}")

@@ -64,6 +64,7 @@ def increment(wds_curated_run, tmp_path_factory):
     return release, pool, out
 
 
+@pytest.mark.slow
 def test_copies_of_released_images_are_duplicates_of_them(increment):
     release, _, out = increment
     released = {r["key"]: r for r in _shard_rows(release, ["key", "phash", "width"])}

@@ -409,6 +409,7 @@ def _person_on(runtime: str) -> CurateConfig:
     )
 
 
+@pytest.mark.slow
 def test_both_runtimes_of_the_person_graph_give_the_same_people(photos):
     """OpenVINO (the default where it imports) and cv2.dnn run the same graph in fp32: on every photo of the labelled
     check and the module's photos, the same verdicts and the same persons, boxes and keypoints within 1e-4 of the
