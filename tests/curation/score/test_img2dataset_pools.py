@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import html
 import http.server
 import io
 import json
@@ -343,5 +344,5 @@ def test_an_img2dataset_pool_is_curated_with_no_setting(img2dataset_pools, ray_l
     assert f"| download | download | reached | {len(urls)} | 100.0% |" in (out / LAYOUT.card).read_text()
 
     assert audit_job.main([str(out), "--report", "--config", LITE]) == 0
-    report = (out / LAYOUT.report / "index.html").read_text()
-    assert "3 of the inputs are URLs the pool&#x27;s downloader tried" in report
+    report = html.unescape((out / LAYOUT.report / "index.html").read_text())
+    assert "3 of the inputs are URLs the pool's downloader tried" in report
