@@ -64,9 +64,6 @@ class Output:
     def path(self, rel: str) -> str:
         return join(self.root, rel)
 
-    def exists(self, rel: str) -> bool:
-        return exists(self.fs, self.path(rel))
-
     def listed(self, folder: str, suffix: str = ".parquet") -> list[str]:
         """The files under ``folder``, relative to the root (sorted; bookkeeping names skipped)."""
         return [p[len(self.root) + 1 :] for p in list_files(self.fs, self.path(folder), suffix)]
