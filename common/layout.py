@@ -128,7 +128,6 @@ class OutputLayout:
         """Partition ``partition`` of a pair folder (``phash_pairs``, ``embedding_pairs``), which components read."""
         return f"{folder}/part-{partition:05d}.parquet"
 
-
     def takedown_record(self, list_id: str) -> str:
         return f"{self.takedowns}/{list_id}.json"
 
