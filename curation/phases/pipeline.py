@@ -39,7 +39,7 @@ import pyarrow.fs as pafs
 import ray
 
 from common import watchdog
-from common.config import hash_json
+from common.config import hash_json, hash_json_each
 from common.layout import GLOBAL_PHASES, LAYOUT
 from common.storage import (
     delete_quietly,
@@ -134,7 +134,7 @@ class Survey(Step):
             )
 
         # the commit records each partition is made of: scoring more shards, or again, redoes the survey and the rest
-        self.plan = hash_json([[r for _, r in shards] for shards in phases.partitions])
+        self.plan = hash_json_each((i, r) for i, shards in enumerate(phases.partitions) for _, r in shards)
 
     def fingerprint(self) -> str:
         return self.plan

@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 import ray
 
 from common import schema
-from common.config import hash_json
+from common.config import hash_json_each
 from common.layout import LAYOUT
 from common.storage import encode_parquet, exists, join, resolve, write_bytes_atomic
 from curation.config import CurateConfig, config_from_json
@@ -289,7 +289,8 @@ class _Selected(TaskStep):
     def __init__(self, out_uri: str, records: dict[str, dict], partitions: int):
         # own: the commit records decided on, so that scoring more shards, or again, redoes the phase
         super().__init__(
-            {f"part-{i:06d}": (out_uri, LAYOUT.sample_decision(i)) for i in range(partitions)}, hash_json(records)
+            {f"part-{i:06d}": (out_uri, LAYOUT.sample_decision(i)) for i in range(partitions)},
+            hash_json_each(sorted(records.items())),
         )
 
     def reduce(self, receipts: Sequence[dict]) -> dict:
