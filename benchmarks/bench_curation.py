@@ -37,9 +37,10 @@ from common.config import load_config
 from common.ray_utils import init_ray
 from curation.config import CurateConfig
 from curation.score.chain import score_in_process, stage_runner
-from curation.score.phase import ScorePhase, claim_output
+from curation.score.phase import ScorePhase
 from curation.score.pool import list_shards
 from curation.score.stage import _FAULT, REJECT, StageRunner, Update
+from curation.steps.output import Output, claim_output
 from jobs import make_sample_pool
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,9 +48,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def ray_score(cfg: CurateConfig, pool: Path, out: Path) -> float:
     shutil.rmtree(out, ignore_errors=True)
-    claim_output(str(out), cfg.results_hash(), str(pool), new_run=True)
+    output = Output.at(str(out))
+    claim_output(output, cfg.results_hash(), str(pool), new_run=True)
     shards = list_shards(str(pool), cfg.input)
-    seconds, _ = timed(lambda: ScorePhase(cfg, str(out), str(pool)).run(shards))
+    seconds, _ = timed(lambda: ScorePhase(cfg, output, str(pool)).run(shards))
     return seconds
 
 

@@ -144,23 +144,28 @@ def ray_scoring(cfg, pool: Path) -> dict:
     from common.ray_utils import init_ray
 
     phase, list_shards = _module("curation.score.phase"), _module("curation.score.pool").list_shards
-    ScorePhase, claim_output = phase.ScorePhase, phase.claim_output
+    ScorePhase = phase.ScorePhase
 
     init_ray(num_cpus=2)
     out = pool.parent / f"scored-{os.getpid()}"
-    claim_output(str(out), cfg.results_hash(), str(pool), new_run=True)
+    if hasattr(phase, "claim_output"):  # a tree before the output was resolved once and handed down
+        claim_output, output = phase.claim_output, str(out)
+    else:
+        resolved = _module("curation.steps.output")
+        claim_output, output = resolved.claim_output, resolved.Output.at(str(out))
+    claim_output(output, cfg.results_hash(), str(pool), new_run=True)
     shards = list_shards(str(pool), cfg.input)
     # when each shard commits: the first waits for the actors to start (the same cost at any pool size)
     commits: list[float] = []
     commit = ScorePhase._commit
 
-    def timed_commit(self, shard_id: str, receipts: list[dict]) -> int:
+    def timed_commit(self, shard_id: str, receipts: list[dict]):
         commits.append(time.perf_counter() - start)
         return commit(self, shard_id, receipts)
 
     ScorePhase._commit = timed_commit
     start = time.perf_counter()
-    ScorePhase(cfg, str(out), str(pool)).run(shards)
+    ScorePhase(cfg, output, str(pool)).run(shards)
     return {"ray_s": time.perf_counter() - start, "ray_commits": commits}
 
 

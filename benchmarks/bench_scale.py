@@ -161,12 +161,15 @@ def _synthesise_shard(job: tuple) -> int:
         fs,
         join(root, LAYOUT.score_commit(shard_id)),
         {
-            "shard_id": shard_id,
-            "rows": rows,
-            "kept": rows,
-            "ledger_files": [ledger_file],
-            "scored_files": [scored_file],
-            "results_hash": cfg.results_hash(),
+            "fingerprint": "synthetic",  # no score step ran; only the global phases read these
+            "receipt": {
+                "shard_id": shard_id,
+                "rows": rows,
+                "kept": rows,
+                "ledger_files": [ledger_file],
+                "scored_files": [scored_file],
+                "results_hash": cfg.results_hash(),
+            },
         },
     )
     return m
@@ -210,6 +213,7 @@ def run_phases(out: str, cpus: int, overrides: list[str]) -> dict:
     import ray
 
     from curation.phases.pipeline import GlobalPhases
+    from curation.steps.output import Output
 
     cfg = config(overrides)
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="ERROR")
@@ -223,7 +227,7 @@ def run_phases(out: str, cpus: int, overrides: list[str]) -> dict:
     for phase in PHASES:
         sampler.take()
         start = time.monotonic()
-        record = GlobalPhases(cfg, out).run(phase)
+        record = GlobalPhases(cfg, Output.at(str(out))).run(phase)
         seconds = time.monotonic() - start
         rss, shm = sampler.take()
         report[phase] = {"seconds": seconds, "rss": rss, "shm": shm, "record": record}

@@ -10,10 +10,10 @@ step's scratch files inside its own work folder (``dedup/components/``, ``sample
     _state/lease.json                       the output's lease (common.lease)
     _state/inputs.parquet                   the input shards the first run listed, pinned for every resume
     _state/run.json                         the run's input and results hash
-    _state/score/<shard_id>.json            phase 1's commit record per input shard
     _state/<phase>.done.json                a phase's record, written last
-    _state/steps/<phase>/<step>.started.json   a global step's fingerprint, written when it starts (curation.phases.step)
+    _state/steps/<phase>/<step>.started.json   a step's fingerprint, written when it starts (curation.steps.runner)
     _state/steps/<phase>/<step>/<unit>.json    the receipt of each finished unit of the step
+    _state/steps/score/shards/<shard_id>.json  phase 1's commit record of an input shard (its unit receipt)
     _state/steps/<phase>/<step>.done.json      the step's stats, written last
     _state/takedown/<list id>.json          a takedown: the list, who, when, what it removed, the files it replaced
     _state/takedown/<list id>.entries.parquet   the list's entries (keys, sources, URLs), which no version may hold
@@ -48,7 +48,10 @@ class OutputLayout:
     lease = "_state/lease.json"
     listing = "_state/inputs.parquet"
     run_record = "_state/run.json"
-    score_commits = "_state/score"
+    score_commits = "_state/steps/score/shards"  # the score phase's one step: its units are the input shards
+    # Where outputs scored before the score phase ran on the step runner keep their commit records: still read
+    # (curation.records.commit_files), and moved to ``score_commits`` when such a run resumes.
+    previous_score_commits = "_state/score"
     takedowns = "_state/takedown"
 
     scored = "scored"

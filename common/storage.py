@@ -227,15 +227,25 @@ def read_json(
         raise damaged(f"not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno})") from None
     if not isinstance(record, dict):
         raise damaged(f"holds {_json_kind(record)}, not a JSON object")
-    for name, types in (fields or {}).items():
+    check_fields(fs, path, record, fields or {}, advice)
+    return record
+
+
+def check_fields(
+    fs: pafs.FileSystem, path: str, record: dict, fields: Mapping[str, FieldTypes], advice: str, within: str = ""
+) -> None:
+    """Raise ``DamagedRecordError`` (as ``read_json``) unless ``record`` has each of ``fields`` with a value of its
+    type(s); ``within``: the field that holds ``record`` inside the file's object (as ``receipt``), for the message."""
+    for name, types in fields.items():
+        shown = f"{within}.{name}" if within else name
         if name not in record:
-            raise damaged(f"has no {name!r} field")
+            raise DamagedRecordError(display_path(fs, path), f"has no {shown!r} field", advice)
         value, wanted = record[name], types if isinstance(types, tuple) else (types,)
         # Python counts a JSON true as an int; a record's counts are never booleans
         if not isinstance(value, wanted) or (isinstance(value, bool) and bool not in wanted):
             expected = "a number" if float in wanted else " or ".join(_KINDS.get(t, t.__name__) for t in wanted)
-            raise damaged(f"its {name!r} field is {_json_kind(value)}, not {expected}")
-    return record
+            problem = f"its {shown!r} field is {_json_kind(value)}, not {expected}"
+            raise DamagedRecordError(display_path(fs, path), problem, advice)
 
 
 def write_parquet_atomic(

@@ -17,7 +17,17 @@ import pyarrow.fs as pafs
 
 from common.layout import GLOBAL_PHASES, LAYOUT
 from common.schema import SCHEMA_VERSION
-from common.storage import FieldTypes, display_path, join, list_files, read_json, redact, resolve, without_credentials
+from common.storage import (
+    FieldTypes,
+    check_fields,
+    display_path,
+    join,
+    list_files,
+    read_json,
+    redact,
+    resolve,
+    without_credentials,
+)
 
 _NUMBER = (int, float)
 
@@ -44,26 +54,32 @@ def _phase_records(fs: pafs.FileSystem, root: str, phases: tuple[str, ...]) -> s
     return f"{_shown(fs, root, LAYOUT.state)}/{names}.done.json"
 
 
+def commit_files(fs: pafs.FileSystem, root: str) -> list[str]:
+    """The paths of every committed input shard's commit record: the score step's unit records, or, in an output
+    scored before the score phase ran on the step runner, the records of that layout (``_state/score/``)."""
+    paths = list_files(fs, join(root, LAYOUT.score_commits), ".json")
+    return paths or list_files(fs, join(root, LAYOUT.previous_score_commits), ".json")
+
+
 def read_commit(fs: pafs.FileSystem, root: str, path: str) -> dict:
-    """An input shard's commit record (phase score), at ``path`` under ``_state/score/``."""
+    """An input shard's commit record (phase score) at ``path``, one of ``commit_files``: the receipt of its unit."""
     shard_id = path.rsplit("/", 1)[-1].removesuffix(".json")
     later = _phase_records(fs, root, GLOBAL_PHASES)
-    return read_json(
-        fs,
-        path,
-        fields=COMMIT_FIELDS,
-        advice=(
-            f"It is input shard {shard_id}'s commit record (phase score). To score that shard again, delete it and "
-            f"{later} (so the later phases redo their work on its new results), then rerun the same command"
-        ),
+    advice = (
+        f"It is input shard {shard_id}'s commit record (phase score). To score that shard again, delete it and "
+        f"{later} (so the later phases redo their work on its new results), then rerun the same command"
     )
+    if path.startswith(join(root, LAYOUT.previous_score_commits) + "/"):
+        return read_json(fs, path, fields=COMMIT_FIELDS, advice=advice)
+    record = read_json(fs, path, fields=_STEP_FIELDS["unit"], advice=advice)
+    check_fields(fs, path, record["receipt"], COMMIT_FIELDS, advice, within="receipt")
+    return record["receipt"]
 
 
 def read_commits(fs: pafs.FileSystem, root: str) -> dict[str, dict]:
     """Every committed input shard's commit record, by shard id (one per input shard: 10^5-10^6 small files at 1B
     images, read by the driver once per phase)."""
-    paths = list_files(fs, join(root, LAYOUT.score_commits), ".json")
-    return {r["shard_id"]: r for r in (read_commit(fs, root, p) for p in paths)}
+    return {r["shard_id"]: r for r in (read_commit(fs, root, p) for p in commit_files(fs, root))}
 
 
 def input_name(input_uri: str) -> str:
@@ -132,7 +148,7 @@ _STEP_FIELDS: dict[str, dict[str, FieldTypes]] = {
 
 
 def read_step_record(fs: pafs.FileSystem, path: str, phase: str, kind: str) -> dict:
-    """A global step's record (``curation.phases.step``): ``kind`` is started, unit or done."""
+    """A global step's record (``curation.steps.runner``): ``kind`` is started, unit or done."""
     advice = {
         "started": "the step starts over (what it wrote so far is cleared)",
         "unit": "that unit is done again",

@@ -20,16 +20,18 @@ from common.console import beside, configure_console, exit_code_interruptible, n
 from common.layout import GLOBAL_PHASES, LAYOUT, PHASES
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
-from common.storage import DamagedRecordError, StorageError, exists, join, list_files, redact, resolve
+from common.storage import DamagedRecordError, StorageError, join, redact
 from common.watchdog import Watchdog
 from curation.config import CurateConfig
 from curation.phases.pipeline import GlobalPhases, PhaseOrderError, check_order, phase_done
 from curation.phases.release import Release, ReleaseError, open_release
+from curation.records import commit_files
 from curation.score.chain import io_note
 from curation.score.inputs import InputShard
 from curation.score.ledger import CAUSE_COLUMNS, likely_causes, read_ledger, summary_table
-from curation.score.phase import RunMismatch, ScorePhase, claim_output
+from curation.score.phase import ScorePhase
 from curation.score.pool import PoolError, list_shards, pin_listing, pinned_listing
+from curation.steps.output import Output, RunMismatch, claim_output
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def committed(out_uri: str) -> str:
     """What an interrupted run leaves committed in ``out_uri``, which a rerun keeps."""
-    fs, root = resolve(out_uri)
-    shards = len(list_files(fs, join(root, LAYOUT.score_commits), ".json"))
-    done = [p for p in PHASES if phase_done(out_uri, p)]
+    out = Output.at(out_uri)
+    shards = len(commit_files(out.fs, out.root))
+    done = [p for p in PHASES if phase_done(out, p)]
     return f"{shards} input shard(s) scored and committed in {redact(out_uri)}; phases complete: {', '.join(done) or 'none'}"
 
 
@@ -89,9 +91,10 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
         pinned = None if args.new_run or "score" not in phases else pinned_listing(args.output, cfg.input)
         shards = pinned if pinned is not None else list_shards(args.input, cfg.input) if "score" in phases else []
         release = open_release(args.against, cfg.models.embedding.name) if args.against else None
-        check_order(cfg, args.output, phases, release)
+        out = Output.at(args.output)  # the output's filesystem and root, resolved once for the whole run
+        check_order(cfg, out, phases, release)
         lease.acquire(force=args.break_lease)  # before claim_output can delete another run's results
-        claim_output(args.output, cfg.results_hash(), args.input, args.new_run)
+        claim_output(out, cfg.results_hash(), args.input, args.new_run)
         if pinned is None and "score" in phases:
             pin_listing(args.output, shards, cfg.input)
     except (ConfigError, PoolError, StorageError, RunMismatch, LeaseHeld, ReleaseError, PhaseOrderError) as exc:
@@ -102,7 +105,7 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
     print(f"[curate] profile={cfg.profile} stages={','.join(cfg.enabled_stages)} config_hash={cfg.results_hash()}")
     try:
         with Watchdog("jobs.curate", cfg.watchdog.minutes):
-            return _run_phases(cfg, args, lease, phases, shards, pinned is not None, release)
+            return _run_phases(cfg, args, out, lease, phases, shards, pinned is not None, release)
     except (PhaseOrderError, DamagedRecordError) as exc:  # a damaged record's message names it and what to do
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -111,6 +114,7 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
 def _run_phases(
     cfg: CurateConfig,
     args: argparse.Namespace,
+    out: Output,
     lease: Lease,
     phases: list[str],
     shards: list[InputShard],
@@ -124,7 +128,7 @@ def _run_phases(
                 f"[score] resuming on the input listing pinned by the first run ({len(shards)} shards); "
                 "files added to the pool since are not part of this run"
             )
-        summary = ScorePhase(cfg, args.output, args.input).run(shards)
+        summary = ScorePhase(cfg, out, args.input).run(shards, guard=lease.check)
         rate = summary["inputs_this_run"] / max(summary["seconds"], 1e-9)
         peak = summary["peak_task_memory_mb"]
         memory = f"; peak task memory {peak} MiB of the {summary['task_memory_mb']} MiB each requests" if peak else ""
@@ -133,12 +137,12 @@ def _run_phases(
             f"({rate:.2f} img/s){memory}{io_note(summary)}"
         )
     for phase in (p for p in GLOBAL_PHASES if p in phases):
-        GlobalPhases(cfg, args.output, guard=lease.check, against=release).run(phase)
+        GlobalPhases(cfg, out, guard=lease.check, against=release).run(phase)
     ledger = read_ledger(args.output, CAUSE_COLUMNS)
     print(f"\n[curate] summary (all phases, {time.monotonic() - start:.1f} s this run)\n" + summary_table(ledger))
     for cause in likely_causes(ledger, cfg.filters.min_short_side):
         print(f"[curate] likely cause: {cause}")
-    where, commands = next_commands(args)
+    where, commands = next_commands(args, out)
     print()
     next_steps("curate", where, commands)
     return 0
@@ -147,16 +151,15 @@ def _run_phases(
 PRETRAIN_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "pretrain" / "tiny.yaml"
 
 
-def next_commands(args: argparse.Namespace) -> tuple[list[tuple[str, str]], list[list[str]]]:
+def next_commands(args: argparse.Namespace, output: Output) -> tuple[list[tuple[str, str]], list[list[str]]]:
     """Where the output's results are and the commands that come next: the rest of the phases while the output has
     no final shards; else the audit with its report, pretraining on the shards and their WebDataset export (folders
     beside the output, as the README's ``out/runs`` and ``out/wds``)."""
     out = redact(args.output)
-    fs, root = resolve(args.output)
     curate = ["python", "-m", "jobs.curate", "--config", args.config, "--input", redact(args.input), "--output", out]
     curate += ["--against", redact(args.against)] if args.against else []
-    if not exists(fs, join(root, LAYOUT.manifest)):
-        rest = [p for p in GLOBAL_PHASES if not phase_done(args.output, p)]
+    if not output.exists(LAYOUT.manifest):
+        rest = [p for p in GLOBAL_PHASES if not phase_done(output, p)]
         where = [("ledger", f"{join(out, LAYOUT.ledger)}/ (phase 1: one row per input)")]
         return where, [[*curate, "--phases", ",".join(rest), *args.overrides]] if rest else []
     shards = join(out, LAYOUT.shards)

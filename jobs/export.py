@@ -12,7 +12,7 @@ as the pool's sample had them (``<key>.txt``, ``<key>.cls``: the metadata fields
 sha256.
 
 Only the shards ``manifest.json`` lists are read, a row group at a time. Each tar is written atomically and
-recorded in ``_state/steps/export/tars/`` (a ``curation.phases.step`` step); the same command again skips the tars
+recorded in ``_state/steps/export/tars/`` (a ``curation.steps.runner`` step); the same command again skips the tars
 already written and redoes the rest, and an export with other shards or another ``--samples-per-tar`` rewrites the
 folder's tars (one export per output folder at a time).
 """
@@ -54,11 +54,12 @@ from common.storage import (
     write_json_atomic,
 )
 from common.watchdog import Watchdog, WatchdogSettings
-from curation.phases.runtime import task_window
-from curation.phases.step import Output, StepRunner, task_step
 from curation.phases.write.shards import plan_output_shards
 from curation.records import manifest_advice
 from curation.score.metadata import sidecars_of
+from curation.steps.output import Output
+from curation.steps.runner import StepRunner, task_step
+from curation.steps.window import task_window
 
 FORMATS = ("webdataset",)
 _EXTENSIONS = {

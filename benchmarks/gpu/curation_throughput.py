@@ -95,9 +95,10 @@ def run_score_phase(cfg, pool: Path, out: Path, sampler: GpuSampler) -> dict:
     time: a pool too small to stream, as in the smoke mode)."""
     from curation.score.phase import ScorePhase
     from curation.score.pool import list_shards
+    from curation.steps.output import Output
 
     shards = list_shards(str(pool), cfg.input)
-    phase = ScorePhase(cfg, str(out), str(pool))
+    phase = ScorePhase(cfg, Output.at(str(out)), str(pool))
     start, arrivals, rows, kept = time.monotonic(), [], 0, 0  # arrivals: (time, images done)
     for receipt in phase.build(shards).iter_rows():
         rows += receipt["rows"]

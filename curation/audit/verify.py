@@ -33,10 +33,10 @@ import pyarrow.parquet as pq
 
 from common import schema, watchdog
 from common.layout import GLOBAL_PHASES, LAYOUT, funnel_phase
-from common.storage import DamagedRecordError, exists, file_sha256, join, list_files, path_on_store, resolve
+from common.storage import DamagedRecordError, exists, file_sha256, join, path_on_store, resolve
 from curation.audit.verify_shards import Problem, ShardRows, check_shard, short
 from curation.phases.write.takedown import Takedowns, listed_rows, record_path, recorded_entries, takedown_records
-from curation.records import read_commit, read_done, read_manifest
+from curation.records import commit_files, read_commit, read_done, read_manifest
 from curation.score.ledger import reason_code
 
 STATUSES = (schema.KEPT, schema.REJECTED, schema.ERROR, schema.DUPLICATE, schema.UNSAMPLED, schema.TAKEN_DOWN)
@@ -220,7 +220,7 @@ class _Auditor:
     def ledger(self, manifest: dict | None) -> list[dict]:
         """Check the final ledger against the commit records; return its rows with their file and row."""
         records = {}
-        for path in list_files(self.fs, self.path(LAYOUT.score_commits), ".json"):
+        for path in commit_files(self.fs, self.root):
             try:
                 record = read_commit(self.fs, self.root, path)
             except DamagedRecordError as exc:

@@ -15,7 +15,7 @@ beside the output (``curation.phases.survivors`` describes the partitioning):
     shards/manifest.json                    the current shards and final-ledger files, totals, funnel
     README.md                               the dataset card for Hugging Face datasets and the Hub (curation.phases.write.card)
 
-Each phase is a short list of steps on one ``StepRunner`` (``curation.phases.step``), fingerprinted by the phase's
+Each phase is a short list of steps on one ``StepRunner`` (``curation.steps.runner``), fingerprinted by the phase's
 settings hash: dedup = survey, pHash pairs (map, reduce), embedding pairs (plan, assign, search), components
 (pairs, edges, contraction rounds, labels, the keep rule); sample = train, assign, budget, select, assemble;
 write = selected, shards, ledger. The runner keeps each step's receipts and done record, so a rerun with the same
@@ -34,6 +34,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 import ray
@@ -46,7 +47,6 @@ from common.storage import (
     exists,
     join,
     remove_temporaries,
-    resolve,
     write_json_atomic,
 )
 from curation.config import CurateConfig
@@ -55,32 +55,38 @@ from curation.phases.dedup.components import run_components
 from curation.phases.dedup.embedding_pairs import run_embedding_pairs
 from curation.phases.dedup.phash_pairs import run_phash_pairs
 from curation.phases.release import RELEASE_UID_MIN, Release, survey_release_partition
-from curation.phases.runtime import Phase, task_window
 from curation.phases.sample.cluster_sampling import run_sample
-from curation.phases.step import Output, Step, StepRunner
 from curation.phases.write.card import write_card
 from curation.phases.write.shards import (
     write_phase,
 )
 from curation.records import read_commits, read_done
+from curation.steps.output import Output
+from curation.steps.runner import Step, StepRunner
+from curation.steps.window import task_window
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One global phase: its name (the ``--phases`` word), the phase that must be done first, the settings
+    fingerprint its records are keyed by (other settings redo it), and what runs it (returns its done record)."""
+
+    name: str
+    needs: str
+    fingerprint: Callable[[], str]
+    run: Callable[[], dict]
 
 
 class PhaseOrderError(RuntimeError):
     """A phase was asked for before the phase it needs has completed."""
 
 
-def _done_path(root: str, phase: str) -> str:
-    return join(root, LAYOUT.done(phase))
-
-
-def phase_done(out_uri: str, phase: str, settings_hash: str | None = None) -> bool:
-    fs, root = resolve(out_uri)
-    path = _done_path(root, phase)
-    if not exists(fs, path):
+def phase_done(out: Output, phase: str, settings_hash: str | None = None) -> bool:
+    if not out.exists(LAYOUT.done(phase)):
         return False
-    return settings_hash is None or read_done(fs, root, phase)["settings_hash"] == settings_hash
+    return settings_hash is None or read_done(out.fs, out.root, phase)["settings_hash"] == settings_hash
 
 
 def phase_hash(cfg: CurateConfig, phase: str, against: Release | None = None) -> str:
@@ -91,23 +97,23 @@ def phase_hash(cfg: CurateConfig, phase: str, against: Release | None = None) ->
     return hash_json({"settings": cfg.phase_hash(phase), "against": against.previous()})
 
 
-def require_phase(cfg: CurateConfig, out_uri: str, phase: str, against: Release | None = None) -> None:
-    """Raise ``PhaseOrderError`` unless the phase ``phase`` needs is complete in ``out_uri`` with these settings."""
+def require_phase(cfg: CurateConfig, out: Output, phase: str, against: Release | None = None) -> None:
+    """Raise ``PhaseOrderError`` unless the phase ``phase`` needs is complete in ``out`` with these settings."""
     needed = LAYOUT.needs(phase)
     # score's settings are the run's, which claiming the output already checked
     fingerprint = phase_hash(cfg, needed, against) if needed in GLOBAL_PHASES else None
-    if not phase_done(out_uri, needed, fingerprint):
+    if not phase_done(out, needed, fingerprint):
         raise PhaseOrderError(
             f"phase {phase} needs phase {needed} to be complete with these settings; run --phases {needed},{phase}"
         )
 
 
-def check_order(cfg: CurateConfig, out_uri: str, phases: list[str], against: Release | None = None) -> None:
+def check_order(cfg: CurateConfig, out: Output, phases: list[str], against: Release | None = None) -> None:
     """Raise ``PhaseOrderError`` for a global phase in ``phases`` whose needed phase is neither in ``phases`` nor
     complete: a job checks it before it writes anything (each phase checks again when its turn comes)."""
     for phase in GLOBAL_PHASES:
         if phase in phases and LAYOUT.needs(phase) not in phases:
-            require_phase(cfg, out_uri, phase, against)
+            require_phase(cfg, out, phase, against)
 
 
 class Survey(Step):
@@ -122,7 +128,7 @@ class Survey(Step):
         self.calls: dict[str, tuple] = {
             f"part-{i:06d}": (
                 _survey_task,
-                (phases.out_uri, shards, path, cfg.dedup.keep_score, cfg.sample.balance_key, cfg.embedding_dim),
+                (phases.output.uri, shards, path, cfg.dedup.keep_score, cfg.sample.balance_key, cfg.embedding_dim),
             )
             for i, (shards, path) in enumerate(zip(phases.partitions, phases.survivor_files))
         }
@@ -130,7 +136,7 @@ class Survey(Step):
             assert phases.against is not None  # release files exist only with a release
             self.calls[f"release-{j:06d}"] = (
                 survey_release_partition,
-                (phases.against.uri, j, phases.out_uri, path, cfg.embedding_dim),
+                (phases.against.uri, j, phases.output.uri, path, cfg.embedding_dim),
             )
 
         # the commit records each partition is made of: scoring more shards, or again, redoes the survey and the rest
@@ -173,13 +179,12 @@ class GlobalPhases:
     def __init__(
         self,
         cfg: CurateConfig,
-        out_uri: str,
+        output: Output,
         guard: Callable[[], None] = lambda: None,
         against: Release | None = None,
     ):
-        self.cfg, self.out_uri, self.guard, self.against = cfg, out_uri, guard, against
-        self.output = Output.at(out_uri)
-        self.fs, self.root = self.output.fs, self.output.root
+        self.cfg, self.output, self.guard, self.against = cfg, output, guard, against
+        self.fs, self.root = output.fs, output.root
         self.records = read_commits(self.fs, self.root)
         self.partitions = survivors.plan_partitions(list(self.records.values()), cfg.dedup.rows_per_partition)
         self.survivor_files = [survivors.partition_path(i) for i in range(len(self.partitions))]
@@ -198,7 +203,7 @@ class GlobalPhases:
     # --- bookkeeping ---------------------------------------------------------------------------------------------
 
     def _require(self, phase: str) -> None:
-        require_phase(self.cfg, self.out_uri, phase, self.against)
+        require_phase(self.cfg, self.output, phase, self.against)
 
     def _start(self, phase: str) -> None:
         # writes a kill cut short leave _tmp- files; this run holds the lease, so none of them is live
@@ -206,20 +211,20 @@ class GlobalPhases:
         for folder in (*LAYOUT.phase_folders(phase), LAYOUT.phase_steps(phase)):
             remove_temporaries(self.fs, join(self.root, folder), recursive=True)
         for later in LAYOUT.from_phase_on(phase):
-            delete_quietly(self.fs, _done_path(self.root, later))
+            delete_quietly(self.fs, self.output.path(LAYOUT.done(later)))
 
     def runner(self, phase: str) -> StepRunner:
-        """The runner of ``phase``'s steps: each step's records, resume and clearing (``curation.phases.step``)."""
+        """The runner of ``phase``'s steps: each step's records, resume and clearing (``curation.steps.runner``)."""
         return StepRunner(self.output, phase, self.phase_hash(phase), task_window(per_cpu=4), self.guard)
 
     def _finish(self, phase: str, record: dict, start: float) -> None:
         record = {**record, "settings_hash": self.phase_hash(phase), "seconds": round(time.monotonic() - start, 2)}
         self.guard()
-        write_json_atomic(self.fs, _done_path(self.root, phase), record)
+        write_json_atomic(self.fs, self.output.path(LAYOUT.done(phase)), record)
 
     def run(self, name: str) -> dict:
         phase = self.phases[name]
-        if phase_done(self.out_uri, name, phase.fingerprint()):
+        if phase_done(self.output, name, phase.fingerprint()):
             record = read_done(self.fs, self.root, name)
             log.info(f"[{name}] already done with these settings, skipped")
             return record
@@ -280,7 +285,7 @@ class GlobalPhases:
         self.guard()
         write_json_atomic(self.fs, join(self.root, LAYOUT.manifest), manifest)  # the switch to the new files
         removed = self._remove_unlisted(manifest)
-        write_card(self.out_uri, manifest)  # after the switch: the card describes the current shards
+        write_card(self.output.uri, manifest)  # after the switch: the card describes the current shards
         log.info(
             f"[write] {manifest['totals']['rows']} images in {len(manifest['shards'])} shards "
             f"({manifest['totals']['bytes']} bytes); {removed} files the manifest no longer lists removed"

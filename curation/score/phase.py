@@ -1,10 +1,11 @@
 """Phase 1, "score": stream the pool through the configured stages into scored shards and ledger rows.
 
 The pipeline is a Ray Data chain: read input shards -> one ``map_batches`` per stage (actor pools for model
-stages, tasks for cheap ones) -> a writer that writes one part file per input shard per batch. The driver only
-sees the writer's small receipts; when an input shard's parts cover all its inputs, the driver writes the shard's
-commit record. Only committed parts count: a rerun skips committed shards and clears the rest, so results do not
-depend on how Ray happened to split the data into blocks.
+stages, tasks for cheap ones) -> a writer that writes one part file per input shard per batch. The phase is one step
+of the step runner (``curation.steps.runner``) whose units are the input shards: the driver only sees the writer's
+small receipts, and when an input shard's parts cover all its inputs, its receipt (the shard's commit record: its
+part files, rows, peak memory, retried I/O) is recorded as that unit's. Only committed parts count: a rerun skips
+committed shards and clears the rest, so results do not depend on how Ray happened to split the data into blocks.
 
 Memory: every step of the chain (the reader, each stage, the writer) asks Ray for ``input.task_memory_mb`` per
 process, so a node runs no more of them at once than fit. The same request everywhere also keeps Ray Data fusing a
@@ -21,26 +22,19 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import NotRequired, TypedDict, cast
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import ray
 from ray.data import ActorPoolStrategy
 
 from common import watchdog
 from common.layout import LAYOUT
-from common.storage import (
-    delete_quietly,
-    exists,
-    join,
-    remove_temporaries,
-    resolve,
-    write_json_atomic,
-)
+from common.progress import Progress
+from common.storage import delete_quietly, list_files, write_json_atomic
 from curation.config import CurateConfig
-from curation.records import read_commits, read_run_record, run_record
+from curation.records import read_commit
 from curation.score.chain import (
     IO_COLUMNS,
     io_note,
@@ -53,6 +47,8 @@ from curation.score.chain import (
 from curation.score.inputs import InputShard
 from curation.score.metadata import merge_all
 from curation.stages import stage_classes
+from curation.steps.output import Output
+from curation.steps.runner import Step, StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -68,47 +64,6 @@ def _as_they_come(ds: ray.data.Dataset) -> Iterator[dict]:
 _MAX_MEMORY_WARNINGS = 10  # shards named over input.task_memory_mb; a pool of millions must not flood the console
 
 
-class RunMismatch(RuntimeError):
-    """The output folder holds a run made with different settings."""
-
-
-def claim_output(out_uri: str, results_hash: str, input_uri: str, new_run: bool) -> None:
-    """Record which run owns ``out_uri``; refuse to mix results of different settings in one output.
-
-    Deletes the results of an earlier run: call it holding the output's lease (``common.lease``)."""
-    fs, root = resolve(out_uri)
-    path = join(root, LAYOUT.run_record)
-    record = run_record(results_hash, input_uri)  # no credentials in _state
-    input_uri = record["input"]
-    if exists(fs, path) and not new_run:
-        run = read_run_record(fs, root, expected=record)
-        if run["results_hash"] != results_hash or run["input"] != input_uri:
-            raise RunMismatch(
-                f"{out_uri} holds a run of input {run['input']} with config hash {run['results_hash']}; this command has "
-                f"input {input_uri} and config hash {results_hash}. Rerun with the same input and settings to resume, "
-                "choose another --output, or pass --new-run to discard the old results."
-            )
-        if run.get("schema_version") != record["schema_version"]:
-            # Its scored files lack columns the later phases read (encoding_quality since version 3).
-            raise RunMismatch(
-                f"{out_uri} was scored by an older version of the pipeline (tables of schema version "
-                f"{run.get('schema_version', '2 or older')}; this one reads and writes version "
-                f"{record['schema_version']}). Pass --new-run to score it again, or choose another --output."
-            )
-        if run.get("input_store") != record["input_store"]:  # the same pool reached anew (another endpoint)
-            write_json_atomic(fs, path, {**run, "input_store": record["input_store"]})
-        return
-    for top in (LAYOUT.scored, LAYOUT.ledger):
-        delete_quietly(fs, join(root, top))
-    state = join(root, LAYOUT.state)
-    if exists(fs, state):  # all of it but the lease this run holds and the takedowns, which bind every run
-        keep = {join(root, LAYOUT.lease), join(root, LAYOUT.takedowns)}
-        for info in fs.get_file_info(pafs.FileSelector(state)):
-            if info.path not in keep:
-                delete_quietly(fs, info.path)
-    write_json_atomic(fs, path, record)
-
-
 class _MapOptions(TypedDict):
     """The ``map_batches`` options every stage gets."""
 
@@ -122,19 +77,33 @@ class _MapOptions(TypedDict):
 _IO_CPUS = 0.25  # the chain's reader and writer, mostly waiting on storage
 
 
-class ScorePhase:
-    """Runs phase 1 for one output folder; resumable per input shard."""
+class ScorePhase(Step):
+    """Phase 1 for one output: the step whose units are the input shards (``run``), and the Ray Data chain that
+    scores them (``build``)."""
 
-    def __init__(self, cfg: CurateConfig, out_uri: str, input_uri: str):
-        self.cfg, self.out_uri, self.input_uri = cfg, out_uri, input_uri
-        self.fs, self.root = resolve(out_uri)
+    name = "shards"  # so the commit records are LAYOUT.score_commits
+    unit_name = "input shards"
+
+    def __init__(self, cfg: CurateConfig, out: Output, input_uri: str):
+        self.cfg, self.out, self.input_uri = cfg, out, input_uri
         self.results_hash = cfg.results_hash()
+        self.shards: dict[str, InputShard] = {}
+        self.this_run: dict[str, dict] = {}  # the commit records of the shards scored by this run
+        self.memory = cfg.task_memory_mb * 2**20  # what each of the chain's processes requests (task_memory())
+        self.started = False  # whether this run's units ran (the step was not done already)
 
-    def commit_path(self, shard_id: str) -> str:
-        return join(self.root, LAYOUT.score_commit(shard_id))
+    def outputs(self) -> list[str]:
+        return [LAYOUT.scored, LAYOUT.ledger]
 
-    def committed(self) -> dict[str, dict]:
-        return read_commits(self.fs, self.root)
+    def units(self) -> list[str]:
+        return list(self.shards)
+
+    def reduce(self, receipts: Sequence[dict]) -> dict:
+        return {
+            "shards": len(receipts),
+            "inputs": sum(r["rows"] for r in receipts),
+            "kept": sum(r["kept"] for r in receipts),
+        }
 
     def task_memory(self) -> int:
         """Bytes of memory each process of the chain requests of Ray: ``input.task_memory_mb``, lowered where the
@@ -160,14 +129,6 @@ class ScorePhase:
         if len(step) == 1 and not stage_classes()[step[0]].uses_actors:
             return None
         return self.cfg.stages[step[0]].actors
-
-    def _clear_uncommitted(self, shards: list[InputShard], committed: dict[str, dict]) -> None:
-        # a commit record cut short by a kill leaves its temporary file; this run holds the lease, so none is live
-        remove_temporaries(self.fs, join(self.root, LAYOUT.score_commits))
-        for shard in shards:
-            if shard.shard_id not in committed:
-                for top in (LAYOUT.ledger, LAYOUT.scored):
-                    delete_quietly(self.fs, join(self.root, top, shard.shard_id))
 
     def build(self, shards: list[InputShard], memory: int | None = None) -> ray.data.Dataset:
         """The chain over ``shards``; ``memory``: bytes each process requests (default ``task_memory()``)."""
@@ -212,7 +173,7 @@ class ScorePhase:
             batch_format="pyarrow",
             num_cpus=_IO_CPUS,
             memory=memory,
-            fn_kwargs={"out_uri": self.out_uri, "cfg_json": cfg_json, "results_hash": self.results_hash},
+            fn_kwargs={"out_uri": self.out.uri, "cfg_json": cfg_json, "results_hash": self.results_hash},
         )
 
     def requests(self, memory: int) -> dict[str, dict[str, float]]:
@@ -229,74 +190,93 @@ class ScorePhase:
         }
         return {"the reader (read_shards)": ask(_IO_CPUS), **steps, "the writer (write_parts)": ask(_IO_CPUS)}
 
-    def run(self, shards: list[InputShard]) -> dict:
-        committed = self.committed()
-        todo = [s for s in shards if s.shard_id not in committed]
-        self._clear_uncommitted(shards, committed)
-        log.info(f"[score] {len(shards)} input shards, {len(committed)} already committed, {len(todo)} to score")
-        start = time.monotonic()
-        done_rows = 0
-        peaks: dict[str, int] = {}  # MiB, per shard committed this run
-        io = dict.fromkeys(IO_COLUMNS.values(), 0)  # over the shards committed this run
-        memory = self.task_memory() if todo else self.cfg.task_memory_mb * 2**20
-        limit_mb, over = math.ceil(memory / 2**20), 0
-        watchdog.stage("the score phase", self.requests(memory))
-        if todo:
-            parts: dict[str, list[dict]] = defaultdict(list)
-            sizes: dict[str, int] = {}  # known once the receipt of a shard's last chunk arrives
-            next_report = 0.0
-            for receipt in _as_they_come(self.build(todo, memory)):
-                shard_id = receipt["shard_id"]
-                watchdog.beat(f"results of input shard {shard_id} written ({len(committed)}/{len(shards)} committed)")
-                parts[shard_id].append(receipt)
-                if receipt["shard_size"] is not None:
-                    sizes[shard_id] = receipt["shard_size"]
-                got = parts[shard_id]
-                if shard_id in sizes and sum(r["rows"] for r in got) == sizes[shard_id]:
-                    for key in io:
-                        io[key] += sum(r[key] for r in got)
-                    peak = peaks[shard_id] = self._commit(shard_id, parts.pop(shard_id))
-                    over += peak > limit_mb
-                    if peak > limit_mb and over <= _MAX_MEMORY_WARNINGS:
-                        log.warning(
-                            f"[score] warning: a process scoring input shard {shard_id} peaked at {peak} MiB, over "
-                            f"the {limit_mb} MiB each requests of Ray (input.task_memory_mb): raise it, or lower "
-                            "input.read_chunk_mb or filters.max_pixels"
-                            + ("; further shards over it are only counted" if over == _MAX_MEMORY_WARNINGS else "")
-                        )
-                    committed[shard_id] = {"rows": sizes[shard_id]}
-                    done_rows += sizes.pop(shard_id)
-                    elapsed = time.monotonic() - start
-                    if elapsed >= next_report or len(committed) == len(shards):
-                        next_report = elapsed + 10.0
-                        log.info(
-                            f"[score] committed {len(committed)}/{len(shards)} shards, {done_rows} inputs this run,"
-                            f" {done_rows / max(elapsed, 1e-9):.1f} img/s{io_note(io)}"
-                        )
-            missing = [s.shard_id for s in todo if s.shard_id not in committed]
-            if missing:
-                raise RuntimeError(f"[score] shards not complete after the pipeline finished: {missing[:5]}")
-        elapsed = time.monotonic() - start
+    def run(self, shards: list[InputShard], guard: Callable[[], None] = lambda: None) -> dict:
+        """Score every shard of ``shards`` not committed yet; the phase's summary, also its done record. ``guard``
+        raises when this run may no longer write the output (``common.lease.Lease.check``)."""
+        self.shards, self.this_run = {s.shard_id: s for s in shards}, {}
+        runner = StepRunner(self.out, "score", self.results_hash, window=1, guard=guard)
+        adopt_previous_commits(self.out, runner.fingerprint(self))
+        start, self.started = time.monotonic(), False
+        totals = runner.run(self)
+        if not self.started:  # the step was done: nothing of the pool ran
+            log.info(f"[score] {len(shards)} input shards, {len(shards)} already committed, 0 to score")
+        limit_mb = math.ceil(self.memory / 2**20)
+        peaks = {shard_id: r["peak_rss_mb"] for shard_id, r in self.this_run.items()}
         top = max(peaks, key=peaks.__getitem__, default=None)
         summary = {
-            "shards": len(shards),
-            "inputs_this_run": done_rows,
-            "seconds": round(elapsed, 2),
+            "shards": totals["shards"],
+            "inputs_this_run": sum(r["rows"] for r in self.this_run.values()),
+            "seconds": round(time.monotonic() - start, 2),
             # over the shards committed this run; None when there were none
             "peak_task_memory_mb": None if top is None else peaks[top],
             "peak_task_memory_shard": top,
             "task_memory_mb": limit_mb,
-            "shards_over_task_memory": over,
-            **io,  # retried object-store / disk calls and throttling answers of the shards committed this run
+            "shards_over_task_memory": sum(p > limit_mb for p in peaks.values()),
+            # retried object-store / disk calls and throttling answers of the shards committed this run
+            **{key: sum(r[key] for r in self.this_run.values()) for key in IO_COLUMNS.values()},
         }
         write_json_atomic(
-            self.fs, join(self.root, LAYOUT.done("score")), {**summary, "settings_hash": self.results_hash}
+            self.out.fs, self.out.path(LAYOUT.done("score")), {**summary, "settings_hash": self.results_hash}
         )
         return summary
 
-    def _commit(self, shard_id: str, receipts: list[dict]) -> int:
-        """Write the shard's commit record; returns the peak RSS (MiB) of the tasks that handled it."""
-        record = {
+    def run_units(self, todo: Sequence[str], window: int, progress: Progress) -> Iterator[tuple[str, dict]]:
+        """Each input shard of ``todo`` with its commit record, as its last part is written. ``window`` and
+        ``progress`` are the runner's for task steps: Ray Data bounds this chain, and its progress lines report img/s."""
+        del window, progress
+        self.started = True
+        for shard_id in todo:  # what an uncommitted shard wrote before a kill: this run holds the lease
+            for top in (LAYOUT.ledger, LAYOUT.scored):
+                delete_quietly(self.out.fs, self.out.path(f"{top}/{shard_id}"))
+        done, total = len(self.shards) - len(todo), len(self.shards)
+        log.info(f"[score] {total} input shards, {done} already committed, {len(todo)} to score")
+        if todo:
+            self.memory = self.task_memory()
+        watchdog.stage("the score phase", self.requests(self.memory))
+        if not todo:
+            return
+        limit_mb, start, next_report = math.ceil(self.memory / 2**20), time.monotonic(), 0.0
+        parts: dict[str, list[dict]] = defaultdict(list)
+        sizes: dict[str, int] = {}  # known once the receipt of a shard's last chunk arrives
+        for receipt in _as_they_come(self.build([self.shards[u] for u in todo], self.memory)):
+            shard_id = receipt["shard_id"]
+            watchdog.beat(f"results of input shard {shard_id} written ({done}/{total} committed)")
+            parts[shard_id].append(receipt)
+            if receipt["shard_size"] is not None:
+                sizes[shard_id] = receipt["shard_size"]
+            if shard_id not in sizes or sum(r["rows"] for r in parts[shard_id]) != sizes[shard_id]:
+                continue
+            del sizes[shard_id]
+            commit = self.this_run[shard_id] = self._commit(shard_id, parts.pop(shard_id))
+            self._warn_memory(shard_id, commit["peak_rss_mb"], limit_mb)
+            done += 1
+            elapsed = time.monotonic() - start
+            if elapsed >= next_report or done == total:
+                next_report = elapsed + 10.0
+                rows = sum(r["rows"] for r in self.this_run.values())
+                io = {key: sum(r[key] for r in self.this_run.values()) for key in IO_COLUMNS.values()}
+                log.info(
+                    f"[score] committed {done}/{total} shards, {rows} inputs this run,"
+                    f" {rows / max(elapsed, 1e-9):.1f} img/s{io_note(io)}"
+                )
+            yield shard_id, commit
+        missing = [u for u in todo if u not in self.this_run]
+        if missing:
+            raise RuntimeError(f"[score] shards not complete after the pipeline finished: {missing[:5]}")
+
+    def _warn_memory(self, shard_id: str, peak: int, limit_mb: int) -> None:
+        over = sum(r["peak_rss_mb"] > limit_mb for r in self.this_run.values())
+        if peak > limit_mb and over <= _MAX_MEMORY_WARNINGS:
+            log.warning(
+                f"[score] warning: a process scoring input shard {shard_id} peaked at {peak} MiB, over "
+                f"the {limit_mb} MiB each requests of Ray (input.task_memory_mb): raise it, or lower "
+                "input.read_chunk_mb or filters.max_pixels"
+                + ("; further shards over it are only counted" if over == _MAX_MEMORY_WARNINGS else "")
+            )
+
+    def _commit(self, shard_id: str, receipts: list[dict]) -> dict:
+        """The shard's commit record, from the writer's receipts of its parts."""
+        return {
             "shard_id": shard_id,
             "rows": sum(r["rows"] for r in receipts),
             "kept": sum(r["kept"] for r in receipts),
@@ -307,5 +287,19 @@ class ScorePhase:
             **{key: sum(r[key] for r in receipts) for key in IO_COLUMNS.values()},
             "metadata_types": merge_all(json.loads(r["metadata_types"]) for r in receipts),
         }
-        write_json_atomic(self.fs, self.commit_path(shard_id), record)
-        return record["peak_rss_mb"]
+
+
+def adopt_previous_commits(out: Output, fingerprint: str) -> None:
+    """Move the commit records of an output scored before the score phase ran on the step runner
+    (``LAYOUT.previous_score_commits``) into its step's records, so that resuming it rescores nothing: the run
+    record, checked before, says the same settings made them."""
+    old = list_files(out.fs, out.path(LAYOUT.previous_score_commits), ".json")
+    if not old:
+        return
+    log.info(f"[score] {len(old)} commit records of an earlier version's layout moved to {LAYOUT.score_commits}/")
+    write_json_atomic(out.fs, out.path(LAYOUT.step_started("score", ScorePhase.name)), {"fingerprint": fingerprint})
+    for path in old:
+        record = read_commit(out.fs, out.root, path)
+        unit = {"fingerprint": fingerprint, "receipt": record}
+        write_json_atomic(out.fs, out.path(LAYOUT.score_commit(record["shard_id"])), unit)
+    delete_quietly(out.fs, out.path(LAYOUT.previous_score_commits))

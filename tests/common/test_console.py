@@ -20,6 +20,7 @@ from common.storage import retry_io, retry_io_stream
 from curation.config import CurateConfig
 from curation.score.phase import ScorePhase
 from curation.score.pool import list_shards
+from curation.steps.output import Output
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -164,7 +165,9 @@ def test_the_scoring_pipeline_uses_no_deprecated_ray_arguments(sample_pool, ray_
     shards = list_shards(str(sample_pool), cfg.input)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ScorePhase(cfg, str(tmp_path / "out"), str(sample_pool)).build(shards)  # builds the plan, runs nothing
+        ScorePhase(cfg, Output.at(str(tmp_path / "out")), str(sample_pool)).build(
+            shards
+        )  # builds the plan, runs nothing
     ours = [w for w in caught if issubclass(w.category, DeprecationWarning) and w.filename.startswith(str(REPO))]
     assert not ours and not [w for w in caught if issubclass(w.category, RayDeprecationWarning)], caught
 

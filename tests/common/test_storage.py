@@ -318,7 +318,7 @@ def test_the_score_phase_reports_its_retries_and_throttles(store, proxy_to, ray_
     assert curate.main([*args, "--phases", "score", *FAST, "ray.io_backoff_s=0.01"]) == 0
     done = json.loads((out / LAYOUT.done("score")).read_text())
     assert (done["io_retries"], done["io_throttles"]) == (1, 1), done
-    (commit,) = [json.loads(p.read_text()) for p in (out / LAYOUT.score_commits).glob("*.json")]
+    (commit,) = [json.loads(p.read_text())["receipt"] for p in (out / LAYOUT.score_commits).glob("*.json")]
     assert (commit["io_retries"], commit["io_throttles"]) == (1, 1)
     assert "; 1 I/O retries (1 throttled by the store)" in capsys.readouterr().out
     ledger = read_ledger(str(out), ["source", "status", "reason"]).to_pylist()

@@ -14,7 +14,7 @@ import pytest
 from common import watchdog
 from common.config import ConfigError, load_config
 from common.watchdog import Watchdog
-from curation.phases.runtime import run_tasks
+from curation.steps.window import run_tasks
 
 
 def _wait_for(lines: list[str], text: str, timeout_s: float) -> str:

@@ -24,6 +24,7 @@ from common.layout import LAYOUT
 from common.lease import Lease, LeaseHeld, LeaseLost
 from curation.config import CurateConfig
 from curation.phases.pipeline import GlobalPhases
+from curation.steps.output import Output
 from jobs import curate
 from jobs import pretrain as pretrain_job
 from pretrain import data
@@ -177,7 +178,7 @@ def test_a_rewrite_switches_readers_from_the_whole_old_set_to_the_whole_new_one(
         holder.check()
 
     with pytest.raises(LeaseLost):
-        GlobalPhases(cfg, str(out), guard=guard).run("write")
+        GlobalPhases(cfg, Output.at(str(out)), guard=guard).run("write")
     assert (out / LAYOUT.manifest).read_bytes() == old_manifest
     during = seen_during[0]
     assert during.files == old.files and during.num_samples == old.num_samples
@@ -188,7 +189,7 @@ def test_a_rewrite_switches_readers_from_the_whole_old_set_to_the_whole_new_one(
     holder.release()
 
     rerun = Lease(str(out), settle_s=0).acquire()
-    GlobalPhases(cfg, str(out), guard=rerun.check).run("write")
+    GlobalPhases(cfg, Output.at(str(out)), guard=rerun.check).run("write")
     rerun.release()
     new = data.DataIndex.scan(str(out / "shards"), verify_sha256=True)
     assert new.num_samples == old.num_samples and set(new.files).isdisjoint(old.files)
@@ -211,7 +212,7 @@ def test_a_resumed_phase_removes_the_temporaries_of_writes_a_kill_cut_short(out,
         path.write_bytes(b"cut short")
     decisions = {p.name: p.read_bytes() for p in (out / "sample" / "decisions").glob("part-*.parquet")}
     lease = Lease(str(out), settle_s=0).acquire()
-    GlobalPhases(cfg, str(out), guard=lease.check).run("sample")
+    GlobalPhases(cfg, Output.at(str(out)), guard=lease.check).run("sample")
     lease.release()
     assert not [p for p in leftovers if p.exists()]
     assert not list(out.rglob("_tmp-*"))

@@ -123,12 +123,13 @@ def test_a_damaged_record_stops_the_rerun_naming_the_file_and_what_to_do(record,
 def test_a_record_missing_a_field_it_needs_is_damaged(record, field, pool, out, capsys):
     path = RECORDS[record][0](out)
     data = json.loads(path.read_text())
-    del data[field]
+    del (data["receipt"] if record == "commit" else data)[field]  # a commit record is its shard's unit receipt
     path.write_text(json.dumps(data))
     capsys.readouterr()
     assert curate.main(_args(pool, out)) == 2
     line = _one_error(capsys)
-    assert line.startswith(f"error: damaged record {path}: has no {field!r} field."), line
+    shown = f"receipt.{field}" if record == "commit" else field
+    assert line.startswith(f"error: damaged record {path}: has no {shown!r} field."), line
 
 
 @pytest.mark.parametrize(
@@ -198,7 +199,7 @@ def test_a_damaged_commit_record_deleted_as_told_is_scored_again(finished, pool,
     assert curate.main(_args(pool, out)) == 0
     console = capsys.readouterr().out
     assert "[score] 2 input shards, 1 already committed, 1 to score" in console
-    assert json.loads(commit.read_text())["shard_id"] == shard
+    assert json.loads(commit.read_text())["receipt"]["shard_id"] == shard
     result = audit(str(out), decode=False)
     assert result.ok, result.summary()
     assert (out / LAYOUT.manifest).read_bytes() == (finished[0] / LAYOUT.manifest).read_bytes()
@@ -239,7 +240,7 @@ def test_the_audit_lists_damaged_records_as_problems(out, capsys):
 
 def test_commit_records_carry_the_peak_memory_of_the_processes_that_scored_each_shard(finished):
     out, console = finished
-    records = [json.loads(p.read_text()) for p in sorted((out / LAYOUT.score_commits).glob("*.json"))]
+    records = [json.loads(p.read_text())["receipt"] for p in sorted((out / LAYOUT.score_commits).glob("*.json"))]
     peaks = {r["shard_id"]: r["peak_rss_mb"] for r in records}
     assert len(peaks) == 2 and all(isinstance(p, int) and p > 0 for p in peaks.values()), peaks
     done = json.loads((out / LAYOUT.done("score")).read_text())

@@ -13,6 +13,7 @@ import pytest
 from common import schema
 from curation.config import CurateConfig
 from curation.score.ledger import committed_files, read_ledger, reason_code
+from curation.steps.output import Output
 from generators import sample_pool as sp
 from jobs import curate, make_sample_pool
 
@@ -142,17 +143,17 @@ def test_an_output_scored_with_older_tables_is_refused_with_what_to_do(tmp_path)
     files without the column the keep rule reads."""
     from common.layout import LAYOUT
     from curation.records import run_record
-    from curation.score.phase import RunMismatch, claim_output
+    from curation.steps.output import RunMismatch, claim_output
 
     out, pool = tmp_path / "out", tmp_path / "pool"
     pool.mkdir()
-    claim_output(str(out), "h", str(pool), new_run=False)
-    claim_output(str(out), "h", str(pool), new_run=False)  # the same version resumes
+    claim_output(Output.at(str(out)), "h", str(pool), new_run=False)
+    claim_output(Output.at(str(out)), "h", str(pool), new_run=False)  # the same version resumes
     old = {k: v for k, v in run_record("h", str(pool)).items() if k != "schema_version"}
     (out / LAYOUT.run_record).write_text(json.dumps(old))
     with pytest.raises(RunMismatch, match=r"older version of the pipeline .*schema version 2 or older.*--new-run"):
-        claim_output(str(out), "h", str(pool), new_run=False)
-    claim_output(str(out), "h", str(pool), new_run=True)
+        claim_output(Output.at(str(out)), "h", str(pool), new_run=False)
+    claim_output(Output.at(str(out)), "h", str(pool), new_run=True)
     assert json.loads((out / LAYOUT.run_record).read_text())["schema_version"] == schema.SCHEMA_VERSION
 
 

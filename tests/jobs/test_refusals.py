@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
+from curation.steps.output import Output
 from finetune.config import FinetuneConfig
 from jobs import audit, curate, export, finetune, make_synthetic, pretrain, probe
 from pretrain.config import PretrainConfig
@@ -128,7 +129,7 @@ def test_curate_after_the_score_phase_alone_names_the_phases_left(folders):
     args = curate.parse_args(
         ["--config", LITE, "--input", str(folders["pool"]), "--output", str(folders["base"] / "o")]
     )
-    where, commands = curate.next_commands(args)
+    where, commands = curate.next_commands(args, Output.at(args.output))
     assert [label for label, _ in where] == ["ledger"]
     [command] = commands
     assert _parse(command).phases == "dedup,sample,write"

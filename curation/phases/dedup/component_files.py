@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 
 from common.layout import LAYOUT
 from common.storage import join
-from curation.phases.runtime import map_footers
+from curation.steps.window import map_footers
 
 WORK_DIR, DECISIONS_DIR = LAYOUT.components, LAYOUT.dedup_decisions
 SURVIVOR_COLUMNS = ["uid", "shard_id", "source", "key", "score", "width", "height", "encoding_quality", "released"]

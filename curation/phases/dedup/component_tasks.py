@@ -34,7 +34,7 @@ from curation.phases.dedup.component_files import (
     priority,
 )
 from curation.phases.routed import read_plain, read_receipt, read_routed, write_plain, write_routed
-from curation.phases.runtime import parquet_rows
+from curation.steps.window import parquet_rows
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tasks. Each receives the output URI, small parameters and relative paths; its last output is its commit record.

@@ -71,8 +71,8 @@ from curation.phases.dedup.component_tasks import (
     pairs_task,
     write_task,
 )
-from curation.phases.runtime import parquet_rows
-from curation.phases.step import StepRunner, task_step
+from curation.steps.runner import StepRunner, task_step
+from curation.steps.window import parquet_rows
 
 log = logging.getLogger(__name__)
 

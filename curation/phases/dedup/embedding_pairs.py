@@ -2,7 +2,7 @@
 do at scale): k-means cuts the embedding space into clusters of about ``cluster_size`` survivors, and each cluster is
 searched exactly (faiss inner product) inside one Ray task.
 
-Steps (``run_embedding_pairs``, each run by the phase's ``curation.phases.step.StepRunner``, which clears a
+Steps (``run_embedding_pairs``, each run by the phase's ``curation.steps.runner.StepRunner``, which clears a
 step's outputs when its fingerprint changes and keeps them, with their receipts, on a resume):
 
 1. ``embedding-plan`` (one Ray task). N from the survivor files' Parquet metadata; K = ceil(N / cluster_size)
@@ -68,8 +68,9 @@ from curation.phases.dedup.embedding_tasks import (
     search_bucket,
     write_no_pairs,
 )
-from curation.phases.runtime import parquet_rows
-from curation.phases.step import Output, Step, StepRunner
+from curation.steps.output import Output
+from curation.steps.runner import Step, StepRunner
+from curation.steps.window import parquet_rows
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from curation.phases.dedup.embedding_clusters import (
     sample_quotas,
     sample_rows,
 )
-from curation.phases.runtime import run_tasks, task_window
+from curation.steps.window import run_tasks, task_window
 
 PAIRS_DIR, BUCKETS_DIR, PLAN_DIR = LAYOUT.embedding_pairs, LAYOUT.embedding_buckets, LAYOUT.embedding_plan
 CENTROIDS_FILE, BUCKETS_FILE = f"{PLAN_DIR}/centroids.npy", f"{PLAN_DIR}/buckets.json"

@@ -33,7 +33,7 @@ Steps and files (``S`` = survivors with a pHash, ``M`` = survivor files, ``P`` =
   ``max_kernel_hashes`` are searched in blocks, block against block, so the kernel's memory (about 100 bytes per
   hash, a 16 MiB band table and ``kernels.MAX_CANDIDATES_PER_STEP`` candidates) never grows with ``S``.
 - the driver holds the file lists, the plan and one small receipt per task. The two steps run on the phase's
-  ``StepRunner`` (``curation.phases.step``): a rerun skips every receipted task, a task skips a shuffle file or a
+  ``StepRunner`` (``curation.steps.runner``): a rerun skips every receipted task, a task skips a shuffle file or a
   partition whose output exists, and another plan or other inputs clear the folder first.
 
 At 10^9 survivors and radius 8: 3 bands (22, 21, 21 bits), ``f = 2``, ``K = 9`` families of 7-8 bit sub-bands,
@@ -66,8 +66,9 @@ from common.layout import LAYOUT
 from common.storage import delete_quietly, exists, join, resolve, write_parquet_atomic
 from curation.phases.dedup import kernels
 from curation.phases.dedup.phash_plan import MAX_KERNEL_HASHES, ROWS_PER_PARTITION, PairPlan, family_pairs, plan_pairs
-from curation.phases.runtime import parquet_rows
-from curation.phases.step import Output, Step, StepRunner
+from curation.steps.output import Output
+from curation.steps.runner import Step, StepRunner
+from curation.steps.window import parquet_rows
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 
 Inputs: the survivors files (``curation.phases.survivors``) and, per survivors file, the dedup decisions file listing the
 uids it dropped (absent: none dropped). The survivors that are not dropped are the "alive" ones. Steps
-(``curation.phases.step``; their tasks in ``tasks``, their arithmetic in ``selection``):
+(``curation.steps.runner``; their tasks in ``tasks``, their arithmetic in ``selection``):
 
 1. train: the training set is the ``sample_size`` alive items of lowest hash of (uid, seed): uniform, and
    independent of how items are partitioned. Ray tasks return their files' items below a hash threshold; one
@@ -57,7 +57,6 @@ from functools import cached_property
 import numpy as np
 import ray
 
-from curation.phases.runtime import map_footers
 from curation.phases.sample.selection import cluster_counts, leaf_cluster_ids
 from curation.phases.sample.tasks import (
     BUCKETS_DIR,
@@ -74,8 +73,10 @@ from curation.phases.sample.tasks import (
     select_task,
     train_task,
 )
-from curation.phases.step import Output, Step, StepRunner
 from curation.settings import SampleSettings
+from curation.steps.output import Output
+from curation.steps.runner import Step, StepRunner
+from curation.steps.window import map_footers
 
 log = logging.getLogger(__name__)
 

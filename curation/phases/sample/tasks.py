@@ -16,7 +16,6 @@ import ray
 from common.layout import LAYOUT
 from common.storage import exists, join, resolve, write_parquet_atomic
 from curation.phases import routed
-from curation.phases.runtime import FOOTER_THREADS, map_footers, run_tasks
 from curation.phases.sample import kmeans
 from curation.phases.sample.selection import (
     PRIORITY_STREAM,
@@ -31,6 +30,7 @@ from curation.phases.sample.selection import (
     value_ranks,
 )
 from curation.settings import SampleSettings
+from curation.steps.window import FOOTER_THREADS, map_footers, run_tasks
 
 HIERARCHY_FILE, DECISIONS_DIR, WORK_DIR = LAYOUT.sample_hierarchy, LAYOUT.sample_decisions, LAYOUT.sample_work
 BUCKETS_DIR, COUNTS_DIR, SELECTED_DIR = f"{WORK_DIR}/buckets", f"{WORK_DIR}/counts", f"{WORK_DIR}/selected"

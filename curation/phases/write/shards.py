@@ -11,7 +11,7 @@ whether it was selected). Partition ``i`` covers a contiguous run of input shard
 - Final ledger: one task per run of input shards (about ``write.ledger_rows_per_task`` inputs) applies the
   decisions of its shards to their phase-1 ledger rows, by position within each shard (rows sorted by source), and
   writes one file per input shard; it returns its part of the funnel.
-- Three steps of the phase's ``StepRunner`` (``curation.phases.step``): ``selected`` (the counts), ``shards`` and
+- Three steps of the phase's ``StepRunner`` (``curation.steps.runner``): ``selected`` (the counts), ``shards`` and
   ``ledger``; each unit's receipt is recorded, so a killed write phase redoes only the units it had not finished.
   Files are named by their content (``<stem>-<sha256 prefix>``), so a rerun writes the same names and bytes, and
   the manifest, written last, is the one switch.
@@ -41,10 +41,10 @@ from common.config import hash_json_each
 from common.layout import LAYOUT
 from common.storage import encode_parquet, exists, join, resolve, write_bytes_atomic
 from curation.config import CurateConfig, config_from_json
-from curation.phases.step import StepRunner, TaskStep
 from curation.phases.write.takedown import Takedowns, applied_takedowns
 from curation.score.ledger import funnel_of
 from curation.score.metadata import merge_all, split_metadata
+from curation.steps.runner import StepRunner, TaskStep
 
 log = logging.getLogger(__name__)
 

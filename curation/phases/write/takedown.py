@@ -50,11 +50,12 @@ from common.storage import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from curation.phases.runtime import task_window
-from curation.phases.step import Output, StepRunner, task_step
 from curation.phases.write.card import write_card
 from curation.records import read_manifest
 from curation.score.ledger import funnel_of
+from curation.steps.output import Output
+from curation.steps.runner import StepRunner, task_step
+from curation.steps.window import task_window
 
 log = logging.getLogger(__name__)
 

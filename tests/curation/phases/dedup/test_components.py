@@ -16,8 +16,9 @@ from curation.phases.dedup import components as components_module
 from curation.phases.dedup import kernels as dd
 from curation.phases.dedup.component_files import WORK_DIR, ComponentsError
 from curation.phases.dedup.component_tasks import keep_attributes
-from curation.phases.step import Output, StepRunner
 from curation.phases.survivors import make_uid, survivors_schema
+from curation.steps.output import Output
+from curation.steps.runner import StepRunner
 
 DIM = 4
 

@@ -11,7 +11,8 @@ from curation.phases import reference
 from curation.phases.dedup import embedding_pairs as ep
 from curation.phases.dedup import embedding_tasks as tasks
 from curation.phases.dedup.embedding_clusters import SATURATED_WARNING
-from curation.phases.step import Output, StepRunner
+from curation.steps.output import Output
+from curation.steps.runner import StepRunner
 
 THRESHOLD, K = 0.95, 8
 

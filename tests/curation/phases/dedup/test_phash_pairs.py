@@ -13,8 +13,9 @@ from common.layout import LAYOUT
 from common.storage import resolve, write_parquet_atomic
 from curation.phases import reference as single_process
 from curation.phases.dedup.phash_pairs import PAIR_SCHEMA, SHUFFLE_DIR, run_phash_pairs
-from curation.phases.step import Output, StepRunner
 from curation.phases.survivors import make_uid, partition_path, survivors_schema
+from curation.steps.output import Output
+from curation.steps.runner import StepRunner
 
 DIM = 4
 

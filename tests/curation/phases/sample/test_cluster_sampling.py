@@ -22,9 +22,10 @@ from curation.phases.sample import cluster_sampling as cs
 from curation.phases.sample import kmeans
 from curation.phases.sample.selection import TRAIN_STREAM, uid_uniform
 from curation.phases.sample.tasks import DECISIONS_SCHEMA, HIERARCHY_FILE
-from curation.phases.step import Output, StepRunner
 from curation.phases.survivors import make_uid, survivors_schema
 from curation.settings import SampleSettings
+from curation.steps.output import Output
+from curation.steps.runner import StepRunner
 
 faiss.omp_set_num_threads(2)
 

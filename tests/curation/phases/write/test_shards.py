@@ -12,8 +12,9 @@ from common.config import load_config
 from common.layout import LAYOUT
 from curation.config import CurateConfig
 from curation.phases.pipeline import GlobalPhases
-from curation.phases.step import StepRunner
 from curation.phases.write import shards as ws
+from curation.steps.output import Output
+from curation.steps.runner import StepRunner
 
 LITE = str(REPO / "configs/curate/lite.yaml")
 CURATED_WITH = ["write.rows_per_shard=4"]  # the settings of conftest's curated_run
@@ -22,7 +23,7 @@ CURATED_WITH = ["write.rows_per_shard=4"]  # the settings of conftest's curated_
 def _write(out, overrides: list[str]) -> dict:
     """The write phase's manifest, through a runner of two tasks in flight."""
     cfg = load_config(CurateConfig, LITE, overrides)
-    phases = GlobalPhases(cfg, str(out))
+    phases = GlobalPhases(cfg, Output.at(str(out)))
     partition_of = {r["shard_id"]: i for i, shards in enumerate(phases.partitions) for _, r in shards}
     runner = StepRunner(phases.output, "write", phases.phase_hash("write"), window=2)
     assert runner.phase_fingerprint == phases.phase_hash("write")

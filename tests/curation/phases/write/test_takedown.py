@@ -15,7 +15,7 @@ from common.layout import LAYOUT, TAKEDOWN
 from curation.audit.verify import audit
 from curation.phases.write import takedown as td
 from curation.score.ledger import read_ledger
-from curation.score.phase import claim_output
+from curation.steps.output import Output, claim_output
 from jobs import curate
 from jobs import takedown as job
 
@@ -182,7 +182,7 @@ def test_a_later_write_phase_keeps_taken_down_images_out(out, tmp_path):
     assert result.ok, result.summary()
     # a new run on the output discards its results, never its takedowns
     records = sorted(p.name for p in (out / LAYOUT.takedowns).iterdir())
-    claim_output(str(out), "another-config", pool, new_run=True)
+    claim_output(Output.at(str(out)), "another-config", pool, new_run=True)
     assert sorted(p.name for p in (out / LAYOUT.takedowns).iterdir()) == records and not (out / LAYOUT.scored).exists()
 
 

@@ -1,8 +1,8 @@
-"""The one task runner of the global phases: Ray tasks launched through a bounded window, results in completion or
+"""The bounded task window every step runs on: Ray tasks launched through a bounded window, results in completion or
 submission order.
 
 Every step of dedup, sample, write, the export and the takedown runs its tasks through ``run_tasks`` (most of them
-as units of a ``curation.phases.step.Step``, whose runner records their receipts), so the driver holds at most
+as units of a ``curation.steps.runner.Step``, whose runner records their receipts), so the driver holds at most
 ``window`` object refs however many tasks a step has (10^6 shards at 1B images: 64 in flight on 32 CPUs, not 10^6),
 every finished task is a watchdog beat, and the window is sized in one place (``task_window``).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pyarrow.fs as pafs
@@ -26,17 +25,6 @@ T = TypeVar("T")
 # Footers read at once by the driver: each is a round trip to the store, so threads hide its latency (a phase over
 # 10^4 partitions at 1B images reads them in ~10^4 / 16 round trips).
 FOOTER_THREADS = 16
-
-
-@dataclass(frozen=True)
-class Phase:
-    """One global phase: its name (the ``--phases`` word), the phase that must be done first, the settings
-    fingerprint its records are keyed by (other settings redo it), and what runs it (returns its done record)."""
-
-    name: str
-    needs: str
-    fingerprint: Callable[[], str]
-    run: Callable[[], dict]
 
 
 def task_window(per_cpu: int = 2) -> int:

@@ -9,7 +9,8 @@ import pytest
 import ray
 
 from common.layout import LAYOUT
-from curation.phases.step import Output, Step, StepRunner
+from curation.steps.output import Output
+from curation.steps.runner import Step, StepRunner
 
 
 @ray.remote(num_cpus=0.25)
@@ -108,3 +109,17 @@ def test_damaged_record_names_the_file_and_the_fix(tmp_path, ray_local):
     record.write_text("{not json")
     with pytest.raises(Exception, match=r"n-001\.json.*Delete it and rerun the same command: that unit is done again"):
         _runner(out).run(Squares(out, [1, 2]))
+
+
+def test_a_receipt_deleted_from_a_done_step_reopens_it(tmp_path, ray_local, caplog):
+    out = Output.at(str(tmp_path))
+    _runner(out).run(Squares(out, [1, 2, 3]))
+    done = json.loads((tmp_path / LAYOUT.step_done("dedup", "squares")).read_text())
+    assert done["units"] == 3
+    # as a damaged receipt's advice says: delete it and rerun; only that unit runs again
+    (tmp_path / LAYOUT.step_unit("dedup", "squares", "n-002")).unlink()
+    caplog.set_level("INFO", logger="curation")
+    again = Squares(out, [1, 2, 3])
+    assert _runner(out).run(again) == {"value": 14}
+    assert again.ran == ["n-002"]
+    assert "[dedup] squares: 1 of 3 receipts gone: runs them again" in caplog.messages

@@ -1,15 +1,17 @@
-"""The one contract of global curation work: a ``Step`` says what its units are and how one runs; the ``StepRunner``
-owns everything else, once, for every step of dedup, sample and write.
+"""The one contract of curation work: a ``Step`` says what its units are and how they run; the ``StepRunner`` owns
+everything else, once, for the score phase and every step of dedup, sample, write, the export and the takedown.
 
-A step is a list of units (survivor partitions, pair partitions, buckets, shard groups), each one Ray task that
-writes its outputs atomically and returns a receipt (a small JSON dict: rows, counts, file names). The runner:
+A step is a list of units (input shards, survivor partitions, pair partitions, buckets, shard groups), each of which
+writes its outputs atomically and ends in a receipt (a small JSON dict: rows, counts, file names). Most steps run a
+unit as one Ray task (``run_unit``); the score phase streams its input shards through one Ray Data pipeline and
+yields each shard's receipt when its last part is written (``run_units``). The runner:
 
 - fingerprints the step: the phase's fingerprint (its settings, and the release it curates against), the previous
   step's fingerprint (so a change upstream redoes everything after it) and what the step adds (``fingerprint()``:
   its plan, its inputs' footers);
 - clears the step's outputs and records when a rerun finds them written under another fingerprint, and only then;
-- runs the units not yet receipted through the bounded task window (``curation.phases.runtime.run_tasks``), writes
-  each receipt as its task finishes, beats the watchdog and logs progress;
+- runs the units not yet receipted (by default through the bounded task window, ``curation.steps.window``), writes
+  each receipt as its unit finishes, beats the watchdog and logs progress;
 - reduces the receipts, in unit order, to the step's stats, and writes its done record last: a rerun with the same
   fingerprint returns the recorded stats without touching the cluster.
 
@@ -19,9 +21,9 @@ Every record has one format and one place (``common.layout.OutputLayout.step_*``
     _state/steps/<phase>/<step>/<unit>.json     {"fingerprint", "receipt"}
     _state/steps/<phase>/<step>.done.json       {"fingerprint", "stats", "seconds"}
 
-At 10^9 images a step has at most ~10^4 units (survivor partitions of 10^5 rows): the driver holds that many
-receipts and never more than ``window`` tasks in flight; a resume reads the receipts with one listing and
-``runtime.FOOTER_THREADS`` reads at a time.
+At 10^9 images a step has at most ~10^6 units (the score phase's input shards of 10^3 images; a global step's
+survivor partitions of 10^5 rows are ~10^4): the driver holds that many receipts and never more than ``window``
+tasks in flight; a resume reads the receipts with one listing and ``window.FOOTER_THREADS`` reads at a time.
 """
 
 from __future__ import annotations
@@ -29,44 +31,21 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
-import pyarrow.fs as pafs
 import ray
 
 from common import watchdog
 from common.config import hash_json
 from common.layout import LAYOUT
 from common.progress import Progress
-from common.storage import delete_quietly, exists, join, list_files, remove_temporaries, resolve, write_json_atomic
-from curation.phases.runtime import map_footers, run_tasks
+from common.storage import delete_quietly, exists, list_files, remove_temporaries, write_json_atomic
 from curation.records import read_step_record
+from curation.steps.output import Output
+from curation.steps.window import map_footers, run_tasks
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Output:
-    """A curation output, resolved once where a job starts: its URI (what Ray tasks are handed), filesystem and root.
-    Paths are ``LAYOUT`` names joined to the root with ``path``."""
-
-    uri: str
-    fs: pafs.FileSystem
-    root: str
-
-    @classmethod
-    def at(cls, uri: str) -> Output:
-        fs, root = resolve(uri)
-        return cls(uri, fs, root)
-
-    def path(self, rel: str) -> str:
-        return join(self.root, rel)
-
-    def listed(self, folder: str, suffix: str = ".parquet") -> list[str]:
-        """The files under ``folder``, relative to the root (sorted; bookkeeping names skipped)."""
-        return [p[len(self.root) + 1 :] for p in list_files(self.fs, self.path(folder), suffix)]
 
 
 class Step(ABC):
@@ -88,8 +67,16 @@ class Step(ABC):
     @abstractmethod
     def units(self) -> Sequence[str]: ...
 
-    @abstractmethod
-    def run_unit(self, unit: str) -> ray.ObjectRef: ...
+    def run_unit(self, unit: str) -> ray.ObjectRef:
+        """One Ray task running ``unit``, whose result is its receipt."""
+        raise NotImplementedError(f"step {self.name} runs its units neither one task each nor as a stream")
+
+    def run_units(self, todo: Sequence[str], window: int, progress: Progress) -> Iterator[tuple[str, dict]]:
+        """``(unit, receipt)`` for each unit of ``todo`` as it finishes. Default: ``run_unit`` for each, at most
+        ``window`` in flight, in ``todo``'s order. A step whose units stream through one Ray Data pipeline (the score
+        phase's input shards) yields them as they complete instead."""
+        launches = (lambda u=u: self.run_unit(u) for u in todo)
+        return zip(todo, run_tasks(launches, window, ordered=True, progress=progress))
 
     def reduce(self, receipts: Sequence[dict]) -> dict:
         """The step's stats from every unit's receipt, in ``units()`` order. Default: the sum of each numeric field."""
@@ -131,7 +118,7 @@ class StepRunner:
         out, fingerprint = self.output, self.fingerprint(step)
         self.previous = fingerprint
         done = self._record(LAYOUT.step_done(self.phase, step.name), "done")
-        if done is not None and done["fingerprint"] == fingerprint:
+        if done is not None and done["fingerprint"] == fingerprint and self._all_receipted(step, done):
             return done["stats"]
         watchdog.stage(f"{self.phase} step {step.name}")
         start = time.monotonic()
@@ -144,8 +131,7 @@ class StepRunner:
                 f"[{self.phase}] {step.name}: {len(units) - len(todo)} of {len(units)} {step.unit_name} done before"
             )
         shown = Progress(f"[{self.phase}] {step.name}", len(todo), log.info, unit=step.unit_name)
-        launches = (lambda u=u: step.run_unit(u) for u in todo)
-        for unit, receipt in zip(todo, run_tasks(launches, self.window, ordered=True, progress=shown)):
+        for unit, receipt in step.run_units(todo, self.window, shown):
             write_json_atomic(
                 out.fs,
                 out.path(LAYOUT.step_unit(self.phase, step.name, unit)),
@@ -154,7 +140,8 @@ class StepRunner:
             receipts[unit] = receipt
         stats = step.reduce([receipts[u] for u in units])
         self.guard()
-        record = {"fingerprint": fingerprint, "stats": stats, "seconds": round(time.monotonic() - start, 2)}
+        seconds = round(time.monotonic() - start, 2)
+        record = {"fingerprint": fingerprint, "stats": stats, "seconds": seconds, "units": len(units)}
         write_json_atomic(out.fs, out.path(LAYOUT.step_done(self.phase, step.name)), record)
         return stats
 
@@ -163,6 +150,19 @@ class StepRunner:
     def _record(self, rel: str, kind: str) -> dict | None:
         path = self.output.path(rel)
         return read_step_record(self.output.fs, path, self.phase, kind) if exists(self.output.fs, path) else None
+
+    def _all_receipted(self, step: Step, done: dict) -> bool:
+        """Whether every unit the done record counts still has its receipt: a receipt deleted to have its unit run
+        again (as a damaged record's advice says) reopens the step. One listing (~10^3 calls for 10^6 units)."""
+        if "units" not in done:  # a record written before they were counted
+            return True
+        have = len(list_files(self.output.fs, self.output.path(LAYOUT.step_units(self.phase, step.name)), ".json"))
+        if have == done["units"]:
+            return True
+        log.info(
+            f"[{self.phase}] {step.name}: {done['units'] - have} of {done['units']} receipts gone: runs them again"
+        )
+        return False
 
     def _claim(self, step: Step, fingerprint: str) -> None:
         """Keep what an interrupted run of this fingerprint wrote (less its torn temporaries); clear anything else."""
