@@ -38,7 +38,7 @@ from common.ray_utils import init_ray
 from curation.config import CurateConfig
 from curation.score.chain import score_in_process, stage_runner
 from curation.score.phase import ScorePhase
-from curation.score.pool import list_shards
+from curation.score.pool import Pool, list_shards
 from curation.score.stage import _FAULT, REJECT, StageRunner, Update
 from curation.steps.output import Output, claim_output
 from jobs import make_sample_pool
@@ -50,8 +50,8 @@ def ray_score(cfg: CurateConfig, pool: Path, out: Path) -> float:
     shutil.rmtree(out, ignore_errors=True)
     output = Output.at(str(out))
     claim_output(output, cfg.results_hash(), str(pool), new_run=True)
-    shards = list_shards(str(pool), cfg.input)
-    seconds, _ = timed(lambda: ScorePhase(cfg, output, str(pool)).run(shards))
+    shards = list_shards(Pool.at(str(pool)), cfg.input)
+    seconds, _ = timed(lambda: ScorePhase(cfg, output, Pool.at(str(pool))).run(shards))
     return seconds
 
 
@@ -106,7 +106,7 @@ def main() -> None:
             init_ray(num_cpus=2)
         if "a" in parts:
             # (a) plain one-core loop vs Ray with 2 CPUs, same stages, same pool
-            shards = list_shards(str(normal), cfg.input)
+            shards = list_shards(Pool.at(str(normal)), cfg.input)
             loop_s, table = timed(lambda: score_in_process(cfg, shards, str(normal)))
             ray_s = ray_score(cfg, normal, work / "out_a")
             kept = sum(s == "kept" for s in table.column("status").to_pylist())

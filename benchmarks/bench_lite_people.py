@@ -105,7 +105,7 @@ def scoring_in_process(cfg, pool: Path) -> dict:
     of each stage (its native threads included) and the rows it saw still pending."""
     import pyarrow as pa
 
-    chain, list_shards = _chain(), _module("curation.score.pool").list_shards
+    chain = _chain()
     _finalise, _shard_reader = chain._finalise, chain._shard_reader
 
     runners = [(name, _runner(name, cfg), cfg.stages[name].batch_size) for name in cfg.enabled_stages]
@@ -114,7 +114,7 @@ def scoring_in_process(cfg, pool: Path) -> dict:
     seen = dict.fromkeys(cfg.enabled_stages, 0)
     tables = []
     start = time.perf_counter()
-    for shard in list_shards(str(pool), cfg.input):
+    for shard in _shards(pool, cfg):
         table = reader.read_table(shard)
         for name, runner, size in runners:
             seen[name] += table.column("status").to_pylist().count("pending")
@@ -139,11 +139,21 @@ def _runtime(stage) -> str | None:
     return getattr(stage, "runtime", None) or getattr(getattr(stage, "network", None), "runtime", None)
 
 
+def _pool(pool: Path):
+    """The pool as the tree's phase 1 takes it: resolved once (a ``Pool``), or, in trees before it, its URI."""
+    pools = _module("curation.score.pool")
+    return pools.Pool.at(str(pool)) if hasattr(pools, "Pool") else str(pool)
+
+
+def _shards(pool: Path, cfg) -> list:
+    return _module("curation.score.pool").list_shards(_pool(pool), cfg.input)
+
+
 def ray_scoring(cfg, pool: Path) -> dict:
     """Phase 1 on a local Ray with 2 CPUs, as a curation job runs it (the lite config's actor pools)."""
     from common.ray_utils import init_ray
 
-    phase, list_shards = _module("curation.score.phase"), _module("curation.score.pool").list_shards
+    phase = _module("curation.score.phase")
     ScorePhase = phase.ScorePhase
 
     init_ray(num_cpus=2)
@@ -154,7 +164,7 @@ def ray_scoring(cfg, pool: Path) -> dict:
         resolved = _module("curation.steps.output")
         claim_output, output = resolved.claim_output, resolved.Output.at(str(out))
     claim_output(output, cfg.results_hash(), str(pool), new_run=True)
-    shards = list_shards(str(pool), cfg.input)
+    shards = _shards(pool, cfg)
     # when each shard commits: the first waits for the actors to start (the same cost at any pool size)
     commits: list[float] = []
     commit = ScorePhase._commit
@@ -165,7 +175,7 @@ def ray_scoring(cfg, pool: Path) -> dict:
 
     ScorePhase._commit = timed_commit
     start = time.perf_counter()
-    ScorePhase(cfg, output, str(pool)).run(shards)
+    ScorePhase(cfg, output, _pool(pool)).run(shards)
     return {"ray_s": time.perf_counter() - start, "ray_commits": commits}
 
 

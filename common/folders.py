@@ -44,8 +44,7 @@ class FolderError(StorageError):
     """A folder given to a job holds another kind of output; the message names it and what it holds."""
 
 
-def _holds(uri: str, kind: Kind) -> bool:
-    fs, root = resolve(uri)
+def _holds(fs: pafs.FileSystem, root: str, kind: Kind) -> bool:
     return any(exists(fs, join(root, marker)) for marker in kind.markers)
 
 
@@ -62,9 +61,9 @@ def refuse_other_kind(uri: str, expected: Kind, flag: str) -> None:
     fs, root = resolve(uri)
     if fs.get_file_info(root).type == pafs.FileType.File:
         raise FolderError(f"{flag} {redact(uri)} is a file; give a folder")
-    if _holds(uri, expected):
+    if _holds(fs, root, expected):
         return
-    other = next((kind for kind in KINDS if kind is not expected and _holds(uri, kind)), None)
+    other = next((kind for kind in KINDS if kind is not expected and _holds(fs, root, kind)), None)
     if other is not None:
         raise FolderError(
             f"{flag} {redact(uri)} holds {other.what}, not {expected.what}; this job writes nothing there. "

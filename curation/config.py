@@ -71,20 +71,20 @@ class CurateConfig(CurationSettings):
         return self
 
     @property
-    def steps(self) -> list[tuple[str, ...]]:
-        """The enabled stages as the score chain runs them: one step a stage, or a fused run (less its disabled
-        stages) as one step."""
+    def stage_groups(self) -> list[tuple[str, ...]]:
+        """The enabled stages as the score chain runs them: one group a stage, or a fused run (less its disabled
+        stages) as one group, run by one actor pool."""
         enabled = set(self.enabled_stages)
-        step_of = {}
-        for group in self.fused:
-            run = tuple(n for n in group if n in enabled)
-            step_of.update(dict.fromkeys(run, run))
-        steps: list[tuple[str, ...]] = []
+        group_of = {}
+        for fused in self.fused:
+            run = tuple(n for n in fused if n in enabled)
+            group_of.update(dict.fromkeys(run, run))
+        groups: list[tuple[str, ...]] = []
         for name in self.enabled_stages:
-            step = step_of.get(name, (name,))
-            if not steps or steps[-1] != step:
-                steps.append(step)
-        return steps
+            group = group_of.get(name, (name,))
+            if not groups or groups[-1] != group:
+                groups.append(group)
+        return groups
 
 
 def unknown_stages(unknown: list[str], known: dict[str, type[Stage]]) -> str:

@@ -30,7 +30,7 @@ from curation.score.chain import io_note
 from curation.score.inputs import InputShard
 from curation.score.ledger import CAUSE_COLUMNS, likely_causes, read_ledger, summary_table
 from curation.score.phase import ScorePhase
-from curation.score.pool import PoolError, list_shards, pin_listing, pinned_listing
+from curation.score.pool import Pool, PoolError, list_shards, pin_listing, pinned_listing
 from curation.steps.output import Output, RunMismatch, claim_output
 
 
@@ -87,16 +87,17 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
             raise ConfigError(f"--phases: unknown phase(s) {unknown}; choose from {list(PHASES)}")
         # before anything is written: the lease's record would be the first curation file in a foreign folder
         folders.refuse_other_kind(args.output, folders.CURATED, "--output")
+        # the output's and the pool's filesystem and root, resolved once for the whole run
+        out, pool = Output.at(args.output), Pool.at(args.input) if "score" in phases else None
         # A resumed run works on the listing pinned by its first run, so the pool changing cannot remap shards.
-        pinned = None if args.new_run or "score" not in phases else pinned_listing(args.output, cfg.input)
-        shards = pinned if pinned is not None else list_shards(args.input, cfg.input) if "score" in phases else []
+        pinned = None if args.new_run or pool is None else pinned_listing(out, cfg.input)
+        shards = pinned if pinned is not None else list_shards(pool, cfg.input) if pool is not None else []
         release = open_release(args.against, cfg.models.embedding.name) if args.against else None
-        out = Output.at(args.output)  # the output's filesystem and root, resolved once for the whole run
         check_order(cfg, out, phases, release)
         lease.acquire(force=args.break_lease)  # before claim_output can delete another run's results
         claim_output(out, cfg.results_hash(), args.input, args.new_run)
-        if pinned is None and "score" in phases:
-            pin_listing(args.output, shards, cfg.input)
+        if pinned is None and pool is not None:
+            pin_listing(out, shards, cfg.input)
     except (ConfigError, PoolError, StorageError, RunMismatch, LeaseHeld, ReleaseError, PhaseOrderError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -105,7 +106,7 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
     print(f"[curate] profile={cfg.profile} stages={','.join(cfg.enabled_stages)} config_hash={cfg.results_hash()}")
     try:
         with Watchdog("jobs.curate", cfg.watchdog.minutes):
-            return _run_phases(cfg, args, out, lease, phases, shards, pinned is not None, release)
+            return _run_phases(cfg, args, out, pool, lease, phases, shards, pinned is not None, release)
     except (PhaseOrderError, DamagedRecordError) as exc:  # a damaged record's message names it and what to do
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -115,6 +116,7 @@ def _run_phases(
     cfg: CurateConfig,
     args: argparse.Namespace,
     out: Output,
+    pool: Pool | None,
     lease: Lease,
     phases: list[str],
     shards: list[InputShard],
@@ -122,13 +124,13 @@ def _run_phases(
     release: Release | None,
 ) -> int:
     start = time.monotonic()
-    if "score" in phases:
+    if pool is not None:
         if resumed:
             print(
                 f"[score] resuming on the input listing pinned by the first run ({len(shards)} shards); "
                 "files added to the pool since are not part of this run"
             )
-        summary = ScorePhase(cfg, out, args.input).run(shards, guard=lease.check)
+        summary = ScorePhase(cfg, out, pool).run(shards, guard=lease.check)
         rate = summary["inputs_this_run"] / max(summary["seconds"], 1e-9)
         peak = summary["peak_task_memory_mb"]
         memory = f"; peak task memory {peak} MiB of the {summary['task_memory_mb']} MiB each requests" if peak else ""

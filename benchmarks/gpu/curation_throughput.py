@@ -94,11 +94,11 @@ def run_score_phase(cfg, pool: Path, out: Path, sampler: GpuSampler) -> dict:
     full and not yet draining; it is left out when those results came in a burst (under a quarter of the wall
     time: a pool too small to stream, as in the smoke mode)."""
     from curation.score.phase import ScorePhase
-    from curation.score.pool import list_shards
+    from curation.score.pool import Pool, list_shards
     from curation.steps.output import Output
 
-    shards = list_shards(str(pool), cfg.input)
-    phase = ScorePhase(cfg, Output.at(str(out)), str(pool))
+    shards = list_shards(Pool.at(str(pool)), cfg.input)
+    phase = ScorePhase(cfg, Output.at(str(out)), Pool.at(str(pool)))
     start, arrivals, rows, kept = time.monotonic(), [], 0, 0  # arrivals: (time, images done)
     for receipt in phase.build(shards).iter_rows():
         rows += receipt["rows"]

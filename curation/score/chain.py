@@ -123,8 +123,8 @@ class _FusedRunner:
         return _raise_peak(table)
 
 
-def named_fused_actor(step: tuple[str, ...]) -> type[_FusedRunner]:
-    return type("+".join(step), (_FusedRunner,), {"__module__": __name__})
+def named_fused_actor(group: tuple[str, ...]) -> type[_FusedRunner]:
+    return type("+".join(group), (_FusedRunner,), {"__module__": __name__})
 
 
 def _shard_reader(cfg: CurateConfig, input_uri: str) -> ShardReader:

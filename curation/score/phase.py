@@ -7,7 +7,7 @@ small receipts, and when an input shard's parts cover all its inputs, its receip
 part files, rows, peak memory, retried I/O) is recorded as that unit's. Only committed parts count: a rerun skips
 committed shards and clears the rest, so results do not depend on how Ray happened to split the data into blocks.
 
-Memory: every step of the chain (the reader, each stage, the writer) asks Ray for ``input.task_memory_mb`` per
+Memory: every process of the chain (the reader, each stage, the writer) asks Ray for ``input.task_memory_mb`` per
 process, so a node runs no more of them at once than fit. The same request everywhere also keeps Ray Data fusing a
 task stage into the actor stage after it where their CPU shares match (decode into the person actors in the lite
 profile): a 2-CPU machine has no CPU left for a separate decode task once the actor pools are up. Each process
@@ -46,6 +46,7 @@ from curation.score.chain import (
 )
 from curation.score.inputs import InputShard
 from curation.score.metadata import merge_all
+from curation.score.pool import Pool
 from curation.stages import stage_classes
 from curation.steps.output import Output
 from curation.steps.runner import Step, StepRunner
@@ -84,8 +85,8 @@ class ScorePhase(Step):
     name = "shards"  # so the commit records are LAYOUT.score_commits
     unit_name = "input shards"
 
-    def __init__(self, cfg: CurateConfig, out: Output, input_uri: str):
-        self.cfg, self.out, self.input_uri = cfg, out, input_uri
+    def __init__(self, cfg: CurateConfig, out: Output, pool: Pool):
+        self.cfg, self.out, self.pool = cfg, out, pool
         self.results_hash = cfg.results_hash()
         self.shards: dict[str, InputShard] = {}
         self.this_run: dict[str, dict] = {}  # the commit records of the shards scored by this run
@@ -108,12 +109,12 @@ class ScorePhase(Step):
     def task_memory(self) -> int:
         """Bytes of memory each process of the chain requests of Ray: ``input.task_memory_mb``, lowered where the
         cluster could not hold at once the processes the chain needs to make progress (every actor stage's smallest
-        pool and one task of each other step; no more than the largest node): Ray would leave some waiting for ever."""
+        pool and one task of each other process; no more than the largest node): Ray would leave some waiting for ever."""
         want = self.cfg.task_memory_mb * 2**20
         if not ray.is_initialized():
             return want
         nodes = [n["Resources"].get("memory", 0.0) for n in ray.nodes() if n.get("Alive")]
-        at_once = 2 + sum((self._actors(step) or (1, 1))[0] for step in self.cfg.steps)
+        at_once = 2 + sum((self._actors(group) or (1, 1))[0] for group in self.cfg.stage_groups)
         fits = int(min(max(nodes, default=0.0), sum(nodes) / at_once))
         if 0 < fits < want:
             log.info(
@@ -124,11 +125,11 @@ class ScorePhase(Step):
             return fits
         return want
 
-    def _actors(self, step: tuple[str, ...]) -> tuple[int, int] | None:
-        """(min, max) actors of a step run by an actor pool (a model stage or a fused run); None for a task."""
-        if len(step) == 1 and not stage_classes()[step[0]].uses_actors:
+    def _actors(self, group: tuple[str, ...]) -> tuple[int, int] | None:
+        """(min, max) actors of a stage group run by an actor pool (a model stage or a fused run); None for a task."""
+        if len(group) == 1 and not stage_classes()[group[0]].uses_actors:
             return None
-        return self.cfg.stages[step[0]].actors
+        return self.cfg.stages[group[0]].actors
 
     def build(self, shards: list[InputShard], memory: int | None = None) -> ray.data.Dataset:
         """The chain over ``shards``; ``memory``: bytes each process requests (default ``task_memory()``)."""
@@ -143,23 +144,23 @@ class ScorePhase(Step):
             batch_format="pyarrow",
             num_cpus=_IO_CPUS,
             memory=memory,
-            fn_kwargs={"cfg_json": cfg_json, "input_uri": self.input_uri},
+            fn_kwargs={"cfg_json": cfg_json, "input_uri": self.pool.uri},
         )
-        for step in self.cfg.steps:
-            settings = self.cfg.stages[step[0]]  # a fused run's pool has its first stage's settings
+        for group in self.cfg.stage_groups:
+            settings = self.cfg.stages[group[0]]  # a fused run's pool has its first stage's settings
             common = _MapOptions(
                 batch_size=settings.batch_size, batch_format="pyarrow", num_cpus=settings.num_cpus, memory=memory
             )
             if settings.num_gpus:
                 common["num_gpus"] = settings.num_gpus
-            actors = self._actors(step)
+            actors = self._actors(group)
             if actors is None:
-                ds = ds.map_batches(named_task(step[0]), fn_kwargs={"cfg_json": cfg_json}, **common)
+                ds = ds.map_batches(named_task(group[0]), fn_kwargs={"cfg_json": cfg_json}, **common)
                 continue
             runner, kwargs = (
-                (named_actor(step[0]), {"stage_class": stage_classes()[step[0]], "cfg": self.cfg})
-                if len(step) == 1
-                else (named_fused_actor(step), {"stage_classes": [stage_classes()[n] for n in step], "cfg": self.cfg})
+                (named_actor(group[0]), {"stage_class": stage_classes()[group[0]], "cfg": self.cfg})
+                if len(group) == 1
+                else (named_fused_actor(group), {"stage_classes": [stage_classes()[n] for n in group], "cfg": self.cfg})
             )
             ds = ds.map_batches(
                 runner,
@@ -177,18 +178,18 @@ class ScorePhase(Step):
         )
 
     def requests(self, memory: int) -> dict[str, dict[str, float]]:
-        """What each step of ``build``'s chain asks Ray for per task or actor: the watchdog names a stuck one."""
+        """What each process of ``build``'s chain asks Ray for per task or actor: the watchdog names a stuck one."""
 
         def ask(cpus: float, gpus: float = 0.0) -> dict[str, float]:
             return {"CPU": cpus, "memory": memory} | ({"GPU": gpus} if gpus else {})
 
-        steps = {
-            f"stage {step[0]}" + (f" (fused with {', '.join(step[1:])})" if len(step) > 1 else ""): ask(
-                self.cfg.stages[step[0]].num_cpus, self.cfg.stages[step[0]].num_gpus
+        stages = {
+            f"stage {group[0]}" + (f" (fused with {', '.join(group[1:])})" if len(group) > 1 else ""): ask(
+                self.cfg.stages[group[0]].num_cpus, self.cfg.stages[group[0]].num_gpus
             )
-            for step in self.cfg.steps
+            for group in self.cfg.stage_groups
         }
-        return {"the reader (read_shards)": ask(_IO_CPUS), **steps, "the writer (write_parts)": ask(_IO_CPUS)}
+        return {"the reader (read_shards)": ask(_IO_CPUS), **stages, "the writer (write_parts)": ask(_IO_CPUS)}
 
     def run(self, shards: list[InputShard], guard: Callable[[], None] = lambda: None) -> dict:
         """Score every shard of ``shards`` not committed yet; the phase's summary, also its done record. ``guard``

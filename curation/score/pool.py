@@ -30,6 +30,7 @@ import os
 import stat
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -37,11 +38,12 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from common.layout import DOWNLOAD, LAYOUT
-from common.storage import StorageError, exists, is_local, join, redact, resolve, safe_name
+from common.storage import StorageError, is_local, redact, resolve, safe_name
 from curation.score.inputs import InputShard, inside
 from curation.score.metadata import sample_key
 from curation.score.read_parquet import image_column
 from curation.score.sources import TAR_SUFFIXES, container_kind, path_bytes, printable
+from curation.steps.output import Output
 
 if TYPE_CHECKING:  # only: the config imports the stages, and the decode stage imports this module
     from curation.settings import InputSettings
@@ -55,6 +57,23 @@ STATS_SUFFIX = "_stats.json"
 
 class PoolError(ValueError):
     """The pool cannot be used as given; the message names the input and what to do."""
+
+
+@dataclass(frozen=True)
+class Pool:
+    """An image pool, resolved once where a job starts: its URI (what the chain's readers are handed), filesystem and
+    root (a folder, or a single Parquet file or tar)."""
+
+    uri: str
+    fs: pafs.FileSystem
+    root: str
+
+    @classmethod
+    def at(cls, uri: str) -> Pool:
+        try:
+            return cls(uri, *resolve(uri))
+        except StorageError as exc:
+            raise PoolError(f"--input {exc}") from None
 
 
 # --- listing (driver) ----------------------------------------------------------------------------------------------
@@ -113,17 +132,15 @@ def _shard_stem(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
-def list_shards(input_uri: str, settings: InputSettings) -> list[InputShard]:
+def list_shards(pool: Pool, settings: InputSettings) -> list[InputShard]:
     """The input shards of a pool, in a stable order. Fails fast with a clear message on a wrong ``--input``.
 
     Holds one entry per file of the pool: O(shards) for Parquet and tar pools; a folder pool of 10^8 loose files
     would need ~10 GB here, so pools that large should be packed into tars or Parquet first.
     """
+    fs, root, input_uri = pool.fs, pool.root, pool.uri
     try:
-        fs, root = resolve(input_uri)
         info = fs.get_file_info(root)
-    except StorageError as exc:
-        raise PoolError(f"--input {exc}") from None
     except OSError as exc:
         raise PoolError(f"--input {redact(input_uri)}: cannot be listed: {exc}") from None
     if info.type == pafs.FileType.NotFound:
@@ -274,12 +291,11 @@ def _layout(settings: InputSettings) -> dict[str, str]:
     return {name: str(getattr(settings, name)) for name in _LAYOUT_FIELDS}
 
 
-def pin_listing(out_uri: str, shards: list[InputShard], settings: InputSettings) -> None:
+def pin_listing(out: Output, shards: list[InputShard], settings: InputSettings) -> None:
     """Record the run's input shards beside its output (one row per file, a downloader's records marked), with the
     settings that formed them."""
     from common.storage import write_parquet_atomic
 
-    fs, root = resolve(out_uri)
     rows = [
         (s.shard_id, s.kind, path_bytes(p), size, record)
         for s in shards
@@ -295,17 +311,15 @@ def pin_listing(out_uri: str, shards: list[InputShard], settings: InputSettings)
             "record": pa.array(record, pa.bool_()),
         }
     ).replace_schema_metadata({f"input.{k}": v for k, v in _layout(settings).items()})
-    write_parquet_atomic(fs, join(root, LAYOUT.listing), table, row_group_size=100_000)
+    write_parquet_atomic(out.fs, out.path(LAYOUT.listing), table, row_group_size=100_000)
 
 
-def pinned_listing(out_uri: str, settings: InputSettings) -> list[InputShard] | None:
-    """The shards pinned by the run in ``out_uri``; None when it has none. Refuses input settings that would lay
-    the pool out differently from the pin."""
-    fs, root = resolve(out_uri)
-    path = join(root, LAYOUT.listing)
-    if not exists(fs, path):
+def pinned_listing(out: Output, settings: InputSettings) -> list[InputShard] | None:
+    """The shards pinned by the run in ``out``; None when it has none. Refuses input settings that would lay the
+    pool out differently from the pin."""
+    if not out.exists(LAYOUT.listing):
         return None
-    table = pq.read_table(path, filesystem=fs)
+    table = pq.read_table(out.path(LAYOUT.listing), filesystem=out.fs)
     pinned = {
         k.decode()[len("input.") :]: v.decode()
         for k, v in (table.schema.metadata or {}).items()
@@ -315,7 +329,7 @@ def pinned_listing(out_uri: str, settings: InputSettings) -> list[InputShard] | 
     if changed:
         was = ", ".join(f"input.{k}={old} (this command: {new})" for k, (old, new) in changed.items())
         raise PoolError(
-            f"{redact(out_uri)} was started with {was}; its input shards are pinned in {LAYOUT.listing}. Resume with "
+            f"{redact(out.uri)} was started with {was}; its input shards are pinned in {LAYOUT.listing}. Resume with "
             "the same input settings, choose another --output, or pass --new-run to start over."
         )
     paths: dict[str, list[str]] = {}

@@ -19,7 +19,7 @@ from common.progress import Progress, progress
 from common.storage import retry_io, retry_io_stream
 from curation.config import CurateConfig
 from curation.score.phase import ScorePhase
-from curation.score.pool import list_shards
+from curation.score.pool import Pool, list_shards
 from curation.steps.output import Output
 
 REPO = Path(__file__).resolve().parents[2]
@@ -162,10 +162,10 @@ def test_the_scoring_pipeline_uses_no_deprecated_ray_arguments(sample_pool, ray_
     from ray.util.annotations import RayDeprecationWarning
 
     cfg = CurateConfig()
-    shards = list_shards(str(sample_pool), cfg.input)
+    shards = list_shards(Pool.at(str(sample_pool)), cfg.input)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ScorePhase(cfg, Output.at(str(tmp_path / "out")), str(sample_pool)).build(
+        ScorePhase(cfg, Output.at(str(tmp_path / "out")), Pool.at(str(sample_pool))).build(
             shards
         )  # builds the plan, runs nothing
     ours = [w for w in caught if issubclass(w.category, DeprecationWarning) and w.filename.startswith(str(REPO))]

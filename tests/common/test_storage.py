@@ -30,7 +30,7 @@ from common.storage import RetriesExhausted, RetryPolicy, io_counts, retry_io, r
 from curation.config import CurateConfig
 from curation.score.chain import read_shards
 from curation.score.ledger import read_ledger
-from curation.score.pool import list_shards
+from curation.score.pool import Pool, list_shards
 from jobs import curate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -275,7 +275,7 @@ def test_a_throttled_pool_file_is_read_again_not_recorded_unreadable(store, prox
     )
     pool = f"s3://test:test@bkt/pool1{proxy.query()}"
     cfg = load_config(CurateConfig, LITE, [*FAST, "ray.io_backoff_s=0.01"])
-    (shard,) = list_shards(pool, cfg.input)
+    (shard,) = list_shards(Pool.at(pool), cfg.input)
     batch = pa.Table.from_pylist([shard.to_row()])
     table = pa.concat_tables(read_shards(batch, cfg.model_dump_json(), pool))
     rows = table.to_pylist()

@@ -142,14 +142,19 @@ def test_shipped_tiny_configs_keep_their_effective_rates(repo_root):
     assert peak_lr(fine.optim, fine.samples_per_step()) == 2e-3  # 8 x 1 worker
 
 
-def test_a_fused_run_is_one_step_with_its_disabled_stages_left_out(repo_root):
+def test_a_fused_run_is_one_stage_group_with_its_disabled_stages_left_out(repo_root):
     run = "fused=[[person,head_pose,quality,text_overlay]]"
     cfg = load_config(CurateConfig, repo_root / LITE, [run])
-    assert cfg.steps == [("decode",), ("person", "head_pose", "quality", "text_overlay"), ("phash",), ("embedding",)]
+    assert cfg.stage_groups == [
+        ("decode",),
+        ("person", "head_pose", "quality", "text_overlay"),
+        ("phash",),
+        ("embedding",),
+    ]
     fewer = load_config(CurateConfig, repo_root / LITE, [run, "stages.head_pose.enabled=false"])
-    assert fewer.steps[1] == ("person", "quality", "text_overlay")
+    assert fewer.stage_groups[1] == ("person", "quality", "text_overlay")
     plain = load_config(CurateConfig, repo_root / LITE, ["fused=[]"])
-    assert plain.steps == [(name,) for name in plain.enabled_stages]
+    assert plain.stage_groups == [(name,) for name in plain.enabled_stages]
     assert cfg.results_hash() == plain.results_hash()  # how stages share processes does not change results
 
 

@@ -21,7 +21,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from common.imageio import _to_mode, open_image
 from curation.config import CurateConfig
-from curation.score.pool import list_shards
+from curation.score.pool import Pool, list_shards
 from curation.score.reader import ShardReader
 from curation.score.stage import REJECT
 from curation.settings import InputSettings
@@ -296,7 +296,7 @@ def decode_stage():
 def test_reader_and_decode_stage_agree_with_the_manifest(pools, rows, decode_stage, fmt):
     root = pools[fmt]
     manifest = {r["path"]: r for r in sp.read_manifest(root)}
-    shards = list_shards(str(root), InputSettings())
+    shards = list_shards(Pool.at(str(root)), InputSettings())
     assert {s.kind for s in shards} == {"files" if fmt == "folder" else fmt}
     reader = ShardReader(str(root), InputSettings(), 8, max_file_bytes=64 * 2**20)
     read = [row for s in shards for row in reader.read_table(s).to_pylist()]

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.score.ledger import reason_code
-from curation.score.pool import list_shards
+from curation.score.pool import Pool, list_shards
 from curation.score.reader import ShardReader
 from curation.settings import InputSettings
 from tests.hostile.test_pool_inputs import MB, add_member, ledger_rows, photo, read_all, run
@@ -57,7 +57,7 @@ def budgeted_reader(root: Path, **kw) -> ShardReader:
 
 
 def rows_of(reader: ShardReader, root: Path) -> list[dict]:
-    (shard,) = list_shards(str(root), reader.settings)
+    (shard,) = list_shards(Pool.at(str(root)), reader.settings)
     return reader.read_table(shard).to_pylist()
 
 
@@ -134,7 +134,7 @@ def test_a_complete_gzipped_tar_is_read_whole_and_never_called_cut_off(tmp_path,
     pool.mkdir()
     (pool / f"shard{suffix}").write_bytes(compress(sound_tar(["a.jpg", "b.png", "c.jpg"])))
     (pool / "other.tar").write_bytes(sound_tar(["d.jpg"]))
-    shards = list_shards(str(pool), InputSettings())
+    shards = list_shards(Pool.at(str(pool)), InputSettings())
     assert {s.kind for s in shards} == {"webdataset"}  # both tars, not one tar plus a loose file
     rows = [r for s in shards for r in read_all(pool, s).to_pylist()]
     assert sorted(r["source"].rsplit("#", 1)[1] for r in rows) == ["a.jpg", "b.png", "c.jpg", "d.jpg"]
@@ -267,10 +267,10 @@ READ_PEAK = """
 import sys
 import pyarrow.parquet  # the reader's own imports, so that the baseline below holds them
 from curation.settings import InputSettings
-from curation.score.pool import list_shards
+from curation.score.pool import Pool, list_shards
 from curation.score.reader import ShardReader
 settings = InputSettings(read_chunk_mb=8, max_row_group_mb=int(sys.argv[2]))
-(shard,) = list_shards(sys.argv[1], settings)
+(shard,) = list_shards(Pool.at(sys.argv[1]), settings)
 def peak_mb():  # VmHWM: this process's own peak (ru_maxrss would carry the parent's across fork and exec)
     status = open("/proc/self/status").read()
     return int(status.split("VmHWM:")[1].split()[0]) // 1024
@@ -331,7 +331,7 @@ def test_a_path_longer_than_path_max_gets_its_row_saying_so(tmp_path):
     finally:
         os.close(fd)
     settings = InputSettings()
-    rows = [r for s in list_shards(str(pool), settings) for r in read_all(pool, s, settings).to_pylist()]
+    rows = [r for s in list_shards(Pool.at(str(pool)), settings) for r in read_all(pool, s, settings).to_pylist()]
     assert sum(r["source"].endswith("short.jpg") for r in rows) == 1
     (deep,) = [r for r in rows if not r["source"].endswith("short.jpg")]
     assert deep["image"] is None and reason_code(deep["reason"]) == "unreadable" and "PATH_MAX" in deep["reason"]

@@ -17,8 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from common.layout import LAYOUT
 from curation.score.ledger import read_ledger, reason_code
-from curation.score.pool import list_shards
+from curation.score.pool import Pool, list_shards
 from curation.score.reader import ShardReader
 from curation.settings import InputSettings
 from jobs import curate
@@ -128,7 +129,7 @@ def test_hostile_folder_pool_every_input_once_with_its_reason(hostile_folder, re
 
 def test_non_utf8_names_are_read_by_their_bytes(hostile_folder):
     root, _ = hostile_folder
-    (shard,) = list_shards(str(root), InputSettings(files_per_shard=100))
+    (shard,) = list_shards(Pool.at(str(root)), InputSettings(files_per_shard=100))
     table = read_all(root, shard)
     row = next(r for r in table.to_pylist() if "latin-1" in r["source"])
     assert row["source"].endswith("caf\\xe9 latin-1.jpg") and row["image"]["bytes"] == photo(1)
@@ -155,7 +156,7 @@ def test_empty_shards_are_committed_and_stray_files_beside_tars_do_not_change_th
     pq.write_table(pa.table({"image": pa.array([], pa.binary())}), pool / "zero_rows.parquet")
     (pool / "README.txt").write_text("how this pool was made\n")
     (pool / "cover.jpg").write_bytes(photo(14))
-    shards = list_shards(str(pool), InputSettings())
+    shards = list_shards(Pool.at(str(pool)), InputSettings())
     assert sorted(s.kind for s in shards) == ["files", "webdataset", "webdataset"]  # the majority decides
 
     out = tmp_path / "out"
@@ -206,7 +207,7 @@ def test_oversized_tar_members_are_skipped_unread_and_big_shards_stream_in_chunk
             Image.fromarray(noise).save(buf, "JPEG", quality=95)  # ~0.3 MB each: the shard spans several chunks
             add_member(tar, f"{i:02d}.jpg", buf.getvalue())
         add_member(tar, "zz_huge.jpg", bytes(3 * MB))
-    (shard,) = list_shards(str(pool), InputSettings())
+    (shard,) = list_shards(Pool.at(str(pool)), InputSettings())
     reader = ShardReader(str(pool), InputSettings(read_chunk_mb=1), 8, max_file_bytes=2 * MB)
     chunks = list(reader.read(shard))
     assert len(chunks) >= 2 and all(c.nbytes < 2 * MB for c in chunks)
@@ -227,7 +228,8 @@ def test_resume_uses_the_pinned_listing_and_refuses_a_changed_layout(repo_root, 
     out = tmp_path / "out"
     assert run(repo_root, str(pool), out, "input.files_per_shard=2", phases="score") == 0
     # a run killed before its second shard committed, then new files land, sorting before the old ones
-    (out / "_state" / "score" / "files-000001.json").unlink()
+    for record in (LAYOUT.score_commit("files-000001"), LAYOUT.step_done("score", "shards"), LAYOUT.done("score")):
+        (out / record).unlink()
     for i in range(3):
         (pool / f"a{i}.jpg").write_bytes(photo(60 + i))
     assert run(repo_root, str(pool), out, "input.files_per_shard=2", phases="score") == 0
@@ -279,7 +281,7 @@ def s3_pool():
 
 
 def test_s3_pool_through_an_endpoint_override_with_awkward_keys(s3_pool, repo_root, tmp_path, ray_local):
-    shards = list_shards(s3_pool, InputSettings())
+    shards = list_shards(Pool.at(s3_pool), InputSettings())
     rows = read_all(s3_pool, shards[0]).to_pylist()
     assert sorted(r["source"] for r in rows) == sorted(f"s3://web/{k}" for k in AWKWARD_KEYS)
     assert all(r["image"] is not None for r in rows), [r["reason"] for r in rows]
@@ -298,7 +300,7 @@ def test_parquet_file_whose_image_column_is_not_bytes_is_one_row_saying_what_to_
     pq.write_table(
         pa.table({"image": ["https://example.com/a.jpg", "https://example.com/b.jpg"]}), pool / "urls.parquet"
     )
-    (shard,) = list_shards(str(pool), InputSettings())
+    (shard,) = list_shards(Pool.at(str(pool)), InputSettings())
     (row,) = read_all(pool, shard).to_pylist()
     assert row["source"].endswith("/urls.parquet") and row["image"] is None
     assert "holds string, not image bytes" in row["reason"] and "input.image_column" in row["reason"]

@@ -21,6 +21,8 @@ from common.lease import Lease, LeaseHeld, LeaseLost
 from common.storage import DamagedRecordError, display_path, read_json
 from curation.audit.verify import audit
 from curation.config import CurateConfig
+from curation.score.pool import Pool
+from curation.steps.output import Output
 from generators.sample_pool import ultralytics_assets
 from jobs import audit as audit_job
 from jobs import curate
@@ -277,10 +279,10 @@ def test_a_request_the_cluster_cannot_hold_for_every_process_at_once_is_lowered(
     monkeypatch.setattr(ray, "nodes", lambda: [node])
     caplog.set_level(logging.INFO, logger="curation")
     # fused as lite ships it: reader + writer + decode + the fused pool's 2 actors
-    phase = ScorePhase(cfg, str(tmp_path / "out"), str(tmp_path))
+    phase = ScorePhase(cfg, Output.at(str(tmp_path / "out")), Pool.at(str(tmp_path)))
     assert phase.task_memory() == 4 * 2**30 // 5
     # unfused: reader + writer + decode, quality, phash, embedding + person's 2 actors, head_pose's and text_overlay's 1
-    unfused = ScorePhase(cfg.model_copy(update={"fused": []}), str(tmp_path / "out"), str(tmp_path))
+    unfused = ScorePhase(cfg.model_copy(update={"fused": []}), Output.at(str(tmp_path / "out")), Pool.at(str(tmp_path)))
     assert unfused.task_memory() == 4 * 2**30 // 10
     assert caplog.messages == [
         "[score] input.task_memory_mb=1250: the 5 processes the score chain needs at once would not fit in the "

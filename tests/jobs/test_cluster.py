@@ -10,6 +10,7 @@ import pytest
 from conftest import start_local_ray
 from ray.job_submission import JobStatus, JobSubmissionClient
 
+from common.layout import LAYOUT
 from curation.score.ledger import read_ledger
 
 pytestmark = pytest.mark.slow
@@ -138,9 +139,9 @@ def test_submitted_job_survives_losing_a_worker_node(two_node_cluster, sample_po
         ],
     )
     deadline = time.monotonic() + 600
-    while not list((out / "_state" / "score").glob("*.json")) and time.monotonic() < deadline:
+    while not list((out / LAYOUT.score_commits).glob("*.json")) and time.monotonic() < deadline:
         time.sleep(0.5)
-    committed_at_kill = len(list((out / "_state" / "score").glob("*.json")))
+    committed_at_kill = len(list((out / LAYOUT.score_commits).glob("*.json")))
     assert _kill_worker_node() > 0  # mid-run: at least one shard committed, more to come
     client = JobSubmissionClient(f"http://127.0.0.1:{DASHBOARD_PORT}")
     while not client.get_job_status(job_id).is_terminal() and time.monotonic() < deadline + 600:
@@ -151,7 +152,7 @@ def test_submitted_job_survives_losing_a_worker_node(two_node_cluster, sample_po
     # the quiet console of a submitted job (a lost node's own errors and warnings show)
     for noise in ("XNNPACK delegate", "has constructor arguments in the object store", "Running Dataset"):
         assert noise not in log, noise
-    total_shards = len(list((out / "_state" / "score").glob("*.json")))
+    total_shards = len(list((out / LAYOUT.score_commits).glob("*.json")))
     assert 1 <= committed_at_kill < total_shards, "the node was not lost mid-run"
     manifest = (sample_pool / "_manifest.jsonl").read_text().splitlines()
     ledger = read_ledger(str(out), ["source", "status"]).column("source").to_pylist()

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from common import schema
+from common.layout import LAYOUT
 from curation.score.ledger import read_ledger, reason_code
 from generators.hostile_inputs import write_bad_inputs
 from generators.sample_pool import ultralytics_assets
@@ -86,7 +87,7 @@ def test_killed_driver_resumes_to_the_uninterrupted_result(kill_on, reference, s
     code, log = _run_job(repo_root, sample_pool, out, kill_on=kill_on)
     assert code == -signal.SIGKILL, log
     # a kill can land inside a commit write: its _tmp- file is not a commit
-    committed_before = len([p for p in (out / "_state" / "score").glob("*.json") if not p.name.startswith("_")])
+    committed_before = len([p for p in (out / LAYOUT.score_commits).glob("*.json") if not p.name.startswith("_")])
     code, log = _run_job(repo_root, sample_pool, out)
     assert code == 0, log
     total, skipped, scored = map(
@@ -102,7 +103,7 @@ def test_killed_driver_resumes_to_the_uninterrupted_result(kill_on, reference, s
 
 def _commits(out: Path) -> list[Path]:
     """The score phase's commit records (a kill can leave a ``_tmp-`` file, which is none)."""
-    return [p for p in (out / "_state" / "score").glob("*.json") if not p.name.startswith("_")]
+    return [p for p in (out / LAYOUT.score_commits).glob("*.json") if not p.name.startswith("_")]
 
 
 def test_ctrl_c_says_what_is_committed_in_one_line_and_the_same_command_resumes(

@@ -36,8 +36,9 @@ from common import schema
 from common.layout import DOWNLOAD, LAYOUT
 from curation.phases.write.card import funnel_markdown
 from curation.score.ledger import read_ledger, reason_code
-from curation.score.pool import list_shards, pin_listing, pinned_listing
+from curation.score.pool import Pool, list_shards, pin_listing, pinned_listing
 from curation.settings import InputSettings
+from curation.steps.output import Output
 from tests.curation.score.test_pool import _jpeg, read_shard
 
 REPO = Path(__file__).resolve().parents[3]
@@ -92,7 +93,7 @@ def test_a_webdataset_pools_records_and_stats_are_not_inputs_and_its_failed_urls
     _stats(root / "00000_stats.json")
 
     with caplog.at_level(logging.INFO, logger="curation"):
-        (shard,) = list_shards(str(root), InputSettings())
+        (shard,) = list_shards(Pool.at(str(root)), InputSettings())
     assert shard.kind == "webdataset" and shard.records == (str(root / "00000.parquet"),)
     assert "2 files beside the shards are the downloader's own" in caplog.text
     rows = _sources(read_shard(root, shard).to_pylist())
@@ -122,7 +123,7 @@ def test_a_files_pool_reads_its_records_once_even_for_a_shard_whose_every_url_fa
         _stats(root / f"{stem}_stats.json")
 
     settings = InputSettings(files_per_shard=4)
-    shards = list_shards(str(root), settings)
+    shards = list_shards(Pool.at(str(root)), settings)
     assert [len(s.paths) for s in shards] == [6, 3]  # a sample's three files stay together
     assert [len(s.records) for s in shards] == [1, 1]
     rows = [r for s in shards for r in read_shard(root, s, settings).to_pylist()]
@@ -136,13 +137,13 @@ def test_a_files_pool_reads_its_records_once_even_for_a_shard_whose_every_url_fa
     pictures = [r for r in rows if r["image"] is not None]
     assert all(json.loads(r["metadata_json"])["txt"].startswith("caption") for r in pictures)
 
-    pin_listing(str(out), shards, settings)  # a resumed run reads the records from the pin
-    assert pinned_listing(str(out), settings) == shards
+    pin_listing(Output.at(str(out)), shards, settings)  # a resumed run reads the records from the pin
+    assert pinned_listing(Output.at(str(out)), settings) == shards
 
     for path in (root / "00000").iterdir():  # every URL failed: the records alone are the pool, each read whole
         path.unlink()
     pq.write_table(_record([*failed, _sample(3, "failed_to_download", "timed out")]), root / "00000.parquet")
-    shards = list_shards(str(root), settings)
+    shards = list_shards(Pool.at(str(root)), settings)
     assert [s.kind for s in shards] == ["parquet", "parquet"]  # told from img2dataset's Parquet output by content
     rows = [r for s in shards for r in read_shard(root, s, settings).to_pylist()]
     assert [(r["stage"], reason_code(r["reason"])) for r in rows] == [(DOWNLOAD, "failed_to_resize")] * 2 + [
@@ -163,7 +164,7 @@ def test_img2dataset_parquet_output_is_read_with_no_setting(tmp_path, caplog):
     pq.write_table(_record(rows, binary="jpg"), root / "00000.parquet")
     _stats(root / "00000_stats.json")
     with caplog.at_level(logging.INFO, logger="curation"):
-        (shard,) = list_shards(str(root), InputSettings())
+        (shard,) = list_shards(Pool.at(str(root)), InputSettings())
     assert "one binary column is read as its images ('jpg' in 00000.parquet)" in caplog.text
     got = _sources(read_shard(root, shard).to_pylist())
     assert got["00000.parquet#row=0"]["image"]["bytes"] == rows[0]["bytes"]
@@ -179,7 +180,7 @@ def test_a_parquet_file_with_several_binary_columns_names_them(tmp_path):
     root = tmp_path / "pool"
     root.mkdir()
     pq.write_table(pa.table({"jpg": [_jpeg()], "png": [b"x"], "url": ["u"]}), root / "a.parquet")
-    (shard,) = list_shards(str(root), InputSettings())
+    (shard,) = list_shards(Pool.at(str(root)), InputSettings())
     (row,) = read_shard(root, shard).to_pylist()
     assert row["reason"].startswith("unreadable: no column 'image'")
     assert "set input.image_column (one of its binary columns: jpg, png)" in row["reason"]

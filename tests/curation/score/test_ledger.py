@@ -17,7 +17,7 @@ from PIL import Image
 from common.config import load_config
 from curation.config import CurateConfig
 from curation.score.ledger import CAUSE_COLUMNS, likely_causes, read_ledger
-from curation.score.pool import list_shards
+from curation.score.pool import Pool, list_shards
 from curation.score.reader import ShardReader
 from curation.score.stage import StageRunner
 from curation.stages.decode import DecodeStage
@@ -48,7 +48,7 @@ def decoded_ledger(pool: Path, cfg: CurateConfig) -> pa.Table:
     """The pool read and decoded in this process, as the score phase's ledger holds it after the decode stage."""
     runner = StageRunner(DecodeStage, cfg)
     reader = ShardReader(str(pool), cfg.input, cfg.embedding_dim, cfg.filters.max_file_bytes)
-    tables = [runner(reader.read_table(shard)) for shard in list_shards(str(pool), cfg.input)]
+    tables = [runner(reader.read_table(shard)) for shard in list_shards(Pool.at(str(pool)), cfg.input)]
     return pa.concat_tables(tables).select(CAUSE_COLUMNS)
 
 

@@ -16,7 +16,7 @@ from common.layout import LAYOUT
 from curation.phases.write.shards import with_typed_metadata
 from curation.score.ledger import read_ledger
 from curation.score.metadata import merge_all, metadata_types, sample_key, split_metadata
-from curation.score.pool import list_shards
+from curation.score.pool import Pool, list_shards
 from curation.score.sources import parse_source
 from curation.settings import InputSettings
 from generators.sample_pool import read_manifest
@@ -51,7 +51,7 @@ def _tar_pool(tmp_path: Path, members: list[tuple[str, bytes]], layout: str = "t
 
 
 def _metadata_rows(root: Path, settings: InputSettings | None = None) -> dict[str, tuple]:
-    (shard,) = list_shards(str(root), settings or InputSettings())
+    (shard,) = list_shards(Pool.at(str(root)), settings or InputSettings())
     rows = read_shard(root, shard, settings).select(["source", "metadata_json", "metadata_note"]).to_pylist()
     return {
         parse_source(r["source"]).leaf: (
@@ -122,7 +122,7 @@ def test_bad_sidecars_are_notes_and_the_image_stays(tmp_path, layout):
     assert rows["002.jpg"] == ({"url": "u", "blob": "y" * 3000}, None)
     assert rows["003.jpg"] == ({"json": [1, 2]}, None)
     # every image is still an input with its bytes
-    (shard,) = list_shards(str(root), InputSettings())
+    (shard,) = list_shards(Pool.at(str(root)), InputSettings())
     table = read_shard(root, shard, InputSettings(max_metadata_kb=4))
     assert table.num_rows == 4 and all(r["image"] for r in table.select(["image"]).to_pylist())
 
@@ -145,7 +145,7 @@ def test_a_sidecar_that_lies_about_its_size_ends_the_tar_with_a_row(tmp_path):
         info = tarfile.TarInfo("000.json")
         info.size = 10**15
         tar.addfile(info)  # header only: the "data" is whatever follows
-    rows = read_shard(root, list_shards(str(root), InputSettings())[0]).to_pylist()
+    rows = read_shard(root, list_shards(Pool.at(str(root)), InputSettings())[0]).to_pylist()
     by_name = {parse_source(r["source"]).part: r for r in rows}
     assert by_name["000.jpg"]["image"] is not None
     assert "declares more bytes than the tar holds" in by_name["000.jpg"]["metadata_note"]
@@ -168,7 +168,7 @@ def test_a_folders_sidecars_are_regular_files_of_the_pool_and_stray_ones_are_inp
     outside = tmp_path / "secret.json"
     outside.write_text('{"token": "x"}')
     os.symlink(outside, root / "000.json")
-    (shard,) = list_shards(str(root), InputSettings())
+    (shard,) = list_shards(Pool.at(str(root)), InputSettings())
     rows = {r["source"].rsplit("/", 1)[-1]: r for r in read_shard(root, shard).to_pylist()}
     assert set(rows) == {"000.jpg", "000.json", "notes.txt"}
     assert rows["000.jpg"]["metadata_json"] is None and rows["000.jpg"]["metadata_note"] is None
@@ -179,7 +179,7 @@ def test_a_folders_sidecars_are_regular_files_of_the_pool_and_stray_ones_are_inp
 def test_a_shard_of_loose_files_never_parts_a_sample(tmp_path):
     members = [(f"{k:03d}.{ext}", _jpeg() if ext == "jpg" else b"{}") for k in range(5) for ext in ("jpg", "json")]
     root = _tar_pool(tmp_path, members, "folder")
-    shards = list_shards(str(root), InputSettings(files_per_shard=3))
+    shards = list_shards(Pool.at(str(root)), InputSettings(files_per_shard=3))
     assert [[p.rsplit("/", 1)[-1] for p in s.paths] for s in shards] == [
         ["000.jpg", "000.json", "001.jpg", "001.json"],
         ["002.jpg", "002.json", "003.jpg", "003.json"],

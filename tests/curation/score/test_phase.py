@@ -13,6 +13,7 @@ from curation.audit.verify import audit
 from curation.config import CurateConfig
 from curation.records import read_commits
 from curation.score.phase import ScorePhase
+from curation.score.pool import Pool
 from curation.steps.output import Output
 from curation.steps.runner import StepRunner
 from jobs import curate
@@ -28,7 +29,7 @@ def _args(pool: Path, out: Path) -> list[str]:
 def test_the_score_phase_is_one_step_whose_units_are_the_input_shards(curated_run, sample_pool):
     cfg = load_config(CurateConfig, LITE, ["write.rows_per_shard=4"])
     out = Output.at(str(curated_run))
-    step = ScorePhase(cfg, out, str(sample_pool))
+    step = ScorePhase(cfg, out, Pool.at(str(sample_pool)))
     assert LAYOUT.step_units("score", step.name) == LAYOUT.score_commits
     fingerprint = StepRunner(out, "score", cfg.results_hash(), window=1).fingerprint(step)
     units = sorted((curated_run / LAYOUT.score_commits).glob("*.json"))

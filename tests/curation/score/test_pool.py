@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from common import schema
-from curation.score.pool import PoolError, list_shards
+from curation.score.pool import Pool, PoolError, list_shards
 from curation.score.reader import ShardReader
 from curation.score.sources import parse_source
 from curation.settings import InputSettings
@@ -40,16 +40,16 @@ def folder_pool(tmp_path):
 
 
 def test_folder_pool_is_sharded_stably_and_skips_underscore_and_dot_names(folder_pool):
-    shards = list_shards(str(folder_pool), InputSettings(files_per_shard=3))
+    shards = list_shards(Pool.at(str(folder_pool)), InputSettings(files_per_shard=3))
     uris = [u for s in shards for u in s.paths]
     assert len(uris) == 7  # 5 + deep.png + the broken symlink; _manifest, .hidden and _skipped_dir are not inputs
     assert not any("/_" in u or "/." in u for u in uris)
     assert [s.shard_id for s in shards] == ["files-000000", "files-000001", "files-000002"]
-    assert shards == list_shards(str(folder_pool), InputSettings(files_per_shard=3))
+    assert shards == list_shards(Pool.at(str(folder_pool)), InputSettings(files_per_shard=3))
 
 
 def test_broken_symlink_reaches_the_ledger_with_a_reason(folder_pool):
-    (shard,) = list_shards(str(folder_pool), InputSettings(files_per_shard=100))
+    (shard,) = list_shards(Pool.at(str(folder_pool)), InputSettings(files_per_shard=100))
     table = read_shard(folder_pool, shard)
     assert table.schema.equals(schema.working_schema(8))
     rows = {r["source"]: r for r in table.select(["source", "image", "reason", "shard_size"]).to_pylist()}
@@ -68,7 +68,7 @@ def test_broken_symlink_reaches_the_ledger_with_a_reason(folder_pool):
 )
 def test_wrong_input_fails_fast_with_a_clear_message(tmp_path, make, message):
     with pytest.raises(PoolError, match=message):
-        list_shards(make(tmp_path), InputSettings())
+        list_shards(Pool.at(make(tmp_path)), InputSettings())
 
 
 def test_parquet_pool_with_struct_and_binary_columns(tmp_path):
@@ -78,7 +78,7 @@ def test_parquet_pool_with_struct_and_binary_columns(tmp_path):
     struct = pa.array([{"bytes": b, "path": f"{i}.jpg"} for i, b in enumerate(images)], schema.IMAGE_TYPE)
     pq.write_table(pa.table({"image": struct}), root / "a.parquet")
     pq.write_table(pa.table({"jpg": pa.array([*images, None], pa.binary())}), root / "b.parquet")
-    shards = list_shards(str(root), InputSettings())
+    shards = list_shards(Pool.at(str(root)), InputSettings())
     assert [s.kind for s in shards] == ["parquet", "parquet"]
     a = read_shard(root, shards[0])
     assert a.column("source").to_pylist()[1].endswith("a.parquet#row=1")
@@ -101,7 +101,7 @@ def test_webdataset_tars_and_a_truncated_tar(tmp_path):
                 tar.addfile(info, io.BytesIO(data))
     whole = (root / "shard-0.tar").read_bytes()
     (root / "shard-1.tar").write_bytes(whole[: len(whole) // 2])
-    shards = list_shards(str(root), InputSettings())
+    shards = list_shards(Pool.at(str(root)), InputSettings())
     assert [s.kind for s in shards] == ["webdataset", "webdataset"]
     good = read_shard(root, shards[0])
     assert [parse_source(s).part for s in good.column("source").to_pylist()] == ["s0.jpg", "s1.jpg", "s2.jpg"]
@@ -114,5 +114,5 @@ def test_shard_ids_from_data_names_are_path_safe(tmp_path):
     (root / "..").mkdir(parents=True, exist_ok=True)
     (root).mkdir(exist_ok=True)
     pq.write_table(pa.table({"image": pa.array([_jpeg()], pa.binary())}), root / "a b;rm -rf $x.parquet")
-    (shard,) = list_shards(str(root), InputSettings())
+    (shard,) = list_shards(Pool.at(str(root)), InputSettings())
     assert "/" not in shard.shard_id and " " not in shard.shard_id and ";" not in shard.shard_id

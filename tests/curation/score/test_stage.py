@@ -12,7 +12,7 @@ from common import schema
 from common.config import ConfigError, load_config
 from curation.config import CurateConfig, config_from_json
 from curation.score.chain import score_in_process
-from curation.score.pool import list_shards
+from curation.score.pool import Pool, list_shards
 from curation.score.stage import Stage
 
 PORTRAIT_FILTER = """
@@ -83,7 +83,7 @@ def test_a_stage_module_alone_makes_a_stage_the_config_accepts_and_the_runner_ru
     settings = cfg.stages["portrait_filter"]
     assert (settings.batch_size, settings.num_cpus) == (2, 0.25)  # the entry's field, then the class's defaults
     _pool(tmp_path / "pool", {"wide.jpg": (480, 400), "square.jpg": (400, 400), "tall.jpg": (400, 480)})
-    table = score_in_process(cfg, list_shards(str(tmp_path / "pool"), cfg.input), str(tmp_path / "pool"))
+    table = score_in_process(cfg, list_shards(Pool.at(str(tmp_path / "pool")), cfg.input), str(tmp_path / "pool"))
     fates = {
         r["source"].rsplit("/", 1)[-1]: r for r in table.select(["source", "status", "stage", "reason"]).to_pylist()
     }
@@ -145,7 +145,7 @@ def test_a_stage_that_writes_a_new_column_is_one_file_plus_its_yaml_entry(tmp_pa
     assert "aspect_ratio" in schema.ledger_schema().names
 
     _pool(tmp_path / "pool", {"wide.jpg": (640, 400), "square.jpg": (400, 400), "tall.jpg": (400, 480)})
-    table = score_in_process(cfg, list_shards(str(tmp_path / "pool"), cfg.input), str(tmp_path / "pool"))
+    table = score_in_process(cfg, list_shards(Pool.at(str(tmp_path / "pool")), cfg.input), str(tmp_path / "pool"))
     rows = {r["source"].rsplit("/", 1)[-1]: r for r in table.select(["source", "status", "aspect_ratio"]).to_pylist()}
     assert {name: (r["status"], round(r["aspect_ratio"], 3)) for name, r in rows.items()} == {
         "wide.jpg": (schema.REJECTED, 1.6),
