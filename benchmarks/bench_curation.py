@@ -39,7 +39,8 @@ from curation.config import CurateConfig
 from curation.score.chain import score_in_process, stage_runner
 from curation.score.phase import ScorePhase
 from curation.score.pool import Pool, list_shards
-from curation.score.stage import _FAULT, REJECT, StageRunner, Update
+from curation.score.stage import REJECT, Update
+from curation.score.stage_runner import _FAULT, StageRunner
 from curation.steps.output import Output, claim_output
 from jobs import make_sample_pool
 

@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import timed
-from curation.phases.dedup.kernels import plan_bands
+from curation.phases.dedup.phash_bands import plan_bands
 from curation.phases.reference import (
     brute_force_hash_pairs,
     build_ivf_partition,

@@ -28,7 +28,7 @@ TELEMETRY_OFF = {
     "YOLO_OFFLINE": "1",
 }
 
-# The default of models.store.cache_dir (curation/settings.py), the one folder of ours in a node's home.
+# The default of models.store.cache_dir (curation/models/settings.py), the one folder of ours in a node's home.
 MODEL_CACHE = "~/.cache/humans1b/models"
 
 

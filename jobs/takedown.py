@@ -23,7 +23,8 @@ from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import DamagedRecordError, StorageError
 from common.watchdog import Watchdog, WatchdogSettings
-from curation.phases.write.takedown import TakedownError, read_list, run_takedown
+from curation.phases.write.takedown import TakedownError, read_list
+from curation.phases.write.takedown_run import run_takedown
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

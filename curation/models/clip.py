@@ -9,8 +9,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from curation.models.settings import ClipModelSettings
     from curation.models.store import ModelStore
-    from curation.settings import ClipModelSettings
 
 
 # Files of an open_clip hub folder; safetensors preferred (no pickle even under weights_only).

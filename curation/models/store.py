@@ -18,9 +18,9 @@ A model reference (a string in the config) is one of:
   archive is never installed or unpacked whole, and no code in it runs. Such a reference must carry a sha256 pin.
 
 A reference found nowhere raises ``ModelNotFoundError`` at stage setup, naming the config key, every place looked
-and how to provide the weights. A reference may carry pins (``curation.settings.PinnedModel``): the sha256 of the file
-(or of each file of a folder), checked on the node's copy before anything loads it, and the hub commit to download;
-an unpinned hub download is refused unless ``models.store.allow_unpinned_hub``. Either mismatch raises
+and how to provide the weights. A reference may carry pins (``curation.models.settings.PinnedModel``): the sha256 of
+the file (or of each file of a folder), checked on the node's copy before anything loads it, and the hub commit to
+download; an unpinned hub download is refused unless ``models.store.allow_unpinned_hub``. Either mismatch raises
 ``ModelIntegrityError``.
 
 Checkpoints load as safetensors or through ``torch.load(weights_only=True)``. Ultralytics ``.pt`` files pickle whole
@@ -62,7 +62,7 @@ from curation.models.packages import (
 )
 
 if TYPE_CHECKING:
-    from curation.settings import ModelRef, ModelStoreSettings
+    from curation.models.settings import ModelRef, ModelStoreSettings
 
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from curation.settings import Precision
+    from curation.models.settings import Precision
 
 
 log = logging.getLogger(__name__)

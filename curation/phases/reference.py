@@ -2,8 +2,8 @@
 
 The distributed phases (``curation.phases.dedup``, ``curation.phases.sample``) never call these: tests check the
 phases' decisions against them, and the benchmarks time the kernels through them. Both are built from the same
-kernels the phases run (``dedup.kernels``, ``sample.kmeans``), so a reference and a phase differ only in how the
-work is partitioned.
+kernels the phases run (``dedup.phash_bands``, ``dedup.embedding_clusters.threshold_neighbours``,
+``sample.kmeans``), so a reference and a phase differ only in how the work is partitioned.
 
 - ``phash_pairs``: every pair of items whose 64-bit pHashes are within Hamming radius ``r`` (exact), by
   multi-index hashing over bit bands; ``brute_force_hash_pairs`` checks it.
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from curation.phases.dedup.kernels import (
+from curation.phases.dedup.embedding_clusters import threshold_neighbours
+from curation.phases.dedup.phash_bands import (
     ExactGroups,
     HashTask,
     as_hashes,
@@ -32,7 +33,6 @@ from curation.phases.dedup.kernels import (
     expand_blocks,
     plan_bands,
     popcount64,
-    threshold_neighbours,
 )
 from curation.phases.sample.kmeans import ClusterHierarchy, Mode, balanced_select, hierarchical_kmeans, target_size
 

@@ -37,7 +37,7 @@ from curation.config import CurateConfig, config_from_json
 from curation.score.inputs import InputShard
 from curation.score.metadata import metadata_types
 from curation.score.reader import ShardReader
-from curation.score.stage import StageRunner
+from curation.score.stage_runner import StageRunner
 from curation.stages import stage_classes
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""A stage that fails on purpose, to test how the runner confines faults (curation/score/stage.py).
+"""A stage that fails on purpose, to test how the runner confines faults (curation/score/stage_runner.py).
 
 It is in the stage registry so that Ray workers can build it, and in no profile: a config turns it on by listing it
 under ``stages`` and names its victims in ``models.fault_injection``.

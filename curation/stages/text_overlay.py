@@ -134,7 +134,7 @@ class TextOverlayStage(Stage):
         Never rapidocr's downloader: workers may be offline, and it fetches whatever its registry names today."""
         from curation.models import ModelStore
         from curation.models.packages import sha256_of
-        from curation.settings import PinnedModel
+        from curation.models.settings import PinnedModel
 
         pinned, shipped = self.cfg.models.ocr.detector, _shipped_detector(det_cfg)
         if pinned is None:

@@ -16,7 +16,7 @@ from common.config import load_config
 from common.telemetry import MODEL_CACHE, TELEMETRY_OFF
 from curation.config import CurateConfig
 from curation.models import ModelStore
-from curation.settings import ModelStoreSettings
+from curation.models.settings import ModelStoreSettings
 
 REPO = Path(__file__).resolve().parents[2]
 LITE = REPO / "configs/curate/lite.yaml"

@@ -18,7 +18,8 @@ from PIL import Image, ImageFile
 from common import schema
 from common.imageio import decode, open_reduced
 from curation.config import CurateConfig
-from curation.score.stage import REJECT, StageRunner
+from curation.score.stage import REJECT
+from curation.score.stage_runner import StageRunner
 from curation.stages.decode import DecodeStage
 
 MAX_PIXELS = 2_000_000  # small, so that the pictures over it stay cheap to build

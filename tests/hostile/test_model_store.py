@@ -186,7 +186,7 @@ def test_sha256_pin_accepts_the_pinned_file_and_refuses_another_naming_both_dige
 
 
 def test_sha256_pin_is_checked_on_the_node_copy_of_a_uri(tmp_path):
-    from curation.settings import PinnedModel
+    from curation.models.settings import PinnedModel
 
     remote = tmp_path / "bucket" / "head.pth"
     remote.parent.mkdir()
@@ -199,7 +199,7 @@ def test_sha256_pin_is_checked_on_the_node_copy_of_a_uri(tmp_path):
 
 
 def test_folder_pin_needs_every_file_pinned(tmp_path):
-    from curation.settings import PinnedModel
+    from curation.models.settings import PinnedModel
 
     folder = tmp_path / "clip"
     folder.mkdir()
@@ -233,7 +233,7 @@ def hub_calls(monkeypatch, tmp_path) -> list[dict]:
 
 
 def test_hub_source_without_a_revision_is_refused_unless_opted_in(tmp_path, hub_calls):
-    from curation.settings import PinnedModel
+    from curation.models.settings import PinnedModel
 
     ref = "hf-hub:Ultralytics/YOLO11/yolo11m-pose.pt"
     online = models.ModelStore(cache_dir=str(tmp_path / "cache"), online=True)

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import ray
 
 from common.storage import exists, join, resolve, write_parquet_atomic
-from curation.phases.dedup import kernels
+from curation.phases.dedup import keep_rule
 from curation.phases.dedup.component_files import (
     ADJACENCY,
     DECISIONS,
@@ -50,9 +50,9 @@ def _numbers(table: pa.Table, name: str, fill, dtype) -> np.ndarray:
     return pc.fill_null(column, fill).to_numpy(zero_copy_only=False)
 
 
-def keep_attributes(survivors: pa.Table) -> kernels.KeepAttributes:
+def keep_attributes(survivors: pa.Table) -> keep_rule.KeepAttributes:
     """What the keep rule ranks, from survivor rows (``curation.phases.survivors``; a missing value ranks lowest)."""
-    return kernels.KeepAttributes(
+    return keep_rule.KeepAttributes(
         released=_numbers(survivors, "released", False, bool),
         width=_numbers(survivors, "width", 0, np.int64),
         height=_numbers(survivors, "height", 0, np.int64),
@@ -293,7 +293,7 @@ def keep_task(
     part: int,
     out: str,
 ) -> dict:
-    """``kernels.resolve_duplicates`` on whole components. Members are indexed in uid order (the global order),
+    """``keep_rule.resolve_duplicates`` on whole components. Members are indexed in uid order (the global order),
     so keep order, key ranks and breadth-first parents are those of the single-process run."""
     fs, root = resolve(out_uri)
     if (done := read_receipt(fs, join(root, out))) is not None:
@@ -306,7 +306,7 @@ def keep_task(
     keys = np.asarray(
         [f"{k}\x00{s}" for k, s in zip(m.column("key").to_pylist(), m.column("source").to_pylist())], object
     )
-    result = kernels.resolve_duplicates(
+    result = keep_rule.resolve_duplicates(
         m.num_rows,
         links,
         keep_attributes(m),

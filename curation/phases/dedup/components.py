@@ -3,7 +3,7 @@
 Input: the pair files of every signal (columns ``a``, ``b``: survivor uids; other columns ignored), in signal
 priority order, and the survivor files (``curation.phases.survivors``: uid-sorted, disjoint uid ranges). Output:
 ``dedup/decisions/part-<i>.parquet`` for survivor file ``i``: its dropped survivors, by uid, with the key of the
-survivor kept instead and the signal that linked them. Decisions are exactly those of ``kernels.resolve_duplicates``
+survivor kept instead and the signal that linked them. Decisions are exactly those of ``keep_rule.resolve_duplicates``
 on the whole graph (same components, same kept item, same ``duplicate_of`` and ``linked_by``) with the survivors'
 ``keep_attributes`` and, for ties, ``key`` then ``source`` (the keys the single-driver phase passes).
 
@@ -26,7 +26,7 @@ some pair, hash-partitioned into P partitions; a survivor without pairs is kept 
    graph (it was its component's last node).
 6. The keep rule: labels meet the edges (``attach``) and the survivor attributes (``members``, one task per
    ``files_per_task`` survivor files); each component's members and edges meet in one ``keep`` task, which runs
-   ``kernels.resolve_duplicates`` on them (the kernel itself, on a monotone relabelling of the uids: same keep order,
+   ``keep_rule.resolve_duplicates`` on them (the kernel itself, on a monotone relabelling of the uids: same keep order,
    same breadth-first parents), and ``write`` gathers the dropped rows of each survivor file of a group.
 
 Shuffles are ``curation.phases.routed`` files (one per task, row groups per destination). Each task skips itself when its

@@ -1,6 +1,7 @@
 """The maths of the embedding pair search, free of storage and Ray: the k-means centroids and the probe rule that
 cut the embedding space into clusters, the plan that packs clusters into buckets, and the exact search inside one
-cluster (``curation.phases.dedup.embedding_pairs`` describes the whole method and its sizes)."""
+cluster, whose k-NN results ``threshold_neighbours`` turns into pairs (as the single-process reference's do).
+``curation.phases.dedup.embedding_pairs`` describes the whole method and its sizes."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-
-from curation.phases.dedup import kernels
 
 POINTS_PER_CENTROID = 64  # k-means training rows per centroid
 KMEANS_ITERATIONS = 10
@@ -237,6 +236,18 @@ def concat_pairs(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
     return tuple(np.concatenate(p) for p in zip(*parts)) if parts else _empty_pairs()
 
 
+def threshold_neighbours(
+    query_ids: np.ndarray, sims: np.ndarray, ids: np.ndarray, k: int, threshold: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """From k+1 search results per query: drop the query itself and padding, keep the first k at >= threshold."""
+    valid = (ids >= 0) & (ids != query_ids[:, None])
+    valid &= np.cumsum(valid, axis=1) <= k  # self may be missing from the list when vectors tie
+    valid &= sims >= threshold
+    r, c = np.nonzero(valid)
+    q, n = query_ids[r], ids[r, c]
+    return np.minimum(q, n), np.maximum(q, n), sims[r, c]
+
+
 def _search(
     x: np.ndarray, rows: np.ndarray, is_home: np.ndarray, s: SearchSettings, depth: int = 0
 ) -> tuple[np.ndarray, ...]:
@@ -268,7 +279,7 @@ def _search(
             )
     sims, pos = faiss.knn(x[rows], x[home], min(s.k + 1, home.size), metric=faiss.METRIC_INNER_PRODUCT)
     ids = np.where(pos >= 0, home[np.maximum(pos, 0)], -1)
-    return kernels.threshold_neighbours(rows, sims, ids, s.k, s.threshold)
+    return threshold_neighbours(rows, sims, ids, s.k, s.threshold)
 
 
 def cluster_pairs(

@@ -17,9 +17,9 @@ step's outputs when its fingerprint changes and keeps them, with their receipts,
    cluster's bucket: ``dedup/embedding_buckets/b<bucket>/part-<file>.arrow`` (Arrow IPC, deleted once searched) with
    columns ``cluster``, ``uid``, ``home``, ``ranked`` (its home, then its probes) and ``embedding``.
 3. ``embedding-search`` (one task per bucket). In each cluster every row, home or probe, takes its ``k`` nearest *home*
-   rows; pairs at >= ``threshold`` are kept (``kernels.threshold_neighbours``). Two survivors are compared when they share
-   a home or one probes the other's home. Written: ``dedup/pairs/embedding/part-<bucket>.parquet`` (``a`` < ``b`` uids,
-   int64; ``similarity`` float32, their inner product; sorted by (a, b)).
+   rows; pairs at >= ``threshold`` are kept (``embedding_clusters.threshold_neighbours``). Two survivors are compared
+   when they share a home or one probes the other's home. Written: ``dedup/pairs/embedding/part-<bucket>.parquet``
+   (``a`` < ``b`` uids, int64; ``similarity`` float32, their inner product; sorted by (a, b)).
    Cap: a cluster with more than ``max_cluster`` home rows (a prediction that was off, or a region denser than the
    sample showed) is split inside its task by a local k-means into sub-clusters of about ``cluster_size``, with the same
    home/probe rule, recursively; rows k-means cannot split (identical embeddings) are searched whole.

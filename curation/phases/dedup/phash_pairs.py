@@ -7,12 +7,12 @@ hash is represented by its smallest uid; every other survivor with that hash is 
 star, never a clique), and two distinct hashes within ``radius`` bits pair their representatives. A null pHash
 is no signal: that survivor is in no pair.
 
-Why it is exact without gathering the hashes. ``kernels.plan_bands`` cuts the 64 bits into ``n`` bands, and two
+Why it is exact without gathering the hashes. ``phash_bands.plan_bands`` cuts the 64 bits into ``n`` bands, and two
 hashes within ``radius`` differ in at most ``f = radius // n`` bits of some band. Cutting each band into ``f + 1``
 sub-bands, a band that differs in at most ``f`` bits agrees exactly on one of its sub-bands. A *family* is one
 (band, sub-band); a *group* is the hashes with one value of that sub-band. So every pair within ``radius`` shares a
 group, and groups can be placed anywhere: the map step sends each hash to the shuffle partition of each of its
-``n (f + 1)`` groups; the reduce step runs ``kernels.band_pairs`` on each family's hashes of its partition, with the
+``n (f + 1)`` groups; the reduce step runs ``phash_bands.band_pairs`` on each family's hashes of its partition, with the
 flip masks kept off the family's sub-band (``SubBandPlan``), so only hashes of one group are ever compared. A pair
 is reported only by the first family, in (band, sub-band) order, in which the two hashes agree on the sub-band and
 are within ``f`` bits over the band (``band_pairs`` already skips earlier bands; earlier sub-bands are checked
@@ -31,7 +31,7 @@ Steps and files (``S`` = survivors with a pHash, ``M`` = survivor files, ``P`` =
 - reduce, one task per partition: reads its ``M`` shuffle files (about ``K S / P`` rows, some 60 bytes of memory
   each while sorted), writes ``part-<p>.parquet``, deletes its shuffle folder. A family's hashes above
   ``max_kernel_hashes`` are searched in blocks, block against block, so the kernel's memory (about 100 bytes per
-  hash, a 16 MiB band table and ``kernels.MAX_CANDIDATES_PER_STEP`` candidates) never grows with ``S``.
+  hash, a 16 MiB band table and ``phash_bands.MAX_CANDIDATES_PER_STEP`` candidates) never grows with ``S``.
 - the driver holds the file lists, the plan and one small receipt per task. The two steps run on the phase's
   ``StepRunner`` (``curation.steps.runner``): a rerun skips every receipted task, a task skips a shuffle file or a
   partition whose output exists, and another plan or other inputs clear the folder first.
@@ -64,7 +64,7 @@ import ray
 
 from common.layout import LAYOUT
 from common.storage import delete_quietly, exists, join, resolve, write_parquet_atomic
-from curation.phases.dedup import kernels
+from curation.phases.dedup import phash_bands
 from curation.phases.dedup.phash_plan import MAX_KERNEL_HASHES, ROWS_PER_PARTITION, PairPlan, family_pairs, plan_pairs
 from curation.steps.output import Output
 from curation.steps.runner import Step, StepRunner
@@ -120,7 +120,7 @@ def _map_task(
     t = pq.read_table(join(root, survivor_file), columns=["uid", "phash"], filesystem=fs)
     t = t.filter(pc.is_valid(t.column("phash")))
     uid = t.column("uid").to_numpy().astype(np.int64)
-    hashes = kernels.as_hashes(t.column("phash").to_numpy())
+    hashes = phash_bands.as_hashes(t.column("phash").to_numpy())
     order = np.lexsort((uid, hashes))
     hashes, uid = hashes[order], uid[order]
     first = _runs(hashes)  # each distinct hash once, with its smallest uid in this file

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from curation.phases.dedup import kernels
+from curation.phases.dedup import phash_bands
 
 ROWS_PER_PARTITION = 1_000_000  # shuffle rows per reduce task (17 bytes each before decoding)
 MAX_KERNEL_HASHES = 2_000_000  # distinct hashes given to one band_pairs call
@@ -21,18 +21,18 @@ class Family:
     """A sub-band of band ``band_index``; the hashes sharing one value of it form a group."""
 
     band_index: int
-    sub: kernels.Band  # absolute bit positions
+    sub: phash_bands.Band  # absolute bit positions
 
 
 @dataclass(frozen=True)
-class SubBandPlan(kernels.BandPlan):
+class SubBandPlan(phash_bands.BandPlan):
     """A band plan whose flip masks leave ``fixed`` (a sub-band of the scanned band) alone.
 
     ``band_pairs`` then only pairs bucket keys that agree on ``fixed``: hashes of one group, however many groups
     share the table.
     """
 
-    fixed: kernels.Band
+    fixed: phash_bands.Band
 
     def masks(self, band_index: int) -> np.ndarray:
         band = self.bands[band_index]
@@ -48,7 +48,7 @@ class SubBandPlan(kernels.BandPlan):
 class PairPlan:
     """Everything a task needs: the band plan, the families in reporting order, the number of partitions."""
 
-    bands: kernels.BandPlan
+    bands: phash_bands.BandPlan
     families: tuple[Family, ...]
     partitions: int
 
@@ -76,12 +76,12 @@ class PairPlan:
         }
 
 
-def _sub_bands(band: kernels.Band, parts: int) -> list[kernels.Band]:
+def _sub_bands(band: phash_bands.Band, parts: int) -> list[phash_bands.Band]:
     """``band`` cut into ``parts`` contiguous sub-bands, as even as possible (zero-width when parts > width: such
     a sub-band always agrees, which keeps the pigeonhole true)."""
     widths = [band.width // parts + (1 if k < band.width % parts else 0) for k in range(parts)]
     shifts = band.shift + np.concatenate([[0], np.cumsum(widths)[:-1]])
-    return [kernels.Band(int(s), int(w)) for s, w in zip(shifts, widths)]
+    return [phash_bands.Band(int(s), int(w)) for s, w in zip(shifts, widths)]
 
 
 def plan_pairs(
@@ -92,10 +92,10 @@ def plan_pairs(
     n_bands: int | None = None,
     rows_per_partition: int = ROWS_PER_PARTITION,
 ) -> PairPlan:
-    """The plan for about ``n_hashes`` hashes: ``kernels.plan_bands``'s bands, each cut into ``max_flips + 1``
+    """The plan for about ``n_hashes`` hashes: ``phash_bands.plan_bands``'s bands, each cut into ``max_flips + 1``
     families; by default as many partitions as give ``rows_per_partition`` shuffle rows each, at most one per
     group (a group is never split). Radius 0 needs one family only (the one that lists exact duplicates)."""
-    bands = kernels.plan_bands(max(n_hashes, 1), radius, n_bands)
+    bands = phash_bands.plan_bands(max(n_hashes, 1), radius, n_bands)
     families = tuple(
         Family(b, sub) for b, band in enumerate(bands.bands) for sub in _sub_bands(band, bands.max_flips + 1)
     )
@@ -131,7 +131,7 @@ def family_pairs(
         idx = np.arange(first, min(first + block, unique.size))
         if second != first:
             idx = np.concatenate([idx, np.arange(second, min(second + block, unique.size))])
-        u, v, d = kernels.band_pairs(unique[idx], sub_plan, family.band_index)
+        u, v, d = phash_bands.band_pairs(unique[idx], sub_plan, family.band_index)
         if second != first:  # pairs inside one block are its own call's
             across = (u < block) & (v >= block)
             u, v, d = u[across], v[across], d[across]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from curation.models import ModelIntegrityError, ModelNotFoundError, ModelStore, parse_package_ref, project_of
-from curation.settings import PinnedModel
+from curation.models.settings import PinnedModel
 
 WEIGHTS = b"\x00weights\x01" * 100
 DIGEST = hashlib.sha256(WEIGHTS).hexdigest()

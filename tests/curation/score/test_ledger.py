@@ -19,7 +19,7 @@ from curation.config import CurateConfig
 from curation.score.ledger import CAUSE_COLUMNS, likely_causes, read_ledger
 from curation.score.pool import Pool, list_shards
 from curation.score.reader import ShardReader
-from curation.score.stage import StageRunner
+from curation.score.stage_runner import StageRunner
 from curation.stages.decode import DecodeStage
 
 REPO = Path(__file__).resolve().parents[3]

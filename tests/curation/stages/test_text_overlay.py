@@ -19,7 +19,7 @@ from common import schema
 from curation.config import CurateConfig
 from curation.models import ModelNotFoundError
 from curation.models.packages import sha256_of
-from curation.settings import PinnedModel
+from curation.models.settings import PinnedModel
 from curation.stages.text_overlay import TextOverlayStage, is_text_line, text_area_fraction
 
 ULTRALYTICS_ASSETS = Path(importlib.util.find_spec("ultralytics").submodule_search_locations[0]) / "assets"

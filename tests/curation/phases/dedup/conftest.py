@@ -1,11 +1,13 @@
-"""Inputs of the embedding pair search: a Gaussian mixture with planted near-copies, written as survivor partitions.
-Handed to tests as fixtures (a function each)."""
+"""Inputs of the embedding pair search (a Gaussian mixture with planted near-copies, written as survivor partitions)
+and the check that two labellings group items alike. Handed to tests as fixtures (a function each)."""
 
 from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import connected_components
 
 from common.storage import join, resolve, write_parquet_atomic
 from curation.phases.survivors import make_uid, partition_path, survivors_schema
@@ -73,3 +75,27 @@ def embedding_mixture() -> Callable[..., np.ndarray]:
 def write_survivors() -> Callable[..., tuple[list[str], np.ndarray]]:
     """``write_survivors(out, x, rows_per_file)``: see ``_write_survivors``."""
     return _write_survivors
+
+
+def _components(n: int, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """The connected component of each of ``n`` items linked by the pairs (i, j)."""
+    g = csr_matrix((np.ones(i.size), (i, j)), shape=(n, n))
+    return connected_components(g, directed=False)[1]
+
+
+def _same_partition(a: np.ndarray, b: np.ndarray) -> bool:
+    """Two labelings describe the same grouping (labels themselves may differ)."""
+    pairs = np.unique(np.stack([a, b], axis=1), axis=0)
+    return len(pairs) == len(np.unique(a)) == len(np.unique(b))
+
+
+@pytest.fixture(scope="session")
+def components() -> Callable[[int, np.ndarray, np.ndarray], np.ndarray]:
+    """``components(n, i, j)``: see ``_components``."""
+    return _components
+
+
+@pytest.fixture(scope="session")
+def same_partition() -> Callable[[np.ndarray, np.ndarray], bool]:
+    """``same_partition(a, b)``: see ``_same_partition``."""
+    return _same_partition

@@ -13,7 +13,7 @@ import pytest
 
 from common.layout import LAYOUT
 from curation.phases.dedup import components as components_module
-from curation.phases.dedup import kernels as dd
+from curation.phases.dedup import keep_rule
 from curation.phases.dedup.component_files import WORK_DIR, ComponentsError
 from curation.phases.dedup.component_tasks import keep_attributes
 from curation.phases.survivors import make_uid, survivors_schema
@@ -129,7 +129,7 @@ def reference(survivors: Survivors, graph: dict) -> dict[int, tuple[str, str]]:
     keys = np.asarray(
         [f"{k}\x00{s}" for k, s in zip(t.column("key").to_pylist(), t.column("source").to_pylist())], object
     )
-    result = dd.resolve_duplicates(
+    result = keep_rule.resolve_duplicates(
         t.num_rows, {name: Links(i, j) for name, (i, j) in graph.items()}, keep_attributes(t), keys=keys
     )
     uid, key = t.column("uid").to_numpy(), t.column("key").to_pylist()

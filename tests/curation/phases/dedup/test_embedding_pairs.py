@@ -1,5 +1,5 @@
 """Embedding near-duplicate pairs as steps over survivor partitions (curation.phases.dedup.embedding_pairs) against
-the exact single-process search (curation.phases.dedup.kernels), and their resume on the step runner."""
+the exact single-process search (curation.phases.reference), and their resume on the step runner."""
 
 import numpy as np
 import pyarrow.parquet as pq

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from curation.phases.dedup import kernels
+from curation.phases.dedup import phash_bands
 from curation.phases.dedup.phash_plan import family_pairs, plan_pairs
 
 
@@ -34,6 +34,6 @@ def test_each_pair_within_the_radius_is_reported_by_exactly_one_family():
             found += [tuple(sorted((int(members[a]), int(members[b])))) for a, b in zip(u, v)]
     assert len(found) == len(set(found)), "a pair reported by two families"
     x = unique[:, None] ^ unique[None, :]
-    distance = kernels.popcount64(x.ravel()).reshape(x.shape)
+    distance = phash_bands.popcount64(x.ravel()).reshape(x.shape)
     i, j = np.nonzero(np.triu(distance <= 8, k=1))
     assert set(found) == {tuple(sorted((int(unique[a]), int(unique[b])))) for a, b in zip(i, j)}

@@ -1,0 +1,285 @@
+"""Running a takedown: remove a list's images from a published output, prove they are gone, and keep them gone.
+
+``run_takedown`` finds the final shards that hold a listed image (Ray tasks reading the key, source and metadata
+columns only), rewrites only those shards and the final-ledger files of their input shards (the images taken down,
+``curation.phases.write.takedown``), and switches the manifest to the next version in one atomic write. Its record
+says who asked, when, which list and what it removed.
+
+Order of writes, so that a kill anywhere leaves the old version or the new one and the same command finishes it:
+entries, new files (named by their content: a rerun writes the same names), the record as ``pending`` (with the
+manifest it will publish), the manifest switch, the card, the record ``done``. The files the new version no longer
+lists stay for ``grace_minutes`` (a trainer that indexed the previous manifest keeps reading them), then a takedown
+run deletes them and marks the record ``purged``; with ``grace_minutes=0`` they go at once.
+
+Sizes at 1B images: the driver holds the manifest (one entry per shard), the list, and one entry per removed image;
+a scan task reads the small columns of ``_SHARDS_PER_SCAN`` shards, a rewrite task one shard.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from collections import Counter
+from collections.abc import Callable
+from hashlib import sha256
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import ray
+
+from common.config import hash_json
+from common.layout import LAYOUT, TAKEDOWN
+from common.storage import (
+    delete_quietly,
+    encode_parquet,
+    exists,
+    join,
+    read_json,
+    redact,
+    resolve,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_parquet_atomic,
+)
+from curation.phases.write.card import write_card
+from curation.phases.write.takedown import (
+    TakedownError,
+    TakedownList,
+    entries_path,
+    listed_rows,
+    mark_taken_down,
+    record_path,
+    takedown_records,
+    taken_down_reason,
+)
+from curation.records import read_manifest
+from curation.score.ledger import funnel_of
+from curation.steps.output import Output
+from curation.steps.runner import StepRunner, task_step
+from curation.steps.window import task_window
+
+log = logging.getLogger(__name__)
+
+_SHARDS_PER_SCAN = 64
+
+
+# --- Ray tasks ------------------------------------------------------------------------------------------------------
+
+
+@ray.remote(num_cpus=0.25)
+def _scan(out_uri: str, files: list[str], entries: list[str]) -> dict:
+    """Rows the entries name in each of ``files`` (final shards): file -> row indices, for files with any."""
+    fs, root = resolve(out_uri)
+    value_set = pa.array(entries, pa.string())
+    found = {}
+    for name in files:
+        path = join(root, LAYOUT.shards, name)
+        columns = [
+            c for c in ("key", "source", "metadata", "metadata_json") if c in pq.read_schema(path, filesystem=fs).names
+        ]
+        table = pq.read_table(path, columns=columns, filesystem=fs)
+        rows = pc.indices_nonzero(listed_rows(table, value_set)).to_pylist()
+        if rows:
+            found[name] = rows
+    return {"hits": found}
+
+
+def _rewrite(fs, root: str, folder: str, name: str, table: pa.Table, like: pq.ParquetFile) -> dict:
+    """``table`` written as the file ``name`` was (row groups, compression, metadata), named by its content."""
+    meta = like.metadata
+    group_rows = meta.row_group(0).num_rows if meta.num_row_groups else 1
+    compression = meta.row_group(0).column(0).compression.lower() if meta.num_row_groups else "zstd"
+    data = encode_parquet(table, row_group_size=max(1, group_rows), compression=compression)
+    digest = sha256(data).hexdigest()
+    new = f"{name.rsplit('-', 1)[0]}-{digest[:16]}.parquet"
+    write_bytes_atomic(fs, join(root, folder, new), data)
+    return {"file": new, "rows": table.num_rows, "bytes": len(data), "sha256": digest}
+
+
+@ray.remote(num_cpus=0.5)
+def _rewrite_shard(out_uri: str, name: str, drop: list[int]) -> dict:
+    """A final shard without the rows ``drop``: its new entry (None when nothing is left) and what it removed."""
+    fs, root = resolve(out_uri)
+    pf = pq.ParquetFile(fs.open_input_file(join(root, LAYOUT.shards, name)))
+    table = pf.read()
+    keep = pc.invert(pc.is_in(pa.array(range(table.num_rows), pa.int64()), value_set=pa.array(drop, pa.int64())))
+    removed = table.filter(pc.invert(keep)).select(["key", "source", "shard_id"]).to_pylist()
+    left = table.filter(keep)
+    entry = _rewrite(fs, root, LAYOUT.shards, name, left, pf) if left.num_rows else None
+    return {"entry": entry, "removed": removed}
+
+
+@ray.remote(num_cpus=0.25)
+def _rewrite_ledger(out_uri: str, entry: dict, sources: list[str], reason: str) -> dict:
+    """An input shard's final-ledger file with ``sources`` taken down: its new entry and the funnel's change."""
+    fs, root = resolve(out_uri)
+    pf = pq.ParquetFile(fs.open_input_file(join(root, LAYOUT.final_ledger, entry["file"])))
+    before = pf.read()
+    after = mark_taken_down(before, pa.array(sources, pa.string()), reason)
+    delta = funnel_of(after)
+    delta.subtract(funnel_of(before))
+    new = _rewrite(fs, root, LAYOUT.final_ledger, entry["file"], after, pf)
+    return {"entry": {**new, "shard_id": entry["shard_id"]}, "funnel": {k: v for k, v in delta.items() if v}}
+
+
+# the takedown's steps: the shards holding listed images, ``_SHARDS_PER_SCAN`` a unit; each of them without those
+# images; the final-ledger file of each input shard they came from, with them taken down (the step adds the reason,
+# which dates the list: a rerun on another day writes those files again)
+_Scan = task_step("scan", "scans", _scan)
+_RewriteShards = task_step("shards", "shards", _rewrite_shard)
+_RewriteLedger = task_step("ledger", "files", _rewrite_ledger)
+
+
+# --- the step ---------------------------------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()
+
+
+def run_takedown(
+    out_uri: str,
+    lst: TakedownList,
+    *,
+    by: str,
+    grace_minutes: float,
+    guard: Callable[[], None] = lambda: None,
+) -> dict:
+    """Take the listed images down from ``out_uri``'s published shards; returns the record. ``guard`` raises when
+    the output's lease was lost (checked before the switch)."""
+    fs, root = resolve(out_uri)
+    if not exists(fs, join(root, LAYOUT.manifest)):
+        raise TakedownError(f"{redact(out_uri)}: no {LAYOUT.manifest}; take images down from a published output")
+    manifest = read_manifest(fs, root)
+    path = join(root, record_path(lst.id))
+    previous = read_json(fs, path) if exists(fs, path) else None
+    pending = previous if previous is not None and previous["status"] == "pending" else None
+    if pending is not None and pending.get("manifest_sha256") == _digest(manifest):
+        log.info(f"[takedown] list {lst.id}: manifest version {pending['version']} is published; finishing")
+        return _finish(fs, root, out_uri, pending, manifest, grace_minutes)
+    at = pending["at"] if pending is not None else _now()  # a rerun after a kill writes the same files
+    entries = pa.table({"entry": pa.array(lst.entries, pa.string())})
+    write_parquet_atomic(fs, join(root, entries_path(lst.id)), entries, row_group_size=100_000)
+    # the steps' receipts hold for this list against this manifest: a rerun after a kill keeps them
+    runner = StepRunner(Output.at(out_uri), TAKEDOWN, hash_json([lst.id, _digest(manifest)]), task_window())
+    files, entries_ref = [s["file"] for s in manifest["shards"]], ray.put(list(lst.entries))
+    scans = {
+        f"scan-{i:07d}": (out_uri, files[i : i + _SHARDS_PER_SCAN], entries_ref)
+        for i in range(0, len(files), _SHARDS_PER_SCAN)
+    }
+    hits = {name: rows for r in runner.run(_Scan(scans))["receipts"] for name, rows in r["hits"].items()}
+    log.info(
+        f"[takedown] list {lst.id} ({len(lst.entries)} entries): {sum(map(len, hits.values()))} images listed in "
+        f"{len(hits)} of {len(files)} shards"
+    )
+    if not hits and previous is not None and previous["status"] == "done":
+        log.info(f"[takedown] list {lst.id}: taken down on {previous['at']}, nothing listed is left")
+        return _finish(fs, root, out_uri, previous, manifest, grace_minutes)
+    earlier = previous if previous is not None and previous["status"] == "done" else {}
+    record = {
+        "id": lst.id,
+        "list": lst.name,
+        "list_sha256": lst.sha256,
+        "entries": len(lst.entries),
+        "by": by,
+        "at": at,
+        "status": "pending",
+        "from_version": manifest.get("version", 1),
+        "version": manifest.get("version", 1) + (1 if hits else 0),
+        "removed": earlier.get("removed", []),
+        "superseded": earlier.get("superseded", []),
+        "delete_after": (dt.datetime.fromisoformat(at) + dt.timedelta(minutes=grace_minutes)).isoformat(),
+        "purged": False,
+    }
+    if hits:
+        manifest, removed, superseded = _rewrite_listed(runner, manifest, hits, lst, at)
+        record["removed"] = [*record["removed"], *removed]
+        record["superseded"] = [*record["superseded"], *superseded]
+    write_json_atomic(fs, path, {**record, "manifest_sha256": _digest(manifest)})
+    guard()
+    if hits:
+        write_json_atomic(fs, join(root, LAYOUT.manifest), manifest)  # the switch to the new version
+    return _finish(fs, root, out_uri, record, manifest, grace_minutes)
+
+
+def _digest(manifest: dict) -> str:
+    return sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+def _rewrite_listed(
+    runner: StepRunner, manifest: dict, hits: dict[str, list[int]], lst: TakedownList, at: str
+) -> tuple[dict, list[dict], list[str]]:
+    """Rewrite the shards with listed rows and their input shards' ledger files: (the next manifest, the removed
+    images, the files it no longer lists)."""
+    names = sorted(hits)
+    shard_calls = {f"shard-{k:06d}": (runner.output.uri, n, hits[n]) for k, n in enumerate(names)}
+    rewritten = runner.run(_RewriteShards(shard_calls))["receipts"]
+    new_entry = dict(zip(names, (r["entry"] for r in rewritten)))
+    removed = [row for r in rewritten for row in r["removed"]]
+    by_shard: dict[str, list[str]] = {}
+    for row in removed:
+        by_shard.setdefault(row["shard_id"], []).append(row["source"])
+    reason = taken_down_reason(lst.name, lst.id, at)
+    ledger_entries = [e for e in manifest["final_ledger"] if e["shard_id"] in by_shard]
+    calls = {
+        f"file-{k:06d}": (runner.output.uri, e, by_shard[e["shard_id"]], reason) for k, e in enumerate(ledger_entries)
+    }
+    new_ledger = {e["file"]: r for e, r in zip(ledger_entries, runner.run(_RewriteLedger(calls, reason))["receipts"])}
+    funnel = Counter(manifest["funnel"])
+    for r in new_ledger.values():
+        funnel.update(r["funnel"])
+    shards = [s for s in (new_entry[s["file"]] if s["file"] in hits else s for s in manifest["shards"]) if s]
+    totals = {"shards": len(shards), "rows": sum(s["rows"] for s in shards), "bytes": sum(s["bytes"] for s in shards)}
+    version = manifest.get("version", 1) + 1
+    takedown = {"id": lst.id, "list": lst.name, "at": at, "removed": len(removed), "version": version}
+    manifest = {
+        **manifest,
+        "shards": shards,
+        "final_ledger": [
+            new_ledger[e["file"]]["entry"] if e["file"] in new_ledger else e for e in manifest["final_ledger"]
+        ],
+        "totals": totals,
+        "funnel": dict(sorted((k, v) for k, v in funnel.items() if v)),
+        "version": version,
+        "takedowns": [*manifest.get("takedowns", []), takedown],
+    }
+    superseded = [f"{LAYOUT.shards}/{n}" for n in names] + [
+        f"{LAYOUT.final_ledger}/{e['file']}" for e in ledger_entries
+    ]
+    return manifest, [{"key": r["key"], "source": r["source"]} for r in removed], superseded
+
+
+def _finish(fs, root: str, out_uri: str, record: dict, manifest: dict, grace_minutes: float) -> dict:
+    if record["removed"]:
+        write_card(out_uri, manifest)
+    record = {**record, "status": "done"}
+    record.pop("manifest_sha256", None)
+    write_json_atomic(fs, join(root, record_path(record["id"])), record)
+    log.info(
+        f"[takedown] list {record['id']}: {len(record['removed'])} images removed, manifest version "
+        f"{manifest.get('version', 1)}; {len(record['superseded'])} replaced files kept until {record['delete_after']}"
+    )
+    purge_due(fs, root, manifest, now=None if grace_minutes > 0 else record["delete_after"])
+    return record
+
+
+def purge_due(fs, root: str, manifest: dict, now: str | None = None) -> int:
+    """Delete the replaced files of takedowns whose grace has passed (never a file the manifest lists)."""
+    listed = {f"{LAYOUT.shards}/{s['file']}" for s in manifest["shards"]}
+    listed |= {f"{LAYOUT.final_ledger}/{e['file']}" for e in manifest["final_ledger"]}
+    now = now or _now()
+    deleted = 0
+    for record in takedown_records(fs, root):
+        due = dt.datetime.fromisoformat(record["delete_after"]) <= dt.datetime.fromisoformat(now)
+        if record.get("purged") or record["status"] != "done" or not due:
+            continue
+        for rel in record["superseded"]:
+            if rel not in listed:
+                delete_quietly(fs, join(root, rel))
+                deleted += 1
+        write_json_atomic(fs, join(root, record_path(record["id"])), {**record, "purged": True})
+    if deleted:
+        log.info(f"[takedown] {deleted} replaced files past their grace deleted")
+    return deleted
