@@ -19,7 +19,6 @@ Everything goes through ``common.storage``, so ``s3://bucket/prefix`` is audited
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import time
 from collections import Counter
@@ -27,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -35,7 +33,7 @@ from common import schema, watchdog
 from common.layout import GLOBAL_PHASES, LAYOUT, funnel_phase
 from common.storage import DamagedRecordError, exists, file_sha256, join, path_on_store, resolve
 from curation.audit.verify_shards import Problem, ShardRows, check_shard, short
-from curation.phases.write.takedown import Takedowns, listed_rows, record_path, recorded_entries, takedown_records
+from curation.audit.verify_takedowns import TakedownCheck
 from curation.records import commit_files, read_commit, read_done, read_manifest
 from curation.score.ledger import reason_code
 
@@ -72,6 +70,7 @@ class _Auditor:
         self.problems: list[Problem] = []
         self.counts: Counter = Counter()
         self.damaged_commits: set[str] = set()  # input shards whose commit record is damaged (reported once)
+        self.takedowns = TakedownCheck(self.fs, self.root, self.problem, self.damaged, self.counts)
 
     def problem(self, file: str, row: int | None, what: str) -> None:
         self.problems.append(Problem(file, row, what))
@@ -147,7 +146,7 @@ class _Auditor:
                 watchdog.beat(f"[audit] {len(results)}/{len(entries)} shards checked")
         listed = {f"{LAYOUT.shards}/{e['file']}" for e in entries}
         for rel in self._files_under(LAYOUT.shards):
-            if rel not in listed and rel != LAYOUT.manifest and not self.replaced_by_takedown(rel):
+            if rel not in listed and rel != LAYOUT.manifest and rel not in self.takedowns.replaced:
                 self.problem(rel, None, "not in the manifest (a stray file: readers globbing *.parquet would read it)")
         counts = Counter(e["file"] for e in entries)
         for name, n in counts.items():
@@ -247,7 +246,7 @@ class _Auditor:
             return []
         expected = self._listed_ledger(manifest, records)
         for rel in self._files_under(LAYOUT.final_ledger):
-            if rel not in expected and not self.replaced_by_takedown(rel):
+            if rel not in expected and rel not in self.takedowns.replaced:
                 self.problem(rel, None, "not a final-ledger file the manifest lists (a stray file)")
         columns = ["source", "shard_id", "key", "status", "stage", "reason"]
         rows: list[dict] = []
@@ -302,59 +301,6 @@ class _Auditor:
         self.counts["ledger_rows"] = len(rows)
         return rows
 
-    # --- takedowns ------------------------------------------------------------------------------------------------
-
-    def load_takedowns(self) -> None:
-        """The takedown records, and the files each replaced that may still be there (until its grace ends)."""
-        self.takedowns: list[dict] = []
-        self.replaced: set[str] = set()  # files takedowns replaced: not strays (reported here when past their grace)
-        try:
-            records = takedown_records(self.fs, self.root)
-        except DamagedRecordError as exc:
-            self.damaged(LAYOUT.takedowns, exc)
-            return
-        now = dt.datetime.now(dt.UTC)
-        for record in records:
-            rel = record_path(record["id"])
-            if record["status"] != "done":
-                self.problem(rel, None, "a takedown that did not finish: run the same jobs.takedown command again")
-            self.takedowns.append(record)
-            if record.get("purged"):
-                continue
-            for replaced in record["superseded"]:
-                self.replaced.add(replaced)
-                if dt.datetime.fromisoformat(record["delete_after"]) > now:
-                    self.counts["replaced_in_grace"] += 1
-                elif exists(self.fs, self.path(replaced)):
-                    self.problem(
-                        replaced,
-                        None,
-                        f"replaced by takedown {record['id']} and kept past its grace ({record['delete_after']}): it "
-                        "may hold a taken-down image; run jobs.takedown again to delete it",
-                    )
-
-    def replaced_by_takedown(self, rel: str) -> bool:
-        return rel in self.replaced
-
-    def check_takedowns(self, manifest: dict) -> None:
-        """No image a recorded list names is in a shard the manifest lists."""
-        if not self.takedowns:
-            return
-        lists = Takedowns(
-            tuple((tuple(recorded_entries(self.fs, self.root, r).to_pylist()), r["id"]) for r in self.takedowns)
-        )
-        for entry in manifest["shards"]:
-            rel = f"{LAYOUT.shards}/{entry['file']}"
-            try:
-                names = pq.read_schema(self.path(rel), filesystem=self.fs).names
-                columns = [c for c in ("key", "source", "metadata", "metadata_json") if c in names]
-                table = pq.read_table(self.path(rel), columns=columns, filesystem=self.fs)
-            except Exception:  # noqa: BLE001 - missing or damaged shards are reported by check_shard
-                continue
-            for entries, list_id in lists.lists:
-                for row in pc.indices_nonzero(listed_rows(table, pa.array(entries, pa.string()))).to_pylist():
-                    self.problem(rel, row, f"holds {table.column('source')[row]}, which takedown {list_id} removed")
-
     def cross_check(self, manifest: dict, shard_rows: list[ShardRows], ledger: list[dict]) -> None:
         funnel = Counter(funnel_key(r["stage"], r["status"], r["reason"]) for r in ledger)
         for key in sorted(set(funnel) | set(manifest["funnel"])):
@@ -396,13 +342,13 @@ def audit(out_uri: str, *, decode: bool = True, workers: int | None = None) -> A
     """Verify the curated output at ``out_uri`` (local or ``s3://``); see the module docstring for the checks."""
     start = time.monotonic()
     auditor = _Auditor(out_uri, decode, workers or min(8, os.cpu_count() or 1))
-    auditor.load_takedowns()
+    auditor.takedowns.load()
     manifest = auditor.manifest()
     shard_rows = auditor.shards(manifest) if manifest else []
     ledger = auditor.ledger(manifest)
     if manifest:
         auditor.cross_check(manifest, shard_rows, ledger)
-        auditor.check_takedowns(manifest)
+        auditor.takedowns.check(manifest)
     order = {p: i for i, p in enumerate(auditor.problems)}  # stable: by file, then row, then finding order
     problems = sorted(dict.fromkeys(auditor.problems), key=lambda p: (p.file, -1 if p.row is None else p.row, order[p]))
     counts = {k: auditor.counts[k] for k in ("shards", "shard_rows", "images_decoded", "inputs", "ledger_rows")}
