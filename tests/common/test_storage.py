@@ -236,6 +236,7 @@ def test_a_throttle_outlasting_the_s3_clients_retries_is_retried_and_counted(sto
     assert len(proxy.answered) > 1  # the S3 client had retried the request itself before giving up
 
 
+@pytest.mark.slow  # two reads that each outlast the S3 client's own retries
 def test_a_store_that_keeps_throttling_stops_the_call_naming_the_file(store, proxy_to):
     fs, _ = store
     with fs.open_output_stream("bkt/data/y.bin") as f:
@@ -296,6 +297,7 @@ def _gets_the_client_absorbs(fs, proxy_to) -> int:
     return len(proxy.answered)
 
 
+@pytest.mark.slow  # a score phase on Ray behind a throttling store
 def test_the_score_phase_reports_its_retries_and_throttles(store, proxy_to, ray_local, tmp_path, capsys):
     """Retries in the Ray workers reach the shard's commit record, the phase's done record and its console line."""
     fs, _ = store

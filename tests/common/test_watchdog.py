@@ -184,6 +184,7 @@ def test_a_workers_beats_reach_the_driver_through_the_relay(ray_local):
 # --- end to end -------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a curation job in its own process, with its own Ray
 def test_curate_with_a_stage_that_asks_for_a_missing_gpu_says_so_within_seconds(sample_pool, repo_root, tmp_path):
     """The person stage asks for a GPU the local Ray lacks: Ray Data waits for ever; the watchdog says which stage
     waits for what, and the run can be stopped."""

@@ -342,6 +342,7 @@ def test_a_path_longer_than_path_max_gets_its_row_saying_so(tmp_path):
 MARKER = b"LEAK-7f3a9c"
 
 
+@pytest.mark.slow  # a curation run
 def test_a_pool_of_lying_containers_runs_through_the_job_each_input_once_and_nothing_leaks(
     repo_root, tmp_path, ray_local
 ):

@@ -198,6 +198,7 @@ def test_later_decodes_take_the_primary_picture(max_side):
 # --- the curate job end to end -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a curation run that waits out a hang
 def test_curate_job_records_raising_and_hanging_images_as_errors_and_finishes(ray_local, tmp_path):
     pool = tmp_path / "pool"
     pool.mkdir()

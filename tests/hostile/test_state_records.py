@@ -189,6 +189,7 @@ def test_following_the_advice_finishes_the_run(finished, pool, out, capsys):
     assert (out / LAYOUT.manifest).read_bytes() == manifest
 
 
+@pytest.mark.slow  # scores a shard again and reruns the global phases
 def test_a_damaged_commit_record_deleted_as_told_is_scored_again(finished, pool, out, capsys):
     commit = _commit_file(out)
     shard = commit.stem

@@ -271,6 +271,7 @@ def curated(store, ray_local) -> str:
     return out
 
 
+@pytest.mark.slow  # a curation run on the store
 def test_the_report_shows_rejected_images_of_an_object_store_pool(store, curated, monkeypatch, capsys):
     fs, endpoint = store
     record = json.loads(fs.open_input_stream(f"runs/curated/{LAYOUT.run_record}").read())
@@ -298,17 +299,27 @@ def test_the_report_shows_rejected_images_of_an_object_store_pool(store, curated
     assert SECRET not in err
 
 
-def test_exporting_curated_shards_between_object_store_folders(store, curated, ray_local):
+@pytest.fixture(scope="module")
+def shards_on_store(store, curated_run) -> str:
+    """The session's curated shards (their manifest with them) copied into a folder on the store."""
     fs, _ = store
-    shards = storage.join(curated, LAYOUT.shards)
+    pafs.copy_files(
+        str(curated_run / LAYOUT.shards), "data/curated/shards",
+        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs,
+    )  # fmt: skip
+    return s3(store, "data/curated/shards")
+
+
+def test_exporting_curated_shards_between_object_store_folders(store, shards_on_store, ray_local):
+    fs, _ = store
     out = s3(store, "runs/wds")
-    assert export_job.main(["--shards", shards, "--format", "webdataset", "--output", out]) == 0
+    assert export_job.main(["--shards", shards_on_store, "--format", "webdataset", "--output", out]) == 0
     manifest = json.loads(fs.open_input_stream("runs/wds/manifest.json").read())
     samples = sum(t["samples"] for t in manifest["tars"])
-    curated_rows = json.loads(fs.open_input_stream(f"runs/curated/{LAYOUT.manifest}").read())["totals"]["rows"]
+    curated_rows = json.loads(fs.open_input_stream(f"data/curated/{LAYOUT.manifest}").read())["totals"]["rows"]
     assert samples == curated_rows > 0
     members = []
     for t in manifest["tars"]:
         with tarfile.open(fileobj=io.BytesIO(fs.open_input_stream(f"runs/wds/{t['file']}").read())) as tar:
             members += tar.getnames()
-    assert len([m for m in members if m.endswith(".jpg")]) == samples
+    assert len([m for m in members if m.rsplit(".", 1)[1] in ("jpg", "png", "webp")]) == samples  # one image each

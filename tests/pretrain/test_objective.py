@@ -435,6 +435,7 @@ def _photo_batch(height: int = 128, width: int = 96) -> torch.Tensor:
     return torch.stack(batch)
 
 
+@pytest.mark.slow  # 150 training steps
 def test_tiny_model_joint_loss_falls_on_sample_photos() -> None:
     images = _photo_batch()  # the 12 photos that ship in packages, uint8
     assert images.shape == (12, 3, 128, 96)

@@ -84,6 +84,7 @@ def test_copies_of_released_images_are_duplicates_of_them(increment):
             assert distance > 8
 
 
+@pytest.mark.slow  # a second curation run, against the release
 def test_new_images_are_sampled_to_the_target_and_the_output_is_the_next_version(increment):
     release, _, out = increment
     manifest = json.loads((out / LAYOUT.manifest).read_text())
