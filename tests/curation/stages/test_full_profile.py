@@ -165,6 +165,9 @@ def test_face_without_nose_or_eyes_is_not_visible():
     h = estimate_head_pose(np.repeat(xy[None], 3, 0), conf)
     assert not h.valid.any() and np.isnan(h.yaw).all()
     assert yaw_class(h.yaw[0], 45) == "not_visible"
+    # A person the pose model missed has keypoints of confidence 0: not seen even when every confidence counts.
+    missed = estimate_head_pose(np.zeros((1, 5, 2)), np.zeros((1, 5)), min_conf=0)
+    assert not missed.valid.any() and missed.confidence[0] == 0
 
 
 def test_head_model_is_left_right_symmetric():
