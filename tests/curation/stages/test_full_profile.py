@@ -311,7 +311,7 @@ def test_importing_ultralytics_through_the_store_keeps_pil_open():
 
 @pytest.fixture(scope="session")
 def yolo_stage(store_dir):
-    # Random weights score ~1e-4: accept every box and every keypoint so all code paths run.
+    # Accept every box and keypoint, so all code paths run on every photo (random weights find none on some).
     cfg = _full_cfg(
         store_dir,
         "models.yolo.min_candidate_score=0.00001",
@@ -370,7 +370,7 @@ def test_yolo_stage_rejects_with_the_lite_reason_codes(store_dir, photos):
 
 
 def test_max_nms_bounds_the_candidates_that_enter_nms(store_dir, photos):
-    """Random weights score all of an image's 8400 anchors alike; ``max_nms`` lets only the highest-scoring few into
+    """A threshold of 1e-5 lets all of an image's anchors through; ``max_nms`` lets only the highest-scoring few into
     NMS, whose time grows with their square (all 8400 per image outlasted ultralytics' NMS time limit on a GPU)."""
     opened = ("models.yolo.min_candidate_score=0.00001", "models.yolo.max_det=100")
     rows = _rows(photos, ["zidane", "bus"])
