@@ -84,7 +84,7 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {args.threads} threads"
     print(f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {device}")
     with tempfile.TemporaryDirectory() as tmp:
-        store = build_random_store(Path(tmp), yolo=args.yolo, clip_arch=args.clip, clip_cfg={})
+        store = build_random_store(Path(tmp), yolo=args.yolo, clip_arch=args.clip, clip_cfg={}, imgsz=args.imgsz)
         cfg = load_config(
             CurateConfig,
             FULL,

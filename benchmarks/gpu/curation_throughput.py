@@ -68,13 +68,13 @@ def curation_config(store: list[str], sz: Sizes, batch: int):
         ]
 
     overrides = [
-        # Random detectors score every anchor alike, at their class prior (detector 1e-5 to 2e-4, pose 1e-3 to 1e-2):
-        # candidates from any score on, the 300 highest into NMS (all 8400 a 640-px image has outlasted ultralytics'
-        # NMS time limit on an H200, 3.6 s a batch of 32), a few detections kept per image as in real photos
+        # At the stage's own threshold (OPEN_FILTERS' 0.25) the random detectors pass 20 boxes on the median photo
+        # (generators.random_models.calibrate_detector), none on flat ones and a few hundred at most on busy ones:
+        # NMS gets a photo's worth, not all 8400 anchors. It keeps most of them (random boxes overlap little) where a
+        # trained detector's collapse to the few persons a photo holds: max_det keeps that few, so the head-pose fit
+        # does a real photo's work
         *store,
         *OPEN_FILTERS,
-        "models.yolo.min_candidate_score=0.00001",
-        "models.yolo.max_nms=300",
         "models.yolo.max_det=10",
         f"models.yolo.imgsz={sz.imgsz}",
         "stages.text_overlay.enabled=false",
@@ -202,7 +202,9 @@ def part_curation(sz: Sizes, deadline: Deadline, report: PartReport, context: di
         root = Path(tmp)
         images = web_sized_photos(None, sz.long_sides)
         write_parquet_pool(root / "pool", images, sz.images)
-        store = build_random_store(root / "store", yolo=sz.yolo, clip_arch=sz.clip, clip_cfg=sz.clip_cfg)
+        store = build_random_store(
+            root / "store", yolo=sz.yolo, clip_arch=sz.clip, clip_cfg=sz.clip_cfg, imgsz=sz.imgsz
+        )
         report.set(
             pool=f"{sz.images} images cycled from {len(images)} package photos at long sides {sz.long_sides}",
             models=f"{sz.yolo} + {sz.yolo}-pose at {sz.imgsz}, OpenCLIP {sz.clip} + aesthetic MLP (random init)",

@@ -139,7 +139,7 @@ def estimate_head_pose(xy: np.ndarray, conf: np.ndarray, min_conf: float = 0.5) 
     xy = np.asarray(xy, np.float64).reshape(-1, FACE_KEYPOINTS, 2)
     conf = np.asarray(conf, np.float64).reshape(-1, FACE_KEYPOINTS)
     n = len(xy)
-    visible = conf >= min_conf
+    visible = (conf >= min_conf) & (conf > 0)  # confidence 0: no keypoint (a person the pose model missed)
     valid = visible[:, NOSE] & (visible[:, LEFT_EYE] | visible[:, RIGHT_EYE]) & (visible.sum(-1) >= 3)
     out = HeadPoses(
         np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan), np.zeros(n), valid, np.full((n, 4), np.nan)

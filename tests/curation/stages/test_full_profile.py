@@ -165,6 +165,9 @@ def test_face_without_nose_or_eyes_is_not_visible():
     h = estimate_head_pose(np.repeat(xy[None], 3, 0), conf)
     assert not h.valid.any() and np.isnan(h.yaw).all()
     assert yaw_class(h.yaw[0], 45) == "not_visible"
+    # A person the pose model missed has keypoints of confidence 0: not seen even when every confidence counts.
+    missed = estimate_head_pose(np.zeros((1, 5, 2)), np.zeros((1, 5)), min_conf=0)
+    assert not missed.valid.any() and missed.confidence[0] == 0
 
 
 def test_head_model_is_left_right_symmetric():
@@ -308,7 +311,7 @@ def test_importing_ultralytics_through_the_store_keeps_pil_open():
 
 @pytest.fixture(scope="session")
 def yolo_stage(store_dir):
-    # Random weights score ~1e-4: accept every box and every keypoint so all code paths run.
+    # Accept every box and keypoint, so all code paths run on every photo (random weights find none on some).
     cfg = _full_cfg(
         store_dir,
         "models.yolo.min_candidate_score=0.00001",
@@ -367,7 +370,7 @@ def test_yolo_stage_rejects_with_the_lite_reason_codes(store_dir, photos):
 
 
 def test_max_nms_bounds_the_candidates_that_enter_nms(store_dir, photos):
-    """Random weights score all of an image's 8400 anchors alike; ``max_nms`` lets only the highest-scoring few into
+    """A threshold of 1e-5 lets all of an image's anchors through; ``max_nms`` lets only the highest-scoring few into
     NMS, whose time grows with their square (all 8400 per image outlasted ultralytics' NMS time limit on a GPU)."""
     opened = ("models.yolo.min_candidate_score=0.00001", "models.yolo.max_det=100")
     rows = _rows(photos, ["zidane", "bus"])
