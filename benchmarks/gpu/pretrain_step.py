@@ -1,5 +1,6 @@
 """Part ``pretrain``: the backbone's pretraining step in one process, eager and compiled, with and without activation
-checkpointing: step time, throughput, peak memory and MFU."""
+checkpointing: step time, throughput, peak memory and MFU; and where the step's time goes, from a few profiled steps
+of the first setting of each built model (``step_profile.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import statistics
 
 from benchmarks.gpu.harness import MARGIN_S, REPO, Deadline, PartReport
 from benchmarks.gpu.sizes import Sizes
+from benchmarks.gpu.step_profile import profile_steps
 from benchmarks.timing import timed
+
+# Reading the profiler's events back after the profiled steps: a guess for the 0.4B step (tens of thousands of events)
+PROFILE_READ_S = 20.0
 
 
 def pretrain_config(sz: Sizes, context: dict, *extra: str):
@@ -35,10 +40,11 @@ def set_activation_checkpointing(model, on: bool) -> None:
             module.activation_checkpointing = on
 
 
-def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadline) -> dict:
+def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadline, profile: int = 0) -> dict:
     """Step time of the worker's step (``pretrain.train.Trainer.train_step``: the objective, the learning-rate and
     weight-decay schedules, clipping, AdamW, the EMA teacher) on random uint8 images, median of ``steps`` after
-    ``warmup``; throughput, memory and MFU from it."""
+    ``warmup``; throughput, memory and MFU from it. With ``profile``, that many more steps under the profiler give
+    the step's ``breakdown`` by part, when the deadline leaves room for it."""
     import torch
 
     from pretrain.train import Trainer, peak_flops, train_flops_per_image
@@ -58,7 +64,7 @@ def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadlin
     flops_per_image, tokens_per_image = train_flops_per_image(cfg)
     images_per_s = trainer.global_batch / step_s
     peak = peak_flops(cfg, device)
-    return {
+    result = {
         "step_s": round(step_s, 4),
         "first_step_s": round(times[0], 2),
         "timed_steps": len(timed_steps),
@@ -67,6 +73,16 @@ def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadlin
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         "mfu": round(images_per_s * flops_per_image / peak, 4) if peak else None,
     }
+    if profile:
+        need = MARGIN_S + PROFILE_READ_S + 3 * profile * step_s  # the profiler slows the steps down
+        if deadline.left() < need:
+            result["breakdown"] = {"skipped": f"{deadline.left():.0f} s left, {need:.0f} s needed"}
+        else:
+            try:
+                result["breakdown"] = profile_steps(trainer, micro_batches, len(times), profile, device)
+            except Exception as exc:  # noqa: BLE001 - the timed figures stand without it
+                result["breakdown"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    return result
 
 
 def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: dict) -> None:
@@ -92,7 +108,7 @@ def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: di
         if peak
         else f"none for {name!r} (known: {sorted(PEAK_TFLOPS)}; pass --peak-tflops): no MFU",
     )
-    model, built = None, None
+    model, built, profiled = None, None, set()
     for compiled, checkpointing in sz.pretrain_settings:
         setting = {"compile": compiled, "activation_checkpointing": checkpointing}
         if compiled and not sz.compile:
@@ -108,15 +124,20 @@ def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: di
             cfg = pretrain_config(sz, context, f"model.compile={str(compiled).lower()}")
             model, built = build_model(cfg, device), compiled
         set_activation_checkpointing(model, checkpointing)
+        profile = 0 if compiled in profiled else sz.profile_steps
         try:
-            result = measure_steps(cfg, model, device, sz.warmup, sz.steps, deadline)
+            result = measure_steps(cfg, model, device, sz.warmup, sz.steps, deadline, profile)
         except Exception as exc:  # noqa: BLE001 - out of memory, a compiler error: that setting's row says so
             first_line = (str(exc).splitlines() or [""])[0][:300]
             report.append("runs", {**setting, "error": f"{type(exc).__name__}: {first_line}"})
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             continue
+        breakdown = result.pop("breakdown", None)
         report.append("runs", {**setting, **result})
+        if breakdown:
+            profiled.add(compiled)
+            report.append("breakdowns", {**setting, **breakdown})
     runs = [r for r in report.data.get("runs", []) if "step_s" in r]
     if not runs:
         raise RuntimeError("no setting completed a timed step")
