@@ -94,6 +94,9 @@ def breakdown_rows(b: dict) -> list[tuple[str, str, str]]:
     for p in b["parts"]:
         host = f", host {p['cpu_ms']:.2f} ms" if "cpu_ms" in p else ""
         rows.append(("pretrain", f"{name}: {p['part']}", f"{p['ms']:.2f} ms/step, {p['share']:.1%}{host}"))
+    if b.get("other_top"):
+        top = ", ".join(f"{e['name']} {e['ms']:.2f}" for e in b["other_top"])
+        rows.append(("pretrain", f"{name}: other, by event (ms/step)", top))
     return rows
 
 

@@ -30,6 +30,7 @@ PARTS = (
     "compiled_blocks",
     "other",
 )
+OTHER_TOP = 8  # the events named under "other"
 _BACKWARD_FUNCTION = 1  # RecordScope.BACKWARD_FUNCTION: the event of an autograd node run by the engine
 _EVALUATE = "autograd::engine::evaluate_function: "  # the engine's range around a node (its gradient sums too)
 
@@ -91,11 +92,14 @@ def breakdown(events: Sequence[FunctionEvent], steps: int, device_time: bool) ->
     them; on a CPU of host time over all threads."""
     host_us: dict[str, float] = defaultdict(float)
     device_us: dict[str, float] = defaultdict(float)
+    other_us: dict[str, float] = defaultdict(float)  # by event name: what "other" is made of
     labelled = label_events(events)
     for evt, part in labelled:
         host_us[part] += evt.self_cpu_time_total
         if device_time:
             device_us[part] += evt.self_device_time_total
+        if part == "other":
+            other_us[evt.name] += evt.self_device_time_total if device_time else evt.self_cpu_time_total
     main = device_us if device_time else host_us
     total = sum(main.values()) or 1.0
     parts = []
@@ -109,6 +113,10 @@ def breakdown(events: Sequence[FunctionEvent], steps: int, device_time: bool) ->
         "total_ms": round(sum(main.values()) / 1e3 / steps, 3),
         "events": len(labelled),
         "parts": parts,
+        "other_top": [
+            {"name": name, "ms": round(us / 1e3 / steps, 3)}
+            for name, us in sorted(other_us.items(), key=lambda kv: -kv[1])[:OTHER_TOP]
+        ],
     }
 
 

@@ -1,13 +1,16 @@
 """Part pretrain of the GPU check: the config it measures, checkpointing switched on one built model, and the
 profiled breakdown of a step by part."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
-from benchmarks.gpu.pretrain_step import pretrain_config, set_activation_checkpointing
+from benchmarks.gpu.harness import Deadline
+from benchmarks.gpu.pretrain_step import breakdown_in_time, pretrain_config, set_activation_checkpointing
 from benchmarks.gpu.sizes import SMOKE
 from benchmarks.gpu.step_profile import PARTS, breakdown, label_events, profile_steps
 from pretrain.backbone import SIZES, Block, grid_coords, rope_tables, step_part
@@ -75,6 +78,8 @@ def test_the_profiled_step_gives_each_part_its_time_and_the_shares_sum_to_one(on
     assert parts["compiled_blocks"]["ms"] == 0  # eager: no compiled region
     assert sum(p["share"] for p in parts.values()) == pytest.approx(1, abs=2e-3)
     assert sum(p["ms"] for p in parts.values()) == pytest.approx(b["total_ms"], rel=1e-3)
+    top = b["other_top"]
+    assert 0 < len(top) <= 8 and top == sorted(top, key=lambda e: -e["ms"]) and top[0]["ms"] <= parts["other"]["ms"]
     # one thread runs the forward, the backward and the optimiser: the summed self time is the step's wall time
     assert 0.8 * b["step_ms"] < b["total_ms"] < 1.05 * b["step_ms"]
 
@@ -90,3 +95,13 @@ def test_a_compiled_block_is_one_part_forward_and_backward():
     shares = {p["part"]: p["share"] for p in breakdown(prof.events(), 1, device_time=False)["parts"]}
     assert shares["compiled_blocks"] > 0.9  # the sum and its backward are the rest
     assert shares["attention"] == shares["mlp"] == shares["norm"] == 0  # dynamo drops the ranges inside the graph
+
+
+def test_the_profile_runs_only_where_the_deadline_leaves_room_and_its_error_is_reported():
+    def profile(n: int) -> dict:
+        raise RuntimeError(f"CUPTI unavailable for {n} steps")
+
+    soon, later = Deadline(time.monotonic() + 30), Deadline(time.monotonic() + 300)
+    assert breakdown_in_time(profile, 2, step_s=1.0, deadline=soon)["skipped"].endswith("31 s needed")
+    assert breakdown_in_time(profile, 2, 1.0, later) == {"error": "RuntimeError: CUPTI unavailable for 2 steps"}
+    assert breakdown_in_time(lambda n: {"steps": n}, 2, 1.0, later) == {"steps": 2}
