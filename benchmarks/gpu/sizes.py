@@ -68,7 +68,7 @@ GPU = Sizes(
     steps=6,
     compile=True,
     pretrain_settings=((False, False), (False, True), (True, True), (True, False)),
-    profile_steps=2,
+    profile_steps=1,  # a GPU step varies little; its events (~200,000 at 0.4B) take tens of seconds to read
     data_photos=4,
     data_sizes=(1280, 1408, 1536, 1664, 1792, 1920, 2048, 2176),
     data_overrides=("ray.cpus_per_worker=4", "log.every=5"),

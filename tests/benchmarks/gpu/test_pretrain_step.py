@@ -9,8 +9,13 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
-from benchmarks.gpu.harness import Deadline
-from benchmarks.gpu.pretrain_step import breakdown_in_time, pretrain_config, set_activation_checkpointing
+from benchmarks.gpu.harness import MARGIN_S, Deadline
+from benchmarks.gpu.pretrain_step import (
+    PROFILE_READ_S,
+    breakdown_in_time,
+    pretrain_config,
+    set_activation_checkpointing,
+)
 from benchmarks.gpu.sizes import SMOKE
 from benchmarks.gpu.step_profile import PARTS, breakdown, label_events, profile_steps
 from pretrain.backbone import SIZES, Block, grid_coords, rope_tables, step_part
@@ -101,7 +106,8 @@ def test_the_profile_runs_only_where_the_deadline_leaves_room_and_its_error_is_r
     def profile(n: int) -> dict:
         raise RuntimeError(f"CUPTI unavailable for {n} steps")
 
-    soon, later = Deadline(time.monotonic() + 30), Deadline(time.monotonic() + 300)
-    assert breakdown_in_time(profile, 2, step_s=1.0, deadline=soon)["skipped"].endswith("31 s needed")
+    need = MARGIN_S + PROFILE_READ_S + 3 * 2 * 1.0  # the steps under the profiler, then reading its events
+    soon, later = Deadline(time.monotonic() + need - 3), Deadline(time.monotonic() + need + 60)
+    assert breakdown_in_time(profile, 2, step_s=1.0, deadline=soon)["skipped"].endswith(f"{need:.0f} s needed")
     assert breakdown_in_time(profile, 2, 1.0, later) == {"error": "RuntimeError: CUPTI unavailable for 2 steps"}
     assert breakdown_in_time(lambda n: {"steps": n}, 2, 1.0, later) == {"steps": 2}
