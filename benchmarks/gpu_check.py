@@ -28,7 +28,10 @@ below, beside the sizes (``sizes.py``), what a part writes as it runs (``harness
    contrastive objective, FSDP2 over a world of one, bf16, AdamW, EMA teacher) at 1024x768 on in-memory images, eager
    and under ``torch.compile``, each with and without activation checkpointing: step time, images/s, tokens/s, peak
    memory and MFU (the backbone's own FLOP count, ``pretrain.train.train_flops_per_image``, against the GPU's dense bf16
-   peak, ``pretrain.train.PEAK_TFLOPS``; the peak used is printed).
+   peak, ``pretrain.train.PEAK_TFLOPS``; the peak used is printed). Then where the step's time goes: a few steps of
+   the first eager and the first compiled setting under ``torch.profiler`` (``step_profile.py``), GPU kernel time per
+   step and its share by part (attention, SwiGLU, norms, RoPE, FSDP collectives, AdamW, EMA teacher, MAE decoder,
+   compiled blocks, other); ``--size profile_steps=0`` leaves it out.
 3. ``data_wait`` (``data_wait.py``): the same step streaming real curated shards (the README's lite curation of package
    photos at web sizes) through Ray Data inside a Ray Train run (``pretrain.train.fit``), with the fastest setting of
    part 2: the share of the step spent waiting for the next batch, from the run's own metrics.

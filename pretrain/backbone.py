@@ -123,6 +123,16 @@ CARD: dict[str, tuple[float, float]] = {
 }
 
 
+# Profiler ranges that name the parts of a training step; benchmarks/gpu/step_profile.py sums the step's time by
+# them. Outside a profiler a range is one cheap op call; inside a compiled graph dynamo drops it (the compiled
+# block is then one part).
+STEP_PART = "step:"
+
+
+def step_part(name: str) -> torch.profiler.record_function:
+    return torch.profiler.record_function(STEP_PART + name)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2D RoPE. Coordinates are patch centres normalised to [-1, 1] per axis, so a window token (the centre of its
 # patches) lands on the same coordinate in the reduced grid. Of each head's dims, one half rotates with the row
@@ -146,13 +156,14 @@ def grid_coords(gh: int, gw: int, device: torch.device | str | None = None) -> T
 
 def rope_tables(coords: Tensor, head_dim: int, base: float, prefix: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos, sin of shape [..., 1, prefix + n, head_dim] for coords [..., n, 2] (the 1 broadcasts over heads)."""
-    quarter = head_dim // 4
-    periods = base ** (torch.arange(quarter, device=coords.device, dtype=torch.float32) / quarter)
-    angles = (2 * math.pi) * coords.float()[..., None] / periods  # [..., n, 2, quarter]
-    angles = angles.flatten(-2)  # [..., n, head_dim / 2]: (row freqs, col freqs)
-    angles = torch.cat([angles, angles], dim=-1)  # dim i and i + head_dim / 2 share an angle
-    angles = F.pad(angles, (0, 0, prefix, 0))  # angle 0 = no rotation for the prefix tokens
-    return angles.cos().to(dtype).unsqueeze(-3), angles.sin().to(dtype).unsqueeze(-3)
+    with step_part("rope"):
+        quarter = head_dim // 4
+        periods = base ** (torch.arange(quarter, device=coords.device, dtype=torch.float32) / quarter)
+        angles = (2 * math.pi) * coords.float()[..., None] / periods  # [..., n, 2, quarter]
+        angles = angles.flatten(-2)  # [..., n, head_dim / 2]: (row freqs, col freqs)
+        angles = torch.cat([angles, angles], dim=-1)  # dim i and i + head_dim / 2 share an angle
+        angles = F.pad(angles, (0, 0, prefix, 0))  # angle 0 = no rotation for the prefix tokens
+        return angles.cos().to(dtype).unsqueeze(-3), angles.sin().to(dtype).unsqueeze(-3)
 
 
 def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
@@ -176,13 +187,18 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.width, cfg.width)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
-        B, L, _ = x.shape
-        q, k, v = self.qkv(x).split([self.heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2], dim=-1)
-        q = apply_rope(self.q_norm(q.view(B, L, self.heads, self.head_dim).transpose(1, 2)), rope)
-        k = apply_rope(self.k_norm(k.view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)), rope)
-        v = v.view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
-        return self.proj(out.transpose(1, 2).reshape(B, L, -1))
+        with step_part("attention"):
+            B, L, _ = x.shape
+            q, k, v = self.qkv(x).split([self.heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2], dim=-1)
+            q = q.view(B, L, self.heads, self.head_dim).transpose(1, 2)
+            k = k.view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
+            with step_part("norm"):
+                q, k = self.q_norm(q), self.k_norm(k)
+            with step_part("rope"):
+                q, k = apply_rope(q, rope), apply_rope(k, rope)
+            v = v.view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
+            return self.proj(out.transpose(1, 2).reshape(B, L, -1))
 
 
 class SwiGLU(nn.Module):
@@ -192,8 +208,9 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(hidden, width)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, value = self.w12(x).chunk(2, dim=-1)
-        return self.w3(F.silu(gate) * value)
+        with step_part("mlp"):
+            gate, value = self.w12(x).chunk(2, dim=-1)
+            return self.w3(F.silu(gate) * value)
 
 
 class Block(nn.Module):
@@ -221,8 +238,12 @@ class Block(nn.Module):
         return self._forward(x, rope, mask)
 
     def _forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
-        x = x + self.drop_path(self.ls1 * self.attn(self.norm1(x), rope, mask))
-        ffn = self.ffn(self.norm2(x))
+        with step_part("norm"):
+            h = self.norm1(x)
+        x = x + self.drop_path(self.ls1 * self.attn(h, rope, mask))
+        with step_part("norm"):
+            h = self.norm2(x)
+        ffn = self.ffn(h)
         return x + self.drop_path(ffn if self.ls2 is None else self.ls2 * ffn)
 
 
@@ -339,7 +360,8 @@ class Sapiens2Backbone(nn.Module):
         x = torch.cat([self.cls_token.expand(B, -1, -1), self.registers.expand(B, -1, -1), x], dim=1)
         for blk in self.blocks:
             x = blk(x, rope)
-        x = self.norm(x)
+        with step_part("norm"):
+            x = self.norm(x)
         return BackboneOutput(cls=x[:, 0], registers=x[:, 1:prefix], patches=x[:, prefix:], grid=grid, keep=keep)
 
     def _local_stage(

@@ -32,7 +32,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from common.config import Strict
-from pretrain.backbone import BackboneOutput, Sapiens2Backbone
+from pretrain.backbone import BackboneOutput, Sapiens2Backbone, step_part
 from pretrain.masking import MaskingConfig, Masks, generate_masks
 from pretrain.views import Views, ViewsConfig, make_views
 
@@ -412,7 +412,9 @@ class JointObjective(nn.Module):
         b = views.global_clean.shape[0] // g
         student = self.student(views.global_clean, self._patch_keep(masks.keep, views.global_clean))
         target = mae_targets(views.global_clean, self.decoder.patch, self.cfg.mae.norm_pix, self.cfg.mae.norm_eps)
-        mae = mae_loss(self.decoder(student), target, masks.masked)
+        with step_part("mae_decoder"):
+            pred = self.decoder(student)
+        mae = mae_loss(pred, target, masks.masked)
 
         cls = [student.cls]
         if n_local:
@@ -455,9 +457,10 @@ class JointObjective(nn.Module):
     def update_teacher(self, step: int) -> float:
         """teacher <- m * teacher + (1 - m) * student for backbone and head; returns the momentum m used."""
         m = teacher_momentum(step, self.total_steps, self.cfg.cl.momentum, self.cfg.cl.momentum_end)
-        teacher: list[Tensor] = [*self.teacher["backbone"].parameters(), *self.teacher["head"].parameters()]
-        student: list[Tensor] = [*self.student.parameters(), *self.head.parameters()]
-        torch._foreach_lerp_(teacher, student, 1.0 - m)
+        with step_part("ema_teacher"):
+            teacher: list[Tensor] = [*self.teacher["backbone"].parameters(), *self.teacher["head"].parameters()]
+            student: list[Tensor] = [*self.student.parameters(), *self.head.parameters()]
+            torch._foreach_lerp_(teacher, student, 1.0 - m)
         return m
 
     def _patch_keep(self, keep: Tensor, images: Tensor) -> Tensor:

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from common import storage
 from pretrain import data
-from pretrain.backbone import Sapiens2Backbone, build, flops
+from pretrain.backbone import Sapiens2Backbone, build, flops, step_part
 from pretrain.config import PretrainConfig, PretrainOptim
 from pretrain.masking import num_masked
 from pretrain.objective import DIAGNOSTICS, TERMS, CollapseMonitor, JointObjective, collapse_state
@@ -107,7 +107,8 @@ def optimizer_update(
     for group in optimizer.param_groups:
         group["lr"] = 0.0 if frozen and group["name"] == "prototypes" else lr
         group["weight_decay"] = 0.0 if group["name"] == "no_decay" else wd
-    grad_norm = optimizer_step(optimizer, params, cfg.optim.grad_clip)
+    with step_part("optimizer"):
+        grad_norm = optimizer_step(optimizer, params, cfg.optim.grad_clip)
     momentum = model.update_teacher(step)
     return {"lr": lr, "wd": wd, "momentum": momentum, "grad_norm": grad_norm}
 

@@ -1,13 +1,20 @@
 """Part ``pretrain``: the backbone's pretraining step in one process, eager and compiled, with and without activation
-checkpointing: step time, throughput, peak memory and MFU."""
+checkpointing: step time, throughput, peak memory and MFU; and where the step's time goes, from a few profiled steps
+of the first setting of each built model (``step_profile.py``)."""
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 from benchmarks.gpu.harness import MARGIN_S, REPO, Deadline, PartReport
 from benchmarks.gpu.sizes import Sizes
+from benchmarks.gpu.step_profile import profile_steps
 from benchmarks.timing import timed
+
+# Reading the profiler's events back after the profiled steps, a guess for one 0.4B step on a GPU: the tiny step's
+# 14,500 CPU events took ~1.3 s on 2 vCPUs; 0.4B has 6x the blocks, and CUDA adds launches and kernels
+PROFILE_READ_S = 30.0
 
 
 def pretrain_config(sz: Sizes, context: dict, *extra: str):
@@ -35,10 +42,13 @@ def set_activation_checkpointing(model, on: bool) -> None:
             module.activation_checkpointing = on
 
 
-def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadline) -> dict:
+def measure_steps(
+    cfg, model, device, warmup: int, steps: int, deadline: Deadline
+) -> tuple[dict, Callable[[int], dict]]:
     """Step time of the worker's step (``pretrain.train.Trainer.train_step``: the objective, the learning-rate and
     weight-decay schedules, clipping, AdamW, the EMA teacher) on random uint8 images, median of ``steps`` after
-    ``warmup``; throughput, memory and MFU from it."""
+    ``warmup``; throughput, memory and MFU from it. Also returns what profiles n more of the same steps
+    (``step_profile.profile_steps``), to call once the figures are reported; it holds the trainer."""
     import torch
 
     from pretrain.train import Trainer, peak_flops, train_flops_per_image
@@ -58,7 +68,7 @@ def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadlin
     flops_per_image, tokens_per_image = train_flops_per_image(cfg)
     images_per_s = trainer.global_batch / step_s
     peak = peak_flops(cfg, device)
-    return {
+    result = {
         "step_s": round(step_s, 4),
         "first_step_s": round(times[0], 2),
         "timed_steps": len(timed_steps),
@@ -67,6 +77,18 @@ def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadlin
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         "mfu": round(images_per_s * flops_per_image / peak, 4) if peak else None,
     }
+    return result, lambda n: profile_steps(trainer, micro_batches, len(times), n, device)
+
+
+def breakdown_in_time(profile: Callable[[int], dict], steps: int, step_s: float, deadline: Deadline) -> dict:
+    """``profile(steps)`` where the deadline leaves room for it, else why not; its error, not a raise."""
+    need = MARGIN_S + PROFILE_READ_S + 3 * steps * step_s  # the profiler slows the steps down
+    if deadline.left() < need:
+        return {"skipped": f"{deadline.left():.0f} s left, {need:.0f} s needed"}
+    try:
+        return profile(steps)
+    except Exception as exc:  # noqa: BLE001 - the timed figures stand without it
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
 def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: dict) -> None:
@@ -92,7 +114,7 @@ def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: di
         if peak
         else f"none for {name!r} (known: {sorted(PEAK_TFLOPS)}; pass --peak-tflops): no MFU",
     )
-    model, built = None, None
+    model, built, profiled = None, None, set[bool]()
     for compiled, checkpointing in sz.pretrain_settings:
         setting = {"compile": compiled, "activation_checkpointing": checkpointing}
         if compiled and not sz.compile:
@@ -109,14 +131,19 @@ def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: di
             model, built = build_model(cfg, device), compiled
         set_activation_checkpointing(model, checkpointing)
         try:
-            result = measure_steps(cfg, model, device, sz.warmup, sz.steps, deadline)
+            result, profile = measure_steps(cfg, model, device, sz.warmup, sz.steps, deadline)
         except Exception as exc:  # noqa: BLE001 - out of memory, a compiler error: that setting's row says so
             first_line = (str(exc).splitlines() or [""])[0][:300]
             report.append("runs", {**setting, "error": f"{type(exc).__name__}: {first_line}"})
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             continue
-        report.append("runs", {**setting, **result})
+        report.append("runs", {**setting, **result})  # before the profile: a part stopped in it keeps the figures
+        if sz.profile_steps and compiled not in profiled:
+            profiled.add(compiled)
+            breakdown = breakdown_in_time(profile, sz.profile_steps, result["step_s"], deadline)
+            report.append("breakdowns", {**setting, **breakdown})
+        del profile  # the trainer's optimiser state goes before the next setting's
     runs = [r for r in report.data.get("runs", []) if "step_s" in r]
     if not runs:
         raise RuntimeError("no setting completed a timed step")

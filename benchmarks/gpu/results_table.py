@@ -61,6 +61,8 @@ def table_rows(parts: dict) -> list[tuple[str, str, str]]:
                     f"peak mem {run['peak_mem_gib'] or 'n/a'} GiB, MFU {percent(run['mfu'])}"
                 )
                 rows.append((part, name, value))
+            for b in r.get("breakdowns", []):
+                rows += breakdown_rows(b)
         elif part == "data_wait" and "data_wait_frac_mean" in r:
             rows.append(
                 (
@@ -73,6 +75,28 @@ def table_rows(parts: dict) -> list[tuple[str, str, str]]:
         elif part == "value":
             rows += value_rows(r)
         rows.append((part, "seconds (budget)", f"{r['seconds']} ({r['budget_s']})"))
+    return rows
+
+
+def breakdown_rows(b: dict) -> list[tuple[str, str, str]]:
+    """A profiled setting: its clock and totals, then a row per part of the step (ms per step, share)."""
+    name = f"breakdown, {setting_name(b)}"
+    if "parts" not in b:
+        return [("pretrain", name, b.get("error") or f"skipped: {b.get('skipped')}")]
+    rows = [
+        (
+            "pretrain",
+            name,
+            f"{b['clock']}: {b['total_ms']:.1f} ms/step summed over {b['steps']} profiled steps "
+            f"({b['step_ms']:.1f} ms/step wall under the profiler)",
+        )
+    ]
+    for p in b["parts"]:
+        host = f", host {p['cpu_ms']:.2f} ms" if "cpu_ms" in p else ""
+        rows.append(("pretrain", f"{name}: {p['part']}", f"{p['ms']:.2f} ms/step, {p['share']:.1%}{host}"))
+    if b.get("other_top"):
+        top = ", ".join(f"{e['name']} {e['ms']:.2f}" for e in b["other_top"])
+        rows.append(("pretrain", f"{name}: other, by event (ms/step)", top))
     return rows
 
 

@@ -33,6 +33,9 @@ class Sizes:
     # budget; under compile, checkpointing on first (the 0.4B config's setting). Checkpointing is a flag read at each
     # forward, so one model serves both settings of a row pair.
     pretrain_settings: tuple[tuple[bool, bool], ...]
+    # steps profiled (benchmarks/gpu/step_profile.py) after the timed ones, on the first setting of each built model
+    # (eager, then compiled); 0: none
+    profile_steps: int
     # data wait
     data_photos: int  # person photos in the pool curated for it (times len(data_sizes))
     data_sizes: tuple[int, ...]
@@ -65,6 +68,7 @@ GPU = Sizes(
     steps=6,
     compile=True,
     pretrain_settings=((False, False), (False, True), (True, True), (True, False)),
+    profile_steps=1,  # a GPU step varies little; its events (~200,000 at 0.4B) take tens of seconds to read
     data_photos=4,
     data_sizes=(1280, 1408, 1536, 1664, 1792, 1920, 2048, 2176),
     data_overrides=("ray.cpus_per_worker=4", "log.every=5"),
@@ -130,6 +134,7 @@ SMOKE = Sizes(
     steps=2,
     compile=False,
     pretrain_settings=((False, False), (False, True), (True, True), (True, False)),
+    profile_steps=2,
     data_photos=4,
     data_sizes=(0,),
     data_overrides=("ray.cpus_per_worker=0.5", "log.every=1", "data.read_cpus=0.5"),

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from conftest import EVERY, FAST, STEPS, TINY, tensorboard_scalars
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from common import storage as fs_storage
 from common.config import ConfigError, load_config
@@ -500,3 +501,23 @@ def test_checkpoint_and_export_on_an_object_store(monkeypatch):
         assert all(torch.equal(v, model.student.state_dict()[k]) for k, v in backbone.state_dict().items())
     finally:
         server.stop()
+
+
+def test_the_teacher_update_on_sharded_parameters_equals_a_lerp_per_parameter():
+    cfg = load_config(PretrainConfig, TINY, ["ray.workers=1"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build_model(cfg, torch.device("cpu"))
+        teacher = [*model.teacher["backbone"].parameters(), *model.teacher["head"].parameters()]
+        student = [*model.student.parameters(), *model.head.parameters()]
+        assert len(teacher) == len(student) > 10 and all(isinstance(t, DTensor) for t in teacher + student)
+        with torch.no_grad():
+            for s in student:
+                s.to_local().add_(torch.randn(s.to_local().shape))  # the student has moved away from its copy
+        before = [t.to_local().clone() for t in teacher]
+        m = model.update_teacher(30)  # one _foreach_lerp_ over the shards
+        assert cfg.objective.cl.momentum < m < cfg.objective.cl.momentum_end
+        for t, t0, s in zip(teacher, before, student):
+            torch.testing.assert_close(t.to_local(), t0.lerp(s.to_local(), 1 - m))
+    finally:
+        dist.destroy_process_group()

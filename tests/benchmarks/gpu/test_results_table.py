@@ -58,3 +58,22 @@ def test_the_rows_of_the_first_three_parts_tell_their_figures():
     assert rows["pretrain", "compile on, act. ckpt off"] == "OutOfMemoryError: x"
     assert rows["data_wait", "ERROR"] == "stopped at its time budget"
     assert [what for part, what, _ in table_rows(parts) if part == "data_wait"] == ["ERROR", "seconds (budget)"]
+
+
+def test_a_profiled_setting_has_a_row_per_part_and_a_skipped_one_says_why():
+    profiled = {"compile": False, "activation_checkpointing": False, "steps": 2, "step_ms": 120.0,
+                "clock": "GPU kernel time", "total_ms": 80.5, "events": 1000, "profile_s": 3.0,
+                "parts": [{"part": "attention", "ms": 20.125, "share": 0.25, "cpu_ms": 3.5},
+                          {"part": "other", "ms": 60.375, "share": 0.75, "cpu_ms": 9.0}],
+                "other_top": [{"name": "aten::copy_", "ms": 40.0}, {"name": "train_step", "ms": 1.5}]}  # fmt: skip
+    skipped = {"compile": True, "activation_checkpointing": True, "skipped": "12 s left, 30 s needed"}
+    pretrain = {"status": "ok", "seconds": 20.0, "budget_s": 114.0, "breakdowns": [profiled, skipped]}  # fmt: skip
+    rows = {what: value for _, what, value in table_rows({"pretrain": pretrain})}
+    name = "breakdown, compile off, act. ckpt off"
+    assert rows[name] == (
+        "GPU kernel time: 80.5 ms/step summed over 2 profiled steps (120.0 ms/step wall under the profiler)"
+    )
+    assert rows[f"{name}: attention"] == "20.12 ms/step, 25.0%, host 3.50 ms"
+    assert rows[f"{name}: other"] == "60.38 ms/step, 75.0%, host 9.00 ms"
+    assert rows[f"{name}: other, by event (ms/step)"] == "aten::copy_ 40.00, train_step 1.50"
+    assert rows["breakdown, compile on, act. ckpt on"] == "skipped: 12 s left, 30 s needed"
