@@ -236,7 +236,8 @@ class ScorePhase(Step):
         watchdog.stage("the score phase", self.requests(self.memory))
         if not todo:
             return
-        limit_mb, start, next_report = math.ceil(self.memory / 2**20), time.monotonic(), 0.0
+        limit_mb, start, next_report, over = math.ceil(self.memory / 2**20), time.monotonic(), 0.0, 0
+        running = dict.fromkeys(["rows", *IO_COLUMNS.values()], 0)  # over the shards committed this run
         parts: dict[str, list[dict]] = defaultdict(list)
         sizes: dict[str, int] = {}  # known once the receipt of a shard's last chunk arrives
         for receipt in _as_they_come(self.build([self.shards[u] for u in todo], self.memory)):
@@ -249,24 +250,25 @@ class ScorePhase(Step):
                 continue
             del sizes[shard_id]
             commit = self.this_run[shard_id] = self._commit(shard_id, parts.pop(shard_id))
-            self._warn_memory(shard_id, commit["peak_rss_mb"], limit_mb)
+            for key in running:  # running totals: a sum over this_run per shard would be quadratic in shards
+                running[key] += commit[key]
+            over += commit["peak_rss_mb"] > limit_mb
+            self._warn_memory(shard_id, commit["peak_rss_mb"], limit_mb, over)
             done += 1
             elapsed = time.monotonic() - start
             if elapsed >= next_report or done == total:
                 next_report = elapsed + 10.0
-                rows = sum(r["rows"] for r in self.this_run.values())
-                io = {key: sum(r[key] for r in self.this_run.values()) for key in IO_COLUMNS.values()}
                 log.info(
-                    f"[score] committed {done}/{total} shards, {rows} inputs this run,"
-                    f" {rows / max(elapsed, 1e-9):.1f} img/s{io_note(io)}"
+                    f"[score] committed {done}/{total} shards, {running['rows']} inputs this run,"
+                    f" {running['rows'] / max(elapsed, 1e-9):.1f} img/s{io_note(running)}"
                 )
             yield shard_id, commit
         missing = [u for u in todo if u not in self.this_run]
         if missing:
             raise RuntimeError(f"[score] shards not complete after the pipeline finished: {missing[:5]}")
 
-    def _warn_memory(self, shard_id: str, peak: int, limit_mb: int) -> None:
-        over = sum(r["peak_rss_mb"] > limit_mb for r in self.this_run.values())
+    def _warn_memory(self, shard_id: str, peak: int, limit_mb: int, over: int) -> None:
+        """Name the shard whose process peaked over ``limit_mb``; ``over``: shards over it so far this run."""
         if peak > limit_mb and over <= _MAX_MEMORY_WARNINGS:
             log.warning(
                 f"[score] warning: a process scoring input shard {shard_id} peaked at {peak} MiB, over "
