@@ -91,12 +91,11 @@ def run_record(results_hash: str, input_uri: str) -> dict:
     """The run record of curating ``input_uri`` with settings of ``results_hash``. ``input`` is what a resume must
     match; ``input_store`` reaches the pool again (the URI's query kept: endpoint, region, scheme; credentials
     dropped), so that the report can read rejected inputs back from their store."""
-    local = "://" not in input_uri
-    path = resolve(input_uri)[1] if local else None
+    name = input_name(input_uri)
     return {
         "results_hash": results_hash,
-        "input": path or redact(input_uri),  # as input_name gives it
-        "input_store": path or without_credentials(input_uri),
+        "input": name,
+        "input_store": without_credentials(input_uri) if "://" in input_uri else name,
         "schema_version": SCHEMA_VERSION,  # of the scored and ledger tables the run writes
     }
 

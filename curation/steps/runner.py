@@ -19,7 +19,7 @@ Every record has one format and one place (``common.layout.OutputLayout.step_*``
 
     _state/steps/<phase>/<step>.started.json   {"fingerprint"}
     _state/steps/<phase>/<step>/<unit>.json     {"fingerprint", "receipt"}
-    _state/steps/<phase>/<step>.done.json       {"fingerprint", "stats", "seconds"}
+    _state/steps/<phase>/<step>.done.json       {"fingerprint", "stats", "seconds", "units"}
 
 At 10^9 images a step has at most ~10^6 units (the score phase's input shards of 10^3 images; a global step's
 survivor partitions of 10^5 rows are ~10^4): the driver holds that many receipts and never more than ``window``
@@ -49,9 +49,9 @@ log = logging.getLogger(__name__)
 
 
 class Step(ABC):
-    """One unit of global curation work. Subclasses set ``name`` (unique within the phase; ``/`` nests, as in
+    """One step of curation work. Subclasses set ``name`` (unique within the phase; ``/`` nests, as in
     ``components/round-002/hook``), ``unit_name`` (what progress lines count), and implement ``units`` and
-    ``run_unit``; ``outputs`` names what the step writes (cleared with its records when its fingerprint changes),
+    ``run_unit`` (or ``run_units``, for units that stream); ``outputs`` names what the step writes (cleared with its records when its fingerprint changes),
     ``fingerprint`` what it depends on beyond the phase's settings and the steps before it, and ``reduce`` its
     stats. A unit's receipt must be a small JSON dict: it is recorded and handed back on every rerun."""
 
