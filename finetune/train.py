@@ -155,7 +155,7 @@ def check_architecture(found: BackboneConfig, cfg: FinetuneConfig, where: str) -
     """Refuse a pretrained backbone whose architecture is not the config's (how it initialised LayerScale,
     recomputed activations or dropped paths is not its architecture)."""
     mine, wanted = (
-        dataclasses.replace(c, activation_checkpointing=False, layer_scale_init=0.0, drop_path=0.0)
+        dataclasses.replace(c, activation_checkpointing="off", layer_scale_init=0.0, drop_path=0.0)
         for c in (found, cfg.model.backbone())
     )
     if mine == wanted:
@@ -439,7 +439,7 @@ class FinetuneWorker(Worker[FinetuneConfig]):
             "task": self.spec["task"],
             "backbone_config": json.dumps(
                 dataclasses.asdict(
-                    dataclasses.replace(self.model.backbone.cfg, activation_checkpointing=False, drop_path=0.0)
+                    dataclasses.replace(self.model.backbone.cfg, activation_checkpointing="off", drop_path=0.0)
                 )
             ),
             "config": self.cfg.model_dump_json(),

@@ -6,6 +6,11 @@ SwiGLU FFN (hidden = 4 x width, three width x hidden matrices), LayerScale on th
 public Sapiens2 block; `ffn_layer_scale` adds DINOv2's second one on the FFN branch); grouped-query attention
 (kv heads = heads / 2) only in the middle blocks [8, depth - 8); a final RMSNorm.
 
+Activation checkpointing (`activation_checkpointing`, a training setting) trades compute for memory per block:
+"off" keeps every activation for the backward pass, "full" keeps only the block's input and recomputes the rest,
+"selective" keeps the outputs of every other matmul and of the attention kernel and recomputes the rest (norms,
+SiLU, RoPE, elementwise ops; torchtitan's op-level selective checkpointing).
+
 Stochastic depth (`drop_path`, a fine-tuning setting) drops each block's attention and FFN branches per sample in
 training, at rates rising linearly over the blocks; eval mode and rate 0 leave the blocks as above.
 
@@ -27,11 +32,31 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+Checkpointing = Literal["off", "full", "selective"]
+CHECKPOINTING: tuple[Checkpointing, ...] = get_args(Checkpointing)
+
+
+def checkpointing_mode(value: str | bool) -> Checkpointing:
+    """The mode a setting names; a bool, as configs and exported backbones recorded it when the setting was a flag,
+    maps True to "full" and False to "off"."""
+    if isinstance(value, bool):
+        return "full" if value else "off"
+    for mode in CHECKPOINTING:
+        if value == mode:
+            return mode
+    raise ValueError(f"activation_checkpointing must be one of {', '.join(CHECKPOINTING)}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -53,11 +78,12 @@ class BackboneConfig:
     qkv_bias: bool = True
     window: int | None = None  # 4K variant: window side in patches (4 -> 4x4 windows)
     local_depth: int = 0  # 4K variant: windowed blocks run before the `depth` global ones
-    activation_checkpointing: bool = False
+    activation_checkpointing: Checkpointing = "off"  # training only (`Block.forward`)
     # Stochastic depth, a fine-tuning setting: the rate of the last block (`drop_path_rates`); training only.
     drop_path: float = 0.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "activation_checkpointing", checkpointing_mode(self.activation_checkpointing))
         if self.width % self.heads or (self.width // self.heads) % 4:
             raise ValueError("head dim must be a multiple of 4 (2D RoPE rotates pairs on two axes)")
         if self.heads % self.gqa_kv_heads:
@@ -213,6 +239,52 @@ class SwiGLU(nn.Module):
             return self.w3(F.silu(gate) * value)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Selective activation checkpointing, torchtitan's policy (torchtitan/distributed/activation_checkpoint.py,
+# SelectiveAC): save the outputs of the ops that are expensive to recompute, recompute the rest, and recompute every
+# second matmul too, which halves the memory the matmuls' outputs take for one matmul in two run again.
+_aten = torch.ops.aten
+# aten.linear reaches the policy only on backends that keep it whole; CPU and CUDA decompose it into (add)mm.
+# addmm counts as a matmul here, not only as a saved op as in torchtitan: our linear layers have biases, so their
+# matmuls arrive as addmm, and saving every one of them would skip the alternation altogether.
+SAC_MATMULS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.linear.default})
+SAC_SAVED = SAC_MATMULS | {
+    _aten.bmm.default,
+    # every scaled-dot-product-attention kernel (the math one decomposes before a policy sees it on CPU and CUDA,
+    # and its bmm are saved as above)
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_attention_math.default,
+    _aten._scaled_dot_product_fused_attention_overrideable.default,
+    _aten._flash_attention_forward.default,
+    _aten._efficient_attention_forward.default,
+    # not in torchtitan's list: the CPU kernel, so that CPU runs (and tests) follow the GPU's policy
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+class SelectivePolicy:
+    """One checkpointed call's policy: the forward and the recomputation count their matmuls apart, so both make
+    the same choices."""
+
+    def __init__(self) -> None:
+        self.matmuls = {False: 0, True: 0}  # by ctx.is_recompute
+
+    def __call__(self, ctx: SelectiveCheckpointContext, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in SAC_MATMULS:
+            self.matmuls[ctx.is_recompute] += 1
+            if self.matmuls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in SAC_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts():
+    """``checkpoint``'s ``context_fn`` in selective mode: one module-level function, so a compiled block traces it
+    once (dynamo takes a plain function as it is); only the matmul count is new at each call."""
+    return create_selective_checkpoint_contexts(SelectivePolicy())
+
+
 class Block(nn.Module):
     def __init__(self, cfg: BackboneConfig, kv_heads: int, drop_path: float = 0.0) -> None:
         super().__init__()
@@ -222,20 +294,31 @@ class Block(nn.Module):
         self.norm2 = nn.RMSNorm(cfg.width, eps=cfg.norm_eps)
         self.ffn = SwiGLU(cfg.width, cfg.hidden)
         self.ls2 = nn.Parameter(torch.full((cfg.width,), cfg.layer_scale_init)) if cfg.ffn_layer_scale else None
-        self.activation_checkpointing = cfg.activation_checkpointing
+        self.activation_checkpointing = cfg.activation_checkpointing  # a mode, read at each forward
         # Stochastic depth: in training, each residual branch is dropped for a random `drop_path` of the samples
         # (the windowed blocks batch windows, so there a window is a sample) and kept ones scaled by 1 / (1 - rate).
         self.drop_path_rate = drop_path
         self.drop_path = _drop_path(drop_path)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
-        # The recomputation lives inside the block, so a compiled block (``block.compile()``) traces it as part of its
-        # graph, as torchtitan orders them (checkpoint wrapper, then compile, then FSDP). A checkpoint around a
-        # compiled block instead recomputes a graph whose saved tensors differ from the first forward's
-        # (``CheckpointError: Recomputed values ... different metadata`` on an H200 under FSDP2 bf16).
-        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, rope, mask, use_reentrant=False)
+        # The recomputation (full or selective) lives inside the block, so a compiled block (``block.compile()``)
+        # traces it as part of its graph, as torchtitan orders them (checkpoint wrapper, then compile, then FSDP). A
+        # checkpoint around a compiled block instead recomputes a graph whose saved tensors differ from the first
+        # forward's (``CheckpointError: Recomputed values ... different metadata`` on an H200 under FSDP2 bf16).
+        if self.training and torch.is_grad_enabled():
+            if self.activation_checkpointing == "full":
+                return checkpoint(self._forward, x, rope, mask, use_reentrant=False)
+            if self.activation_checkpointing == "selective":
+                return checkpoint(self._forward, x, rope, mask, use_reentrant=False, context_fn=selective_contexts)
         return self._forward(x, rope, mask)
+
+    @property
+    def activation_checkpointing(self) -> Checkpointing:
+        return self._checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, mode: Checkpointing | bool) -> None:
+        self._checkpointing = checkpointing_mode(mode)  # a bool too: True is "full", False "off"
 
     def _forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
         with step_part("norm"):
@@ -291,14 +374,16 @@ class Sapiens2Backbone(nn.Module):
         self.init_weights()
 
     @property
-    def activation_checkpointing(self) -> bool:
-        """Whether the blocks recompute their activations in the backward pass (a flag read at each forward)."""
-        return all(blk.activation_checkpointing for blk in self.all_blocks)
+    def activation_checkpointing(self) -> Checkpointing | None:
+        """What the blocks recompute in the backward pass (each reads its mode at each forward); None if they
+        differ. Setting it sets every block's (a bool too: True is "full", False "off")."""
+        modes = {blk.activation_checkpointing for blk in self.all_blocks}
+        return modes.pop() if len(modes) == 1 else None
 
     @activation_checkpointing.setter
-    def activation_checkpointing(self, on: bool) -> None:
+    def activation_checkpointing(self, mode: Checkpointing | bool) -> None:
         for blk in self.all_blocks:
-            blk.activation_checkpointing = on
+            blk.activation_checkpointing = mode
 
     @torch.no_grad()
     def init_weights(self) -> None:

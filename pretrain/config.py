@@ -12,14 +12,16 @@ import dataclasses
 from pydantic import Field, field_validator, model_validator
 
 from common.config import Strict, hash_json
-from pretrain.backbone import SIZES, BackboneConfig
+from pretrain.backbone import SIZES, BackboneConfig, Checkpointing, checkpointing_mode
 from pretrain.objective import ObjectiveConfig
 from training.config import CheckpointSettings, LogSettings, OptimSettings, TrainingConfig
 
 
 class ModelSettings(Strict):
     size: str = "0.4b"  # a key of pretrain.backbone.SIZES
-    activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
+    # what each block recomputes in the backward pass: nothing ("off"), everything from its input ("full"), or all
+    # but its matmul and attention outputs ("selective"; pretrain/backbone.py)
+    activation_checkpointing: Checkpointing = "off"
     compile: bool = False  # torch.compile each transformer block
     # LayerScale's initial value (None: the size's, 1e-4). At 1e-4 a fresh shallow model's [CLS] barely depends on
     # the image, so the teacher's targets start uniform; small models start better from 0.1.
@@ -33,6 +35,12 @@ class ModelSettings(Strict):
     # attention and FFN branches are dropped per sample in training, at a rate rising linearly from 0 at the first
     # block to this at the last. 0: none, pretraining's default.
     drop_path: float = Field(0.0, ge=0, lt=1)
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _flag(cls, v: object) -> object:
+        # configs and runs recorded when the setting was a flag: true is "full", false "off"
+        return checkpointing_mode(v) if isinstance(v, bool) else v
 
     @field_validator("size")
     @classmethod

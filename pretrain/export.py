@@ -85,7 +85,7 @@ def _write_backbone(
         "format": "pt",
         # training-time settings are not the architecture: a fine-tuning run sets its own
         "backbone_config": json.dumps(
-            dataclasses.asdict(dataclasses.replace(cfg, activation_checkpointing=False, drop_path=0.0))
+            dataclasses.asdict(dataclasses.replace(cfg, activation_checkpointing="off", drop_path=0.0))
         ),
         "size": model.size,
         "step": str(step),
@@ -113,7 +113,7 @@ def backbone_config(meta: dict[str, str], ffn_layer_scale: bool = False) -> Back
 
 def load_backbone(uri: str, **overrides) -> Sapiens2Backbone:
     """A Sapiens2Backbone with the exported weights (``overrides`` change non-shape fields, e.g.
-    ``activation_checkpointing=True``). ``uri`` is an exported backbone or a fine-tuned model
+    ``activation_checkpointing="full"``). ``uri`` is an exported backbone or a fine-tuned model
     (``finetuned.safetensors`` of ``jobs.finetune``, whose backbone is taken and its head left): a backbone trained
     on one task starts another, and a supervised backbone is the positive control of ``benchmarks/pretrain_value.py``.
     """

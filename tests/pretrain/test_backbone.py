@@ -1,4 +1,7 @@
+import collections
 import dataclasses
+import functools
+import inspect
 import json
 import math
 from pathlib import Path
@@ -6,6 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from common.config import load_config
@@ -21,8 +27,10 @@ from finetune.train import (
     output_size,
     set_schedule,
 )
+from pretrain import backbone
 from pretrain.backbone import (
     CARD,
+    CHECKPOINTING,
     LOCAL_DEPTH,
     SIZES,
     Attention,
@@ -333,19 +341,117 @@ def test_meta_build_materialises_with_init_weights():
     assert torch.equal(model.blocks[0].ls1, torch.full((64,), TINY.layer_scale_init))
 
 
-def test_activation_checkpointing_gives_the_same_gradients():
+def _loss_and_grads(model: Sapiens2Backbone, images: torch.Tensor, keep: torch.Tensor | None = None):
+    loss = model(images, keep).patches.square().mean()
+    loss.backward()
+    return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("size", ["tiny", "tiny-4k"])  # 4K: the windowed blocks' attention takes a mask
+def test_activation_checkpointing_modes_give_the_same_loss_and_gradients(size):
     images, keep = torch.randn(2, 3, 64, 64), torch.tensor([[0, 5, 9, 15], [1, 2, 3, 4]])
-    grads = []
-    for flag in (False, True):
-        model = _model(TINY).train()
-        model.activation_checkpointing = flag  # reaches every block: each checkpoints itself
-        assert [blk.activation_checkpointing for blk in model.all_blocks] == [flag] * len(model.all_blocks)
+    results = {}
+    for mode in CHECKPOINTING:
+        model = _model(SIZES[size]).train()
+        model.activation_checkpointing = mode  # reaches every block: each checkpoints itself
+        assert [blk.activation_checkpointing for blk in model.all_blocks] == [mode] * len(model.all_blocks)
         calls: list[int] = []
         model.blocks[0].attn.register_forward_hook(lambda *_, calls=calls: calls.append(1))
-        model(images, keep).patches.square().mean().backward()
-        assert len(calls) == (2 if flag else 1)  # the forward, and with checkpointing its recomputation
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+        results[mode] = _loss_and_grads(model, images, keep)
+        assert len(calls) == (1 if mode == "off" else 2)  # the forward, and when checkpointing its recomputation
+    for mode in ("full", "selective"):
+        assert torch.allclose(results[mode][0], results["off"][0], rtol=1e-6), mode
+        assert torch.allclose(results[mode][1], results["off"][1], atol=1e-6), mode
+
+
+def test_a_bool_sets_the_mode_it_stood_for():
+    model = _model(TINY)
+    for flag, mode in ((True, "full"), (False, "off")):
+        model.activation_checkpointing = flag
+        assert model.activation_checkpointing == mode
+        assert {blk.activation_checkpointing for blk in model.all_blocks} == {mode}
+    assert dataclasses.replace(TINY, activation_checkpointing=True).activation_checkpointing == "full"
+    model.blocks[0].activation_checkpointing = "selective"
+    assert model.activation_checkpointing is None  # the blocks differ
+    with pytest.raises(ValueError, match="one of off, full, selective"):
+        model.activation_checkpointing = "some"
+
+
+def _saved_bytes(model: Sapiens2Backbone, images: torch.Tensor) -> int:
+    """Bytes of the distinct storages, other than the parameters', that one forward holds for the backward pass."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            held[storage.data_ptr()] = storage.nbytes()
+        return t  # kept until the backward pass, so no address is reused while the forward runs
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(images)
+    return sum(held.values())
+
+
+@pytest.mark.skipif(
+    "respect_saved_tensors_hooks" not in inspect.signature(checkpoint).parameters,
+    reason="this torch cannot route what selective checkpointing saves through saved_tensors_hooks",
+)
+def test_selective_checkpointing_holds_less_than_none_and_more_than_full(monkeypatch):
+    # What selective checkpointing saves is held outside the autograd graph; this routes it through the hooks.
+    monkeypatch.setattr(backbone, "checkpoint", functools.partial(checkpoint, respect_saved_tensors_hooks=True))
+    images = torch.randn(2, 3, 64, 64)
+    held = {}
+    for mode in CHECKPOINTING:
+        model = _model(TINY).train()
+        model.activation_checkpointing = mode
+        held[mode] = _saved_bytes(model, images)
+    assert held["full"] < held["selective"] < held["off"], held
+
+
+class _Recording(backbone.SelectivePolicy):
+    decisions: list[tuple[bool, str, CheckpointPolicy]] = []
+
+    def __call__(self, ctx, func, *args, **kwargs):
+        decision = super().__call__(ctx, func, *args, **kwargs)
+        self.decisions.append((ctx.is_recompute, func.__name__.split(".")[0], decision))
+        return decision
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ran[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_checkpointing_saves_every_other_matmul_and_attention_and_recomputes_the_norms(monkeypatch):
+    monkeypatch.setattr(backbone, "SelectivePolicy", _Recording)
+    monkeypatch.setattr(_Recording, "decisions", [])
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    images, blocks = torch.randn(2, 3, 64, 64), TINY.depth
+    backward = {}
+    for mode in CHECKPOINTING:
+        model = _model(TINY).train()
+        model.activation_checkpointing = mode
+        loss = model(images).patches.square().mean()
+        with _Ops() as ops:  # what the backward pass runs: gradients, and what checkpointing recomputes
+            loss.backward()
+        backward[mode] = ops.ran
+    forward = [(op, d) for again, op, d in _Recording.decisions if not again]
+    # per block: qkv and the FFN's gate-and-value matmul saved, the projections after them recomputed (addmm: biases)
+    assert [d for op, d in forward if op == "addmm"] == [save, recompute] * 2 * blocks
+    assert {d for op, d in forward if op.startswith("_scaled_dot_product")} == {save}
+    assert {d for op, d in forward if op in ("rsqrt", "mean", "pow", "silu", "neg", "cat", "mul")} == {recompute}
+    # RMSNorm decomposes into pow, mean, add, rsqrt, mul; 4 norms a block (before attention and FFN, on q and k)
+    assert backward["off"]["rsqrt"] == 0 and backward["full"]["rsqrt"] == backward["selective"]["rsqrt"] == 4 * blocks
+    attention = "_scaled_dot_product_flash_attention_for_cpu"
+    assert backward["full"][attention] == blocks and backward["selective"][attention] == backward["off"][attention] == 0
+    # a saved matmul is not run again; the output projection is (the FFN's last matmul is needed by no gradient)
+    assert backward["full"]["addmm"] == 3 * blocks and backward["selective"]["addmm"] == blocks
 
 
 def test_drop_path_rates_rise_linearly_over_the_blocks_in_forward_order():
@@ -385,13 +491,13 @@ def test_drop_path_draws_the_same_masks_when_activation_checkpointing_recomputes
     cfg = dataclasses.replace(TINY, drop_path=0.5)
     images = torch.randn(4, 3, 64, 64)
     grads = []
-    for flag in (False, True):
+    for mode in CHECKPOINTING:
         model = _model(cfg).train()
-        model.activation_checkpointing = flag
-        torch.manual_seed(1)  # the same masks in both runs; checkpointing replays the RNG for its recomputation
+        model.activation_checkpointing = mode
+        torch.manual_seed(1)  # the same masks in every run; checkpointing replays the RNG for its recomputation
         model(images).patches.square().mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+    assert torch.allclose(grads[0], grads[1], atol=1e-6) and torch.allclose(grads[0], grads[2], atol=1e-6)
 
 
 def test_tiny_model_learns_a_toy_regression():
@@ -538,3 +644,25 @@ def test_a_4k_backbone_round_trips_through_export_and_is_checked_against_the_siz
     save_file(state, str(plain), metadata={"backbone_config": json.dumps(dataclasses.asdict(base.model.backbone()))})
     with pytest.raises(ValueError, match=r"model.size"):
         build_model(ft, make_task("seg", ft, _labels_of(128, 96), ft.model.backbone()), str(plain))
+
+
+@pytest.mark.slow  # about a minute of inductor compiling on 2 CPUs
+def test_a_compiled_block_checkpoints_selectively_as_eager_does():
+    cfg = dataclasses.replace(TINY, depth=1)
+    images = torch.randn(2, 3, 64, 64)
+    eager, compiled = _model(cfg).train(), _model(cfg).train()
+    for model in (eager, compiled):
+        model.activation_checkpointing = "selective"
+    torch._dynamo.reset()
+    counters.clear()
+    for blk in compiled.all_blocks:
+        blk.compile()  # after the mode is set, as training compiles them: the checkpoint is traced inside the block
+    expected = _loss_and_grads(eager, images)
+    got = _loss_and_grads(compiled, images)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1  # the checkpoint is in the graph
+    assert torch.allclose(got[0], expected[0], rtol=1e-5)
+    assert torch.allclose(got[1], expected[1], atol=1e-5)
+    compiled.zero_grad()
+    with torch._dynamo.config.patch(error_on_recompile=True):  # the policy is one function: no new guard fails
+        again = _loss_and_grads(compiled, images)
+    assert torch.allclose(again[1], got[1])

@@ -3,16 +3,18 @@ beside the student, and the objective's MAE term on held-out images, both read w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from common.config import load_config
 from jobs import pretrain as pretrain_job
 from jobs import probe
-from pretrain.backbone import build
+from pretrain.backbone import SIZES, build
 from pretrain.config import PretrainConfig
 from pretrain.evaluate import heldout_mae, initial_objective, load_objective
 from pretrain.export import EXPORT_FILES, export_backbone, load_backbone
@@ -111,3 +113,13 @@ def test_heldout_mae_of_a_checkpoint_is_the_trained_objectives_and_below_its_sta
     assert trained_mae < heldout_mae(start, heldout, step=step, seed=3)
     # one seed, one draw of views and masks: the figure is reproducible
     assert heldout_mae(loaded, heldout, step=step, seed=3) == trained_mae
+
+
+@pytest.mark.parametrize(("flag", "mode"), [(True, "full"), (False, "off")])
+def test_a_backbone_exported_with_the_checkpointing_flag_loads_with_the_mode_it_stood_for(tmp_path, flag, mode):
+    model = build(SIZES["tiny"])
+    fields = {**dataclasses.asdict(model.cfg), "activation_checkpointing": flag}  # as exports wrote it before modes
+    path = str(tmp_path / "old.safetensors")
+    save_file(model.state_dict(), path, metadata={"format": "pt", "backbone_config": json.dumps(fields)})
+    assert load_backbone(path).cfg.activation_checkpointing == mode
+    assert load_backbone(path, activation_checkpointing="selective").activation_checkpointing == "selective"
