@@ -193,7 +193,12 @@ def build_model(
             block.compile()
     if device is None or not dist.is_initialized():
         return model.to(device or "cpu")
-    return shard(model, [*backbone.all_blocks, head], device, cfg.precision)
+    return shard(model, fsdp_chains(model), device, cfg.precision, cfg.fsdp)
+
+
+def fsdp_chains(model: FinetuneModel) -> list[list[nn.Module]]:
+    """The FSDP2 units in forward order (``training.sharding``): the backbone's blocks, then the head."""
+    return [[*model.backbone.all_blocks, model.head]]
 
 
 def build_optimizer(model: FinetuneModel, cfg: FinetuneConfig) -> torch.optim.AdamW:

@@ -5,8 +5,9 @@ sharding, schedules, checkpoints and metrics log are the shared training runtime
 
 - Model: ``JointObjective`` (student, MAE decoder, projection head, EMA teacher). Built identically on every rank
   from the run's seed, then sharded with FSDP2: ``fully_shard`` on every transformer block (student, teacher,
-  decoder) and on both projection heads, then on the root. On GPU with ``precision: bf16`` parameters are gathered
-  and computed in bf16 and gradients reduced in fp32. The teacher's EMA update runs on the local shards.
+  decoder) and on both projection heads, then on the root; ``fsdp`` sets when they reshard and how far ahead they
+  are gathered (``fsdp_chains``). On GPU with ``precision: bf16`` parameters are gathered and computed in bf16 and
+  gradients reduced in fp32. The teacher's EMA update runs on the local shards.
 - Optimiser: AdamW, decay and no-decay groups (1-D params, tokens: the objective's ``no_weight_decay``); linear
   warm-up to the peak ``optim.lr x global batch / 256`` (``training.schedules.peak_lr``) then cosine learning
   rate, cosine weight decay, both by optimiser step (so gradient accumulation does not stretch them); gradient
@@ -38,7 +39,7 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -67,13 +68,21 @@ def build_model(cfg: PretrainConfig, device: torch.device) -> JointObjective:
     """The objective with FSDP2 applied; every rank builds the same initial weights from ``cfg.seed``."""
     torch.manual_seed(cfg.seed)
     model = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=cfg.steps)
-    teacher = cast(Sapiens2Backbone, model.teacher["backbone"])  # a ModuleDict item: the student's deep copy
-    blocks = [*model.student.all_blocks, *teacher.all_blocks]
     if cfg.model.compile:
-        for block in blocks:
+        for block in [*model.student.all_blocks, *_teacher(model).all_blocks]:
             block.compile()
-    units = [*blocks, *model.decoder.blocks.layers, model.head, model.teacher["head"]]
-    return shard(model, units, device, cfg.precision)
+    return shard(model, fsdp_chains(model), device, cfg.precision, cfg.fsdp)
+
+
+def fsdp_chains(model: JointObjective) -> list[list[nn.Module]]:
+    """The FSDP2 units in forward order (``training.sharding``): the student's blocks (for the global views, then
+    again for the local ones), the MAE decoder's layers, the student's head, and the teacher's no-grad forward."""
+    teacher = [*_teacher(model).all_blocks, model.teacher["head"]]
+    return [model.student.all_blocks, list(model.decoder.blocks.layers), [model.head], teacher]
+
+
+def _teacher(model: JointObjective) -> Sapiens2Backbone:
+    return cast(Sapiens2Backbone, model.teacher["backbone"])  # a ModuleDict item: the student's deep copy
 
 
 PROTOTYPES = "head.prototypes.parametrizations.weight.original1"  # the prototype directions (weight-normalised)

@@ -55,12 +55,28 @@ class RaySettings(Strict):
     max_failures: int = Field(3, ge=-1)  # worker-group restarts before the run fails (-1: unlimited)
 
 
+class FsdpSettings(Strict):
+    """How FSDP2 schedules its all-gathers (``training.sharding.configure_fsdp``); what a run computes stays the same.
+
+    ``reshard_after_forward`` (torchtitan's policy names): ``always`` frees each unit's gathered parameters after its
+    forward and gathers them again for its backward; ``never`` keeps them from forward to backward (one all-gather
+    less per unit and step, every trained unit held in full until its backward); ``default`` reshards every unit but
+    the last trained one, whose backward comes right after the forward. Units without trainable parameters (the EMA
+    teacher, a frozen backbone) have no backward to save a gather for and always reshard.
+    ``prefetch``: how many units ahead of the running one FSDP2 gathers along each chain of units; 1 is its implicit
+    order, above 1 explicit prefetch lists (more overlap of communication with compute, more memory held).
+    """
+
+    reshard_after_forward: Literal["always", "default", "never"] = "always"
+    prefetch: int = Field(1, ge=1)
+
+
 class TrainingConfig(Strict):
     # Settings that leave what a run computes as it is (where it runs, how it logs, saves or reads): a resume may
     # change them; every other setting is part of the run (``result_settings``). Keys or whole sections.
     operational: ClassVar[tuple[str, ...]] = (
         "checkpoint", "log", "watchdog", "ray.address", "ray.num_cpus", "ray.cpus_per_worker", "ray.torch_threads",
-        "ray.max_failures",
+        "ray.max_failures", "fsdp",
     )  # fmt: skip
 
     seed: int = 0
@@ -70,6 +86,7 @@ class TrainingConfig(Strict):
     log: LogSettings = LogSettings()
     ray: RaySettings = RaySettings()
     watchdog: WatchdogSettings = WatchdogSettings()
+    fsdp: FsdpSettings = FsdpSettings()
 
     def result_settings(self) -> dict[str, Any]:
         """Every setting that changes the run's result, as ``{dotted key: JSON value}``: what a resume must keep."""

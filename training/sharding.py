@@ -1,21 +1,28 @@
 """FSDP2 over the worker group, and the optimiser step on its sharded parameters.
 
 On GPU with ``precision: bf16`` parameters are gathered and computed in bf16 and gradients reduced in fp32; on CPU
-(gloo) everything stays fp32.
+(gloo) everything stays fp32. The units are given as chains: lists of modules in forward order, each unit feeding
+the next (one stack of blocks), the chains in the order their first unit runs. Prefetch follows each chain and
+stops at its end: what runs after a chain's last unit is another chain (another stack, a head, the teacher's own
+no-grad forward), not the next unit of a flat list. ``reshard_after_forward: default`` keeps the last unit with
+trainable parameters in that order gathered, the one whose backward runs first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from training.config import FsdpSettings
+
 M = TypeVar("M", bound=nn.Module)
+Chains = Sequence[Sequence[nn.Module]]
 
 
 def mixed_precision(device: torch.device, precision: str) -> MixedPrecisionPolicy:
@@ -25,15 +32,47 @@ def mixed_precision(device: torch.device, precision: str) -> MixedPrecisionPolic
     return MixedPrecisionPolicy()
 
 
-def shard(model: M, units: list[nn.Module], device: torch.device, precision: str) -> M:
-    """FSDP2 over the process group: one ``fully_shard`` per unit, then the root (the parameters left over, and the
-    move to ``device``); bf16 parameters and compute with fp32 gradient reduction on GPUs when asked."""
+def shard(model: M, chains: Chains, device: torch.device, precision: str, settings: FsdpSettings | None = None) -> M:
+    """FSDP2 over the process group: one ``fully_shard`` per unit of ``chains``, then the root (the parameters left
+    over, and the move to ``device``); bf16 parameters and compute with fp32 gradient reduction on GPUs when asked;
+    then ``configure_fsdp`` with ``settings`` (default: FSDP2's own behaviour)."""
     mp = mixed_precision(device, precision)
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
-    for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=mp)
+    for chain in chains:
+        for unit in chain:
+            fully_shard(unit, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    configure_fsdp(chains, settings or FsdpSettings())
     return model
+
+
+def configure_fsdp(chains: Chains, settings: FsdpSettings) -> None:
+    """Apply ``settings`` to the units of ``chains`` (already sharded; any earlier settings are replaced).
+
+    The root keeps FSDP2's choice (gathered from forward to backward: its backward is the first to run). Units
+    without trainable parameters always reshard after forward: nothing gathers them for a backward, and kept
+    gathered they would stay so until the end of the backward (FSDP2 reshards them only in its final callback).
+    Prefetch above 1 sets explicit lists along each chain; 1 clears them. Where a list is empty (prefetch 1; a chain's
+    last unit in forward, its first in backward) FSDP2 keeps its implicit order: nothing ahead in forward, in
+    backward the unit whose forward ended just before."""
+    units = [_fsdp_unit(unit) for chain in chains for unit in chain]
+    trained = [u for u in units if any(p.requires_grad for p in cast(nn.Module, u).parameters())]
+    policy = settings.reshard_after_forward
+    kept = trained if policy == "never" else trained[-1:] if policy == "default" else []
+    for unit in units:
+        unit.set_reshard_after_forward(unit not in kept, recurse=False)
+    ahead = settings.prefetch if settings.prefetch > 1 else 0
+    for chain in chains:
+        fsdp_chain = [_fsdp_unit(unit) for unit in chain]
+        for i, unit in enumerate(fsdp_chain):
+            unit.set_modules_to_forward_prefetch(fsdp_chain[i + 1 : i + 1 + ahead])
+            unit.set_modules_to_backward_prefetch(fsdp_chain[max(i - ahead, 0) : i][::-1])
+
+
+def _fsdp_unit(module: nn.Module) -> FSDPModule:
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"{type(module).__name__} is not sharded: configure_fsdp takes the units shard has sharded")
+    return module
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, params: Sequence[Tensor], grad_clip: float | None) -> Tensor:

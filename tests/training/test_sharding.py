@@ -1,0 +1,182 @@
+"""FSDP2's reshard-after-forward and prefetch settings (``training.sharding.configure_fsdp``) on CPU with gloo: they
+reach every unit along its own chain, change on a model already sharded, and leave what a step computes as it is."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from common.config import ConfigError, load_config
+from finetune.config import FinetuneConfig
+from finetune.data import LabelInfo
+from finetune.train import build_model as build_finetune_model
+from finetune.train import fsdp_chains as finetune_chains
+from finetune.train import make_task
+from pretrain.config import PretrainConfig
+from pretrain.train import Trainer, build_model, fsdp_chains
+from training.config import FsdpSettings
+from training.runner import check_run, claim_run
+from training.sharding import configure_fsdp
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs/pretrain/tiny.yaml"
+CPU = torch.device("cpu")
+SMALL = ["ray.workers=1", "data.batch_size=2", "optim.grad_accum=2", "objective.views.local_size=[32,32]"]
+SETTINGS = list(itertools.product(["always", "default", "never"], [1, 2]))
+
+
+@pytest.fixture
+def world_of_one():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: more threads only contend (5x slower on 2 busy cores)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def sharded(units: list[nn.Module]) -> list[bool]:
+    """Whether each unit holds its sharded parameters (DTensors) rather than gathered ones."""
+    return [isinstance(next(u.parameters()), DTensor) for u in units]
+
+
+def two_steps(reshard: str, prefetch: int, rank: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The loss terms of 2 pretraining steps of 2 micro-batches and the full parameters after them."""
+    fsdp = [f"fsdp.reshard_after_forward={reshard}", f"fsdp.prefetch={prefetch}"]
+    cfg = load_config(PretrainConfig, TINY, [*SMALL, *fsdp])
+    model = build_model(cfg, CPU)
+    trainer = Trainer(model, cfg, CPU, rank=rank, world=dist.get_world_size())
+    g = torch.Generator().manual_seed(rank)
+    images = torch.randint(0, 256, (2, 2, 3, *cfg.image_size), dtype=torch.uint8, generator=g)
+    terms = torch.stack([trainer.train_step(step, iter(images))[0] for step in range(2)])
+    return terms, [p.detach().full_tensor() for p in model.parameters()]
+
+
+def test_every_setting_trains_the_same_steps(world_of_one):
+    reference_terms, reference_params = two_steps("always", 1)
+    for reshard, prefetch in SETTINGS[1:]:
+        terms, params = two_steps(reshard, prefetch)
+        assert torch.equal(terms, reference_terms), (reshard, prefetch)
+        assert all(torch.equal(a, b) for a, b in zip(params, reference_params, strict=True)), (reshard, prefetch)
+
+
+# Two ranks: real all-gathers, so prefetch and resharding move data. Each rank runs every setting and saves what it
+# got; the parent compares them across the settings and the ranks.
+RANK = """
+import sys, torch, torch.distributed as dist
+from tests.training.test_sharding import SETTINGS, two_steps
+store, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+torch.save({s: two_steps(*s, rank=rank) for s in SETTINGS}, out)
+dist.barrier()  # neither rank tears its connections down while the other still uses them
+dist.destroy_process_group()
+"""
+
+
+def test_every_setting_trains_the_same_steps_on_two_ranks(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path / "store"), str(r), str(out)], cwd=REPO, env=env)
+        for r, out in enumerate(outs)
+    ]
+    try:
+        assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+    finally:
+        for p in ranks:
+            p.kill()
+    results = [torch.load(out) for out in outs]
+    reference_terms, reference_params = results[0][SETTINGS[0]]
+    for rank, setting in itertools.product(range(2), SETTINGS):
+        terms, params = results[rank][setting]
+        if rank == 0:  # each rank has its own images, so its own loss
+            assert torch.equal(terms, reference_terms), setting
+        assert all(torch.equal(a, b) for a, b in zip(params, reference_params, strict=True)), (rank, setting)
+
+
+def test_the_settings_reach_each_unit_and_change_on_a_sharded_model(world_of_one):
+    cfg = load_config(PretrainConfig, TINY, SMALL)
+    model = build_model(cfg, CPU)
+    student, decoder, head, teacher = chains = fsdp_chains(model)
+    assert head == [model.head] and teacher[-1] is model.teacher["head"]
+    images = torch.randint(0, 256, (2, 3, *cfg.image_size), dtype=torch.uint8)
+    gathered_after_forward = {
+        # the no-grad teacher always reshards: nothing would gather it again, it would only be held to the backward
+        "always": ([True] * len(student), [True] * len(decoder), [True], [True] * len(teacher)),
+        "default": ([True] * len(student), [True] * len(decoder), [False], [True] * len(teacher)),
+        "never": ([False] * len(student), [False] * len(decoder), [False], [True] * len(teacher)),
+    }
+    for reshard in ["never", "default", "always"]:  # the model built with "always", then changed
+        configure_fsdp(chains, FsdpSettings(reshard_after_forward=reshard))
+        out = model(images, 0)
+        assert tuple(sharded(c) for c in chains) == gathered_after_forward[reshard], reshard
+        out["loss"].backward()
+        assert all(all(sharded(c)) for c in chains), reshard  # every unit sharded again for the optimiser and EMA
+
+    def prefetch_lists(unit: nn.Module) -> tuple[list, list]:
+        state = unit._get_fsdp_state()
+        return state._states_to_forward_prefetch, state._states_to_backward_prefetch
+
+    def states(units: list[nn.Module]) -> list:
+        return [u._get_fsdp_state() for u in units]
+
+    configure_fsdp(chains, FsdpSettings(prefetch=3))
+    for chain in chains:
+        for i, unit in enumerate(chain):
+            forward, backward = prefetch_lists(unit)
+            assert forward == states(chain[i + 1 : i + 4])  # the next 3 of its own chain, none past its end
+            assert backward == states(chain[max(i - 3, 0) : i][::-1])  # the 3 before it, nearest first
+    assert prefetch_lists(student[-1]) == ([], states(student[-2::-1])) and prefetch_lists(head[0]) == ([], [])
+    configure_fsdp(chains, FsdpSettings(prefetch=1))  # back to FSDP2's implicit order
+    assert all(prefetch_lists(u) == ([], []) for chain in chains for u in chain)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_finetuning_shards_blocks_then_head_as_one_chain(world_of_one, frozen):
+    cfg = load_config(FinetuneConfig, REPO / "configs/finetune/tiny.yaml",
+                      ["head.class_weights=null", f"optim.freeze_backbone={str(frozen).lower()}",
+                       "fsdp.reshard_after_forward=never", "fsdp.prefetch=2"])  # fmt: skip
+    labels = LabelInfo(parts=("background", "skin", "clothes"), keypoint_names=("a", "b", "c"),
+                       keypoint_sigmas=(0.05, 0.05, 0.05), image_size=(128, 96))  # fmt: skip
+    model = build_finetune_model(cfg, make_task("seg", cfg, labels, cfg.model.backbone()), None, CPU)
+    [chain] = finetune_chains(model)
+    assert chain == [*model.backbone.all_blocks, model.head]
+    model(torch.randint(0, 256, (1, 3, 128, 96), dtype=torch.uint8))
+    # a frozen backbone has no backward to keep its blocks gathered for
+    assert sharded(chain) == [frozen] * len(model.backbone.all_blocks) + [False]
+    assert chain[-2]._get_fsdp_state()._states_to_forward_prefetch == [chain[-1]._get_fsdp_state()]
+
+
+def test_the_settings_are_checked_with_a_clear_message():
+    cfg = load_config(PretrainConfig, TINY, ["fsdp.reshard_after_forward=default", "fsdp.prefetch=4"])
+    assert cfg.fsdp == FsdpSettings(reshard_after_forward="default", prefetch=4)
+    assert load_config(PretrainConfig, TINY).fsdp == FsdpSettings(reshard_after_forward="always", prefetch=1)
+    with pytest.raises(ConfigError, match=r"reshard_after_forward: Input should be 'always', 'default' or 'never'"):
+        load_config(PretrainConfig, TINY, ["fsdp.reshard_after_forward=sometimes"])
+    with pytest.raises(ConfigError, match=r"fsdp.prefetch: Input should be greater than or equal to 1 \(got 0\)"):
+        load_config(PretrainConfig, TINY, ["fsdp.prefetch=0"])
+    with pytest.raises(ConfigError, match=r"fsdp.gather: unknown key"):
+        load_config(FinetuneConfig, REPO / "configs/finetune/tiny.yaml", ["fsdp.gather=2"])
+
+
+@pytest.mark.parametrize("config", [PretrainConfig, FinetuneConfig])
+def test_a_resume_may_change_the_fsdp_settings(tmp_path, config):
+    path = TINY if config is PretrainConfig else REPO / "configs/finetune/tiny.yaml"
+    before = load_config(config, path)
+    identity = {"data": "/d"}
+    assert claim_run(str(tmp_path), identity, before.result_settings()) is None
+    after = load_config(config, path, ["fsdp.reshard_after_forward=never", "fsdp.prefetch=3"])
+    assert not any(k.startswith("fsdp") for k in after.result_settings())
+    assert check_run(str(tmp_path), identity, after.result_settings()) == {}
