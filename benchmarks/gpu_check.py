@@ -3,7 +3,7 @@
     bash benchmarks/gpu_check.sh                     # clean checkout, bare GPU machine: install, then measure
     python benchmarks/gpu_check.py [--total-s 720] [--out gpu_check.json] [--budget part=seconds] [--only part]
                                    [--peak-tflops 989]
-    python benchmarks/gpu_check.py --size value_budget.steps=1000 --size 'pretrain_settings=[[true,false]]'  # one run's sizes
+    python benchmarks/gpu_check.py --size value_budget.steps=1000 --size 'pretrain_sweep.batch=[16]'  # one run's sizes
     python benchmarks/gpu_check.py --cpu-smoke       # the same code paths at tiny sizes on CPU (tests/benchmarks/test_gpu_check.py)
     python benchmarks/gpu_check.py --prepare-value-data DIR   # part 4's renders and curation, made ahead on a CPU machine
     python benchmarks/gpu_check.py --value-data DIR  # ... and used by part 4 (a GPU machine without a package index)
@@ -25,16 +25,23 @@ below, beside the sizes (``sizes.py``), what a part writes as it runs (``harness
    host-to-device copy and each model's forward (the OCR text-overlay stage is off: it is CPU work, measured by
    bench_curation.py).
 2. ``pretrain`` (``pretrain_step.py``): the 0.4B backbone's pretraining step (``pretrain.train``: the joint MAE +
-   contrastive objective, FSDP2 over a world of one, bf16, AdamW, EMA teacher) at 1024x768 on in-memory images, eager
-   and under ``torch.compile``, each with and without activation checkpointing: step time, images/s, tokens/s, peak
-   memory and MFU (the backbone's own FLOP count, ``pretrain.train.train_flops_per_image``, against the GPU's dense bf16
-   peak, ``pretrain.train.PEAK_TFLOPS``; the peak used is printed). Then where the step's time goes: a few steps of
-   the first eager and the first compiled setting under ``torch.profiler`` (``step_profile.py``), GPU kernel time per
-   step and its share by part (attention, SwiGLU, norms, RoPE, FSDP collectives, AdamW, EMA teacher, MAE decoder,
-   compiled blocks, other); ``--size profile_steps=0`` leaves it out.
+   contrastive objective, FSDP2 over a world of one, bf16, AdamW, EMA teacher) at 1024x768 on in-memory images over
+   a sweep of its settings, one axis at a time from the best so far (``Sizes.pretrain_sweep``): eager then
+   ``torch.compile``; activation checkpointing full, selective (op-level, as torchtitan's) and off; FSDP2's
+   reshard-after-forward always, never and torchtitan's default; prefetch 1 and 2 units; the batch, ascending until
+   one runs out of memory. Per setting: step time, images/s, tokens/s, peak memory and MFU (the backbone's own FLOP
+   count, ``pretrain.train.train_flops_per_image``, against the GPU's dense bf16 peak, ``pretrain.train.PEAK_TFLOPS``;
+   the peak used is printed), then the best, which the next part streams with. Then where the step's time goes: a few
+   steps of the first eager and the first compiled setting under ``torch.profiler`` (``step_profile.py``), GPU kernel
+   time per step and its share by part (attention, SwiGLU, norms, RoPE, FSDP collectives, AdamW, EMA teacher, MAE
+   decoder, compiled blocks, other); ``--size profile_steps=0`` leaves it out. The whole sweep (each compiled
+   checkpointing mode compiles anew) needs more than the part's share of the default 12 minutes: run it alone for the
+   0.4B config's defaults, ``--only pretrain --budget pretrain=560``.
 3. ``data_wait`` (``data_wait.py``): the same step streaming real curated shards (the README's lite curation of package
-   photos at web sizes) through Ray Data inside a Ray Train run (``pretrain.train.fit``), with the fastest setting of
-   part 2: the share of the step spent waiting for the next batch, from the run's own metrics.
+   photos at web sizes) through Ray Data inside a Ray Train run (``pretrain.train.fit``), with the best setting of
+   part 2: the share of the step spent waiting for the next batch, from the run's own metrics; where it is over 3%,
+   a second run with a wider decode path (``Sizes.data_paths``: 4x the read tasks in flight, twice the prefetch
+   depth). What the decode costs per core and how many cores a GPU needs: ``benchmarks/bench_decode_path.py``.
 4. ``value`` (``value_chain.py``): does pretraining give a better backbone? ``benchmarks/pretrain_value.py``'s chain
    (``run_chain``: a pool of renders with web junk, its lite curation and its uncurated form, held-out MAE, the positive
    control, labelled renders, frozen-feature probes via ``jobs.probe``, fine-tuning with a recipe chosen per init on
@@ -71,7 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu.curation_throughput import part_curation
 from benchmarks.gpu.data_wait import part_data_wait
 from benchmarks.gpu.harness import MARGIN_S, REPO, Deadline, PartReport
-from benchmarks.gpu.pretrain_step import part_pretrain
+from benchmarks.gpu.pretrain_step import AXES, part_pretrain
 from benchmarks.gpu.results_table import GOALS, print_table
 from benchmarks.gpu.sizes import GPU, SMOKE, Sizes, resized
 from benchmarks.gpu.value_chain import part_value, prepare_value_data
@@ -251,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu_check] {part}: {budget:.0f} s (log {logs / f'{part}.log'})", flush=True)
         results["parts"][part] = r = run_part(part, budget, args, context, logs)
         if part == "pretrain" and r.get("best"):
-            context["setting"] = {k: r["best"][k] for k in ("compile", "activation_checkpointing")}
+            context["setting"] = {axis: r["best"][axis] for axis in AXES}
         print(
             f"[gpu_check] {part}: {r['status']} in {r['seconds']} s" + (f": {r['error']}" if "error" in r else ""),
             flush=True,

@@ -1,9 +1,11 @@
-"""Part ``pretrain``: the backbone's pretraining step in one process, eager and compiled, with and without activation
-checkpointing: step time, throughput, peak memory and MFU; and where the step's time goes, from a few profiled steps
-of the first setting of each built model (``step_profile.py``)."""
+"""Part ``pretrain``: the backbone's pretraining step in one process over a sweep of its settings (eager or compiled,
+activation checkpointing off / full / selective, FSDP2's reshard-after-forward and prefetch, the batch): step time,
+throughput, peak memory and MFU of each, and the best; and where the step's time goes, from a few profiled steps of
+the first setting of each built model (``step_profile.py``)."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable
 
@@ -36,10 +38,11 @@ def init_single_process_group():
     return device
 
 
-def set_activation_checkpointing(model, on: bool) -> None:
+def set_activation_checkpointing(model, mode: str) -> None:
+    """Every block's checkpointing mode (``off``, ``full``, ``selective``): a flag read at each forward."""
     for module in model.modules():
         if hasattr(module, "activation_checkpointing"):
-            module.activation_checkpointing = on
+            module.activation_checkpointing = mode
 
 
 def measure_steps(
@@ -91,10 +94,52 @@ def breakdown_in_time(profile: Callable[[int], dict], steps: int, step_s: float,
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
+# A setting's axes and the config key each one sets: one model serves every setting of the same ``compile`` (the
+# others change at run time: checkpointing is read at each forward, FSDP2's settings apply to the built model, the
+# batch is the next step's input).
+AXES = {
+    "compile": "model.compile",
+    "activation_checkpointing": "model.activation_checkpointing",
+    "reshard_after_forward": "fsdp.reshard_after_forward",
+    "prefetch": "fsdp.prefetch",
+    "batch": "data.batch_size",
+}
+
+
+def setting_overrides(setting: dict) -> list[str]:
+    """The config overrides that make ``setting`` the run's (also the data-wait part's run)."""
+    return [f"{AXES[axis]}={json.dumps(value)}" for axis, value in setting.items()]
+
+
+def sweep(axes: dict, measure: Callable[[dict], dict | None]) -> dict:
+    """One axis at a time in ``axes``' order: each value of the axis with the best of the axes before it (and the
+    first value of those after it); ``measure(setting)`` returns the measured row (``images_per_s`` where it ran),
+    or None where the setting was not measured. Along ``batch`` (ascending) the first that runs out of memory ends
+    the axis. Returns the best setting."""
+    best = {axis: values[0] for axis, values in axes.items()}
+    rows: dict[str, dict | None] = {}
+    for axis, values in axes.items():
+        measured = []
+        for value in values:
+            setting = {**best, axis: value}
+            key = json.dumps(setting, sort_keys=True)
+            if key not in rows:
+                rows[key] = measure(setting)
+            row = rows[key]
+            if row and "images_per_s" in row:
+                measured.append((row["images_per_s"], setting))
+            elif axis == "batch" and row and "OutOfMemoryError" in row.get("error", ""):
+                break
+        if measured:
+            best = max(measured, key=lambda m: m[0])[1]
+    return best
+
+
 def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: dict) -> None:
     import torch
 
-    from pretrain.train import PEAK_TFLOPS, build_model, peak_flops, train_flops_per_image
+    from pretrain.train import PEAK_TFLOPS, build_model, fsdp_chains, peak_flops, train_flops_per_image
+    from training.sharding import configure_fsdp
 
     device = init_single_process_group()
     cfg = pretrain_config(sz, context)
@@ -105,7 +150,6 @@ def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: di
         device=name,
         size=cfg.model.size,
         image=list(cfg.image_size),
-        batch=cfg.data.batch_size,
         precision=cfg.precision if device.type == "cuda" else "fp32 (CPU)",
         train_tflop_per_image=round(flops_per_image / 1e12, 4),
         tokens_per_image=tokens_per_image,
@@ -113,39 +157,46 @@ def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: di
         peak_source=("--peak-tflops" if cfg.log.peak_tflops else f"pretrain.train.PEAK_TFLOPS for {name!r}")
         if peak
         else f"none for {name!r} (known: {sorted(PEAK_TFLOPS)}; pass --peak-tflops): no MFU",
+        axes={axis: list(values) for axis, values in sz.pretrain_sweep.items()},
     )
     model, built, profiled = None, None, set[bool]()
-    for compiled, checkpointing in sz.pretrain_settings:
-        setting = {"compile": compiled, "activation_checkpointing": checkpointing}
-        if compiled and not sz.compile:
+
+    def measure(setting: dict) -> dict | None:
+        nonlocal model, built
+        if setting["compile"] and not sz.compile:
             report.append("skipped", {**setting, "why": "--cpu-smoke: inductor's CPU code generation takes minutes"})
-            continue
+            return None
         if deadline.left() < MARGIN_S:
             report.append("skipped", {**setting, "why": f"{deadline.left():.0f} s left"})
-            continue
-        if built != compiled:
-            model = None  # the eager model's memory goes before the compiled one is built
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            cfg = pretrain_config(sz, context, f"model.compile={str(compiled).lower()}")
-            model, built = build_model(cfg, device), compiled
-        set_activation_checkpointing(model, checkpointing)
+            return None
+        cfg = pretrain_config(sz, context, *setting_overrides(setting))
         try:
+            if built != setting["compile"]:
+                model = None  # the eager model's memory goes before the compiled one is built
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                model, built = build_model(cfg, device), setting["compile"]
+            set_activation_checkpointing(model, cfg.model.activation_checkpointing)
+            configure_fsdp(fsdp_chains(model), cfg.fsdp)
             result, profile = measure_steps(cfg, model, device, sz.warmup, sz.steps, deadline)
         except Exception as exc:  # noqa: BLE001 - out of memory, a compiler error: that setting's row says so
             first_line = (str(exc).splitlines() or [""])[0][:300]
-            report.append("runs", {**setting, "error": f"{type(exc).__name__}: {first_line}"})
+            row = {**setting, "error": f"{type(exc).__name__}: {first_line}"}
+            report.append("runs", row)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            continue
-        report.append("runs", {**setting, **result})  # before the profile: a part stopped in it keeps the figures
-        if sz.profile_steps and compiled not in profiled:
-            profiled.add(compiled)
+            return row
+        row = {**setting, **result}
+        report.append("runs", row)  # before the profile: a part stopped in it keeps the figures
+        if sz.profile_steps and setting["compile"] not in profiled:
+            profiled.add(setting["compile"])
             breakdown = breakdown_in_time(profile, sz.profile_steps, result["step_s"], deadline)
             report.append("breakdowns", {**setting, **breakdown})
         del profile  # the trainer's optimiser state goes before the next setting's
+        return row
+
+    best = sweep(sz.pretrain_sweep, measure)
     runs = [r for r in report.data.get("runs", []) if "step_s" in r]
     if not runs:
         raise RuntimeError("no setting completed a timed step")
-    best = min(runs, key=lambda r: r["step_s"])
-    report.set(best=best)
+    report.set(best=next(r for r in runs if all(r[axis] == value for axis, value in best.items())))

@@ -11,7 +11,11 @@ GOALS = {
 
 
 def setting_name(s: dict) -> str:
-    return f"compile {'on' if s['compile'] else 'off'}, act. ckpt {'on' if s['activation_checkpointing'] else 'off'}"
+    """``compiled, ckpt selective, reshard never, prefetch 2, batch 16``: the pretraining step's setting."""
+    return (
+        f"{'compiled' if s['compile'] else 'eager'}, ckpt {s['activation_checkpointing']}, "
+        f"reshard {s['reshard_after_forward']}, prefetch {s['prefetch']}, batch {s['batch']}"
+    )
 
 
 def percent(x: float | None) -> str:
@@ -50,7 +54,7 @@ def table_rows(parts: dict) -> list[tuple[str, str, str]]:
                 rows.append(
                     (
                         part,
-                        f"{r.get('size')} at {r.get('image')}, batch {r.get('batch')}, {r.get('device')}",
+                        f"{r.get('size')} at {r.get('image')}, {r.get('device')}",
                         f"peak {peak}",
                     )
                 )
@@ -61,17 +65,23 @@ def table_rows(parts: dict) -> list[tuple[str, str, str]]:
                     f"peak mem {run['peak_mem_gib'] or 'n/a'} GiB, MFU {percent(run['mfu'])}"
                 )
                 rows.append((part, name, value))
+            if r.get("best"):
+                rows.append((part, "best setting", setting_name(r["best"])))
             for b in r.get("breakdowns", []):
                 rows += breakdown_rows(b)
-        elif part == "data_wait" and "data_wait_frac_mean" in r:
-            rows.append(
-                (
-                    part,
-                    f"{setting_name(r['setting'])}, {r['shards_images']} curated images",
-                    f"data wait {r['data_wait_frac_mean']:.2%} of the step (max {r['data_wait_frac_max']:.2%}), "
-                    f"step {r['step_s']:.3f} s, MFU {percent(r['mfu'])}",
+        elif part == "data_wait":
+            for run in r.get("runs", []):
+                path = " ".join(run["decode_path"]) or "the config's"
+                rows.append(
+                    (
+                        part,
+                        f"{setting_name(r['setting'])}, {r['shards_images']} curated images, decode path {path}",
+                        f"data wait {run['data_wait_frac_mean']:.2%} of the step (max {run['data_wait_frac_max']:.2%}), "
+                        f"step {run['step_s']:.3f} s, MFU {percent(run['mfu'])}",
+                    )
                 )
-            )
+            for s in r.get("skipped", []):
+                rows.append((part, f"decode path {' '.join(s['decode_path'])}", f"skipped: {s['why']}"))
         elif part == "value":
             rows += value_rows(r)
         rows.append((part, "seconds (budget)", f"{r['seconds']} ({r['budget_s']})"))

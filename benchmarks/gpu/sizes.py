@@ -29,10 +29,11 @@ class Sizes:
     warmup: int
     steps: int
     compile: bool  # also measure under torch.compile (inductor's CPU code generation takes minutes)
-    # (compile, activation checkpointing) in the order measured: eager first, a figure even if compiling outlasts the
-    # budget; under compile, checkpointing on first (the 0.4B config's setting). Checkpointing is a flag read at each
-    # forward, so one model serves both settings of a row pair.
-    pretrain_settings: tuple[tuple[bool, bool], ...]
+    # The step's settings, swept one axis at a time in this order (``pretrain_step.sweep``): each axis's values are
+    # measured with the best value (most images/s) of every axis before it and the first value of every axis after
+    # it; a setting measured once is not measured again. Eager first: a figure even if compiling outlasts the budget.
+    # Batch sizes ascending: the axis ends at the first that runs out of memory.
+    pretrain_sweep: dict
     # steps profiled (benchmarks/gpu/step_profile.py) after the timed ones, on the first setting of each built model
     # (eager, then compiled); 0: none
     profile_steps: int
@@ -42,6 +43,9 @@ class Sizes:
     data_overrides: tuple[str, ...]
     data_warmup: int
     data_steps: int
+    # decode paths (config overrides) measured in order, the next only while the wait is over the threshold
+    data_paths: tuple[tuple[str, ...], ...]
+    data_wait_retry_above: float
     # pretrained vs random (benchmarks/pretrain_value.py's chain)
     value_models: tuple[tuple[str, int | None, tuple[str, ...]], ...]  # (model.size, model.patch_size, overrides)
     value_pretrain: tuple[str, ...]  # pretraining overrides of every size
@@ -67,13 +71,23 @@ GPU = Sizes(
     warmup=3,
     steps=6,
     compile=True,
-    pretrain_settings=((False, False), (False, True), (True, True), (True, False)),
+    pretrain_sweep=dict(
+        compile=(False, True),
+        activation_checkpointing=("full", "selective", "off"),
+        reshard_after_forward=("always", "never", "default"),
+        prefetch=(1, 2),
+        batch=(16, 24, 32),
+    ),
     profile_steps=1,  # a GPU step varies little; its events (~200,000 at 0.4B) take tens of seconds to read
     data_photos=4,
     data_sizes=(1280, 1408, 1536, 1664, 1792, 1920, 2048, 2176),
     data_overrides=("ray.cpus_per_worker=4", "log.every=5"),
     data_warmup=5,
     data_steps=15,
+    # the 0.4B config's path (read tasks of 8 segments, 4 batches prefetched), then one with 4x the read tasks in
+    # flight and twice the prefetch depth
+    data_paths=((), ("data.read_segments=2", "data.prefetch_batches=8")),
+    data_wait_retry_above=0.03,
     # Part value: the tiny backbone at its configured peak learning rate (1e-3), at a global batch of 128 in one process
     # (a step of the tiny objective is ~12,000 small ATen ops at any batch, so at batch 8 launch overhead sets its
     # time); the warm-up and the frozen prototypes 50 steps (5%, as the config's 5 of 60). Time on one H200 with 16
@@ -133,13 +147,21 @@ SMOKE = Sizes(
     warmup=1,
     steps=2,
     compile=False,
-    pretrain_settings=((False, False), (False, True), (True, True), (True, False)),
+    pretrain_sweep=dict(
+        compile=(False, True),
+        activation_checkpointing=("full", "selective", "off"),
+        reshard_after_forward=("always", "never", "default"),
+        prefetch=(1, 2),
+        batch=(2, 4),
+    ),
     profile_steps=2,
     data_photos=4,
     data_sizes=(0,),
     data_overrides=("ray.cpus_per_worker=0.5", "log.every=1", "data.read_cpus=0.5"),
     data_warmup=1,
     data_steps=2,
+    data_paths=((), ("data.read_segments=1", "data.prefetch_batches=4")),
+    data_wait_retry_above=0.0,  # both paths run: the second one's code is checked too
     value_models=(("tiny", None, ()),),
     value_pretrain=("ray.workers=1", "data.batch_size=4"),
     value_budget=dict(
@@ -168,7 +190,7 @@ def _as_tuples(value):
 
 def resized(sz: Sizes, settings: list[str]) -> Sizes:
     """``sz`` with ``FIELD=JSON`` or ``FIELD.KEY=JSON`` (a key of a dict field) settings applied, JSON lists as
-    tuples: one run's choice of parts of a part (``pretrain_settings=[[true,false]]``, ``value_budget.steps=1000``)."""
+    tuples: one run's choice of parts of a part (``pretrain_sweep.batch=[16]``, ``value_budget.steps=1000``)."""
     fields = {f.name for f in dataclasses.fields(Sizes)}
     for setting in settings:
         key, sep, text = setting.partition("=")

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.gpu.pretrain_step import AXES
+from benchmarks.gpu.sizes import SMOKE
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 FIRST_THREE = ("--only", "curation", "--only", "pretrain", "--only", "data_wait")
@@ -61,22 +64,37 @@ def test_every_part_measures(tmp_path):
     assert split["yolo: whole stage call"] >= split["yolo: pose forward"]
 
     pretrain = parts["pretrain"]
-    eager = {r["activation_checkpointing"]: r for r in pretrain["runs"] if not r["compile"]}
-    assert set(eager) == {False, True}
-    for run in eager.values():
+    runs = pretrain["runs"]
+    assert all("error" not in r for r in runs)
+    for run in runs:
         assert run["step_s"] > 0 and run["timed_steps"] >= 1
         # both rounded from the same unrounded rate: within one token/s
         assert abs(run["tokens_per_s"] - run["images_per_s"] * pretrain["tokens_per_image"]) <= 1
         assert run["mfu"] is None  # no GPU, no peak to measure against
+    # every value of every axis but compile (skipped in this mode) measured once, one axis at a time
+    assert not any(r["compile"] for r in runs) and [s["compile"] for s in pretrain["skipped"]] == [True]
+    settings = [tuple(r[axis] for axis in AXES) for r in runs]
+    assert (
+        len(set(settings))
+        == len(settings)
+        == 1 + sum(len(v) - 1 for k, v in SMOKE.pretrain_sweep.items() if k != "compile")
+    )
+    for axis, values in SMOKE.pretrain_sweep.items():
+        assert axis == "compile" or {r[axis] for r in runs} == set(values)
+    best = pretrain["best"]
+    assert best["images_per_s"] == max(r["images_per_s"] for r in runs)  # each axis starts from the best so far
     assert pretrain["train_tflop_per_image"] > 0 and "no MFU" in pretrain["peak_source"]
-    assert {(s["compile"], s["activation_checkpointing"]) for s in pretrain["skipped"]} == {(True, True), (True, False)}
 
     wait = parts["data_wait"]
+    # both decode paths measured (the smoke mode retries at any wait)
+    assert [r["decode_path"] for r in wait["runs"]] == [list(p) for p in SMOKE.data_paths]
     assert wait["shards_images"] >= wait["batch"] and wait["windows"] >= 1
-    assert 0 <= wait["data_wait_frac_mean"] <= wait["data_wait_frac_max"] < 1 and wait["step_s"] > 0
+    for run in wait["runs"]:
+        assert 0 <= run["data_wait_frac_mean"] <= run["data_wait_frac_max"] < 1 and run["step_s"] > 0
+    assert wait["data_wait_frac_mean"] == min(r["data_wait_frac_mean"] for r in wait["runs"])
     # the fastest setting of the pretraining part is the one streamed
-    best = pretrain["best"]
-    assert wait["setting"] == {"compile": best["compile"], "activation_checkpointing": best["activation_checkpointing"]}
+    assert wait["setting"] == {axis: best[axis] for axis in AXES}
+    assert wait["batch"] == best["batch"]
     assert "data wait" in printed and "ms/image, clip: image tower forward" in printed
 
 
@@ -93,14 +111,14 @@ def test_a_failing_part_is_reported_and_the_others_run(tmp_path):
         "--budget",
         "data_wait=10",
         "--size",
-        "pretrain_settings=[[false, true]]",  # travels to the part's own process
-    )
+        "pretrain_sweep=" + json.dumps({**{k: v[:1] for k, v in SMOKE.pretrain_sweep.items()}, "batch": [3]}),
+    )  # the sizes travel to the part's own process
     parts = results["parts"]
     assert list(parts) == ["curation", "pretrain", "data_wait", "value"]
     assert parts["curation"]["status"] == "error"
     assert "failure injected into part curation" in parts["curation"]["error"]
     assert parts["pretrain"]["status"] == "ok" and all(r["step_s"] > 0 for r in parts["pretrain"]["runs"])
-    assert [(r["compile"], r["activation_checkpointing"]) for r in parts["pretrain"]["runs"]] == [(False, True)]
+    assert [r["batch"] for r in parts["pretrain"]["runs"]] == [3]
     assert "skipped" not in parts["pretrain"]
     assert parts["data_wait"]["status"] == "error"
     assert parts["data_wait"]["error"].startswith("stopped at its time budget (10 s)")

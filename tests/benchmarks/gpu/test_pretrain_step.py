@@ -15,6 +15,8 @@ from benchmarks.gpu.pretrain_step import (
     breakdown_in_time,
     pretrain_config,
     set_activation_checkpointing,
+    setting_overrides,
+    sweep,
 )
 from benchmarks.gpu.sizes import SMOKE
 from benchmarks.gpu.step_profile import PARTS, breakdown, label_events, profile_steps
@@ -31,12 +33,49 @@ def test_the_config_is_one_process_at_the_modes_sizes_with_the_peak_given():
 
 def test_checkpointing_is_set_on_every_module_that_has_it():
     class Block(torch.nn.Module):
-        activation_checkpointing = False
+        activation_checkpointing = "off"
 
     model = torch.nn.Sequential(Block(), torch.nn.Linear(2, 2), torch.nn.Sequential(Block()))
-    set_activation_checkpointing(model, True)
-    assert [m.activation_checkpointing for m in model.modules() if isinstance(m, Block)] == [True, True]
+    set_activation_checkpointing(model, "selective")
+    assert [m.activation_checkpointing for m in model.modules() if isinstance(m, Block)] == ["selective"] * 2
     assert not hasattr(model[1], "activation_checkpointing")
+
+
+def test_a_setting_is_its_config_overrides():
+    setting = {"compile": True, "activation_checkpointing": "selective", "reshard_after_forward": "never",
+               "prefetch": 2, "batch": 4}  # fmt: skip
+    cfg = pretrain_config(SMOKE, {}, *setting_overrides(setting))
+    assert (cfg.model.compile, cfg.model.activation_checkpointing) == (True, "selective")
+    assert (cfg.fsdp.reshard_after_forward, cfg.fsdp.prefetch, cfg.data.batch_size) == ("never", 2, 4)
+
+
+def test_the_sweep_takes_one_axis_at_a_time_from_the_best_so_far():
+    axes = {"compile": (False, True), "activation_checkpointing": ("full", "off"), "batch": (2, 4, 8, 16)}
+    speed = {(False, "full"): 1.0, (True, "full"): 3.0, (True, "off"): 2.0, (False, "off"): 9.0}  # 9: never measured
+    measured = []
+
+    def measure(setting: dict) -> dict | None:
+        measured.append(dict(setting))
+        if setting["batch"] >= 8:
+            return {**setting, "error": "OutOfMemoryError: CUDA out of memory"}
+        return {
+            **setting,
+            "images_per_s": speed[setting["compile"], setting["activation_checkpointing"]] * setting["batch"],
+        }
+
+    best = sweep(axes, measure)
+    assert best == {"compile": True, "activation_checkpointing": "full", "batch": 4}
+    assert [(m["compile"], m["activation_checkpointing"], m["batch"]) for m in measured] == [
+        (False, "full", 2), (True, "full", 2),  # compile: the faster one is kept
+        (True, "off", 2),  # checkpointing: (True, full, 2) is not measured twice
+        (True, "full", 4), (True, "full", 8),  # batch: the first out of memory ends the axis (16 not tried)
+    ]  # fmt: skip
+
+
+def test_a_setting_not_measured_leaves_its_axis_at_the_best_so_far():
+    axes = {"compile": (False, True), "batch": (2, 4)}
+    best = sweep(axes, lambda s: None if s["compile"] else {"images_per_s": s["batch"]})  # compile skipped
+    assert best == {"compile": False, "batch": 4}
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 import pytest
 
+from benchmarks.gpu.pretrain_step import AXES
 from benchmarks.gpu.sizes import GPU, SMOKE, Sizes, resized
 
 
@@ -20,7 +21,12 @@ def test_one_run_changes_sizes_by_field_or_dict_key():
 def test_the_two_modes_differ_in_sizes_only_and_smoke_skips_compiling():
     assert isinstance(GPU, Sizes) and isinstance(SMOKE, Sizes)
     assert GPU.compile and not SMOKE.compile  # inductor's CPU code generation takes minutes
-    assert GPU.pretrain_settings == SMOKE.pretrain_settings  # the same settings measured, eager ones first
-    assert not any(compiled for compiled, _ in GPU.pretrain_settings[:2])
+    # the same axes swept, eager first; only the batch sizes differ
+    assert {k: v for k, v in GPU.pretrain_sweep.items() if k != "batch"} == {
+        k: v for k, v in SMOKE.pretrain_sweep.items() if k != "batch"
+    }
+    assert list(GPU.pretrain_sweep) == list(AXES) and GPU.pretrain_sweep["compile"][0] is False
+    for sz in (GPU, SMOKE):
+        assert list(sz.pretrain_sweep["batch"]) == sorted(sz.pretrain_sweep["batch"])  # the first OOM ends the axis
     # what --prepare-value-data passes to pretrain_value.Budget with the sizes: each mode names the same keys
     assert set(SMOKE.value_budget) <= set(GPU.value_budget)
