@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from benchmarks.gpu.harness import MARGIN_S, REPO, Deadline, PartReport
 from benchmarks.gpu.sizes import Sizes
@@ -45,13 +47,39 @@ def set_activation_checkpointing(model, mode: str) -> None:
             module.activation_checkpointing = mode
 
 
-def measure_steps(
-    cfg, model, device, warmup: int, steps: int, deadline: Deadline
-) -> tuple[dict, Callable[[int], dict]]:
+@dataclass
+class StepProbe:
+    """More of a measured setting's steps, to take once its figures are reported; it holds the trainer."""
+
+    trainer: Any
+    micro_batches: list
+    next_step: int
+    device: Any
+
+    def profile(self, steps: int) -> dict:
+        """``steps`` steps under ``torch.profiler``: the breakdown by part (``step_profile.profile_steps``)."""
+        self.next_step += steps
+        return profile_steps(self.trainer, self.micro_batches, self.next_step - steps, steps, self.device)
+
+    def flash_only(self) -> str:
+        """One step with scaled-dot-product attention held to the flash kernel: whether every attention call of the
+        step can take it (a mask, a dtype or a head size it lacks makes PyTorch refuse the call)."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        try:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                self.trainer.train_step(self.next_step, self.micro_batches)
+        except RuntimeError as exc:
+            return f"not every call: {(str(exc).splitlines() or [''])[0][:200]}"
+        finally:
+            self.next_step += 1
+        return "every call"
+
+
+def measure_steps(cfg, model, device, warmup: int, steps: int, deadline: Deadline) -> tuple[dict, StepProbe]:
     """Step time of the worker's step (``pretrain.train.Trainer.train_step``: the objective, the learning-rate and
     weight-decay schedules, clipping, AdamW, the EMA teacher) on random uint8 images, median of ``steps`` after
-    ``warmup``; throughput, memory and MFU from it. Also returns what profiles n more of the same steps
-    (``step_profile.profile_steps``), to call once the figures are reported; it holds the trainer."""
+    ``warmup``; throughput, memory and MFU from it. Also returns the probe that takes more of the same steps."""
     import torch
 
     from pretrain.train import Trainer, peak_flops, train_flops_per_image
@@ -80,7 +108,7 @@ def measure_steps(
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         "mfu": round(images_per_s * flops_per_image / peak, 4) if peak else None,
     }
-    return result, lambda n: profile_steps(trainer, micro_batches, len(times), n, device)
+    return result, StepProbe(trainer, micro_batches, len(times), device)
 
 
 def breakdown_in_time(profile: Callable[[int], dict], steps: int, step_s: float, deadline: Deadline) -> dict:
@@ -178,7 +206,7 @@ def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: di
                 model, built = build_model(cfg, device), setting["compile"]
             set_activation_checkpointing(model, cfg.model.activation_checkpointing)
             configure_fsdp(fsdp_chains(model), cfg.fsdp)
-            result, profile = measure_steps(cfg, model, device, sz.warmup, sz.steps, deadline)
+            result, probe = measure_steps(cfg, model, device, sz.warmup, sz.steps, deadline)
         except Exception as exc:  # noqa: BLE001 - out of memory, a compiler error: that setting's row says so
             first_line = (str(exc).splitlines() or [""])[0][:300]
             row = {**setting, "error": f"{type(exc).__name__}: {first_line}"}
@@ -188,11 +216,14 @@ def part_pretrain(sz: Sizes, deadline: Deadline, report: PartReport, context: di
             return row
         row = {**setting, **result}
         report.append("runs", row)  # before the profile: a part stopped in it keeps the figures
-        if sz.profile_steps and setting["compile"] not in profiled:
+        if setting["compile"] not in profiled:  # the first setting of each built model
             profiled.add(setting["compile"])
-            breakdown = breakdown_in_time(profile, sz.profile_steps, result["step_s"], deadline)
-            report.append("breakdowns", {**setting, **breakdown})
-        del profile  # the trainer's optimiser state goes before the next setting's
+            if not setting["compile"] and "flash_attention" not in report.data:
+                report.set(flash_attention=probe.flash_only())
+            if sz.profile_steps:
+                breakdown = breakdown_in_time(probe.profile, sz.profile_steps, result["step_s"], deadline)
+                report.append("breakdowns", {**setting, **breakdown})
+        del probe  # the trainer's optimiser state goes before the next setting's
         return row
 
     best = sweep(sz.pretrain_sweep, measure)

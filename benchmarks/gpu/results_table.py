@@ -67,6 +67,8 @@ def table_rows(parts: dict) -> list[tuple[str, str, str]]:
                 rows.append((part, name, value))
             if r.get("best"):
                 rows.append((part, "best setting", setting_name(r["best"])))
+            if r.get("flash_attention"):
+                rows.append((part, "attention on the flash kernel alone (eager step)", r["flash_attention"]))
             for b in r.get("breakdowns", []):
                 rows += breakdown_rows(b)
         elif part == "data_wait":

@@ -666,3 +666,28 @@ def test_a_compiled_block_checkpoints_selectively_as_eager_does():
     with torch._dynamo.config.patch(error_on_recompile=True):  # the policy is one function: no new guard fails
         again = _loss_and_grads(compiled, images)
     assert torch.allclose(again[1], got[1])
+
+
+@pytest.mark.parametrize("size", ["tiny", "tiny-4k"])
+def test_the_pretraining_step_gives_attention_a_mask_only_in_windowed_blocks(size):
+    """The MAE encoder attends over its kept tokens alone, the teacher and the decoder over whole sequences: no mask,
+    so on a GPU the flash kernel can serve every call (the GPU check's probe holds a step to it). Only a 4K student's
+    windowed blocks exclude the masked patches of a kept window by a mask."""
+    from pretrain.config import PretrainConfig
+    from pretrain.objective import JointObjective
+
+    cfg = load_config(
+        PretrainConfig,
+        Path(__file__).resolve().parents[2] / "configs/pretrain/tiny.yaml",
+        [f"model.size={size}", "objective.views.global_size=[64,64]", "objective.views.local_size=[32,32]"],
+    )
+    model = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=10)
+    calls: list[tuple[Attention, bool]] = []
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.register_forward_pre_hook(lambda m, args: calls.append((m, len(args) > 2 and args[2] is not None)))
+    model(torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8), step=0)["loss"].backward()
+    windowed = {blk.attn for blk in model.student.local_blocks}  # the teacher's windows are whole: no mask
+    attentions = {m for m in model.modules() if isinstance(m, Attention)}
+    assert {m for m, _ in calls} == attentions  # student, teacher and decoder: each attention ran
+    assert {m for m, masked in calls if masked} == (windowed if size.endswith("-4k") else set())

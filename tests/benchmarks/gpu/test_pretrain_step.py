@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from benchmarks.gpu.harness import MARGIN_S, Deadline
 from benchmarks.gpu.pretrain_step import (
     PROFILE_READ_S,
+    StepProbe,
     breakdown_in_time,
     pretrain_config,
     set_activation_checkpointing,
@@ -150,3 +151,18 @@ def test_the_profile_runs_only_where_the_deadline_leaves_room_and_its_error_is_r
     assert breakdown_in_time(profile, 2, step_s=1.0, deadline=soon)["skipped"].endswith(f"{need:.0f} s needed")
     assert breakdown_in_time(profile, 2, 1.0, later) == {"error": "RuntimeError: CUPTI unavailable for 2 steps"}
     assert breakdown_in_time(lambda n: {"steps": n}, 2, 1.0, later) == {"steps": 2}
+
+
+def test_the_flash_probe_runs_a_step_on_the_flash_kernel_alone_and_says_why_not(one_process):
+    cfg = pretrain_config(SMOKE, {})
+    trainer = Trainer(build_model(cfg, one_process), cfg, one_process)
+    images = [torch.randint(0, 256, (cfg.data.batch_size, 3, *cfg.image_size), dtype=torch.uint8)]
+    probe = StepProbe(trainer, images, next_step=0, device=one_process)
+    assert probe.flash_only() == "every call" and probe.next_step == 1  # the CPU's flash kernel
+
+    class Refused:  # what PyTorch raises where a call's mask, dtype or head size rules the kernel out
+        def train_step(self, step, micro_batches):
+            raise RuntimeError("No available kernel. Aborting execution.\nmore")
+
+    probe = StepProbe(Refused(), images, next_step=3, device=one_process)
+    assert probe.flash_only() == "not every call: No available kernel. Aborting execution." and probe.next_step == 4
