@@ -35,7 +35,7 @@ from pretrain.backbone import SIZES, build
 from pretrain.config import PretrainConfig
 from pretrain.export import BACKBONE_FILE, export_backbone, load_backbone
 from pretrain.objective import TERMS, JointObjective, collapse_state
-from pretrain.train import build_model, build_optimizer, console_line, fingerprint
+from pretrain.train import Trainer, build_model, build_optimizer, console_line, fingerprint
 from training import checkpoint as ckpt
 from training.config import OptimSettings
 from training.metrics import latest_per_step, read_metrics
@@ -519,5 +519,33 @@ def test_the_teacher_update_on_sharded_parameters_equals_a_lerp_per_parameter():
         assert cfg.objective.cl.momentum < m < cfg.objective.cl.momentum_end
         for t, t0, s in zip(teacher, before, student):
             torch.testing.assert_close(t.to_local(), t0.lerp(s.to_local(), 1 - m))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # inductor compiles the tiny blocks on the CPU: about a minute
+def test_compiled_blocks_under_fsdp2_train_as_eager_with_every_checkpointing_mode_and_schedule():
+    """Each block compiled with its checkpointing inside (the order of ``build_model``), then sharded: the steps'
+    terms equal the eager model's for full and selective checkpointing, also with the gathered parameters kept to
+    the backward and two blocks prefetched, the settings the GPU check sweeps on one compiled model."""
+    base = ["ray.workers=1", "objective.views.global_size=[64,48]", "objective.views.local_size=[32,32]"]
+    images = [torch.randint(0, 256, (2, 3, 64, 48), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        terms = {}
+        for setting in (
+            ("model.compile=false", "model.activation_checkpointing=full"),
+            ("model.compile=true", "model.activation_checkpointing=full"),
+            ("model.compile=true", "model.activation_checkpointing=selective"),
+            ("model.compile=true", "model.activation_checkpointing=selective", "fsdp.reshard_after_forward=never",
+             "fsdp.prefetch=2"),
+        ):  # fmt: skip
+            cfg = load_config(PretrainConfig, TINY, [*base, *setting])
+            trainer = Trainer(build_model(cfg, torch.device("cpu")), cfg, torch.device("cpu"))
+            terms[setting] = torch.stack([trainer.train_step(step, images)[0] for step in range(2)])
+        eager = next(iter(terms.values()))
+        assert torch.isfinite(eager).all()
+        for setting, t in list(terms.items())[1:]:
+            torch.testing.assert_close(t, eager, rtol=1e-4, atol=1e-5, msg=lambda m, s=setting: f"{s}: {m}")
     finally:
         dist.destroy_process_group()
