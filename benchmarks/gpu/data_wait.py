@@ -87,14 +87,20 @@ def run_figures(run_uri: str, warmup: int, steps: int) -> dict | None:
     }
 
 
-def measure_path(cfg, root: Path, name: str, path: tuple[str, ...], sz: Sizes, report: PartReport, last: bool) -> None:
-    """One training run on decode path ``path``, its figures appended to the report's ``runs`` (the lowest wait's
+def measure_path(
+    cfg, root: Path, name: str, shards: Path, path: tuple[str, ...], sz: Sizes, report: PartReport, last: bool
+) -> None:
+    """One training run (``name``, under ``root/runs``) of ``shards`` on decode path ``path``, its figures appended to the report's ``runs`` (the lowest wait's
     also at the top level). Where no other path is to follow (``last``, or the wait within the goal) the part ends
     at the run's last metrics line: its final checkpoint (GBs for 0.4B) is not waited for."""
+    from pretrain import data
     from pretrain.train import fit
     from training.runner import run_uri_for
 
     run_uri = run_uri_for(str(root / "runs"), name)
+    Path(run_uri).mkdir(parents=True)
+    index = data.ensure_index(str(shards), run_uri)
+    report.set(shards_images=index.num_samples, batch=cfg.data.batch_size)
     steps = sz.data_warmup + sz.data_steps
     seen = threading.Event()
 
@@ -122,8 +128,6 @@ def part_data_wait(sz: Sizes, deadline: Deadline, report: PartReport, context: d
     import torch
 
     from common.ray_utils import init_ray
-    from pretrain import data
-    from training.runner import run_uri_for
 
     setting = context.get("setting") or {axis: values[0] for axis, values in sz.pretrain_sweep.items()}
     steps = sz.data_warmup + sz.data_steps
@@ -148,10 +152,7 @@ def part_data_wait(sz: Sizes, deadline: Deadline, report: PartReport, context: d
                 report.append("skipped", {"decode_path": list(path), "why": f"{deadline.left():.0f} s left"})
                 break
             cfg = pretrain_config(sz, context, *base, *path)
-            run_uri = run_uri_for(str(root / "runs"), f"gpu-check-{i}")
-            Path(run_uri).mkdir(parents=True)
-            index = data.ensure_index(str(shards), run_uri)
-            report.set(shards_images=index.num_samples, batch=cfg.data.batch_size)
-            measure_path(cfg, root, f"gpu-check-{i}", path, sz, report, last=i == len(sz.data_paths) - 1)
+            last = i == len(sz.data_paths) - 1
+            measure_path(cfg, root, f"gpu-check-{i}", shards, path, sz, report, last)
     finally:
         shutil.rmtree(root, ignore_errors=True)
