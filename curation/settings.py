@@ -29,6 +29,7 @@ from curation.models.settings import (
     QualityModelSettings,
     YoloModelSettings,
 )
+from curation.phases.dedup.link_rule import LinkRule
 
 
 class StageSettings(Strict):
@@ -134,13 +135,40 @@ class ModelSettings(Strict):
     fault_injection: FaultInjectionModelSettings = FaultInjectionModelSettings()
 
 
-class DedupSettings(Strict):
-    """Phase 2: near-duplicates by pHash distance and by embedding similarity; one image kept per group."""
+class LinkRegionSettings(Strict):
+    """One region of the link rule (``curation.phases.dedup.link_rule``): a pair within ``phash_radius`` bits of pHash
+    and, when ``min_cosine`` is set, at or above that embedding cosine is linked as a copy."""
 
-    phash_radius: int = Field(8, ge=0, le=32)  # Hamming distance over 64 bits
-    embedding_threshold: float = Field(0.95, ge=-1, le=1)  # cosine similarity
+    phash_radius: int = Field(ge=0, le=64)  # Hamming distance over 64 bits: the most; the run may lower it (fit_radii)
+    min_cosine: float | None = Field(None, ge=-1, le=1)  # None: the pHash alone, searched over the whole pool
+
+    @model_validator(mode="after")
+    def _searchable(self) -> LinkRegionSettings:
+        if self.min_cosine is None and self.phash_radius > 32:
+            raise ValueError("a pHash-alone region (no min_cosine) searches the whole pool: phash_radius <= 32")
+        return self
+
+
+class DedupSettings(Strict):
+    """Phase 2: near-duplicates by pHash distance and embedding similarity; one image kept per group."""
+
+    # A pair is linked when it falls in any region. Measured on real photos and their copies
+    # (benchmarks/dedup_truth.py): re-encodes, resizes, tone and colour changes stay within a few pHash bits and above
+    # ~0.85 cosine; light crops move 10-20 bits and stay above ~0.95. An empty list turns dedup off.
+    links: list[LinkRegionSettings] = [
+        LinkRegionSettings(phash_radius=3),  # the pHash alone
+        LinkRegionSettings(phash_radius=12, min_cosine=0.80),  # pHash-led, confirmed by the embedding
+        LinkRegionSettings(phash_radius=24, min_cosine=0.95),  # embedding-led, confirmed by the pHash
+    ]
+    # Expected chance links (unrelated pairs linked) per survivor at most, estimated from the run's own sample
+    # (curation.phases.dedup.chance); at least half a link in the whole run.
+    max_chance_fraction: float = Field(1e-4, gt=0)
+    # Lower each region's radius to what the pool's N allows (true), or use the radii as configured and stop the phase
+    # when their estimate exceeds the bound (false) unless allow_chance (the excess is recorded in the summary and card).
+    fit_radii: bool = True
+    allow_chance: bool = False
+    chance_pairs: int = Field(4_000_000, ge=1000)  # random pairs the estimate measures the pHash distances of
     embedding_k: int = Field(16, ge=1)  # neighbours examined per image
-    signals: list[Literal["phash", "embedding"]] = ["phash", "embedding"]
     # keep rule: highest of the first score column that is set (aesthetic on the full profile, quality on lite),
     # then larger resolution, then smaller key
     keep_score: list[str] = ["aesthetic", "quality"]
@@ -154,6 +182,9 @@ class DedupSettings(Strict):
     # pairs across boundaries and writes more rows.
     max_probes: int = Field(7, ge=0)
     probe_z: float = Field(1.0, gt=0)
+
+    def rule(self) -> LinkRule:
+        return LinkRule.of([(r.phash_radius, r.min_cosine) for r in self.links])
 
 
 class SampleSettings(Strict):

@@ -23,6 +23,7 @@ from common.ray_utils import init_ray
 from common.storage import DamagedRecordError, StorageError, join, redact
 from common.watchdog import Watchdog
 from curation.config import CurateConfig
+from curation.phases.dedup.chance import ChanceBoundError
 from curation.phases.pipeline import GlobalPhases, PhaseOrderError, check_order, phase_done
 from curation.phases.release import Release, ReleaseError, open_release
 from curation.records import commit_files
@@ -107,7 +108,8 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
     try:
         with Watchdog("jobs.curate", cfg.watchdog.minutes):
             return _run_phases(cfg, args, out, pool, lease, phases, shards, pinned is not None, release)
-    except (PhaseOrderError, DamagedRecordError) as exc:  # a damaged record's message names it and what to do
+    # a damaged record's message names it and what to do; a chance bound, the setting to change
+    except (PhaseOrderError, DamagedRecordError, ChanceBoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -51,8 +51,10 @@ from common.storage import (
 )
 from curation.config import CurateConfig
 from curation.phases import survivors
+from curation.phases.dedup import chance
 from curation.phases.dedup.components import run_components
-from curation.phases.dedup.embedding_pairs import run_embedding_pairs
+from curation.phases.dedup.embedding_pairs import plan_embedding_search, search_embedding_pairs
+from curation.phases.dedup.embedding_tasks import read_chance
 from curation.phases.dedup.phash_pairs import run_phash_pairs
 from curation.phases.release import RELEASE_UID_MIN, Release, survey_release_partition
 from curation.phases.sample.cluster_sampling import run_sample
@@ -243,27 +245,53 @@ class GlobalPhases:
         cfg, runner = self.cfg.dedup, self.runner("dedup")
         n = runner.run(Survey(self))["rows"]
         files = self.survivor_files + self.release_files  # the release's images are linked like any survivor
+        configured = cfg.rule()
+        if not n or not configured.regions:
+            return {"inputs": n, "partitions": len(files), "pairs": {}, "components": {}}
+        # the plan's sample gives the clusters and the chance histograms; the rule's radii follow from them
+        probe_at = max((r.min_cosine for r in configured.joint if r.min_cosine is not None), default=1.0)
+        plan = plan_embedding_search(
+            runner,
+            files,
+            probe_at,
+            cluster_size=cfg.cluster_size,
+            seed=self.cfg.sample.seed,
+            max_probes=cfg.max_probes,
+            probe_z=cfg.probe_z,
+            chance_pairs=cfg.chance_pairs,
+        )
+        estimate = chance.decide(
+            read_chance(self.fs, self.root),
+            configured,
+            cfg.max_chance_fraction,
+            fit_radii=cfg.fit_radii,
+            allow=cfg.allow_chance,
+        )
+        log.info(estimate.line())
+        rule = estimate.rule
         pair_files: dict[str, list[str]] = {}
         summaries = {}
-        if "phash" in cfg.signals and n:
-            summaries["phash"] = run_phash_pairs(runner, files, cfg.phash_radius)
+        if rule.hash_radius >= 0:
+            summaries["phash"] = run_phash_pairs(runner, files, rule.hash_radius)
             pair_files["phash"] = self.output.listed(LAYOUT.phash_pairs)
-        if "embedding" in cfg.signals and n:
-            summaries["embedding"] = run_embedding_pairs(
-                runner,
-                files,
-                cfg.embedding_threshold,
-                cfg.embedding_k,
-                cluster_size=cfg.cluster_size,
-                seed=self.cfg.sample.seed,
-                max_probes=cfg.max_probes,
-                probe_z=cfg.probe_z,
-            )
+        threshold = rule.search_threshold
+        if threshold is not None:
+            summaries["embedding"] = search_embedding_pairs(runner, plan, threshold, cfg.embedding_k, rule.joint)
             pair_files["embedding"] = self.output.listed(LAYOUT.embedding_pairs)
-        result = run_components(runner, pair_files, files) if n else {}
+        result = run_components(runner, pair_files, files)
         released = f" (the release's kept images in {len(self.release_files)} of them)" if self.release_files else ""
-        log.info(f"[dedup] {n} survivors in {len(files)} partitions{released}; {result}")
-        return {"inputs": n, "partitions": len(files), "pairs": summaries, "components": result}
+        log.info(
+            f"[dedup] {n} survivors in {len(files)} partitions{released}: {result['dropped']} dropped as copies "
+            f"({', '.join(f'{k} {v}' for k, v in result['by_signal'].items()) or 'no links'}) in "
+            f"{result['components']} groups"
+        )
+        return {
+            "inputs": n,
+            "partitions": len(files),
+            "chance": estimate.summary(),
+            "pairs": summaries,
+            "components": result,
+        }
 
     # --- phase 3: sample -----------------------------------------------------------------------------------------
 
@@ -280,6 +308,8 @@ class GlobalPhases:
     def _write(self) -> dict:
         partition_of = {record["shard_id"]: i for i, shards in enumerate(self.partitions) for _, record in shards}
         manifest = write_phase(self.runner("write"), self.cfg, self.records, partition_of, len(self.partitions))
+        dedup = read_done(self.fs, self.root, "dedup")  # how dedup decided, for the card
+        manifest = {**manifest, "dedup": {"chance": dedup.get("chance"), "components": dedup.get("components")}}
         if self.against is not None:  # this output is the release's next version
             manifest = {**manifest, "version": self.against.version + 1, "previous": self.against.previous()}
         self.guard()

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from curation.phases.dedup.link_rule import Region
+
 POINTS_PER_CENTROID = 64  # k-means training rows per centroid
 KMEANS_ITERATIONS = 10
 HOLDOUT_EVERY = 5  # every 5th sample row predicts cluster sizes: training rows sit closer to their centroids
@@ -103,6 +105,7 @@ class SearchSettings:
     threshold: float
     probes: ProbeRule
     layout: Layout
+    confirm: tuple[Region, ...] = ()  # the link rule's joint regions a listed pair must fall in (none: every pair)
 
 
 def kmeans(x: np.ndarray, k: int, seed: int) -> np.ndarray:
@@ -121,7 +124,7 @@ def kmeans(x: np.ndarray, k: int, seed: int) -> np.ndarray:
     return km.centroids
 
 
-def _nearest(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+def nearest(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
     """The nearest centroid of each row (L2, as k-means assigns)."""
     import faiss
 
@@ -155,7 +158,7 @@ def _split_oversized(
     """Centroids whose share of the held-out rows predicts more than ``max_cluster`` members, replaced by a
     k-means of their sample rows into clusters of about ``cluster_size``; returns the centroids and how many were
     split."""
-    home = _nearest(sample, centroids)
+    home = nearest(sample, centroids)
     predicted = np.bincount(home[held_out], minlength=len(centroids)) * (n / held_out.sum())
     big = np.flatnonzero(predicted > layout.max_cluster)
     if big.size == 0:

@@ -51,7 +51,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import ray
@@ -68,6 +68,7 @@ from curation.phases.dedup.embedding_tasks import (
     search_bucket,
     write_no_pairs,
 )
+from curation.phases.dedup.link_rule import Region
 from curation.steps.output import Output
 from curation.steps.runner import Step, StepRunner
 from curation.steps.window import parquet_rows
@@ -82,12 +83,15 @@ class EmbeddingPlan(Step):
     name = "embedding-plan"
     unit_name = "plans"
 
-    def __init__(self, output: Output, files: list[str], counts: np.ndarray, layout: Layout, probes: ProbeRule):
+    def __init__(
+        self, output: Output, files: list[str], counts: np.ndarray, layout: Layout, probes: ProbeRule, chance_pairs: int
+    ):
         self.output, self.files, self.counts, self.layout, self.probes = output, files, counts, layout, probes
+        self.chance_pairs = chance_pairs
 
     def fingerprint(self) -> dict:
         files = {"files": list(self.files), "counts": self.counts.tolist()}
-        return {**files, "layout": asdict(self.layout), "probes": asdict(self.probes)}
+        return {**files, "layout": asdict(self.layout), "probes": asdict(self.probes), "chance": self.chance_pairs}
 
     def outputs(self) -> list[str]:
         return [PLAN_DIR]
@@ -96,7 +100,7 @@ class EmbeddingPlan(Step):
         return ["plan"] if self.counts.sum() >= 2 else []
 
     def run_unit(self, unit: str) -> ray.ObjectRef:
-        return make_plan.remote(self.output.uri, self.files, self.counts, self.layout, self.probes)
+        return make_plan.remote(self.output.uri, self.files, self.counts, self.layout, self.probes, self.chance_pairs)
 
     def reduce(self, receipts: Sequence[dict]) -> dict:
         if not receipts:
@@ -149,7 +153,8 @@ class EmbeddingSearch(Step):
         self.output, self.n_files, self.plan, self.settings = output, n_files, plan, settings
 
     def fingerprint(self) -> dict:
-        return {"k": self.settings.k, "threshold": self.settings.threshold}
+        confirm = [asdict(r) for r in self.settings.confirm]
+        return {"k": self.settings.k, "threshold": self.settings.threshold, "confirm": confirm}
 
     def outputs(self) -> list[str]:
         return [PAIRS_DIR]
@@ -174,11 +179,21 @@ class EmbeddingSearch(Step):
         }
 
 
-def run_embedding_pairs(
+@dataclass(frozen=True)
+class SearchPlan:
+    """The plan step's result, and what the assign and search steps share with it."""
+
+    survivor_files: list[str]
+    survivors: int
+    layout: Layout
+    probes: ProbeRule
+    stats: dict  # the plan step's stats (clusters, buckets, ...)
+
+
+def plan_embedding_search(
     runner: StepRunner,
     survivor_files: list[str],
     threshold: float,
-    k: int,
     *,
     cluster_size: int | None = None,
     sample_size: int = 500_000,
@@ -188,15 +203,16 @@ def run_embedding_pairs(
     max_probes: int = 7,
     probe_z: float = 1.0,
     bucket_rows: int = 500_000,
-) -> dict:
-    """Write ``dedup/pairs/embedding/part-<bucket>.parquet``: the embedding near-duplicate pairs of the survivors,
-    by the steps plan, assign and search on ``runner``. Returns a summary for the phase's record.
+    chance_pairs: int = 10**6,
+) -> SearchPlan:
+    """The plan step: centroids, buckets and the chance histograms (``embedding_tasks.CHANCE_FILE``) of the survivors.
 
-    ``survivor_files``: paths relative to the runner's output in the survivors schema (``uid``, ``embedding`` are
-    read). ``cluster_size``: mean survivors per cluster (None: ``default_cluster_size``); ``max_cluster``: home rows
-    above which a cluster is split (None: 4 x cluster_size); ``sample_size``: most k-means sample rows held by the
-    plan task; ``buckets``: search tasks (None: the predicted (survivor, cluster) rows / ``bucket_rows``, at least
-    one per survivor file); ``max_probes``, ``probe_z``: see ``ProbeRule``.
+    ``survivor_files``: paths relative to the runner's output in the survivors schema (``uid``, ``phash`` and
+    ``embedding`` are read). ``threshold``: the cosine the probe rule sizes its margin for. ``cluster_size``: mean
+    survivors per cluster (None: ``default_cluster_size``); ``max_cluster``: home rows above which a cluster is split
+    (None: 4 x cluster_size); ``sample_size``: most k-means sample rows held by the plan task; ``buckets``: search
+    tasks (None: the predicted (survivor, cluster) rows / ``bucket_rows``, at least one per survivor file);
+    ``max_probes``, ``probe_z``: see ``ProbeRule``; ``chance_pairs``: random pairs the chance estimate measures.
     """
     out = runner.output
     counts = np.asarray(parquet_rows(out.fs, [out.path(f) for f in survivor_files]), np.int64)
@@ -206,19 +222,43 @@ def run_embedding_pairs(
         cluster_size, max(max_cluster or 4 * cluster_size, cluster_size), sample_size, buckets, bucket_rows, seed
     )
     probes = ProbeRule(max_probes, probe_z, threshold)
-    plan = runner.run(EmbeddingPlan(out, survivor_files, counts, layout, probes))
-    assigned = runner.run(EmbeddingAssign(out, survivor_files, probes, plan))
-    settings = SearchSettings(k, threshold, probes, layout)
-    searched = runner.run(EmbeddingSearch(out, len(survivor_files), plan, settings))
+    stats = runner.run(EmbeddingPlan(out, survivor_files, counts, layout, probes, chance_pairs))
+    return SearchPlan(list(survivor_files), n, layout, probes, stats)
+
+
+def search_embedding_pairs(
+    runner: StepRunner, plan: SearchPlan, threshold: float, k: int, confirm: tuple[Region, ...] = ()
+) -> dict:
+    """The assign and search steps: ``dedup/pairs/embedding/part-<bucket>.parquet``, the pairs among each survivor's
+    ``k`` nearest at >= ``threshold`` that fall in a ``confirm`` region (every such pair where none is given).
+    Returns a summary for the phase's record."""
+    out = runner.output
+    assigned = runner.run(EmbeddingAssign(out, plan.survivor_files, plan.probes, plan.stats))
+    settings = SearchSettings(k, threshold, plan.probes, plan.layout, confirm)
+    searched = runner.run(EmbeddingSearch(out, len(plan.survivor_files), plan.stats, settings))
     delete_quietly(out.fs, out.path(BUCKETS_DIR))  # each search removed its bucket; this, the empty folders
-    if not plan["clusters"]:
-        return {"survivors": n, "clusters": 0, "buckets": 1, "pairs": 0}
+    if not plan.stats["clusters"]:
+        return {"survivors": plan.survivors, "clusters": 0, "buckets": 1, "pairs": 0}
     return {
-        "survivors": n,
-        **plan,
+        "survivors": plan.survivors,
+        **plan.stats,
+        "threshold": threshold,
         "pairs": searched["pairs"],
         "buckets_searched": searched["buckets_searched"],
         "rows_assigned": assigned["rows"],
         "largest_cluster": searched["largest_cluster"],
         "cpu_s": {"assign": assigned["cpu_s"], "search": searched["cpu_s"]},
     }
+
+
+def run_embedding_pairs(
+    runner: StepRunner,
+    survivor_files: list[str],
+    threshold: float,
+    k: int,
+    confirm: tuple[Region, ...] = (),
+    **plan_settings,
+) -> dict:
+    """``plan_embedding_search`` then ``search_embedding_pairs``, at one ``threshold``."""
+    plan = plan_embedding_search(runner, survivor_files, threshold, **plan_settings)
+    return search_embedding_pairs(runner, plan, threshold, k, confirm)

@@ -24,6 +24,7 @@ from common.storage import (
     write_json_atomic,
     write_parquet_atomic,
 )
+from curation.phases.dedup import chance
 from curation.phases.dedup.embedding_clusters import (
     Centroids,
     Layout,
@@ -31,19 +32,23 @@ from curation.phases.dedup.embedding_clusters import (
     SearchSettings,
     cluster_pairs,
     concat_pairs,
+    nearest,
     plan_clusters,
     sample_quotas,
     sample_rows,
 )
+from curation.phases.dedup.link_rule import LinkRule, pair_distances
 from curation.steps.window import run_tasks, task_window
 
 PAIRS_DIR, BUCKETS_DIR, PLAN_DIR = LAYOUT.embedding_pairs, LAYOUT.embedding_buckets, LAYOUT.embedding_plan
 CENTROIDS_FILE, BUCKETS_FILE = f"{PLAN_DIR}/centroids.npy", f"{PLAN_DIR}/buckets.json"
+CHANCE_FILE = f"{PLAN_DIR}/chance.json"  # the sample's histograms (curation.phases.dedup.chance.ChanceSample)
 PAIRS_SCHEMA = pa.schema(
     [
         pa.field("a", pa.int64(), nullable=False),
         pa.field("b", pa.int64(), nullable=False),
         pa.field("similarity", pa.float32(), nullable=False),
+        pa.field("distance", pa.uint8(), nullable=False),  # pHash Hamming distance; 65 where a pHash is missing
     ]
 )
 
@@ -79,44 +84,69 @@ def _read_arrow(fs, path: str) -> pa.Table:
 # --- plan -----------------------------------------------------------------------------------------------------------
 
 
+def _hashes(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """A ``phash`` column as uint64 values (0 where null) and whether each is set."""
+    column = column.combine_chunks()
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    return column.fill_null(0).to_numpy().astype(np.uint64), valid
+
+
 @ray.remote(num_cpus=1)
-def _sample_file(out_uri: str, path: str, file_index: int, quota: int, seed: int) -> tuple[int, np.ndarray]:
+def _sample_file(
+    out_uri: str, path: str, file_index: int, quota: int, seed: int
+) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     fs, root = resolve(out_uri)
-    table = pq.read_table(join(root, path), columns=["embedding"], filesystem=fs)
+    table = pq.read_table(join(root, path), columns=["embedding", "phash"], filesystem=fs)
     rows = np.sort(np.random.default_rng([seed, file_index]).choice(table.num_rows, quota, replace=False))
-    return file_index, _matrix(table.column("embedding").take(pa.array(rows, pa.int64())))
+    table = table.take(pa.array(rows, pa.int64()))
+    return file_index, (_matrix(table.column("embedding")), *_hashes(table.column("phash")))
 
 
-def _draw_sample(out_uri: str, files: list[str], counts: np.ndarray, size: int, seed: int) -> np.ndarray:
+def _draw_sample(
+    out_uri: str, files: list[str], counts: np.ndarray, size: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A uniform sample of the survivors: embeddings, pHashes and whether each pHash is set."""
     fs, root = resolve(out_uri)
     quotas = sample_quotas(counts, size)
     dim = pq.read_schema(join(root, files[0]), filesystem=fs).field("embedding").type.list_size
-    sample = np.empty((int(quotas.sum()), dim), np.float32)
+    rows = int(quotas.sum())
+    sample, hashes, hashed = np.empty((rows, dim), np.float32), np.zeros(rows, np.uint64), np.zeros(rows, bool)
     offsets = np.concatenate([[0], np.cumsum(quotas)])
     calls = [
         (lambda i=i, f=f, q=q: _sample_file.remote(out_uri, f, i, int(q), seed))
         for i, (f, q) in enumerate(zip(files, quotas))
         if q
     ]
-    for i, rows in run_tasks(calls, task_window()):
-        sample[offsets[i] : offsets[i + 1]] = rows
-    return sample
+    for i, (x, h, valid) in run_tasks(calls, task_window()):
+        sample[offsets[i] : offsets[i + 1]], hashes[offsets[i] : offsets[i + 1]] = x, h
+        hashed[offsets[i] : offsets[i + 1]] = valid
+    return sample, hashes, hashed
 
 
 @ray.remote(num_cpus=1)
-def make_plan(out_uri: str, files: list[str], counts: np.ndarray, layout: Layout, probes: ProbeRule) -> dict:
+def make_plan(
+    out_uri: str, files: list[str], counts: np.ndarray, layout: Layout, probes: ProbeRule, chance_pairs: int = 10**6
+) -> dict:
     """Sample, train the centroids (written to ``CENTROIDS_FILE``), pack the clusters into buckets (the bucket of
-    each cluster written to ``BUCKETS_FILE``); returns the plan's stats and log lines. A Ray task, so that the driver
-    never holds the training sample."""
+    each cluster written to ``BUCKETS_FILE``), measure the sample's chance histograms (``CHANCE_FILE``); returns the
+    plan's stats and log lines. A Ray task, so that the driver never holds the training sample."""
     n = int(counts.sum())
-    sample = _draw_sample(out_uri, files, counts, sample_rows(n, layout), layout.seed)
+    sample, hashes, hashed = _draw_sample(out_uri, files, counts, sample_rows(n, layout), layout.seed)
     centroids, bucket_of, stats = plan_clusters(sample, n, len(files), layout, probes)
+    home = nearest(sample, centroids)
+    measured = chance.measure(n, hashes, hashed, sample, home, stats["rows_per_survivor"], chance_pairs, layout.seed)
     fs, root = resolve(out_uri)
     buf = io.BytesIO()
     np.save(buf, centroids)
     write_bytes_atomic(fs, join(root, CENTROIDS_FILE), buf.getvalue())
     write_json_atomic(fs, join(root, BUCKETS_FILE), {"bucket_of": bucket_of.tolist()})
+    write_json_atomic(fs, join(root, CHANCE_FILE), measured.to_json())
     return stats
+
+
+def read_chance(fs, root: str) -> chance.ChanceSample:
+    """The chance histograms ``make_plan`` measured."""
+    return chance.ChanceSample.from_json(read_json(fs, join(root, CHANCE_FILE)))
 
 
 def read_plan(fs, root: str) -> tuple[np.ndarray, np.ndarray]:
@@ -143,7 +173,7 @@ def assign_file(
     if exists(fs, join(root, bucket_path(buckets - 1, file_index))):
         return {"rows": 0, "cpu_s": 0.0}
     start = time.process_time()
-    table = pq.read_table(join(root, path), columns=["uid", "embedding"], filesystem=fs)
+    table = pq.read_table(join(root, path), columns=["uid", "phash", "embedding"], filesystem=fs)
     uid = table.column("uid").to_numpy()
     ranked = probes.ranked(_matrix(table.column("embedding")), centroids)
     item, rank = np.nonzero(ranked >= 0)  # one row per (survivor, cluster it is searched in)
@@ -157,6 +187,7 @@ def assign_file(
             "uid": pa.array(uid[item], pa.int64()),
             "home": pa.array(rank == 0),
             "ranked": pa.FixedSizeListArray.from_arrays(pa.array(ranked[item].ravel()), ranked.shape[1]),
+            "phash": table.column("phash").take(pa.array(item, pa.int64())),
             "embedding": table.column("embedding").take(pa.array(item, pa.int64())),
         }
     )
@@ -181,6 +212,14 @@ def _read_bucket(fs, root: str, bucket: int, n_files: int) -> tuple[np.ndarray, 
     return x, rows
 
 
+def _distances(rows: pa.Table, uid: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The pHash distance of each pair (a, b) of uids of ``rows`` (``NO_HASH`` where a pHash is missing)."""
+    hashes, valid = _hashes(rows.column("phash"))
+    order = np.argsort(uid, kind="stable")
+    at_a, at_b = order[np.searchsorted(uid[order], a)], order[np.searchsorted(uid[order], b)]
+    return pair_distances(hashes[at_a], hashes[at_b], valid[at_a], valid[at_b])
+
+
 @ray.remote(num_cpus=1)
 def search_bucket(out_uri: str, bucket: int, n_files: int, s: SearchSettings) -> dict:
     """Write the pairs of one bucket, then delete its rows. Skipped when its pair file exists (an earlier attempt
@@ -199,8 +238,15 @@ def search_bucket(out_uri: str, bucket: int, n_files: int, s: SearchSettings) ->
         found.append(cluster_pairs(x[part], uid[part], home[part], ranked[part], s))  # gathered while searched
         largest = max(largest, int(home[part].sum()))
     a, b, sim = concat_pairs(found)
+    distance = _distances(rows, uid, a, b)
+    if s.confirm:  # the joint regions of the link rule: the pHash confirms the embedding
+        linked = LinkRule(s.confirm).confirmed(distance, sim)
+        a, b, sim, distance = a[linked], b[linked], sim[linked], distance[linked]
     order = np.lexsort((b, a))  # clusters own disjoint pairs: sorting is all that is left
-    pairs = pa.table({"a": a[order], "b": b[order], "similarity": sim[order]}, schema=PAIRS_SCHEMA)
+    pairs = pa.table(
+        {"a": a[order], "b": b[order], "similarity": sim[order], "distance": distance[order].astype(np.uint8)},
+        schema=PAIRS_SCHEMA,
+    )
     write_parquet_atomic(fs, out, pairs, row_group_size=1 << 20)
     delete_quietly(fs, join(root, BUCKETS_DIR, f"b{bucket:05d}"))
     return {

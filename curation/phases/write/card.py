@@ -97,6 +97,33 @@ def card_schema(manifest: dict) -> pa.Schema:
     return schema.curated_schema(dim, manifest.get("metadata_fields"))
 
 
+def dedup_markdown(manifest: dict) -> str:
+    """How dedup decided: the link rule at this pool's N, and the chance links it was expected to make."""
+    dedup = manifest.get("dedup") or {}
+    chance, components = dedup.get("chance"), dedup.get("components") or {}
+    if not chance:
+        return "No near-duplicate search ran in this curation."
+    rows = "\n".join(
+        f"| {r['region']} | {r['configured_radius']} | {r['radius'] if r['radius'] >= 0 else 'off'} | "
+        f"{r['expected_chance_links']:.3g} |"
+        for r in chance["regions"]
+    )
+    over = " The bound was exceeded and allowed by `dedup.allow_chance`." if chance["allowed_over_bound"] else ""
+    by_signal = ", ".join(f"{n} by {s}" for s, n in (components.get("by_signal") or {}).items())
+    return f"""Two images are linked as copies of one picture when their pHash distance (of 64 bits) and the cosine of
+their embeddings fall in one of the regions below; of each group of linked images one is kept. Each region's
+radius is lowered from the configured one to what this pool's size allows, so that the links expected between
+unrelated images by chance, estimated from a sample of this run's own pairs, stay within the bound.
+
+| region | configured radius | radius used | expected chance links |
+|---|---|---|---|
+{rows}
+
+At N = {chance["survivors"]} survivors: {chance["expected_chance_links"]:.3g} chance links expected in all
+({chance["per_survivor"]:.2g} per survivor; bound {chance["bound"]:.3g}).{over} Dropped as copies:
+{components.get("dropped", 0)}{f" ({by_signal})" if by_signal else ""}."""
+
+
 def card_text(manifest: dict) -> str:
     header = yaml.safe_dump(card_header(manifest), sort_keys=False, allow_unicode=True)
     totals, cfg = manifest["totals"], manifest["curation"]
@@ -129,6 +156,10 @@ curation: person boxes and head pose, technical quality, text coverage, pHash, b
 
 `license: other` is a placeholder. The images keep the licences and terms of their sources (the `source` column
 names each one); set the licence that applies before publishing.
+
+## Deduplication
+
+{dedup_markdown(manifest)}
 
 ## Funnel
 

@@ -1,0 +1,277 @@
+"""Dedup truth on real photos: how often each signal, and the link rule, joins a photo to its own copies and to
+other photos.
+
+    python benchmarks/dedup_truth.py                    # package photos + Debian's opencv-doc and darknet photos
+    python benchmarks/dedup_truth.py --no-debian        # the package photos only (no download)
+
+Photos: the ones that ship in installed packages (``generators.sample_pool.load_photos``) and, unless
+``--no-debian``, the photographs in Debian's ``opencv-doc`` and ``darknet`` packages (``apt-get download`` into
+``--work``, unpacked there; the examples' data folders, 368 JPEGs and PNGs of 128 px or more on the short side).
+Copies of one picture inside those packages (the same test image in several docs pages) are folded into one
+original first (``_distinct``). Each original gets ``--variants`` copies of every kind in ``VARIANT_KINDS``: a
+JPEG re-encode, a resize, a light crop, a watermark, a colour shift, a tone change and a combination, with
+seeded parameters. The signals are the pipeline's own: the pHash stage's draft decode and hash, the lite
+embedding stage's decode and descriptor.
+
+Printed: per copy kind, the share of (original, copy) pairs each signal and the rule links (recall); over every
+pair of different originals, how many each links (chance links on unrelated photos) and the precision of each
+over all pairs; and the rule's tail estimate (``curation.phases.dedup.chance``) from the unrelated pairs.
+``--json`` writes the figures for RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageEnhance, ImageFont
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common.imageio import decode, open_reduced  # noqa: E402
+from curation.phases.dedup.link_rule import LinkRule  # noqa: E402
+from curation.stages.embedding import embed  # noqa: E402
+from curation.stages.phash import phash_of  # noqa: E402
+
+DEBIAN_PACKAGES = ("opencv-doc", "darknet")
+# folders of those packages that hold photographs (the docs pages' figures are mostly screenshots and plots)
+PHOTO_FOLDERS = (
+    "usr/share/doc/opencv-doc/examples/data",
+    "usr/share/doc/opencv-doc/examples/text",
+    "usr/share/doc/opencv-doc/examples/hfs/data",
+    "usr/share/doc/opencv-doc/opencv4/html",
+    "usr/share/darknet/data",
+)
+MIN_SIDE = 128
+VARIANT_KINDS = ("reencode", "resize", "crop", "watermark", "colour", "tone", "combo")
+DRAFT_SIDE = 192  # models.phash.draft_side's default
+EMBED_SIDE = 256  # the lite embedding's decode side
+
+
+def _jpeg(img: Image.Image, quality: int) -> bytes:
+    buf = io.BytesIO()
+    img.convert("RGB").save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def _crop(img: Image.Image, frac: float, rng: np.random.Generator) -> Image.Image:
+    cw, ch = round(img.width * frac), round(img.height * frac)
+    x0, y0 = int(rng.integers(0, img.width - cw + 1)), int(rng.integers(0, img.height - ch + 1))
+    return img.crop((x0, y0, x0 + cw, y0 + ch))
+
+
+def _watermark(img: Image.Image, rng: np.random.Generator) -> Image.Image:
+    """A stock-photo mark: semi-transparent text, large across the centre or small in a corner."""
+    from generators.sample_pool import _font_path
+
+    out = img.convert("RGBA")
+    layer = Image.new("RGBA", out.size, (0, 0, 0, 0))
+    draw = ImageDraw.Draw(layer)
+    large = bool(rng.integers(0, 2))
+    size = max(10, (out.width // 9) if large else (out.height // 20))
+    font = ImageFont.truetype(str(_font_path()), size)
+    text = "(c) stockphoto" if large else "(c) photographer.example"
+    box = draw.textbbox((0, 0), text, font=font)
+    w, h = box[2] - box[0], box[3] - box[1]
+    x, y = ((out.width - w) // 2, (out.height - h) // 2) if large else (out.width - w - 8, out.height - h - 8)
+    alpha = int(rng.uniform(0.3, 0.6) * 255)
+    draw.text((x, y), text, font=font, fill=(255, 255, 255, alpha), stroke_width=max(1, size // 15),
+              stroke_fill=(0, 0, 0, alpha // 2))  # fmt: skip
+    return Image.alpha_composite(out, layer).convert("RGB")
+
+
+def _colour(img: Image.Image, rng: np.random.Generator) -> Image.Image:
+    """A hue rotation of 10-30 degrees either way and a saturation change (a filter, a white-balance fix)."""
+    hsv = np.asarray(img.convert("RGB").convert("HSV")).astype(np.int16)
+    shift = int(rng.uniform(7, 21)) * (1 if rng.integers(0, 2) else -1)  # of 255
+    hsv[..., 0] = (hsv[..., 0] + shift) % 256
+    hsv[..., 1] = np.clip(hsv[..., 1] * rng.uniform(0.7, 1.3), 0, 255)
+    return Image.fromarray(hsv.astype(np.uint8), "HSV").convert("RGB")
+
+
+def _tone(img: Image.Image, rng: np.random.Generator) -> Image.Image:
+    img = ImageEnhance.Brightness(img.convert("RGB")).enhance(rng.uniform(0.75, 1.25))
+    return ImageEnhance.Contrast(img).enhance(rng.uniform(0.75, 1.25))
+
+
+def variant(img: Image.Image, kind: str, rng: np.random.Generator) -> bytes:
+    """One copy of ``img`` of ``kind`` (``VARIANT_KINDS``) as JPEG bytes."""
+    if kind == "reencode":
+        return _jpeg(img, int(rng.integers(25, 71)))
+    if kind == "resize":
+        s = rng.uniform(0.4, 0.85)
+        return _jpeg(img.resize((max(8, round(img.width * s)), max(8, round(img.height * s))), Image.LANCZOS), 85)
+    if kind == "crop":
+        return _jpeg(_crop(img, rng.uniform(0.88, 0.97), rng), 90)
+    if kind == "watermark":
+        return _jpeg(_watermark(img, rng), 90)
+    if kind == "colour":
+        return _jpeg(_colour(img, rng), 90)
+    if kind == "tone":
+        return _jpeg(_tone(img, rng), 90)
+    if kind == "combo":  # resized, lightly cropped and re-saved: a repost
+        s = rng.uniform(0.5, 0.9)
+        small = _crop(img, rng.uniform(0.93, 0.99), rng)
+        small = small.resize((max(8, round(small.width * s)), max(8, round(small.height * s))), Image.LANCZOS)
+        return _jpeg(small, int(rng.integers(40, 81)))
+    raise ValueError(f"unknown copy kind {kind!r}")
+
+
+def signals(data: bytes) -> tuple[int, np.ndarray]:
+    """The pHash and the lite embedding exactly as the pipeline's stages compute them."""
+    return phash_of(open_reduced(data, max_side=DRAFT_SIDE, mode="L")), embed(decode(data, max_side=EMBED_SIDE))
+
+
+# --- photos -----------------------------------------------------------------------------------------------------------
+
+
+def debian_photos(work: Path) -> list[tuple[str, bytes]]:
+    """The photographs in Debian's packages (downloaded and unpacked under ``work`` once)."""
+    root = work / "debian"
+    if not (root / ".unpacked").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["apt-get", "download", *DEBIAN_PACKAGES], cwd=root, check=True, capture_output=True)
+        for deb in sorted(root.glob("*.deb")):
+            subprocess.run(["dpkg-deb", "-x", str(deb), str(root / "x")], check=True)
+        (root / ".unpacked").touch()
+    out = []
+    for folder in PHOTO_FOLDERS:
+        for path in sorted((root / "x" / folder).rglob("*")):
+            if path.suffix.lower() not in {".jpg", ".jpeg", ".png"}:
+                continue
+            data = path.read_bytes()
+            try:
+                img = Image.open(io.BytesIO(data))
+                if min(img.size) < MIN_SIDE or img.mode not in {"RGB", "L", "RGBA", "P"}:
+                    continue
+            except Exception:  # noqa: BLE001 - not a picture Pillow reads: not a fixture
+                continue
+            out.append((f"{path.parent.name}/{path.name}", data))
+    return out
+
+
+def package_photos() -> list[tuple[str, bytes]]:
+    from generators.sample_pool import load_photos
+
+    return [(name, photo.data) for name, photo in load_photos().items()]
+
+
+@dataclass
+class Photos:
+    names: list[str]
+    images: list[Image.Image]
+    phash: np.ndarray  # uint64
+    embedding: np.ndarray  # N x D
+
+
+def _distinct(named: list[tuple[str, bytes]]) -> Photos:
+    """One original per picture: byte-identical files once, and copies of one picture inside the packages (the
+    same test image in several pages: pHash within 4 bits and cosine >= 0.98, well inside what any copy kind
+    here reaches) folded into the first."""
+    seen: set[str] = set()
+    names, images, hashes, embs = [], [], [], []
+    for name, data in named:
+        digest = hashlib.sha256(data).hexdigest()
+        if digest in seen:
+            continue
+        seen.add(digest)
+        img = Image.open(io.BytesIO(data)).convert("RGB")
+        h, e = signals(_jpeg(img, 95))
+        if hashes:
+            d = np.bitwise_count(np.asarray(hashes, np.uint64) ^ np.uint64(h))
+            if np.any((d <= 4) & (np.asarray(embs) @ e >= 0.98)):
+                continue
+        names.append(name)
+        images.append(img)
+        hashes.append(h)
+        embs.append(e)
+    return Photos(names, images, np.asarray(hashes, np.uint64), np.asarray(embs, np.float32))
+
+
+# --- evaluation -------------------------------------------------------------------------------------------------------
+
+
+def pair_distances(h: np.ndarray, e: np.ndarray, i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return np.bitwise_count(h[i] ^ h[j]).astype(np.int64), np.einsum("ij,ij->i", e[i], e[j])
+
+
+def evaluate(photos: Photos, n_variants: int, seed: int, rule: LinkRule, n_pool: int) -> dict:
+    """Recall per copy kind and chance links among different originals, per signal and for ``rule``."""
+    rng = np.random.default_rng(seed)
+    kinds, d_copy, c_copy = [], [], []
+    for k, img in enumerate(photos.images):
+        for kind in VARIANT_KINDS:
+            for _ in range(n_variants):
+                h, e = signals(variant(img, kind, rng))
+                kinds.append(kind)
+                d_copy.append(int(np.bitwise_count(np.uint64(h) ^ photos.phash[k])))
+                c_copy.append(float(e @ photos.embedding[k]))
+    kinds_a, d_c, c_c = np.asarray(kinds), np.asarray(d_copy), np.asarray(c_copy)
+    n = len(photos.names)
+    i, j = np.triu_indices(n, 1)
+    d_u, c_u = pair_distances(photos.phash, photos.embedding, i, j)
+    tests = {
+        "phash<=8 (alone)": lambda d, c: d <= 8,
+        "cosine>=0.95 (alone)": lambda d, c: c >= 0.95,
+        "previous: either": lambda d, c: (d <= 8) | (c >= 0.95),
+        "rule": lambda d, c: rule.links(d, c, n_pool),
+    }
+    out: dict = {"originals": n, "copies": int(kinds_a.size), "unrelated_pairs": int(i.size), "signals": {}}
+    for label, test in tests.items():
+        found = test(d_c, c_c)
+        chance = test(d_u, c_u)
+        recall = {kind: round(float(found[kinds_a == kind].mean()), 4) for kind in VARIANT_KINDS}
+        # precision over every pair of the set: n_variants copies per kind and photo, and the unrelated pairs
+        true_pos, false_pos = int(found.sum()), int(chance.sum())
+        out["signals"][label] = {
+            "recall": {"all": round(float(found.mean()), 4), **recall},
+            "chance_links": false_pos,
+            "chance_rate": false_pos / i.size,
+            "precision": round(true_pos / max(true_pos + false_pos, 1), 4),
+            "worst": [
+                [photos.names[a], photos.names[b], int(d), round(float(c), 3)]
+                for a, b, d, c in sorted(zip(i[chance], j[chance], d_u[chance], c_u[chance]), key=lambda t: -t[3])[:5]
+            ],
+        }
+    out["copy_distances"] = {
+        kind: {
+            "phash_p50_p95": [int(np.percentile(d_c[kinds_a == kind], q)) for q in (50, 95)],
+            "cosine_p5_p50": [round(float(np.percentile(c_c[kinds_a == kind], q)), 3) for q in (5, 50)],
+        }
+        for kind in VARIANT_KINDS
+    }
+    out["unrelated"] = {"phash_mean": float(d_u.mean()), "phash_sd": float(d_u.std()),
+                        "cosine_mean": float(c_u.mean()), "cosine_sd": float(c_u.std())}  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", default="out/dedup_truth", help="where the Debian packages are unpacked")
+    ap.add_argument("--no-debian", action="store_true", help="the package photos only")
+    ap.add_argument("--variants", type=int, default=2, help="copies of each kind per original")
+    ap.add_argument("--pool", type=float, default=1e9, help="the pool size N the rule is sized for")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    named = package_photos() + ([] if args.no_debian else debian_photos(Path(args.work)))
+    photos = _distinct(named)
+    print(f"{len(named)} photo files, {len(photos.names)} distinct originals")
+    rule = LinkRule()
+    result = evaluate(photos, args.variants, args.seed, rule, int(args.pool))
+    result["rule"] = rule.describe(int(args.pool))
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

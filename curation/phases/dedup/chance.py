@@ -1,0 +1,304 @@
+"""How many unrelated pairs the link rule would link by chance at the pool's N, estimated from the run's own data.
+
+A bound of ``dedup.max_chance_fraction`` = 1e-4 chance links per survivor at 10^9 survivors is ~2e-13 per pair of
+the pool, or ~1e-8 per pair compared inside an embedding cluster: far below what a sample of pairs shows directly.
+So each population of pairs a region is searched in is measured on a sample, and the rare tail is extrapolated
+from its observable bulk:
+
+- measured (``measure``, in the embedding plan's task, on its uniform sample of survivors): the pHash distances of
+  ``chance_pairs`` random pairs (the population of the pHash-alone region: every pair of the pool), and the joint
+  histogram of (cosine, pHash distance) of random pairs of sample rows that share a home cluster, each cluster's
+  pairs weighted to the pairs the search compares there (its share of N, squared, times the rows per survivor the
+  plan predicts; the home-probe comparisons counted as home-home ones);
+- the pHash-alone region: ``pairs x P(d <= r)``; a joint region (``c >= t``, ``d <= r``): ``W(c >= t) x
+  P(d <= r | c >= t)``, with ``W`` the weighted count of compared pairs at ``c >= t`` (one sampled pair's weight
+  added, so that an unseen tail never counts as empty);
+- ``P(d <= r)``: the normal fitted to the upper half of the population's distances (its median, and the distance
+  from the median to the 84th percentile as the spread), at ``r + 0.5``. The upper half, because the lower tail of a
+  population holds the real copies (at small N and where copies are common they are a visible share of the pairs
+  at high cosine); the normal, because it is a tail no lighter than the binomial of independent bits of the same
+  spread. A joint region fits on the pairs at ``c >= t``, or, where fewer than ``MIN_FIT_PAIRS`` were sampled there,
+  on the highest cosine that has them.
+
+Assumptions, and where they are checked. (1) Unrelated pairs' pHash distances, at each cosine, have a lower tail no
+heavier than that normal: on the benchmark at 200k survivors with 48 random pHash bits (the chance density of a
+~10^9 pool at 64 bits), where chance links at radius 8 are observable (~0.33 per survivor), the estimate is set
+beside the count found (``benchmarks/bench_scale.py --chance-check``); on real photos (``benchmarks/dedup_truth.py``),
+the same beside the observed counts at the radii where they are observable. Real photos have a heavier lower tail
+than the normal where flat or text-like images hash alike; where that mass is common enough to be sampled, it moves
+the fitted median and spread. (2) A sampled pair of a cluster stands for the cluster's pairs: the sample is uniform.
+
+``fit_radii`` (the default) lowers each region's radius to the largest one whose estimate is within its share of the
+bound (the bound split evenly over the regions that are on; a region with no such radius is turned off), so the rule
+a run uses depends on its N, as the chance rate does. Otherwise the configured radii are used, and a total above the
+bound stops the phase with one line naming the setting (``ChanceBoundError``) unless ``dedup.allow_chance``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from curation.phases.dedup.link_rule import HASH_BITS, LinkRule, Region, pair_distances
+
+MIN_FIT_PAIRS = 50  # sampled pairs a population needs before its spread is fitted
+MIN_BOUND = 0.5  # chance links the bound allows in the whole run, however small the pool
+COSINE_BINS = 200  # histogram bins over [-1, 1]: 0.01 wide
+MAX_PAIRS_PER_CLUSTER = 20_000  # sampled pairs of one cluster's sample rows, at most
+
+
+class ChanceBoundError(RuntimeError):
+    """The link rule's expected chance links exceed the bound (its message names the setting to change)."""
+
+
+@dataclass(frozen=True)
+class ChanceSample:
+    """What ``measure`` finds in a sample; small (two histograms), so the driver holds it."""
+
+    survivors: int
+    hashed_pairs: float  # pairs of the pool where both have a pHash
+    global_hist: np.ndarray  # (65,) sampled random pairs by pHash distance
+    cluster_raw: np.ndarray  # (COSINE_BINS, 65) sampled same-cluster pairs by cosine bin and distance
+    cluster_weighted: np.ndarray  # the same, each pair weighted to the compared pairs it stands for
+
+    def to_json(self) -> dict:
+        return {
+            "survivors": self.survivors,
+            "hashed_pairs": self.hashed_pairs,
+            "global_hist": self.global_hist.tolist(),
+            "cluster_raw": self.cluster_raw.tolist(),
+            "cluster_weighted": self.cluster_weighted.tolist(),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> ChanceSample:
+        return cls(
+            int(d["survivors"]),
+            float(d["hashed_pairs"]),
+            np.asarray(d["global_hist"], np.int64),
+            np.asarray(d["cluster_raw"], np.int64),
+            np.asarray(d["cluster_weighted"], np.float64),
+        )
+
+
+def _cosine_bin(c: np.ndarray) -> np.ndarray:
+    return np.clip(np.floor((np.asarray(c, np.float64) + 1) * (COSINE_BINS / 2)), 0, COSINE_BINS - 1).astype(np.int64)
+
+
+def _bin_of_threshold(t: float) -> int:
+    """The first cosine bin a threshold takes whole or in part (conservative: the bin holding ``t`` counts)."""
+    return int(_cosine_bin(np.asarray([t]))[0])
+
+
+def measure(
+    n: int,
+    hashes: np.ndarray,
+    hashed: np.ndarray,
+    x: np.ndarray,
+    home: np.ndarray,
+    rows_per_survivor: float,
+    pairs: int,
+    seed: int,
+) -> ChanceSample:
+    """The sample's histograms: ``hashes`` (uint64) with ``hashed`` (bool: the pHash is set), unit embeddings ``x``
+    and the ``home`` cluster of each of the ``s`` sample rows of a pool of ``n`` survivors."""
+    rng = np.random.default_rng([seed, 7])
+    s = len(hashes)
+    global_hist = np.zeros(HASH_BITS + 1, np.int64)
+    with_hash = np.flatnonzero(hashed)
+    if with_hash.size >= 2:
+        m = min(pairs, with_hash.size * (with_hash.size - 1) // 2)
+        i = rng.integers(0, with_hash.size, m)
+        j = (i + rng.integers(1, with_hash.size, m)) % with_hash.size  # j != i, uniform over the others
+        global_hist = np.bincount(pair_distances(hashes[with_hash[i]], hashes[with_hash[j]]), minlength=HASH_BITS + 1)
+    share = with_hash.size / max(s, 1)
+    hashed_pairs = (n * share) * (n * share - 1) / 2
+
+    raw = np.zeros((COSINE_BINS, HASH_BITS + 1), np.int64)
+    weighted = np.zeros((COSINE_BINS, HASH_BITS + 1), np.float64)
+    order = np.argsort(home, kind="stable")
+    bounds = np.flatnonzero(np.diff(home[order])) + 1
+    for members in np.split(order, bounds) if order.size else []:
+        members = members[hashed[members]]  # a pair without a pHash is never linked by a joint region
+        k = members.size
+        if k < 2:
+            continue
+        i, j = np.triu_indices(k, 1)
+        if i.size > MAX_PAIRS_PER_CLUSTER:
+            pick = rng.choice(i.size, MAX_PAIRS_PER_CLUSTER, replace=False)
+            i, j = i[pick], j[pick]
+        a, b = members[i], members[j]
+        cosine = np.einsum("ij,ij->i", x[a], x[b])
+        d = pair_distances(hashes[a], hashes[b])
+        cell = _cosine_bin(cosine) * (HASH_BITS + 1) + d
+        counts = np.bincount(cell, minlength=raw.size).reshape(raw.shape)
+        # the cluster's members in the pool (its share of the sample, scaled to N) and the pairs compared there
+        size = n * k / s
+        compared = size * (size - 1) / 2 * rows_per_survivor
+        raw += counts
+        weighted += counts * (compared / i.size)
+    return ChanceSample(n, float(hashed_pairs), global_hist, raw, weighted)
+
+
+@dataclass(frozen=True)
+class Tail:
+    """The normal of the unrelated pairs' pHash distances, fitted to the distances beyond ``above`` (a region's own
+    radius: inside it sit the real copies, outside it nearly only unrelated pairs)."""
+
+    mean: float
+    sd: float
+    above: int
+    pairs: int  # sampled pairs beyond ``above`` it was fitted on
+    min_cosine: float | None  # the population: pairs at >= this cosine (None: every pair)
+
+    @classmethod
+    def fit(cls, hist: np.ndarray, above: int, min_cosine: float | None) -> Tail:
+        """Maximum likelihood of the binned, left-truncated normal (scipy): bins ``above + 1 .. 64`` of ``hist``."""
+        from scipy.optimize import minimize
+        from scipy.special import ndtr
+
+        d = np.arange(HASH_BITS + 1, dtype=np.float64)
+        counts = np.where(d > above, np.asarray(hist, np.float64), 0.0)
+        total = counts.sum()
+        if total <= 0:
+            return cls(float(HASH_BITS / 2), float(HASH_BITS), above, 0, min_cosine)
+        lo = (d - 0.5)[counts > 0]
+        hi, n = lo + 1.0, counts[counts > 0]
+
+        def nll(theta: np.ndarray) -> float:
+            mean, sd = theta[0], math.exp(theta[1])
+            kept = max(1.0 - float(ndtr((above + 0.5 - mean) / sd)), 1e-300)
+            p = np.maximum(ndtr((hi - mean) / sd) - ndtr((lo - mean) / sd), 1e-300)
+            return float(-(n * np.log(p / kept)).sum())
+
+        start_mean = float((d * counts).sum() / total)
+        start_sd = math.sqrt(max(float((counts * (d - start_mean) ** 2).sum() / total), 1.0))
+        best = minimize(nll, np.array([start_mean, math.log(start_sd)]), method="Nelder-Mead")
+        # the spread may not shrink below one bit (a single bin, or all pairs at one distance)
+        return cls(float(best.x[0]), max(math.exp(float(best.x[1])), 1.0), above, int(total), min_cosine)
+
+    def p_within(self, radius: int) -> float:
+        """P(d <= radius) under the fitted normal."""
+        if radius < 0:
+            return 0.0
+        return 0.5 * math.erfc(-((radius + 0.5 - self.mean) / self.sd) / math.sqrt(2))
+
+
+@dataclass(frozen=True)
+class RegionEstimate:
+    region: Region
+    pairs: float  # unrelated compared pairs of the region's population (at its cosine), inferred from beyond it
+    tail: Tail
+
+    def expected(self, radius: int) -> float:
+        return self.pairs * self.tail.p_within(radius)
+
+    def fit_radius(self, allowed: float) -> int:
+        """The largest radius up to the region's own whose estimate is within ``allowed`` (-1: none)."""
+        best = -1
+        for r in range(self.region.phash_radius + 1):
+            if self.expected(r) <= allowed:
+                best = r
+        return best
+
+
+def region_estimate(sample: ChanceSample, region: Region) -> RegionEstimate:
+    """The unrelated pairs of the region's population and their fitted distances; the population's pairs within the
+    region's radius are not counted (copies sit there), but inferred from those beyond through the fitted normal."""
+    above = max(region.phash_radius, 0)
+    if region.min_cosine is None:
+        tail = Tail.fit(sample.global_hist, above, None)
+        beyond = sample.global_hist[above + 1 :].sum() / max(sample.global_hist.sum(), 1)
+        return RegionEstimate(region, sample.hashed_pairs * beyond / max(1 - tail.p_within(above), 1e-12), tail)
+    first = _bin_of_threshold(region.min_cosine)
+    fit_from = first
+    while fit_from > 0 and sample.cluster_raw[fit_from:, above + 1 :].sum() < MIN_FIT_PAIRS:
+        fit_from -= 1
+    tail = Tail.fit(sample.cluster_raw[fit_from:].sum(axis=0), above, round(fit_from * 2 / COSINE_BINS - 1, 2))
+    mean_weight = sample.cluster_weighted.sum() / max(sample.cluster_raw.sum(), 1)
+    beyond = float(sample.cluster_weighted[first:, above + 1 :].sum())
+    # one sampled pair's weight added: an unseen population never counts as empty
+    return RegionEstimate(region, beyond / max(1 - tail.p_within(above), 1e-12) + mean_weight, tail)
+
+
+@dataclass(frozen=True)
+class ChanceEstimate:
+    """The rule a run uses and its expected chance links."""
+
+    rule: LinkRule  # with the radii the run uses
+    configured: LinkRule
+    estimates: tuple[RegionEstimate, ...]
+    bound: float
+    survivors: int
+    allowed: bool  # over the bound, and dedup.allow_chance let it proceed
+
+    @property
+    def expected(self) -> float:
+        return float(sum(e.expected(r.phash_radius) for e, r in zip(self.estimates, self.rule.regions)))
+
+    def summary(self) -> dict:
+        """The record of the phase and the card: the rule, per region the radius and estimate, the total."""
+        regions = []
+        for e, used, configured in zip(self.estimates, self.rule.regions, self.configured.regions):
+            regions.append(
+                {
+                    "region": configured.describe(),
+                    "radius": used.phash_radius,
+                    "configured_radius": configured.phash_radius,
+                    "expected_chance_links": float(f"{e.expected(used.phash_radius):.3g}"),
+                    "population_pairs": float(f"{e.pairs:.3g}"),
+                    "fit": {
+                        "mean": round(e.tail.mean, 2),
+                        "sd": round(e.tail.sd, 2),
+                        "beyond": e.tail.above,
+                        "sampled_pairs": e.tail.pairs,
+                        "min_cosine": e.tail.min_cosine,
+                    },
+                }
+            )
+        return {
+            "rule": self.rule.describe(),
+            "survivors": self.survivors,
+            "expected_chance_links": float(f"{self.expected:.3g}"),
+            "per_survivor": float(f"{self.expected / max(self.survivors, 1):.3g}"),
+            "bound": float(f"{self.bound:.3g}"),
+            "allowed_over_bound": self.allowed,
+            "regions": regions,
+        }
+
+    def line(self) -> str:
+        return (
+            f"[dedup] link rule at N={self.survivors}: {self.rule.describe()}; expected chance links "
+            f"{self.expected:.3g} ({self.expected / max(self.survivors, 1):.2g} per survivor, bound {self.bound:.3g})"
+        )
+
+
+def decide(
+    sample: ChanceSample,
+    configured: LinkRule,
+    max_fraction: float,
+    *,
+    fit_radii: bool = True,
+    allow: bool = False,
+) -> ChanceEstimate:
+    """The radii the run uses and their estimate; raises ``ChanceBoundError`` as the module says."""
+    bound = max(max_fraction * sample.survivors, MIN_BOUND)
+    estimates = tuple(region_estimate(sample, r) for r in configured.regions)
+    on = [e for e in estimates if e.region.phash_radius >= 0]
+    share = bound / max(len(on), 1)
+    if fit_radii:
+        rule = configured.with_radii([e.fit_radius(share) if e.region.phash_radius >= 0 else -1 for e in estimates])
+        return ChanceEstimate(rule, configured, estimates, bound, sample.survivors, allowed=False)
+    result = ChanceEstimate(configured, configured, estimates, bound, sample.survivors, allowed=allow)
+    if result.expected > bound and not allow:
+        worst = max(range(len(estimates)), key=lambda k: estimates[k].expected(configured.regions[k].phash_radius))
+        fitted = estimates[worst].fit_radius(share)
+        raise ChanceBoundError(
+            f"dedup: the link rule is expected to link {result.expected:.3g} unrelated pairs by chance at "
+            f"N={sample.survivors}, above dedup.max_chance_fraction x N = {bound:.3g}; lower "
+            f"dedup.links[{worst}].phash_radius (to {fitted}: within its share), or set dedup.fit_radii: true to size "
+            "the radii from N, or dedup.allow_chance: true to go on (recorded in the dedup summary and the card)"
+        )
+    return result
