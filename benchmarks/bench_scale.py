@@ -1,22 +1,28 @@
-"""The global phases (dedup, sample, write) at pool scale: driver memory and time as the number of survivors grows.
+"""The global phases (dedup, sample, write) at pool scale: driver memory, time, and what dedup drops, as N grows.
 
     python benchmarks/bench_scale.py --sizes 200000,1000000
-    python benchmarks/bench_scale.py --sizes 50000 --keep          # keep the synthetic outputs under --work
+    python benchmarks/bench_scale.py --sizes 200000 --phash-bits 48 --previous-rule   # chance links at 10^9 density
+    python benchmarks/bench_scale.py --sizes 1000000 --baseline /tmp/before --pairs 3   # beside another commit
 
 For each size N, a scored output of N phase-1 survivors is synthesised in the real schema (commit records, scored
-and ledger parts per input shard of ``--rows-per-shard``; tiny placeholder image bytes, lite 384-d embeddings from a
-mixture of Gaussians with planted near-duplicates by pHash and by embedding), with no scoring needed. The global
-phases then run in a fresh process on a local Ray (``--cpus``), as ``jobs.curate --phases dedup,sample,write``
-would run them, while a sampler thread records that driver's RSS and the bytes Ray's object store holds in
-``/dev/shm``. Printed per size and phase: wall time, driver peak RSS, object-store peak; then the time slope between
-sizes and one closing line to compare run to run:
+and ledger parts per input shard of ``--rows-per-shard``; small real JPEGs keyed by their sha256, lite 384-d
+embeddings and pHashes as the section "synthesis" below describes, with planted copies of real copies' kinds),
+with no scoring needed. The global phases then run in a fresh process on a local Ray (``--cpus``), as ``jobs.curate
+--phases dedup,sample,write`` would run them, on a hard-linked copy of that output, while a sampler thread records
+that driver's RSS and the bytes Ray's object store holds in ``/dev/shm``. ``--baseline`` runs another checkout's
+global phases on the same inputs, alternating ``--pairs`` times; ``--previous-rule`` this tree's with the link rule
+of before (pHash within 8 bits or cosine >= 0.95). Printed per run and phase: wall time, driver peak RSS,
+object-store peak; the survivors dedup dropped as copies of an image outside their planted group (chance links)
+and the planted copies found with their original, per kind; then the time slope between sizes and one closing
+line to compare run to run:
 
-    driver peak RSS 0.61 GiB at 200000, 0.63 GiB at 1000000; global phases 41 s, 170 s
+    this: driver peak RSS 0.61 GiB at 200000, 0.63 GiB at 1000000; global phases (fastest run) 41 s, 170 s
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import logging
@@ -53,14 +59,114 @@ def config(extra: list[str]) -> CurateConfig:
 
 
 # --- synthesis --------------------------------------------------------------------------------------------------------
+# Unrelated survivors: embeddings from a two-level mixture (concepts, and sub-concepts inside them) whose items are
+# spread by a noise of per-item scale, so that the cosines of unrelated survivors sharing a k-means cluster spread as
+# real photos' do (``MIXTURE`` was chosen by ``--calibrate`` against the quantiles in ``CALIBRATION``, measured by
+# ``benchmarks/dedup_truth.py`` on real photos: not near-orthogonal, with a tail above 0.9); pHashes uniform over
+# ``--phash-bits`` bits (48 at 200k survivors: the chance density of a ~10^9 pool at 64 bits). Planted copies: each
+# copy takes the (pHash distance, cosine) of a real copy of its kind, drawn from ``CALIBRATION`` (re-encodes and
+# resizes close on both signals, crops close on the embedding only, ...). Image bytes are small real JPEGs, keyed by
+# their sha256; a resized copy has fewer pixels than its original.
+
+CALIBRATION = REPO / "benchmarks/dedup_calibration.json"
+CONCEPTS, SUB_CONCEPTS = 256, 16
+# noise scales in units of sqrt(D): log-uniform over [noise_lo, noise_hi], and for a share ``tight`` of the items
+# (near-identical studio shots, stock series) over [TIGHT_NOISE, noise_lo]
+MIXTURE = {"concept": 1.0, "sub_concept": 0.7, "noise_lo": 0.3, "noise_hi": 1.5, "tight": 0.05}
+TIGHT_NOISE = 0.05
 
 
-def _embeddings(n: int, dim: int, rng: np.random.Generator, centres: np.ndarray) -> np.ndarray:
-    """Points around ``centres`` (a long-tailed mixture: some concepts fill much of the pool), L2-normalised."""
-    weights = rng.zipf(1.3, centres.shape[0]).astype(np.float64)
-    which = rng.choice(centres.shape[0], n, p=weights / weights.sum())
-    x = centres[which] + rng.normal(0, 0.35, (n, dim)).astype(np.float32)
+def _mixture_centres(dim: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    concepts = rng.normal(0, 1, (CONCEPTS, dim)).astype(np.float32)
+    concepts /= np.linalg.norm(concepts, axis=1, keepdims=True)
+    subs = rng.normal(0, 1, (CONCEPTS, SUB_CONCEPTS, dim)).astype(np.float32)
+    subs /= np.linalg.norm(subs, axis=2, keepdims=True)
+    return concepts, subs
+
+
+def _embeddings(n: int, rng: np.random.Generator, centres: tuple[np.ndarray, np.ndarray], mix: dict) -> np.ndarray:
+    """Unrelated survivors from the two-level mixture (a long tail of concepts: some fill much of the pool)."""
+    concepts, subs = centres
+    dim = concepts.shape[1]
+    weights = rng.zipf(1.3, CONCEPTS).astype(np.float64)
+    which = rng.choice(CONCEPTS, n, p=weights / weights.sum())
+    sub = rng.integers(0, SUB_CONCEPTS, n)
+    tight = rng.random(n) < mix["tight"]
+    lo = np.where(tight, TIGHT_NOISE, mix["noise_lo"])
+    hi = np.where(tight, mix["noise_lo"], mix["noise_hi"])
+    scale = np.exp(rng.uniform(np.log(lo), np.log(hi))).astype(np.float32)
+    noise = rng.normal(0, 1, (n, dim)).astype(np.float32) * (scale / np.sqrt(dim))[:, None]
+    x = mix["concept"] * concepts[which] + mix["sub_concept"] * subs[which, sub] + noise
     return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def _at_cosine(e: np.ndarray, cosine: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Unit vectors at exactly ``cosine`` from the unit rows of ``e``, in random directions."""
+    u = rng.normal(0, 1, e.shape).astype(np.float32)
+    u -= (u * e).sum(axis=1, keepdims=True) * e
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    c = cosine.astype(np.float32)[:, None]
+    return c * e + np.sqrt(np.maximum(1 - c * c, 0)) * u
+
+
+def _flip(hashes: np.ndarray, distance: np.ndarray, bits: int, rng: np.random.Generator) -> np.ndarray:
+    """Each hash with ``distance`` of its ``bits`` low bits flipped."""
+    out = hashes.copy()
+    for k, d in enumerate(distance):
+        flips = rng.choice(bits, min(int(d), bits), replace=False)
+        out[k] ^= np.uint64(sum(1 << int(b) for b in flips))
+    return out
+
+
+def _jpeg(rng: np.random.Generator, width: int, height: int) -> bytes:
+    """A small real JPEG: a smooth colour field with noise, unique per draw."""
+    import io
+
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    a, b, c = rng.uniform(0, 255, 3), rng.uniform(-2, 2, 3), rng.uniform(-2, 2, 3)
+    rgb = a + b * x[..., None] + c * y[..., None] + rng.normal(0, 12, (height, width, 3))
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=int(rng.integers(70, 95)))
+    return buf.getvalue()
+
+
+def within_cluster_cosines(x: np.ndarray, seed: int = 0) -> np.ndarray:
+    """Cosines of the pairs that share a k-means cluster of ``default_cluster_size`` (as dedup's search cuts them)."""
+    from curation.phases.dedup.embedding_clusters import default_cluster_size, kmeans, nearest
+
+    n = len(x)
+    home = nearest(x, kmeans(x, max(1, n // default_cluster_size(n)), seed))
+    out = []
+    for members in np.split(np.argsort(home, kind="stable"), np.flatnonzero(np.diff(np.sort(home))) + 1):
+        i, j = np.triu_indices(members.size, 1)
+        out.append(np.einsum("ij,ij->i", x[members[i]], x[members[j]]))
+    return np.concatenate(out)
+
+
+def calibrate(dim: int, target: list[float], n: int = 20_000, seed: int = 0) -> dict:
+    """The mixture (a grid over its sub-concept weight, noise range and tight share) whose within-cluster cosines come nearest to
+    the ``target`` quantiles (0, 1, ..., 100 %), weighting the upper tail as much as the bulk."""
+    rng = np.random.default_rng(seed)
+    centres = _mixture_centres(dim, rng)
+    want = np.asarray(target)
+    levels = np.asarray([50, 75, 90, 95, 99, 99.5, 99.9])
+    best: tuple[float, dict] = (math.inf, MIXTURE)
+    for sub, hi, tight in itertools.product((0.5, 0.7), (1.2, 1.5, 2.0), (0.02, 0.05, 0.1)):
+        mix = {"concept": 1.0, "sub_concept": sub, "noise_lo": 0.3, "noise_hi": hi, "tight": tight}
+        got = np.percentile(within_cluster_cosines(_embeddings(n, rng, centres, mix), seed), levels)
+        aim = np.interp(levels, np.linspace(0, 100, len(want)), want)
+        err = float(np.abs(np.log1p(-np.minimum(got, 0.9999)) - np.log1p(-np.minimum(aim, 0.9999))).sum())
+        print(f"  {mix}: {np.round(got, 3).tolist()} (want {np.round(aim, 3).tolist()}) error {err:.3f}")
+        if err < best[0]:
+            best = (err, mix)
+    return best[1]
+
+
+def load_calibration(path: Path = CALIBRATION) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def synthesise(
@@ -71,36 +177,36 @@ def synthesise(
     seed: int = 0,
     dup_rate: float = 0.02,
     processes: int | None = None,
+    phash_bits: int = 64,
+    mix: dict | None = None,
 ) -> dict:
-    """A committed phase-1 output of ``n`` survivors; returns how many duplicates of each kind were planted. Input
-    shards are made in parallel processes, each from its own seed, so the output does not depend on how many."""
+    """A committed phase-1 output of ``n`` survivors, and beside it ``_bench_truth/<shard>.parquet`` (each survivor's
+    key, planted group and copy kind); returns the copies planted of each kind. Input shards are made in parallel
+    processes, each from its own seed, so the output does not depend on how many."""
     rng = np.random.default_rng(seed)
-    centres = rng.normal(0, 1, (256, cfg.embedding_dim)).astype(np.float32)
-    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    centres = _mixture_centres(cfg.embedding_dim, rng)
+    copies = load_calibration()["copies"]
     n_shards = math.ceil(n / rows_per_shard)
     jobs = [
-        (
-            str(out),
-            f"files-{s:06d}",
-            min(rows_per_shard, n - s * rows_per_shard),
-            cfg.model_dump_json(),
-            centres,
-            (seed, s),
-            dup_rate,
-        )
+        (str(out), f"files-{s:06d}", min(rows_per_shard, n - s * rows_per_shard), cfg.model_dump_json(), centres,
+         (seed, s), dup_rate, phash_bits, copies, mix or MIXTURE)
         for s in range(n_shards)
-    ]
+    ]  # fmt: skip
     with ProcessPoolExecutor(processes or os.cpu_count()) as pool:
         counts = list(pool.map(_synthesise_shard, jobs))
     fs, root = resolve(str(out))
     write_json_atomic(fs, join(root, LAYOUT.run_record), {"results_hash": cfg.results_hash(), "input": "synthetic"})
     write_json_atomic(fs, join(root, LAYOUT.done("score")), {"shards": n_shards, "settings_hash": cfg.results_hash()})
-    return {"phash": sum(counts), "embedding": sum(counts)}
+    planted: dict[str, int] = {}
+    for c in counts:
+        for kind, k in c.items():
+            planted[kind] = planted.get(kind, 0) + k
+    return planted
 
 
-def _synthesise_shard(job: tuple) -> int:
+def _synthesise_shard(job: tuple) -> dict[str, int]:
     """One committed input shard of survivors; returns the copies planted of each kind."""
-    out, shard_id, rows, cfg_json, centres, seed, dup_rate = job
+    out, shard_id, rows, cfg_json, centres, seed, dup_rate, phash_bits, calibration, mix = job
     cfg = CurateConfig.model_validate_json(cfg_json)
     rng = np.random.default_rng(seed)
     dim = cfg.embedding_dim
@@ -112,35 +218,45 @@ def _synthesise_shard(job: tuple) -> int:
         extra={"embedding_model": cfg.models.embedding.name, "embedding_dim": dim},
     )
     ledger_schema = schema.with_metadata(schema.ledger_schema(), table="ledger", config_hash=cfg.results_hash())
-    emb = _embeddings(rows, dim, rng, centres)
-    phash = rng.integers(0, 2**63, rows, dtype=np.int64).astype(np.uint64) * np.uint64(2) + rng.integers(
-        0, 2, rows, dtype=np.int64
-    ).astype(np.uint64)
-    # planted copies inside the shard: a pHash within radius 0..8, or an embedding at cosine ~0.97-0.99
+    emb = _embeddings(rows, rng, centres, mix)
+    phash = rng.integers(0, 2**phash_bits, rows, dtype=np.uint64) if phash_bits < 64 else (
+        rng.integers(0, 2**63, rows, dtype=np.int64).astype(np.uint64) * np.uint64(2)
+        + rng.integers(0, 2, rows, dtype=np.int64).astype(np.uint64)
+    )  # fmt: skip
+    width = rng.integers(64, 97, rows)
+    height = rng.integers(48, 97, rows)
+    group = np.full(rows, -1, np.int64)
+    kind = np.full(rows, "", object)
+    # planted copies inside the shard: copy dst[k] of original src[k], at a real copy's distances of its kind
     m = int(rows * dup_rate)
-    dst = rng.choice(rows, 2 * m, replace=False)
-    src = (dst + rng.integers(1, rows, dst.size)) % rows
-    for d, o in zip(dst[:m], src[:m]):
-        flips = rng.choice(64, rng.integers(0, 9), replace=False)
-        phash[d] = phash[o] ^ np.uint64(sum(1 << int(b) for b in flips))
-    noise = rng.normal(0, 0.012, (m, dim)).astype(np.float32)
-    copies = emb[src[m:]] + noise
-    emb[dst[m:]] = copies / np.linalg.norm(copies, axis=1, keepdims=True)
-    keys = [os.urandom(32).hex() for _ in range(rows)]
+    dst = rng.choice(rows, m, replace=False)
+    pool = np.setdiff1d(np.arange(rows), dst)
+    src = pool[rng.integers(0, pool.size, m)]
+    kinds = sorted(calibration)
+    kind[dst] = np.asarray(kinds, object)[rng.integers(0, len(kinds), m)]
+    measured = {k: np.asarray(calibration[k], np.float64) for k in kinds}
+    dc = np.asarray([measured[k][rng.integers(0, len(measured[k]))] for k in kind[dst]]).reshape(m, 2)
+    phash[dst] = _flip(phash[src], dc[:, 0].astype(np.int64), phash_bits, rng)
+    emb[dst] = _at_cosine(emb[src], np.minimum(dc[:, 1], 1.0), rng)
+    resized = kind[dst] == "resize"
+    width[dst], height[dst] = width[src], height[src]
+    width[dst[resized]], height[dst[resized]] = width[src[resized]] * 2 // 3, height[src[resized]] * 2 // 3
+    group[src] = src + (int(seed[1]) << 32)  # the original's row, unique over shards
+    group[dst] = group[src]
+    images = [_jpeg(rng, int(w), int(h)) for w, h in zip(width, height)]
+    keys = [hashlib.sha256(b).hexdigest() for b in images]
     sources = [f"synthetic://pool/{shard_id}/{i:07d}.jpg" for i in range(rows)]
     columns = {
         "key": pa.array(keys, pa.string()),
         "source": pa.array(sources, pa.string()),
         "shard_id": pa.array([shard_id] * rows, pa.string()),
-        "file_size": pa.array(np.full(rows, 16, np.int64)),
+        "file_size": pa.array([len(b) for b in images], pa.int64()),
         "format": pa.array(["JPEG"] * rows, pa.string()),
         "mode": pa.array(["RGB"] * rows, pa.string()),
-        "width": pa.array(rng.integers(384, 2048, rows).astype(np.int32)),
-        "height": pa.array(rng.integers(384, 2048, rows).astype(np.int32)),
+        "width": pa.array(width.astype(np.int32)),
+        "height": pa.array(height.astype(np.int32)),
         "orientation": pa.array(np.ones(rows, np.int8)),
-        "image": pa.array(
-            [{"bytes": k[:16].encode(), "path": f"{i:07d}.jpg"} for i, k in enumerate(keys)], schema.IMAGE_TYPE
-        ),
+        "image": pa.array([{"bytes": b, "path": f"{i:07d}.jpg"} for i, b in enumerate(images)], schema.IMAGE_TYPE),
         "quality": pa.array(rng.random(rows).astype(np.float32)),
         "head_yaw_class": pa.array(rng.choice(list(schema.HEAD_YAW_CLASSES), rows).tolist(), pa.string()),
         "phash": pa.array(phash, pa.uint64()),
@@ -157,6 +273,8 @@ def _synthesise_shard(job: tuple) -> int:
     scored_file, ledger_file = f"{LAYOUT.scored}/{part}", f"{LAYOUT.ledger}/{part}"
     write_parquet_atomic(fs, join(root, scored_file), scored, row_group_size=cfg.output.row_group_size)
     write_parquet_atomic(fs, join(root, ledger_file), ledger, row_group_size=cfg.output.ledger_row_group_size)
+    truth = pa.table({"key": keys, "group": group, "kind": kind.astype(str)})
+    write_parquet_atomic(fs, join(root, TRUTH_DIR, f"{shard_id}.parquet"), truth, row_group_size=1 << 20)
     write_json_atomic(
         fs,
         join(root, LAYOUT.score_commit(shard_id)),
@@ -172,7 +290,37 @@ def _synthesise_shard(job: tuple) -> int:
             },
         },
     )
-    return m
+    return {k: int((kind[dst] == k).sum()) for k in kinds}
+
+
+TRUTH_DIR = "_bench_truth"
+
+
+def dedup_truth(out: str) -> dict:
+    """The dedup decisions against the planted truth: survivors dropped as copies of an image outside their group
+    (a chance link), and planted copies in one group with their original, per kind."""
+    import pyarrow.parquet as pq
+
+    truth = pq.read_table(Path(out) / TRUTH_DIR).to_pandas()
+    decisions = pq.read_table(Path(out) / LAYOUT.dedup_decisions).to_pandas()
+    group = dict(zip(truth["key"], truth["group"]))
+    kept_of = dict(zip(decisions["key"], decisions["duplicate_of"]))  # a dropped key -> its component's kept key
+    wrong = sum(1 for k, of in kept_of.items() if group[k] < 0 or group[k] != group[of])
+    component = truth["key"].map(lambda k: kept_of.get(k, k))
+    originals = truth[(truth["group"] >= 0) & (truth["kind"] == "")]
+    comp_of_group = dict(zip(originals["group"], component[originals.index]))
+    copies = truth[truth["kind"] != ""]
+    found = component[copies.index].to_numpy() == copies["group"].map(comp_of_group).to_numpy()
+    by_kind = {k: round(float(found[(copies["kind"] == k).to_numpy()].mean()), 4) for k in sorted(set(copies["kind"]))}
+    return {
+        "survivors": len(truth),
+        "dropped": len(kept_of),
+        "dropped_by_chance": wrong,
+        "chance_fraction": wrong / len(truth),
+        "copies": len(copies),
+        "copies_found": round(float(found.mean()), 4),
+        "found_by_kind": by_kind,
+    }
 
 
 # --- measuring one run of the global phases (in its own process) ------------------------------------------------------
@@ -237,64 +385,113 @@ def run_phases(out: str, cpus: int, overrides: list[str]) -> dict:
 
 # --- the benchmark ----------------------------------------------------------------------------------------------------
 
+PREVIOUS_RULE = ["dedup.links=[{phash_radius: 8}, {phash_radius: 64, min_cosine: 0.95}]", "dedup.fit_radii=false",
+                 "dedup.allow_chance=true"]  # fmt: skip
+
+
+def _measure(repo: Path, synthesised: Path, run_dir: Path, cpus: int, overrides: list[str]) -> dict:
+    """The global phases of ``repo``'s checkout on a hard-linked copy of ``synthesised`` (the phases write new files
+    and never change an input in place), with the dedup truth; the copy is removed after."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.copytree(synthesised, run_dir, copy_function=os.link)
+    try:
+        cmd = [sys.executable, str(repo / "benchmarks/bench_scale.py"), "--run-phases", str(run_dir), "--cpus",
+               str(cpus), *overrides]  # fmt: skip
+        done = subprocess.run(cmd, cwd=repo, stdout=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the global phases of {repo} failed (exit {done.returncode})")
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        report["truth"] = dedup_truth(str(run_dir))
+        return report
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _print_run(label: str, report: dict) -> None:
+    for phase in PHASES:
+        r = report[phase]
+        print(
+            f"  {label:<10} {phase:<7} {r['seconds']:8.1f} s   driver peak RSS {r['rss'] / GIB:6.2f} GiB   "
+            f"object store peak {r['shm'] / GIB:6.2f} GiB"
+        )
+    t = report["truth"]
+    chance = report["dedup"]["record"].get("chance")
+    print(
+        f"  {label:<10} dedup: {t['dropped']:,} dropped, {t['dropped_by_chance']:,} of them copies of an unrelated "
+        f"image ({t['chance_fraction']:.3%} of survivors); planted copies found {t['copies_found']:.2%} "
+        f"{t['found_by_kind']}"
+    )
+    if chance:
+        print(f"  {label:<10} rule {chance['rule']}: {chance['expected_chance_links']:.3g} chance links expected")
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="200000,1000000", help="comma-separated numbers of survivors")
     p.add_argument("--rows-per-shard", type=int, default=10_000, help="survivors per input shard")
     p.add_argument("--cpus", type=int, default=2)
+    p.add_argument("--phash-bits", type=int, default=64, help="random pHash bits of unrelated survivors (48 at 200k: "
+                   "the chance density of a 10^9 pool)")  # fmt: skip
+    p.add_argument("--dup-rate", type=float, default=0.02, help="planted copies per survivor")
+    p.add_argument("--previous-rule", action="store_true", help="also run the previous link rule (pHash <= 8 or "
+                   "cosine >= 0.95) on the same inputs")  # fmt: skip
+    p.add_argument("--baseline", help="a checkout of another commit whose global phases run on the same inputs")
+    p.add_argument("--pairs", type=int, default=1, help="alternating runs of this tree and --baseline")
     p.add_argument("--work", default=None, help="folder for the synthetic outputs (default: a temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the synthetic outputs")
+    p.add_argument("--calibrate", action="store_true", help="choose MIXTURE against the real photos' within-cluster "
+                   "cosines (benchmarks/dedup_calibration.json) and print it")  # fmt: skip
     p.add_argument("--run-phases", default=None, help=argparse.SUPPRESS)  # internal: measure one output
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. dedup.signals=[phash]")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. dedup.links=[]")
     args = p.parse_args()
     if args.run_phases:
         print(json.dumps(run_phases(args.run_phases, args.cpus, args.overrides), default=str))
         return 0
 
+    cfg = config(args.overrides)
+    if args.calibrate:
+        target = load_calibration()["within_cluster_cosine_quantiles"]
+        print(f"MIXTURE = {calibrate(cfg.embedding_dim, target)}")
+        return 0
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-scale-"))
-    cfg = config(args.overrides)
     print(
         f"global phases on synthetic scored outputs; lite profile, {cfg.embedding_dim}-d embeddings, "
-        f"{args.cpus} CPUs for Ray, {os.cpu_count()} on the machine; overrides {args.overrides or 'none'}"
+        f"{args.phash_bits} random pHash bits, {args.cpus} CPUs for Ray, {os.cpu_count()} on the machine; "
+        f"overrides {args.overrides or 'none'}"
     )
-    results = {}
+    runs = [("this", REPO, args.overrides)]
+    if args.baseline:
+        runs.append(("baseline", Path(args.baseline).resolve(), []))
+    results: dict[int, dict] = {}
     for n in sizes:
         out = work / f"n{n}"
         shutil.rmtree(out, ignore_errors=True)
         start = time.monotonic()
-        planted = synthesise(out, n, args.rows_per_shard, cfg)
-        print(
-            f"\nN = {n:,}: synthesised in {time.monotonic() - start:.0f} s "
-            f"({planted['phash']:,} pHash and {planted['embedding']:,} embedding copies planted)"
-        )
-        cmd = [sys.executable, __file__, "--run-phases", str(out), "--cpus", str(args.cpus), *args.overrides]
-        done = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            print(f"  the global phases failed at N = {n} (exit {done.returncode})")
-            return 1
-        report = json.loads(done.stdout.strip().splitlines()[-1])
-        results[n] = report
-        for phase in PHASES:
-            r = report[phase]
-            print(
-                f"  {phase:<7} {r['seconds']:8.1f} s   driver peak RSS {r['rss'] / GIB:6.2f} GiB   "
-                f"object store peak {r['shm'] / GIB:6.2f} GiB"
-            )
+        planted = synthesise(out, n, args.rows_per_shard, cfg, dup_rate=args.dup_rate, phash_bits=args.phash_bits)
+        print(f"\nN = {n:,}: synthesised in {time.monotonic() - start:.0f} s; copies planted {planted}")
+        for k in range(args.pairs):
+            for label, repo, overrides in runs:
+                report = _measure(repo, out, work / f"n{n}-{label}", args.cpus, overrides)
+                results.setdefault(n, {}).setdefault(label, []).append(report)
+                _print_run(f"{label}#{k + 1}", report)
+        if args.previous_rule:
+            report = _measure(REPO, out, work / f"n{n}-previous", args.cpus, [*args.overrides, *PREVIOUS_RULE])
+            _print_run("previous", report)
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)
-    totals = {n: sum(results[n][p]["seconds"] for p in PHASES) for n in sizes}
-    peaks = {n: max(results[n][p]["rss"] for p in PHASES) for n in sizes}
-    for a, b in itertools.pairwise(sizes):
-        slope = math.log(totals[b] / totals[a]) / math.log(b / a)
-        print(f"time slope {a:,} -> {b:,}: N^{slope:.2f} (N log N would be ~N^1.0x)")
-    print(
-        "driver peak RSS "
-        + ", ".join(f"{peaks[n] / GIB:.2f} GiB at {n}" for n in sizes)
-        + "; global phases "
-        + ", ".join(f"{totals[n]:.0f} s" for n in sizes)
-    )
+    for label, _, _ in runs:
+        totals = {n: min(sum(r[p]["seconds"] for p in PHASES) for r in results[n][label]) for n in sizes}
+        peaks = {n: max(max(r[p]["rss"] for p in PHASES) for r in results[n][label]) for n in sizes}
+        for a, b in itertools.pairwise(sizes):
+            slope = math.log(totals[b] / totals[a]) / math.log(b / a)
+            print(f"{label}: time slope {a:,} -> {b:,}: N^{slope:.2f} (N log N would be ~N^1.0x)")
+        print(
+            f"{label}: driver peak RSS "
+            + ", ".join(f"{peaks[n] / GIB:.2f} GiB at {n}" for n in sizes)
+            + "; global phases (fastest run) "
+            + ", ".join(f"{totals[n]:.0f} s" for n in sizes)
+        )
     return 0
 
 

@@ -145,7 +145,7 @@ def debian_photos(work: Path) -> list[tuple[str, bytes]]:
     out = []
     for folder in PHOTO_FOLDERS:
         for path in sorted((root / "x" / folder).rglob("*")):
-            if path.suffix.lower() not in {".jpg", ".jpeg", ".png"}:
+            if path.suffix.lower() not in {".jpg", ".jpeg"}:  # the docs pages' PNGs are diagrams and plots
                 continue
             data = path.read_bytes()
             try:
@@ -199,58 +199,112 @@ def _distinct(named: list[tuple[str, bytes]]) -> Photos:
 # --- evaluation -------------------------------------------------------------------------------------------------------
 
 
-def pair_distances(h: np.ndarray, e: np.ndarray, i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    return np.bitwise_count(h[i] ^ h[j]).astype(np.int64), np.einsum("ij,ij->i", e[i], e[j])
+@dataclass
+class Copies:
+    """Each copy's original, kind, and its pHash distance and cosine to the original."""
+
+    original: np.ndarray
+    kind: np.ndarray
+    distance: np.ndarray
+    cosine: np.ndarray
 
 
-def evaluate(photos: Photos, n_variants: int, seed: int, rule: LinkRule, n_pool: int) -> dict:
-    """Recall per copy kind and chance links among different originals, per signal and for ``rule``."""
+def make_copies(photos: Photos, n_variants: int, seed: int) -> Copies:
     rng = np.random.default_rng(seed)
-    kinds, d_copy, c_copy = [], [], []
+    rows = []
     for k, img in enumerate(photos.images):
         for kind in VARIANT_KINDS:
             for _ in range(n_variants):
                 h, e = signals(variant(img, kind, rng))
-                kinds.append(kind)
-                d_copy.append(int(np.bitwise_count(np.uint64(h) ^ photos.phash[k])))
-                c_copy.append(float(e @ photos.embedding[k]))
-    kinds_a, d_c, c_c = np.asarray(kinds), np.asarray(d_copy), np.asarray(c_copy)
-    n = len(photos.names)
-    i, j = np.triu_indices(n, 1)
-    d_u, c_u = pair_distances(photos.phash, photos.embedding, i, j)
-    tests = {
-        "phash<=8 (alone)": lambda d, c: d <= 8,
-        "cosine>=0.95 (alone)": lambda d, c: c >= 0.95,
-        "previous: either": lambda d, c: (d <= 8) | (c >= 0.95),
-        "rule": lambda d, c: rule.links(d, c, n_pool),
-    }
-    out: dict = {"originals": n, "copies": int(kinds_a.size), "unrelated_pairs": int(i.size), "signals": {}}
-    for label, test in tests.items():
-        found = test(d_c, c_c)
-        chance = test(d_u, c_u)
-        recall = {kind: round(float(found[kinds_a == kind].mean()), 4) for kind in VARIANT_KINDS}
-        # precision over every pair of the set: n_variants copies per kind and photo, and the unrelated pairs
+                rows.append(
+                    (k, kind, int(np.bitwise_count(np.uint64(h) ^ photos.phash[k])), float(e @ photos.embedding[k]))
+                )
+    k, kind, d, c = zip(*rows)
+    return Copies(np.asarray(k), np.asarray(kind), np.asarray(d), np.asarray(c))
+
+
+def unrelated_pairs(photos: Photos) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every pair of different originals: indices, pHash distance, cosine."""
+    i, j = np.triu_indices(len(photos.names), 1)
+    d = np.bitwise_count(photos.phash[i] ^ photos.phash[j]).astype(np.int64)
+    return i, j, d, np.einsum("ij,ij->i", photos.embedding[i], photos.embedding[j])
+
+
+def evaluate(photos: Photos, copies: Copies, rules: dict[str, LinkRule]) -> dict:
+    """Per rule: recall per copy kind, links among different originals (chance links, and derived pictures the
+    packages hold: a filter's result beside its input), precision over every pair of the set."""
+    i, _, d_u, c_u = unrelated_pairs(photos)
+    out: dict = {"originals": len(photos.names), "copies": int(copies.kind.size), "unrelated_pairs": int(i.size)}
+    for label, rule in rules.items():
+        found = rule.links(copies.distance, copies.cosine)
+        chance = rule.links(d_u, c_u)
         true_pos, false_pos = int(found.sum()), int(chance.sum())
-        out["signals"][label] = {
-            "recall": {"all": round(float(found.mean()), 4), **recall},
-            "chance_links": false_pos,
-            "chance_rate": false_pos / i.size,
+        out[label] = {
+            "rule": rule.describe(),
+            "recall": {"all": round(float(found.mean()), 4)}
+            | {kind: round(float(found[copies.kind == kind].mean()), 4) for kind in VARIANT_KINDS},
+            "links_between_originals": false_pos,
             "precision": round(true_pos / max(true_pos + false_pos, 1), 4),
-            "worst": [
-                [photos.names[a], photos.names[b], int(d), round(float(c), 3)]
-                for a, b, d, c in sorted(zip(i[chance], j[chance], d_u[chance], c_u[chance]), key=lambda t: -t[3])[:5]
-            ],
         }
     out["copy_distances"] = {
         kind: {
-            "phash_p50_p95": [int(np.percentile(d_c[kinds_a == kind], q)) for q in (50, 95)],
-            "cosine_p5_p50": [round(float(np.percentile(c_c[kinds_a == kind], q)), 3) for q in (5, 50)],
+            "phash_p50_p90_p99": [int(np.percentile(copies.distance[copies.kind == kind], q)) for q in (50, 90, 99)],
+            "cosine_p1_p10_p50": [
+                round(float(np.percentile(copies.cosine[copies.kind == kind], q)), 3) for q in (1, 10, 50)
+            ],
         }
         for kind in VARIANT_KINDS
     }
-    out["unrelated"] = {"phash_mean": float(d_u.mean()), "phash_sd": float(d_u.std()),
-                        "cosine_mean": float(c_u.mean()), "cosine_sd": float(c_u.std())}  # fmt: skip
+    out["between_originals"] = {
+        "phash_mean_sd": [round(float(d_u.mean()), 2), round(float(d_u.std()), 2)],
+        "cosine_mean_sd": [round(float(c_u.mean()), 3), round(float(c_u.std()), 3)],
+    }
     return out
+
+
+def chance_check(photos: Photos, copies: Copies, rule: LinkRule) -> list[dict]:
+    """The chance estimate (``curation.phases.dedup.chance``) on the originals as a pool of their own, beside the
+    links counted between them, per region and radius where they are observable."""
+    from curation.phases.dedup import chance
+    from curation.phases.dedup.embedding_clusters import default_cluster_size, kmeans, nearest
+
+    n = len(photos.names)
+    home = nearest(photos.embedding, kmeans(photos.embedding, max(1, n // default_cluster_size(n)), 0))
+    sample = chance.measure(n, photos.phash, np.ones(n, bool), photos.embedding, home, 1.0, 10**6, 0)
+    i, j, d_u, c_u = unrelated_pairs(photos)
+    same = home[i] == home[j]
+    rows = []
+    for region in rule.regions:
+        estimate = chance.region_estimate(sample, region)
+        for r in sorted({max(region.phash_radius - 8, 0), max(region.phash_radius - 4, 0), region.phash_radius}):
+            inside = (d_u <= r) & (same if region.min_cosine is not None else True)
+            if region.min_cosine is not None:
+                inside &= c_u >= region.min_cosine
+            rows.append({"region": region.describe(), "radius": r, "estimated": round(estimate.expected(r), 2),
+                         "counted": int(inside.sum())})  # fmt: skip
+    return rows
+
+
+def calibration(photos: Photos, copies: Copies) -> dict:
+    """What ``bench_scale.py`` plants from: each copy kind's measured (pHash distance, cosine) pairs, and the cosines
+    of pairs of different originals that share a k-means cluster (clusters of ``default_cluster_size``)."""
+    from curation.phases.dedup.embedding_clusters import default_cluster_size, kmeans, nearest
+
+    n = len(photos.names)
+    home = nearest(photos.embedding, kmeans(photos.embedding, max(1, n // default_cluster_size(n)), 0))
+    i, j, _, c_u = unrelated_pairs(photos)
+    same = home[i] == home[j]
+    return {
+        "copies": {
+            kind: [
+                [int(d), round(float(c), 4)]
+                for d, c in zip(copies.distance[copies.kind == kind], copies.cosine[copies.kind == kind])
+            ]
+            for kind in VARIANT_KINDS
+        },
+        "within_cluster_cosine_quantiles": [round(float(q), 4) for q in np.quantile(c_u[same], np.linspace(0, 1, 101))],
+        "within_cluster_pairs": int(same.sum()),
+    }
 
 
 def main() -> None:
@@ -258,19 +312,29 @@ def main() -> None:
     ap.add_argument("--work", default="out/dedup_truth", help="where the Debian packages are unpacked")
     ap.add_argument("--no-debian", action="store_true", help="the package photos only")
     ap.add_argument("--variants", type=int, default=2, help="copies of each kind per original")
-    ap.add_argument("--pool", type=float, default=1e9, help="the pool size N the rule is sized for")
+    ap.add_argument("--radii", help="also the rule at these radii (comma-separated, one per region; -1: off), e.g. "
+                    "the ones a run at 10^9 fits")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--calibration", help="write bench_scale.py's calibration here")
     args = ap.parse_args()
+    from curation.settings import DedupSettings
+
     named = package_photos() + ([] if args.no_debian else debian_photos(Path(args.work)))
     photos = _distinct(named)
-    print(f"{len(named)} photo files, {len(photos.names)} distinct originals")
-    rule = LinkRule()
-    result = evaluate(photos, args.variants, args.seed, rule, int(args.pool))
-    result["rule"] = rule.describe(int(args.pool))
+    print(f"{len(named)} photo files, {len(photos.names)} distinct originals", file=sys.stderr)
+    copies = make_copies(photos, args.variants, args.seed)
+    rule = DedupSettings().rule()
+    rules = {"previous: pHash <= 8 or cosine >= 0.95": LinkRule.of([(8, None), (64, 0.95)]), "rule": rule}
+    if args.radii:
+        rules["rule at --radii"] = rule.with_radii([int(r) for r in args.radii.split(",")])
+    result = evaluate(photos, copies, rules)
+    result["chance_check"] = chance_check(photos, copies, rule)
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.calibration:
+        Path(args.calibration).write_text(json.dumps(calibration(photos, copies)))
 
 
 if __name__ == "__main__":

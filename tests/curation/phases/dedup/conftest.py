@@ -32,9 +32,11 @@ def _mixture(n: int, dim: int, seed: int, copies: float = 0.05, centre_norm: flo
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
-def _write_survivors(out, x: np.ndarray, rows_per_file: int) -> tuple[list[str], np.ndarray]:
-    """Survivor partitions of ``x`` in the survivors schema under ``out``; returns their paths and the uid of each
-    row of ``x``."""
+def _write_survivors(
+    out, x: np.ndarray, rows_per_file: int, phash: np.ndarray | None = None
+) -> tuple[list[str], np.ndarray]:
+    """Survivor partitions of ``x`` (and ``phash``, uint64 per row; None: no pHashes) in the survivors schema under
+    ``out``; returns their paths and the uid of each row of ``x``."""
     fs, root = resolve(str(out))
     n, dim = x.shape
     files, uids = [], []
@@ -48,7 +50,7 @@ def _write_survivors(out, x: np.ndarray, rows_per_file: int) -> tuple[list[str],
                 "shard_id": [f"shard-{i}"] * m,
                 "source": [f"s://{i}/{j}" for j in range(m)],
                 "key": [f"{i}-{j}" for j in range(m)],
-                "phash": pa.nulls(m, pa.uint64()),
+                "phash": pa.nulls(m, pa.uint64()) if phash is None else pa.array(phash[start : start + m], pa.uint64()),
                 "score": np.full(m, np.nan),
                 "width": np.full(m, 64, np.int32),
                 "height": np.full(m, 64, np.int32),
@@ -73,7 +75,7 @@ def embedding_mixture() -> Callable[..., np.ndarray]:
 
 @pytest.fixture(scope="session")
 def write_survivors() -> Callable[..., tuple[list[str], np.ndarray]]:
-    """``write_survivors(out, x, rows_per_file)``: see ``_write_survivors``."""
+    """``write_survivors(out, x, rows_per_file, phash=None)``: see ``_write_survivors``."""
     return _write_survivors
 
 

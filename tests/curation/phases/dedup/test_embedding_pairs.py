@@ -11,6 +11,7 @@ from curation.phases import reference
 from curation.phases.dedup import embedding_pairs as ep
 from curation.phases.dedup import embedding_tasks as tasks
 from curation.phases.dedup.embedding_clusters import SATURATED_WARNING
+from curation.phases.dedup.link_rule import NO_HASH, Region, pair_distances
 from curation.steps.output import Output
 from curation.steps.runner import StepRunner
 
@@ -137,3 +138,27 @@ def test_fewer_than_two_survivors_give_an_empty_pair_file(ray_local, tmp_path, n
     summary = _run(tmp_path, files)
     assert summary == {"survivors": n, "clusters": 0, "buckets": 1, "pairs": 0}
     assert pq.read_table(tmp_path / tasks.pairs_path(0)).num_rows == 0
+
+
+def test_the_phash_confirms_each_pair_of_a_joint_region(ray_local, tmp_path, embedding_mixture, write_survivors):
+    x = embedding_mixture(3000, 32, seed=5)
+    rng = np.random.default_rng(5)
+    hashes = rng.integers(0, 2**63, len(x), dtype=np.int64).astype(np.uint64)
+    near = rng.random(len(x)) < 0.5  # half the rows share their pHash with row 0's, a few bits off
+    hashes[near] = hashes[0] ^ rng.integers(0, 16, int(near.sum()), dtype=np.int64).astype(np.uint64)
+    files, uid = write_survivors(tmp_path / "all", x, 1000, hashes)
+    write_survivors(tmp_path / "confirmed", x, 1000, hashes)
+    everything = _run(tmp_path / "all", files)
+    confirmed = _run(tmp_path / "confirmed", files, confirm=(Region(4, THRESHOLD),))
+    _, all_pairs = _read_pairs(tmp_path / "all")
+    tables, kept = _read_pairs(tmp_path / "confirmed")
+    of = {u: h for u, h in zip(uid.tolist(), hashes.tolist())}
+    distance = {(a, b): int(pair_distances(np.uint64(of[a]), np.uint64(of[b]))) for a, b in all_pairs}
+    assert kept == {p for p, d in distance.items() if d <= 4} and 0 < confirmed["pairs"] < everything["pairs"]
+    assert all(distance[(a, b)] == d for t in tables for a, b, d in zip(*(t.column(c).to_pylist() for c in "ab"),
+               t.column("distance").to_pylist()))  # fmt: skip
+    # without pHashes nothing is confirmed, and the distance column says so
+    files, _ = write_survivors(tmp_path / "unhashed", x, 1000)
+    assert _run(tmp_path / "unhashed", files, confirm=(Region(64, THRESHOLD),))["pairs"] == 0
+    _run(tmp_path / "unhashed-all", write_survivors(tmp_path / "unhashed-all", x, 1000)[0])
+    assert set(_read_pairs(tmp_path / "unhashed-all")[0][0].column("distance").to_pylist()) <= {NO_HASH}

@@ -1,0 +1,84 @@
+"""The chance estimate (curation.phases.dedup.chance): against chance links counted where they are observable, blind
+to the copies inside a region, and the radii it fits as N grows."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from curation.phases.dedup import chance
+from curation.phases.dedup.link_rule import LinkRule, Region, pair_distances
+
+
+def _sample(n: int, bits: int, seed: int = 0, dim: int = 16, clusters: int = 20):
+    rng = np.random.default_rng(seed)
+    hashes = rng.integers(0, 2**bits, n, dtype=np.uint64)
+    centres = rng.normal(0, 1, (clusters, dim))
+    home = rng.integers(0, clusters, n)
+    x = (centres[home] + rng.normal(0, 0.6, (n, dim))).astype(np.float32)
+    return hashes, x / np.linalg.norm(x, axis=1, keepdims=True), home
+
+
+def _count_within(hashes: np.ndarray, radius: int) -> int:
+    """Pairs within ``radius``, by brute force."""
+    total = 0
+    for start in range(0, hashes.size, 1000):
+        d = pair_distances(hashes[start : start + 1000, None], hashes[None, :])
+        i = np.arange(start, min(start + 1000, hashes.size))[:, None]
+        total += int(((d <= radius) & (np.arange(hashes.size)[None, :] > i)).sum())
+    return total
+
+
+@pytest.mark.parametrize("radius", [2, 4])
+def test_the_estimate_stays_above_the_chance_links_counted_and_near_them(radius):
+    # 24 random bits over 6000 hashes: chance pairs within a few bits are common enough to count
+    hashes, x, home = _sample(6000, 24)
+    measured = chance.measure(len(hashes), hashes, np.ones(len(hashes), bool), x, home, 1.0, 10**6, seed=0)
+    counted = _count_within(hashes, radius)
+    estimated = chance.region_estimate(measured, Region(radius)).expected(radius)
+    assert counted > 20
+    assert counted <= estimated <= 8 * counted, (counted, estimated)
+
+
+def test_copies_inside_a_region_are_not_counted_as_chance():
+    hashes, x, home = _sample(4000, 48)
+    rng = np.random.default_rng(1)
+    before = chance.measure(4000, hashes, np.ones(4000, bool), x, home, 1.0, 10**6, seed=0)
+    # a third of the items become copies of another item of their cluster: a few pHash bits off, at cosine ~0.98
+    dst = rng.choice(4000, 1300, replace=False)
+    src = np.array([rng.choice(np.flatnonzero(home == home[d])) for d in dst])
+    hashes, x = hashes.copy(), x.copy()
+    hashes[dst] = hashes[src] ^ np.uint64(0b1011)
+    x[dst] = x[src] + 0.03 * rng.normal(0, 1, x[src].shape)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    after = chance.measure(4000, hashes, np.ones(4000, bool), x, home, 1.0, 10**6, seed=0)
+    for region in (Region(3), Region(12, 0.8), Region(24, 0.95)):
+        a, b = chance.region_estimate(before, region), chance.region_estimate(after, region)
+        assert abs(a.tail.mean - b.tail.mean) < 1.5, region
+        assert b.expected(region.phash_radius) < 3 * a.expected(region.phash_radius) + 1, region
+
+
+def test_radii_shrink_as_the_pool_grows_and_the_estimate_stays_within_the_bound():
+    hashes, x, home = _sample(4000, 48)
+    rule = LinkRule.of([(8, None), (12, 0.8), (24, 0.5)])
+    radii = []
+    for n in (10**2, 10**5, 10**9):
+        measured = chance.measure(n, hashes, np.ones(4000, bool), x, home, 3.0, 10**6, seed=0)
+        result = chance.decide(measured, rule, 1e-4)
+        assert result.expected <= result.bound
+        radii.append([r.phash_radius for r in result.rule.regions])
+        assert result.summary()["regions"][0]["configured_radius"] == 8
+    assert radii[0][:2] == [8, 12]  # a small pool affords those as configured
+    for small, large in itertools.pairwise(radii):
+        assert all(b <= a for a, b in zip(small, large)) and small != large
+
+
+def test_fixed_radii_over_the_bound_stop_with_the_setting_to_change_or_go_on_when_allowed():
+    hashes, x, home = _sample(4000, 48)
+    measured = chance.measure(10**9, hashes, np.ones(4000, bool), x, home, 3.0, 10**6, seed=0)
+    rule = LinkRule.of([(8, None), (12, 0.8)])
+    with pytest.raises(chance.ChanceBoundError, match=r"lower dedup\.links\[\d\]\.phash_radius \((to \d+|or remove)"):
+        chance.decide(measured, rule, 1e-4, fit_radii=False)
+    allowed = chance.decide(measured, rule, 1e-4, fit_radii=False, allow=True)
+    assert allowed.allowed and allowed.expected > allowed.bound and allowed.summary()["allowed_over_bound"]
+    assert chance.ChanceSample.from_json(measured.to_json()).global_hist.tolist() == measured.global_hist.tolist()

@@ -1,0 +1,45 @@
+"""The link rule (curation.phases.dedup.link_rule): which pairs its regions link, and what each search is given."""
+
+import numpy as np
+import pytest
+
+from curation.phases.dedup.link_rule import NO_HASH, LinkRule, pair_distances
+from curation.settings import DedupSettings
+
+
+def test_a_pair_is_linked_by_any_region_and_a_joint_region_needs_both_signals():
+    rule = LinkRule.of([(3, None), (12, 0.8), (24, 0.95)])
+    d = np.array([2, 10, 10, 20, 20, 30, NO_HASH])
+    c = np.array([0.1, 0.85, 0.7, 0.96, 0.9, 0.99, 0.99])
+    assert rule.links(d, c).tolist() == [True, True, False, True, False, False, False]
+    # the embedding search's pairs: only the joint regions count (the pHash-alone region has its own search)
+    assert rule.confirmed(d, c).tolist() == [False, True, False, True, False, False, False]
+
+
+def test_what_each_search_is_given():
+    rule = LinkRule.of([(3, None), (12, 0.8), (24, 0.95)])
+    assert rule.hash_radius == 3 and rule.search_threshold == 0.8
+    narrowed = rule.with_radii([-1, -1, 20])  # a region turned off by its radius
+    assert narrowed.hash_radius == -1 and narrowed.search_threshold == 0.95
+    assert [r.phash_radius for r in narrowed.joint] == [20]
+    assert LinkRule.of([(8, None)]).search_threshold is None
+    assert "off" in narrowed.describe() and "cosine >= 0.95 and pHash <= 20" in narrowed.describe()
+
+
+def test_one_phash_alone_region_at_most():
+    with pytest.raises(ValueError, match="at most one region"):
+        LinkRule.of([(3, None), (5, None)])
+
+
+def test_a_missing_phash_never_confirms():
+    hashes = np.array([0, 0b111, 0], np.uint64)
+    d = pair_distances(hashes[[0, 0]], hashes[[1, 2]], np.array([True, True]), np.array([True, False]))
+    assert d.tolist() == [3, NO_HASH]
+    assert not LinkRule.of([(64, 0.0)]).links(np.array([NO_HASH]), np.array([1.0]))[0]
+
+
+def test_the_settings_give_the_rule_in_order_and_refuse_a_whole_pool_search_too_wide():
+    rule = DedupSettings().rule()
+    assert rule.regions[0].min_cosine is None and all(r.min_cosine is not None for r in rule.regions[1:])
+    with pytest.raises(ValueError, match="phash_radius <= 32"):
+        DedupSettings(links=[{"phash_radius": 40}])
