@@ -5,8 +5,9 @@ and per-partition or per-cluster summaries. Every step is a set of Ray tasks tha
 beside the output (``curation.phases.survivors`` describes the partitioning):
 
     dedup/survivors/part-<i>.parquet        survey: each survivor's uid, names, scores, pHash and embedding
-    dedup/pairs/phash/part-<p>.parquet      exact pHash pairs (curation.phases.dedup.phash_pairs)
-    dedup/pairs/embedding/part-<b>.parquet  embedding pairs within k-means clusters (curation.phases.dedup.embedding_pairs)
+    dedup/embedding_plan/                   the clusters and the sample's chance histograms (curation.phases.dedup.chance)
+    dedup/pairs/phash/part-<p>.parquet      exact pHash pairs at the pHash-alone radius (curation.phases.dedup.phash_pairs)
+    dedup/pairs/embedding/part-<b>.parquet  pairs within k-means clusters the pHash confirms (curation.phases.dedup.embedding_pairs)
     dedup/decisions/part-<i>.parquet        dropped survivors of partition i: kept key, signal (curation.phases.dedup.components)
     sample/decisions/part-<i>.parquet       every dedup survivor of partition i: cluster ids, selected
                                             (curation.phases.sample.cluster_sampling)
@@ -16,7 +17,8 @@ beside the output (``curation.phases.survivors`` describes the partitioning):
     README.md                               the dataset card for Hugging Face datasets and the Hub (curation.phases.write.card)
 
 Each phase is a short list of steps on one ``StepRunner`` (``curation.steps.runner``), fingerprinted by the phase's
-settings hash: dedup = survey, pHash pairs (map, reduce), embedding pairs (plan, assign, search), components
+settings hash: dedup = survey, embedding plan (with the chance estimate that fits the link rule's radii), pHash
+pairs (map, reduce), embedding pairs (assign, search), components
 (pairs, edges, contraction rounds, labels, the keep rule); sample = train, assign, budget, select, assemble;
 write = selected, shards, ledger. The runner keeps each step's receipts and done record, so a rerun with the same
 settings redoes only the units not receipted, and other settings clear a step's outputs before it runs again.

@@ -295,7 +295,9 @@ def decide(
     if result.expected > bound and not allow:
         worst = max(range(len(estimates)), key=lambda k: estimates[k].expected(configured.regions[k].phash_radius))
         fitted = estimates[worst].fit_radius(share)
-        change = f"to {fitted}, within its share" if fitted >= 0 else "or remove the region: no radius is within its share"
+        change = (
+            f"to {fitted}, within its share" if fitted >= 0 else "or remove the region: no radius is within its share"
+        )
         raise ChanceBoundError(
             f"dedup: the link rule is expected to link {result.expected:.3g} unrelated pairs by chance at "
             f"N={sample.survivors}, above dedup.max_chance_fraction x N = {bound:.3g}; lower "

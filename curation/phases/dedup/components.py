@@ -34,8 +34,9 @@ last output exists and returns the receipt stored in that file's footer, so a re
 the driver takes the same path; every output is a deterministic function of its inputs, so reruns are
 byte-identical. The driver holds per-task receipts and file names only: O(P * rounds + F).
 
-Sizes at 10^9 survivors (F = 10^4 survivor files of 10^5 rows, 2% of survivors in near-duplicate groups,
-~10^8 pairs): P = 2 * pairs / ``edges_per_partition`` = 50 partitions; a graph task holds about
+Sizes at 10^9 survivors (F = 10^4 survivor files of 10^5 rows, 2% of survivors in near-duplicate groups; the link
+rule's chance links bounded at 1e-4 of the survivors, 10^5, by ``curation.phases.dedup.chance``, so the pairs are the
+real copies' and a few more: ~10^8 at most): P = 2 * pairs / ``edges_per_partition`` = 50 partitions; a graph task holds about
 ``edges_per_partition`` = 4M directed edges (16 B each; a few hundred MB with its sorts), plus skew: contraction
 gathers a component's edges on one node, which has at most one edge per member, so the largest group adds up to
 its size to one task (a group of 10^5 copies of one image: 10^5 edges). ``members`` streams ``files_per_task`` = 4 survivor files

@@ -10,16 +10,20 @@ step's outputs when its fingerprint changes and keeps them, with their receipts,
    a seeded RNG; the plan task holds at most ``sample_size`` x D floats and K x D centroids). A centroid whose share
    of held-out sample rows predicts more than ``max_cluster`` members is replaced by a k-means of its own sample
    rows, so clusters are bounded before any data moves. Clusters are packed into buckets by their predicted rows
-   (largest first into the lightest bucket). Written: ``dedup/embedding_plan/centroids.npy`` and
-   ``dedup/embedding_plan/buckets.json`` (the bucket of each cluster).
+   (largest first into the lightest bucket). Written: ``dedup/embedding_plan/centroids.npy``,
+   ``dedup/embedding_plan/buckets.json`` (the bucket of each cluster) and ``dedup/embedding_plan/chance.json`` (the
+   sample's histograms the chance estimate reads: ``curation.phases.dedup.chance``).
 2. ``embedding-assign`` (one task per survivor file). Each survivor's nearest centroid is its *home*; the clusters just
    across a nearby boundary are its *probes* (``ProbeRule``). It is written once per cluster (home and probes) to that
    cluster's bucket: ``dedup/embedding_buckets/b<bucket>/part-<file>.arrow`` (Arrow IPC, deleted once searched) with
    columns ``cluster``, ``uid``, ``home``, ``ranked`` (its home, then its probes) and ``embedding``.
 3. ``embedding-search`` (one task per bucket). In each cluster every row, home or probe, takes its ``k`` nearest *home*
-   rows; pairs at >= ``threshold`` are kept (``embedding_clusters.threshold_neighbours``). Two survivors are compared
+   rows; pairs at >= ``threshold`` are kept (``embedding_clusters.threshold_neighbours``), and of those, when the
+   search is given the link rule's joint regions, only the pairs whose pHash distance confirms them (each row
+   carries its pHash from the assign step; ``curation.phases.dedup.link_rule``). Two survivors are compared
    when they share a home or one probes the other's home. Written: ``dedup/pairs/embedding/part-<bucket>.parquet``
-   (``a`` < ``b`` uids, int64; ``similarity`` float32, their inner product; sorted by (a, b)).
+   (``a`` < ``b`` uids, int64; ``similarity`` float32, their inner product; ``distance`` uint8, their pHash
+   distance, 65 where a pHash is missing; sorted by (a, b)).
    Cap: a cluster with more than ``max_cluster`` home rows (a prediction that was off, or a region denser than the
    sample showed) is split inside its task by a local k-means into sub-clusters of about ``cluster_size``, with the same
    home/probe rule, recursively; rows k-means cannot split (identical embeddings) are searched whole.

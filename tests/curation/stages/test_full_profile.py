@@ -688,3 +688,31 @@ def test_full_profile_curate_job_end_to_end(store_dir, ray_local, tmp_path):
     with pytest.raises(Exception, match=r"models\.embedding\.dim is 64 .* gives 32-dimensional"):
         curate.main(args)
     assert not committed_files(str(wrong), "scored") and not committed_files(str(wrong), "ledger")
+
+
+def test_the_full_profile_links_copies_by_the_same_rule_and_chance_estimate(clip_scores, photos):
+    """full.yaml's link rule on the random-init CLIP's embeddings of six photos and three copies of each: every copy
+    is linked to its photo, no two photos to each other, and the chance estimate sizes the rule from them."""
+    from curation.phases.dedup import chance
+    from curation.phases.dedup.link_rule import pair_distances
+    from curation.stages.phash import phash_of
+
+    stage, rows, updates, _ = clip_scores
+    copies, of = [], []
+    for k, row in enumerate(rows):
+        img = Image.open(io.BytesIO(row["image"]["bytes"])).convert("RGB")
+        for q, scale in ((40, 1.0), (85, 0.6), (70, 0.8)):  # a re-encode and two resizes
+            buf = io.BytesIO()
+            img.resize((round(img.width * scale), round(img.height * scale))).save(buf, "JPEG", quality=q)
+            copies.append({"image": {"bytes": buf.getvalue(), "path": "copy.jpg"}, "width": 1, "height": 1})
+            of.append(k)
+    x = np.array([u["embedding"] for u in updates + stage.process_batch(copies)], np.float32)
+    hashes = np.array([phash_of(decode(r["image"]["bytes"])) for r in rows + copies], np.uint64)
+    i, j = np.triu_indices(len(x), 1)
+    group = np.array(list(range(len(rows))) + of)
+    rule = stage.cfg.dedup.rule()
+    linked = rule.links(pair_distances(hashes[i], hashes[j]), np.einsum("ij,ij->i", x[i], x[j]))
+    assert linked[group[i] == group[j]].all() and not linked[group[i] != group[j]].any()
+    measured = chance.measure(len(x), hashes, np.ones(len(x), bool), x, group, 1.0, 10**5, seed=0)
+    estimate = chance.decide(measured, rule, stage.cfg.dedup.max_chance_fraction)
+    assert estimate.expected <= estimate.bound and len(estimate.summary()["regions"]) == len(rule.regions)
