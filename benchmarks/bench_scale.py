@@ -72,7 +72,7 @@ CALIBRATION = REPO / "benchmarks/dedup_calibration.json"
 CONCEPTS, SUB_CONCEPTS = 256, 16
 # noise scales in units of sqrt(D): log-uniform over [noise_lo, noise_hi], and for a share ``tight`` of the items
 # (near-identical studio shots, stock series) over [TIGHT_NOISE, noise_lo]
-MIXTURE = {"concept": 1.0, "sub_concept": 0.7, "noise_lo": 0.3, "noise_hi": 1.5, "tight": 0.05}
+MIXTURE = {"concept": 1.0, "sub_concept": 0.5, "noise_lo": 0.3, "noise_hi": 1.2, "tight": 0.05}
 TIGHT_NOISE = 0.05
 
 
@@ -312,7 +312,18 @@ def dedup_truth(out: str) -> dict:
     copies = truth[truth["kind"] != ""]
     found = component[copies.index].to_numpy() == copies["group"].map(comp_of_group).to_numpy()
     by_kind = {k: round(float(found[(copies["kind"] == k).to_numpy()].mean()), 4) for k in sorted(set(copies["kind"]))}
+    # the pairs each search listed between survivors of different planted groups: the chance links, counted
+    survivors = pq.read_table(Path(out) / LAYOUT.survivors, columns=["uid", "key"]).to_pandas()
+    group_of_uid = dict(zip(survivors["uid"], survivors["key"].map(group)))
+    chance_pairs = {}
+    for signal, folder in (("phash", LAYOUT.phash_pairs), ("embedding", LAYOUT.embedding_pairs)):
+        files = sorted((Path(out) / folder).glob("part-*.parquet"))
+        if files:
+            pairs = pq.read_table(files, columns=["a", "b"]).to_pandas()
+            ga, gb = pairs["a"].map(group_of_uid), pairs["b"].map(group_of_uid)
+            chance_pairs[signal] = int(((ga < 0) | (gb < 0) | (ga != gb)).sum())
     return {
+        "chance_pairs": chance_pairs,
         "survivors": len(truth),
         "dropped": len(kept_of),
         "dropped_by_chance": wrong,
@@ -423,6 +434,9 @@ def _print_run(label: str, report: dict) -> None:
     )
     if chance:
         print(f"  {label:<10} rule {chance['rule']}: {chance['expected_chance_links']:.3g} chance links expected")
+        for r in chance["regions"]:
+            print(f"  {label:<10}   {r['region']} at radius {r['radius']}: {r['expected_chance_links']:.3g} expected")
+    print(f"  {label:<10} chance pairs counted in the pair files: {t['chance_pairs']}")
 
 
 def main() -> int:

@@ -11,26 +11,28 @@ from its observable bulk:
   pairs weighted to the pairs the search compares there (its share of N, squared, times the rows per survivor the
   plan predicts; the home-probe comparisons counted as home-home ones);
 - the pHash-alone region: ``pairs x P(d <= r)``; a joint region (``c >= t``, ``d <= r``): ``W(c >= t) x
-  P(d <= r | c >= t)``, with ``W`` the weighted count of compared pairs at ``c >= t`` (one sampled pair's weight
-  added, so that an unseen tail never counts as empty);
-- ``P(d <= r)``: the normal fitted to the upper half of the population's distances (its median, and the distance
-  from the median to the 84th percentile as the spread), at ``r + 0.5``. The upper half, because the lower tail of a
-  population holds the real copies (at small N and where copies are common they are a visible share of the pairs
-  at high cosine); the normal, because it is a tail no lighter than the binomial of independent bits of the same
-  spread. A joint region fits on the pairs at ``c >= t``, or, where fewer than ``MIN_FIT_PAIRS`` were sampled there,
-  on the highest cosine that has them.
+  P(d <= r | c >= t)``, with ``W`` the unrelated compared pairs at ``c >= t``;
+- both from the pairs *beyond* the region's configured radius, where the real copies mostly are not (99% of the copies of
+  each kind measured by ``benchmarks/dedup_truth.py`` sit within 22 bits, crops within 28): a normal fitted by maximum
+  likelihood to the distances above the radius (left-truncated, binned) gives ``P(d <= r)``, and the pairs beyond
+  the radius divided by the normal's share there give the unrelated pairs of the population, so the copies inside
+  it, a visible share of the pairs at high cosine in small pools or pools with many copies, are never counted as
+  chance. The normal, because its tail is no lighter than the binomial of independent bits of the same spread (on
+  uniform 48-bit hashes it overestimates the binomial 2x at 8 bits, 20x at 3). A joint region fits on the pairs at
+  ``c >= t``, or, where fewer than ``MIN_FIT_PAIRS`` of them lie beyond its radius, on the highest cosine that has
+  them; one sampled pair's weight is added to ``W``, so that an unseen population never counts as empty.
 
 Assumptions, and where they are checked. (1) Unrelated pairs' pHash distances, at each cosine, have a lower tail no
-heavier than that normal: on the benchmark at 200k survivors with 48 random pHash bits (the chance density of a
-~10^9 pool at 64 bits), where chance links at radius 8 are observable (~0.33 per survivor), the estimate is set
-beside the count found (``benchmarks/bench_scale.py --chance-check``); on real photos (``benchmarks/dedup_truth.py``),
-the same beside the observed counts at the radii where they are observable. Real photos have a heavier lower tail
-than the normal where flat or text-like images hash alike; where that mass is common enough to be sampled, it moves
-the fitted median and spread. (2) A sampled pair of a cluster stands for the cluster's pairs: the sample is uniform.
+heavier than that normal: counted against brute force where chance links are common (``tests``: 24-bit hashes),
+and on the benchmark at 200k survivors with 48 random pHash bits (the chance density of a ~10^9 pool at 64 bits),
+where the previous rule's chance links at radius 8 are observable (``benchmarks/bench_scale.py --previous-rule``
+prints the estimate beside the pairs counted). Real photos hash alike more often than the normal says where
+pictures are flat or dark (``benchmarks/RESULTS.md``). (2) A sampled pair of a cluster stands for the cluster's
+pairs: the sample is uniform.
 
-``fit_radii`` (the default) lowers each region's radius to the largest one whose estimate is within its share of the
-bound (the bound split evenly over the regions that are on; a region with no such radius is turned off), so the rule
-a run uses depends on its N, as the chance rate does. Otherwise the configured radii are used, and a total above the
+``fit_radii`` (the default) lowers the regions' radii until their estimates sum to at most the bound
+(``fit_radii_within``: each widened a bit at a time, in turn; a region that cannot take even radius 0 is turned
+off), so the rule a run uses depends on its N, as the chance rate does. Otherwise the configured radii are used, and a total above the
 bound stops the phase with one line naming the setting (``ChanceBoundError``) unless ``dedup.allow_chance``.
 """
 
@@ -275,6 +277,24 @@ class ChanceEstimate:
         )
 
 
+def fit_radii_within(estimates: tuple[RegionEstimate, ...], bound: float) -> list[int]:
+    """Radii, each at most its region's, whose estimates sum to at most ``bound``: every region widened one bit at a
+    time, in turn, while the total stays within it (the tails are steep, so the bound is shared about evenly in
+    bits, and what one region does not need another may use)."""
+    radii = [-1] * len(estimates)
+    total, grown = 0.0, True
+    while grown:
+        grown = False
+        for k, e in enumerate(estimates):
+            r = radii[k] + 1
+            if r > e.region.phash_radius:
+                continue
+            cost = e.expected(r) - (e.expected(radii[k]) if radii[k] >= 0 else 0.0)
+            if total + cost <= bound:
+                radii[k], total, grown = r, total + cost, True
+    return radii
+
+
 def decide(
     sample: ChanceSample,
     configured: LinkRule,
@@ -289,7 +309,7 @@ def decide(
     on = [e for e in estimates if e.region.phash_radius >= 0]
     share = bound / max(len(on), 1)
     if fit_radii:
-        rule = configured.with_radii([e.fit_radius(share) if e.region.phash_radius >= 0 else -1 for e in estimates])
+        rule = configured.with_radii(fit_radii_within(estimates, bound))
         return ChanceEstimate(rule, configured, estimates, bound, sample.survivors, allowed=False)
     result = ChanceEstimate(configured, configured, estimates, bound, sample.survivors, allowed=allow)
     if result.expected > bound and not allow:
