@@ -161,9 +161,9 @@ def _write_output_shards(
                     f"input shard {shard_id}: {at.null_count} selected images are not in its scored "
                     "files (the output was changed by hand?); rerun with --phases score,dedup,sample,write"
                 )
-            found = with_originals(table.take(at), originals, shard_id)
-            rows.append(found.append_column("cluster_ids", mine.column("cluster_ids")))
-        table = with_typed_metadata(takedowns.without(pa.concat_tables(rows)), typed).select(target.names).cast(target)
+            picked = takedowns.without(table.take(at).append_column("cluster_ids", mine.column("cluster_ids")))
+            rows.append(with_originals(picked, originals, shard_id))  # a taken-down image is never read again
+        table = with_typed_metadata(pa.concat_tables(rows), typed).select(target.names).cast(target)
         shards.append(
             write_named_by_content(fs, root, LAYOUT.shards, f"part-{k:05d}", table, cfg, cfg.output.row_group_size)
         )
