@@ -8,8 +8,9 @@ and ledger parts per input shard of ``--rows-per-shard``; tiny placeholder image
 mixture of Gaussians with planted near-duplicates by pHash and by embedding), with no scoring needed. The global
 phases then run in a fresh process on a local Ray (``--cpus``), as ``jobs.curate --phases dedup,sample,write``
 would run them, while a sampler thread records that driver's RSS and the bytes Ray's object store holds in
-``/dev/shm``. Printed per size and phase: wall time, driver peak RSS, object-store peak; then the time slope between
-sizes and one closing line to compare run to run:
+``/dev/shm``. Printed per size and phase: wall time, driver peak RSS, object-store peak, and the output's size at
+rest per folder (placeholder image bytes: add the kept images' real bytes to size a real output); then the time
+slope between sizes and one closing line to compare run to run:
 
     driver peak RSS 0.61 GiB at 200000, 0.63 GiB at 1000000; global phases 41 s, 170 s
 """
@@ -238,6 +239,13 @@ def run_phases(out: str, cpus: int, overrides: list[str]) -> dict:
 # --- the benchmark ----------------------------------------------------------------------------------------------------
 
 
+def folder_sizes(out: Path) -> dict[str, int]:
+    """Bytes under each top-level entry of an output, largest first: what it keeps at rest after the run."""
+    sizes = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+             for p in out.iterdir()}  # fmt: skip
+    return dict(sorted(sizes.items(), key=lambda item: -item[1]))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="200000,1000000", help="comma-separated numbers of survivors")
@@ -282,6 +290,12 @@ def main() -> int:
                 f"  {phase:<7} {r['seconds']:8.1f} s   driver peak RSS {r['rss'] / GIB:6.2f} GiB   "
                 f"object store peak {r['shm'] / GIB:6.2f} GiB"
             )
+        sizes_at_rest = folder_sizes(out)
+        print(
+            f"  output at rest {sum(sizes_at_rest.values()) / GIB:.2f} GiB ("
+            + ", ".join(f"{name} {size / GIB:.3f}" for name, size in sizes_at_rest.items())
+            + f"); {report['write']['record']['rows']:,} images in the shards"
+        )
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)
     totals = {n: sum(results[n][p]["seconds"] for p in PHASES) for n in sizes}

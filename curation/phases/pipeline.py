@@ -18,14 +18,17 @@ beside the output (``curation.phases.survivors`` describes the partitioning):
 Each phase is a short list of steps on one ``StepRunner`` (``curation.steps.runner``), fingerprinted by the phase's
 settings hash: dedup = survey, pHash pairs (map, reduce), embedding pairs (plan, assign, search), components
 (pairs, edges, contraction rounds, labels, the keep rule); sample = train, assign, budget, select, assemble;
-write = selected, shards, ledger. The runner keeps each step's receipts and done record, so a rerun with the same
-settings redoes only the units not receipted, and other settings clear a step's outputs before it runs again.
+write = selected, shards, ledger, then (after the manifest's switch) drop_bytes. The runner keeps each step's
+receipts and done record, so a rerun with the same settings redoes only the units not receipted, and other settings
+clear a step's outputs before it runs again.
 ``_state/<phase>.done.json`` is written last, so a rerun skips a phase that is done with the same settings, and
 re-running one phase clears the later ones' done records.
 
 The manifest is the commit point of "write": the new files are written beside the old ones under names that end in
 a prefix of their sha256, then the manifest is replaced in one atomic write, then the files it does not list are
-deleted. A reader that goes through the manifest sees the complete old set or the complete new one.
+deleted. A reader that goes through the manifest sees the complete old set or the complete new one. Then the scored
+files are rewritten without their image bytes (``curation.phases.write.shards.drop_scored_bytes``): the output holds
+each image's bytes once, and a later write reads them from the pool (``curation.score.originals``).
 """
 
 from __future__ import annotations

@@ -11,10 +11,18 @@ whether it was selected). Partition ``i`` covers a contiguous run of input shard
 - Final ledger: one task per run of input shards (about ``write.ledger_rows_per_task`` inputs) applies the
   decisions of its shards to their phase-1 ledger rows, by position within each shard (rows sorted by source), and
   writes one file per input shard; it returns its part of the funnel.
-- Three steps of the phase's ``StepRunner`` (``curation.steps.runner``): ``selected`` (the counts), ``shards`` and
-  ``ledger``; each unit's receipt is recorded, so a killed write phase redoes only the units it had not finished.
-  Files are named by their content (``<stem>-<sha256 prefix>``), so a rerun writes the same names and bytes, and
-  the manifest, written last, is the one switch.
+- Each image's bytes once: after the manifest's switch, ``drop_bytes`` rewrites the scored files without their
+  image bytes (one task per run of input shards; a file's Parquet statistics say whether it still holds any). The
+  shard tasks of a later write (``--phases write`` with other settings) read the bytes the scored files no longer
+  hold from the pool, by ``source``, a container at a time, and check each against its key (``with_originals``):
+  a changed or missing pool stops the phase naming the image, before anything is switched. Why not scored files
+  without bytes from the start: the first write would then stream every input shard of the pool again (a tar is
+  read whole to pick out its survivors) and could not run without the pool; dropping after the switch leaves the
+  same bytes at rest, and a rerun that must re-read them is the rare case.
+- Four steps of the phase's ``StepRunner`` (``curation.steps.runner``): ``selected`` (the counts), ``shards``,
+  ``ledger`` and ``drop_bytes``; each unit's receipt is recorded, so a killed write phase redoes only the units it
+  had not finished. Files are named by their content (``<stem>-<sha256 prefix>``), so a rerun writes the same names
+  and bytes, and the manifest, written before ``drop_bytes``, is the one switch.
 
 Sizes at 1B survivors: the driver holds one count per partition (10^4 at 10^5 rows per partition) and one entry
 per output shard (10^6 at 1000 rows per shard: the manifest lists them anyway); a shard task holds 1000 images; a
