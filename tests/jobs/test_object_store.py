@@ -21,11 +21,13 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import moto_s3, s3_query
+from conftest import CountedTask, moto_s3, s3_query
 from PIL import Image
 
 from common import storage
+from common.console import INTERRUPTED
 from common.layout import LAYOUT
+from curation.phases.write import shards as ws
 from finetune.train import load_finetuned
 from jobs import audit as audit_job
 from jobs import curate, make_synthetic, probe
@@ -303,7 +305,7 @@ def test_the_report_shows_rejected_images_of_an_object_store_pool(store, curated
 
 @pytest.mark.slow  # two more curation runs on the store, a takedown and audits
 def test_an_object_store_output_keeps_each_images_bytes_once_through_rewrites_takedowns_and_releases(
-    store, curated, tmp_path, capsys
+    store, curated, tmp_path, capsys, monkeypatch
 ):
     fs, _ = store
     scored = pq.read_table("runs/curated/scored", filesystem=fs, columns=["image"]).column("image")
@@ -323,8 +325,15 @@ def test_an_object_store_output_keeps_each_images_bytes_once_through_rewrites_ta
     assert takedown_job.main(["--output", curated, "--list", str(listed), "--grace-minutes", "0"]) == 0
     assert audit_job.main([curated]) == 0
 
-    # the same pool against the release (whose takedown made it version 2): its next version
-    assert curate.main([*lite, pool, "--output", s3(store, "runs/next"), "--against", curated, *CURATE]) == 0
+    # the same pool against the release (whose takedown made it version 2): its next version, the driver killed
+    # after the switch to its shards, before the scored files lose their bytes; the same command finishes the phase
+    against = [*lite, pool, "--output", s3(store, "runs/next"), "--against", curated, *CURATE]
+    monkeypatch.setattr(ws._DropBytes, "task", CountedTask(ws._drop_scored_bytes, kill_at=0))
+    assert curate.main(against) == INTERRUPTED
+    scored = pq.read_table("runs/next/scored", filesystem=fs, columns=["image"]).column("image")
+    assert scored.combine_chunks().field("bytes").null_count == 0
+    monkeypatch.undo()
+    assert curate.main(against) == 0
     assert audit_job.main([s3(store, "runs/next")]) == 0
     assert json.loads(fs.open_input_stream(f"runs/next/{LAYOUT.manifest}").read())["version"] == 3
     scored = pq.read_table("runs/next/scored", filesystem=fs, columns=["image"]).column("image")
