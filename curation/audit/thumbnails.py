@@ -132,13 +132,15 @@ class Thumbnails:
                 for source, image in zip(table.column("source").to_pylist(), table.column("image").to_pylist()):
                     if image["bytes"] is not None:
                         found[source] = image["bytes"]
-        keys = sorted({t.key for t in tiles if t.source not in found and t.key is not None})
+        rest = [t for t in tiles if t.source not in found]
         manifest = join(self.root, LAYOUT.manifest)
-        if keys and exists(self.fs, manifest):
+        if rest and exists(self.fs, manifest):
             files = [join(self.root, LAYOUT.shards, s["file"]) for s in read_manifest(self.fs, self.root)["shards"]]
-            table = pads.dataset(files, filesystem=self.fs).to_table(
-                columns=["source", "image"], filter=pc.field("key").isin(keys)
+            # the shards are in (shard_id, source) order: their row groups' statistics skip all but the tiles'
+            wanted = pc.field("shard_id").isin(sorted({t.shard_id for t in rest})) & pc.field("source").isin(
+                sorted({t.source for t in rest})
             )
+            table = pads.dataset(files, filesystem=self.fs).to_table(columns=["source", "image"], filter=wanted)
             for source, image in zip(table.column("source").to_pylist(), table.column("image").to_pylist()):
                 found[source] = image["bytes"]
         return found
