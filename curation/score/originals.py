@@ -78,7 +78,7 @@ class SourceReader:
             elif name.part is not None and name.kind in ("parquet", "webdataset"):
                 parts[name.container].append((source, name))
             else:
-                out[source] = self._guarded(source, lambda s=source: self._file(s))
+                out[source] = self._guarded(lambda s=source: self._file(s))
         for container, named in parts.items():
             read = self._parquet_rows if named[0][1].kind == "parquet" else self._tar_members
             try:
@@ -100,7 +100,8 @@ class SourceReader:
                 found[source] = data
         return found, problems
 
-    def _guarded(self, source: str, read) -> bytes | SourceUnreadable:
+    @staticmethod
+    def _guarded(read) -> bytes | SourceUnreadable:
         try:
             return read()
         except SourceUnreadable as exc:
@@ -125,7 +126,10 @@ class SourceReader:
     def _parquet_rows(self, uri: str, named: list[tuple[str, Source]]) -> dict[str, bytes | SourceUnreadable]:
         """Rows by their index (``#row=<i>``) or by their value of ``input.source_column`` (its ``dup``-th)."""
         fs, path = self._locate(uri)
-        pf = pq.ParquetFile(fs.open_input_file(path))
+        with fs.open_input_file(path) as f:
+            return self._rows_of(pq.ParquetFile(f), uri, named)
+
+    def _rows_of(self, pf: pq.ParquetFile, uri: str, named: list[tuple[str, Source]]) -> dict:
         column, problem = image_column(pf.schema_arrow, self.settings)
         if problem:
             raise SourceUnreadable(f"source not readable: {problem}")
@@ -162,7 +166,7 @@ class SourceReader:
             for source, row in rows:
                 value = cells[row].as_py()
                 data = value.get("bytes") if isinstance(value, dict) else value
-                out[source] = self._guarded(source, lambda d=data: self._sized(d))
+                out[source] = self._guarded(lambda d=data: self._sized(d))
         return out
 
     def _sized(self, data: bytes | None) -> bytes:
