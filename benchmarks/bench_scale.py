@@ -9,7 +9,8 @@ and ledger parts per input shard of ``--rows-per-shard``; small real JPEGs keyed
 embeddings and pHashes as the section "synthesis" below describes, with planted copies of real copies' kinds),
 with no scoring needed. The global phases then run in a fresh process on a local Ray (``--cpus``), as ``jobs.curate
 --phases dedup,sample,write`` would run them, on a hard-linked copy of that output, while a sampler thread records
-that driver's RSS and the bytes Ray's object store holds in ``/dev/shm``. ``--baseline`` runs another checkout's
+that driver's RSS and the bytes Ray's object store holds in ``/dev/shm``, and after it the output's size at rest per
+folder. ``--baseline`` runs another checkout's
 global phases on the same inputs, alternating ``--pairs`` times; ``--previous-rule`` this tree's with the link rule
 of before (pHash within 8 bits or cosine >= 0.95). Printed per run and phase: wall time, driver peak RSS,
 object-store peak; the survivors dedup dropped as copies of an image outside their planted group (chance links)
@@ -413,6 +414,7 @@ def _measure(repo: Path, synthesised: Path, run_dir: Path, cpus: int, overrides:
             raise RuntimeError(f"the global phases of {repo} failed (exit {done.returncode})")
         report = json.loads(done.stdout.strip().splitlines()[-1])
         report["truth"] = dedup_truth(str(run_dir))
+        report["at_rest"] = folder_sizes(run_dir)
         return report
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -437,6 +439,19 @@ def _print_run(label: str, report: dict) -> None:
         for r in chance["regions"]:
             print(f"  {label:<10}   {r['region']} at radius {r['radius']}: {r['expected_chance_links']:.3g} expected")
     print(f"  {label:<10} chance pairs counted in the pair files: {t['chance_pairs']}")
+    at_rest = report["at_rest"]
+    print(
+        f"  {label:<10} output at rest {sum(at_rest.values()) / GIB:.2f} GiB ("
+        + ", ".join(f"{name} {size / GIB:.3f}" for name, size in at_rest.items())
+        + f"); {report['write']['record']['rows']:,} images in the shards"
+    )
+
+
+def folder_sizes(out: Path) -> dict[str, int]:
+    """Bytes under each top-level entry of an output, largest first: what it keeps at rest after the run."""
+    sizes = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+             for p in out.iterdir() if not p.name.startswith("_bench")}  # fmt: skip
+    return dict(sorted(sizes.items(), key=lambda item: -item[1]))
 
 
 def main() -> int:

@@ -17,7 +17,8 @@ step's scratch files inside its own work folder (``dedup/components/``, ``sample
     _state/steps/<phase>/<step>.done.json      the step's stats, written last
     _state/takedown/<list id>.json          a takedown: the list, who, when, what it removed, the files it replaced
     _state/takedown/<list id>.entries.parquet   the list's entries (keys, sources, URLs), which no version may hold
-    scored/<shard_id>/part-*.parquet        phase 1's kept rows, with scores, hashes and embeddings
+    scored/<shard_id>/part-*.parquet        phase 1's kept rows, with scores, hashes and embeddings; their image bytes
+                                            until the write phase has switched to the final shards
     ledger/<shard_id>/part-*.parquet        phase 1's ledger rows: one per input
     dedup/...                               phase 2's partitions (survivors, pairs, components, decisions)
     sample/...                              phase 3's partitions (work, hierarchy, decisions)

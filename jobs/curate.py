@@ -30,6 +30,7 @@ from curation.records import commit_files
 from curation.score.chain import io_note
 from curation.score.inputs import InputShard
 from curation.score.ledger import CAUSE_COLUMNS, likely_causes, read_ledger, summary_table
+from curation.score.originals import OriginalsMissing
 from curation.score.phase import ScorePhase
 from curation.score.pool import Pool, PoolError, list_shards, pin_listing, pinned_listing
 from curation.steps.output import Output, RunMismatch, claim_output
@@ -108,9 +109,8 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
     try:
         with Watchdog("jobs.curate", cfg.watchdog.minutes):
             return _run_phases(cfg, args, out, pool, lease, phases, shards, pinned is not None, release)
-    # a damaged record's message names it and what to do; a chance bound, the setting to change
-    except (PhaseOrderError, DamagedRecordError, ChanceBoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (PhaseOrderError, DamagedRecordError, OriginalsMissing, ChanceBoundError) as exc:  # each says what to do
+        print(f"error: {getattr(exc, 'cause', exc)}", file=sys.stderr)  # a Ray task's error: its own message
         return 2
 
 
@@ -141,7 +141,7 @@ def _run_phases(
             f"({rate:.2f} img/s){memory}{io_note(summary)}"
         )
     for phase in (p for p in GLOBAL_PHASES if p in phases):
-        GlobalPhases(cfg, out, guard=lease.check, against=release).run(phase)
+        GlobalPhases(cfg, out, guard=lease.check, against=release, pool=args.input).run(phase)
     ledger = read_ledger(args.output, CAUSE_COLUMNS)
     print(f"\n[curate] summary (all phases, {time.monotonic() - start:.1f} s this run)\n" + summary_table(ledger))
     for cause in likely_causes(ledger, cfg.filters.min_short_side):

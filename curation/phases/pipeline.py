@@ -20,14 +20,17 @@ Each phase is a short list of steps on one ``StepRunner`` (``curation.steps.runn
 settings hash: dedup = survey, embedding plan (with the chance estimate that fits the link rule's radii), pHash
 pairs (map, reduce), embedding pairs (assign, search), components
 (pairs, edges, contraction rounds, labels, the keep rule); sample = train, assign, budget, select, assemble;
-write = selected, shards, ledger. The runner keeps each step's receipts and done record, so a rerun with the same
-settings redoes only the units not receipted, and other settings clear a step's outputs before it runs again.
+write = selected, shards, ledger, then (after the manifest's switch) drop_bytes. The runner keeps each step's
+receipts and done record, so a rerun with the same settings redoes only the units not receipted, and other settings
+clear a step's outputs before it runs again.
 ``_state/<phase>.done.json`` is written last, so a rerun skips a phase that is done with the same settings, and
 re-running one phase clears the later ones' done records.
 
 The manifest is the commit point of "write": the new files are written beside the old ones under names that end in
 a prefix of their sha256, then the manifest is replaced in one atomic write, then the files it does not list are
-deleted. A reader that goes through the manifest sees the complete old set or the complete new one.
+deleted. A reader that goes through the manifest sees the complete old set or the complete new one. Then the scored
+files are rewritten without their image bytes (``curation.phases.write.shards.drop_scored_bytes``): the output holds
+each image's bytes once, and a later write reads them from the pool (``curation.score.originals``).
 """
 
 from __future__ import annotations
@@ -61,10 +64,9 @@ from curation.phases.dedup.phash_pairs import run_phash_pairs
 from curation.phases.release import RELEASE_UID_MIN, Release, survey_release_partition
 from curation.phases.sample.cluster_sampling import run_sample
 from curation.phases.write.card import write_card
-from curation.phases.write.shards import (
-    write_phase,
-)
-from curation.records import read_commits, read_done
+from curation.phases.write.shards import drop_scored_bytes, write_phase
+from curation.records import read_commits, read_done, read_run_record
+from curation.score.originals import SourceReader
 from curation.steps.output import Output
 from curation.steps.runner import Step, StepRunner
 from curation.steps.window import task_window
@@ -178,7 +180,8 @@ def _survey_task(
 
 class GlobalPhases:
     """``guard`` runs before each commit-point write and raises when this run may no longer write the output
-    (``common.lease.Lease.check``)."""
+    (``common.lease.Lease.check``); ``pool``: the pool's URI as the job was given it (default: the store the run
+    record keeps), where the write phase reads the bytes the scored files no longer hold."""
 
     def __init__(
         self,
@@ -186,8 +189,9 @@ class GlobalPhases:
         output: Output,
         guard: Callable[[], None] = lambda: None,
         against: Release | None = None,
+        pool: str | None = None,
     ):
-        self.cfg, self.output, self.guard, self.against = cfg, output, guard, against
+        self.cfg, self.output, self.guard, self.against, self.pool = cfg, output, guard, against, pool
         self.fs, self.root = output.fs, output.root
         self.records = read_commits(self.fs, self.root)
         self.partitions = survivors.plan_partitions(list(self.records.values()), cfg.dedup.rows_per_partition)
@@ -309,7 +313,12 @@ class GlobalPhases:
 
     def _write(self) -> dict:
         partition_of = {record["shard_id"]: i for i, shards in enumerate(self.partitions) for _, record in shards}
-        manifest = write_phase(self.runner("write"), self.cfg, self.records, partition_of, len(self.partitions))
+        runner = self.runner("write")
+        if self.pool is None:
+            run = read_run_record(self.fs, self.root)
+            self.pool = run.get("input_store") or run["input"]
+        originals = SourceReader(self.cfg.input, self.cfg.filters.max_file_bytes, self.pool)
+        manifest = write_phase(runner, self.cfg, self.records, partition_of, len(self.partitions), originals)
         dedup = read_done(self.fs, self.root, "dedup")  # how dedup decided, for the card
         manifest = {**manifest, "dedup": {"chance": dedup.get("chance"), "components": dedup.get("components")}}
         if self.against is not None:  # this output is the release's next version
@@ -317,10 +326,13 @@ class GlobalPhases:
         self.guard()
         write_json_atomic(self.fs, join(self.root, LAYOUT.manifest), manifest)  # the switch to the new files
         removed = self._remove_unlisted(manifest)
+        # after the switch: the kept images' bytes are in the final shards, and a kill before here still has them
+        dropped = drop_scored_bytes(runner, self.cfg, self.records)
         write_card(self.output.uri, manifest)  # after the switch: the card describes the current shards
         log.info(
             f"[write] {manifest['totals']['rows']} images in {len(manifest['shards'])} shards "
-            f"({manifest['totals']['bytes']} bytes); {removed} files the manifest no longer lists removed"
+            f"({manifest['totals']['bytes']} bytes); {removed} files the manifest no longer lists removed; "
+            f"image bytes dropped from {dropped['files']} scored files ({dropped['bytes']} bytes)"
         )
         return manifest["totals"]
 

@@ -6,11 +6,13 @@ import math
 from collections import Counter
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
 from common import schema
+from common.layout import LAYOUT
 from curation.config import CurateConfig
 from curation.score.ledger import committed_files, read_ledger, reason_code
 from curation.steps.output import Output
@@ -104,7 +106,7 @@ def test_scores_before_rejection_are_kept_in_the_ledger(ledger):
     assert all(r["quality"] is not None and r["text_area_frac"] is None for r in quality_rejects)
 
 
-def test_scored_shards_read_back_with_declared_schema_and_original_bytes(curated, manifest):
+def test_scored_shards_read_back_with_declared_schema_and_the_bytes_once_in_the_final_shards(curated, manifest):
     cfg = CurateConfig()
     files = committed_files(str(curated), "scored")
     assert files and all(f.startswith("scored/") for f in files)
@@ -115,11 +117,13 @@ def test_scored_shards_read_back_with_declared_schema_and_original_bytes(curated
         assert meta["schema_version"] == schema.SCHEMA_VERSION and meta["table"] == "scored"
         assert meta["config_hash"] == cfg.results_hash()
         for row in table.to_pylist():
-            data = row["image"]["bytes"]
-            assert hashlib.sha256(data).hexdigest() == row["key"]
-            assert Path(row["source"]).read_bytes() == data  # never re-encoded
+            assert row["image"]["bytes"] is None  # dropped once the final shards were written
+            assert hashlib.sha256(Path(row["source"]).read_bytes()).hexdigest() == row["key"]
             assert row["phash"] is not None and len(row["embedding"]) == cfg.embedding_dim
             assert row["prominent_count"] >= 1 and row["quality"] >= cfg.filters.min_quality
+    listed = json.loads((curated / LAYOUT.manifest).read_text())["shards"]
+    kept = pa.concat_tables([pq.read_table(curated / LAYOUT.shards / s["file"]) for s in listed]).to_pylist()
+    assert kept and all(Path(r["source"]).read_bytes() == r["image"]["bytes"] for r in kept)  # never re-encoded
 
 
 def test_rerun_resumes_without_rescoring(curated, sample_pool, repo_root, capsys):

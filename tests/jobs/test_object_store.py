@@ -18,19 +18,23 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import moto_s3, s3_query
+from conftest import CountedTask, moto_s3, s3_query
 from PIL import Image
 
 from common import storage
+from common.console import INTERRUPTED
 from common.layout import LAYOUT
+from curation.phases.write import shards as ws
 from finetune.train import load_finetuned
 from jobs import audit as audit_job
 from jobs import curate, make_synthetic, probe
 from jobs import export as export_job
 from jobs import finetune as finetune_job
 from jobs import pretrain as pretrain_job
+from jobs import takedown as takedown_job
 from pretrain.export import BACKBONE_FILE, load_backbone
 from training import checkpoint as ckpt
 from training.metrics import latest_per_step, read_metrics
@@ -288,7 +292,7 @@ def test_the_report_shows_rejected_images_of_an_object_store_pool(store, curated
         assert thumb and why is None, (source, why)
         assert fs.get_file_info(f"runs/curated/report/{thumb}").size > 0
     kept = _tiles(page, "kept")
-    assert kept and all(thumb for thumb, _ in kept.values())  # from the scored files on the store
+    assert kept and all(thumb for thumb, _ in kept.values())  # from the final shards on the store
     _no_secrets(fs, "runs/curated", store_records=(f"runs/curated/{LAYOUT.run_record}",))
     # the pool given again (credentials in its URI) is the one curated; another pool is refused, naming both
     assert audit_job.main([curated, *lite, "--report", "--input", s3(store, "data/pool")]) == 0
@@ -297,6 +301,60 @@ def test_the_report_shows_rejected_images_of_an_object_store_pool(store, curated
     err = capsys.readouterr().err
     assert "--input s3://data/other is not the pool s3://runs/curated was curated from (s3://data/pool)" in err
     assert SECRET not in err
+
+
+@pytest.mark.slow  # two more curation runs on the store, a takedown and audits
+def test_an_object_store_output_keeps_each_images_bytes_once_through_rewrites_takedowns_and_releases(
+    store, curated, tmp_path, capsys, monkeypatch
+):
+    fs, _ = store
+    scored = pq.read_table("runs/curated/scored", filesystem=fs, columns=["image"]).column("image")
+    assert scored.combine_chunks().field("bytes").null_count == len(scored) > 0  # the shards hold the kept ones'
+    pool, lite = s3(store, "data/pool"), ["--config", str(REPO / "configs/curate/lite.yaml"), "--input"]
+
+    def rewrite(rows_per_shard: int) -> int:  # the write phase again, other settings: the pool read again
+        args = [*lite, pool, "--output", curated, "--phases", "write", *CURATE]
+        return curate.main([*args, f"write.rows_per_shard={rows_per_shard}"])
+
+    assert rewrite(1) == 0 and audit_job.main([curated]) == 0  # every image hashes to its key
+    manifest = json.loads(fs.open_input_stream(f"runs/curated/{LAYOUT.manifest}").read())
+    assert len(manifest["shards"]) == manifest["totals"]["rows"] >= 2
+    first = pq.read_table(f"runs/curated/shards/{manifest['shards'][0]['file']}", filesystem=fs)
+    listed = tmp_path / "takedown.txt"
+    listed.write_text(first.column("key")[0].as_py() + "\n")
+    assert takedown_job.main(["--output", curated, "--list", str(listed), "--grace-minutes", "0"]) == 0
+    assert audit_job.main([curated]) == 0
+
+    # the same pool against the release (whose takedown made it version 2): its next version, the driver killed
+    # after the switch to its shards, before the scored files lose their bytes; the same command finishes the phase
+    against = [*lite, pool, "--output", s3(store, "runs/next"), "--against", curated, *CURATE]
+    monkeypatch.setattr(ws._DropBytes, "task", CountedTask(ws._drop_scored_bytes, kill_at=0))
+    assert curate.main(against) == INTERRUPTED
+    scored = pq.read_table("runs/next/scored", filesystem=fs, columns=["image"]).column("image")
+    assert scored.combine_chunks().field("bytes").null_count == 0
+    monkeypatch.undo()
+    assert curate.main(against) == 0
+    assert audit_job.main([s3(store, "runs/next")]) == 0
+    assert json.loads(fs.open_input_stream(f"runs/next/{LAYOUT.manifest}").read())["version"] == 3
+    scored = pq.read_table("runs/next/scored", filesystem=fs, columns=["image"]).column("image")
+    assert scored.combine_chunks().field("bytes").null_count == len(scored)
+
+    # the taken-down image is not read again; another changed in the pool stops the rewrite, saying which
+    source = manifest["shards"][1]
+    changed = pq.read_table(f"runs/curated/shards/{source['file']}", filesystem=fs).column("source")[0].as_py()
+    path = changed.removeprefix("s3://")
+    original = fs.open_input_stream(path).read()
+    with fs.open_output_stream(path) as f:
+        f.write(_photo(99, (480, 400)))
+    capsys.readouterr()
+    try:
+        assert rewrite(2) == 2
+    finally:
+        with fs.open_output_stream(path) as f:
+            f.write(original)
+    err = capsys.readouterr().err
+    assert f"{changed}: source changed since curation" in err and SECRET not in err
+    assert rewrite(2) == 0 and audit_job.main([curated]) == 0
 
 
 @pytest.fixture(scope="module")

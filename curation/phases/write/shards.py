@@ -11,10 +11,18 @@ whether it was selected). Partition ``i`` covers a contiguous run of input shard
 - Final ledger: one task per run of input shards (about ``write.ledger_rows_per_task`` inputs) applies the
   decisions of its shards to their phase-1 ledger rows, by position within each shard (rows sorted by source), and
   writes one file per input shard; it returns its part of the funnel.
-- Three steps of the phase's ``StepRunner`` (``curation.steps.runner``): ``selected`` (the counts), ``shards`` and
-  ``ledger``; each unit's receipt is recorded, so a killed write phase redoes only the units it had not finished.
-  Files are named by their content (``<stem>-<sha256 prefix>``), so a rerun writes the same names and bytes, and
-  the manifest, written last, is the one switch.
+- Each image's bytes once: after the manifest's switch, ``drop_bytes`` rewrites the scored files without their
+  image bytes (one task per run of input shards; a file's Parquet statistics say whether it still holds any). The
+  shard tasks of a later write (``--phases write`` with other settings) read the bytes the scored files no longer
+  hold from the pool, by ``source``, a container at a time, and check each against its key (``with_originals``):
+  a changed or missing pool stops the phase naming the image, before anything is switched. Why not scored files
+  without bytes from the start: the first write would then stream every input shard of the pool again (a tar is
+  read whole to pick out its survivors) and could not run without the pool; dropping after the switch leaves the
+  same bytes at rest, and a rerun that must re-read them is the rare case.
+- Four steps of the phase's ``StepRunner`` (``curation.steps.runner``): ``selected`` (the counts), ``shards``,
+  ``ledger`` and ``drop_bytes``; each unit's receipt is recorded, so a killed write phase redoes only the units it
+  had not finished. Files are named by their content (``<stem>-<sha256 prefix>``), so a rerun writes the same names
+  and bytes, and the manifest, written before ``drop_bytes``, is the one switch.
 
 Sizes at 1B survivors: the driver holds one count per partition (10^4 at 10^5 rows per partition) and one entry
 per output shard (10^6 at 1000 rows per shard: the manifest lists them anyway); a shard task holds 1000 images; a
@@ -39,11 +47,12 @@ import ray
 from common import schema
 from common.config import hash_json_each
 from common.layout import LAYOUT
-from common.storage import encode_parquet, exists, join, resolve, write_bytes_atomic
+from common.storage import encode_parquet, exists, join, redact, resolve, write_bytes_atomic
 from curation.config import CurateConfig, config_from_json
 from curation.phases.write.takedown import Takedowns, applied_takedowns
 from curation.score.ledger import funnel_of
 from curation.score.metadata import merge_all, split_metadata
+from curation.score.originals import OriginalsMissing, SourceReader
 from curation.steps.runner import StepRunner, TaskStep
 
 log = logging.getLogger(__name__)
@@ -118,10 +127,11 @@ def _write_output_shards(
     cfg_json: str,
     target: pa.Schema,
     takedowns: Takedowns,
+    originals: SourceReader,
 ) -> dict:
     """Output shards ``first, first + 1, ...`` (``plan`` gives each one's slices of the partitions' selected rows):
     the selected rows in uid (= shard_id, source) order, with their cluster ids, written with ``target``; images a
-    recorded takedown lists are left out."""
+    recorded takedown lists are left out. Bytes the scored files no longer hold are read from the pool."""
     cfg = config_from_json(cfg_json)
     fs, root = resolve(out_uri)
 
@@ -159,12 +169,37 @@ def _write_output_shards(
                     f"input shard {shard_id}: {at.null_count} selected images are not in its scored "
                     "files (the output was changed by hand?); rerun with --phases score,dedup,sample,write"
                 )
-            rows.append(table.take(at).append_column("cluster_ids", mine.column("cluster_ids")))
-        table = with_typed_metadata(takedowns.without(pa.concat_tables(rows)), typed).select(target.names).cast(target)
+            picked = takedowns.without(table.take(at).append_column("cluster_ids", mine.column("cluster_ids")))
+            rows.append(with_originals(picked, originals, shard_id))  # a taken-down image is never read again
+        table = with_typed_metadata(pa.concat_tables(rows), typed).select(target.names).cast(target)
         shards.append(
             write_named_by_content(fs, root, LAYOUT.shards, f"part-{k:05d}", table, cfg, cfg.output.row_group_size)
         )
     return {"shards": shards}
+
+
+def with_originals(table: pa.Table, originals: SourceReader, shard_id: str) -> pa.Table:
+    """Scored rows with the image bytes an earlier write dropped (``drop_scored_bytes``) read again from the pool,
+    each checked against its key; raises ``OriginalsMissing`` naming what cannot be."""
+    image = table.column("image").combine_chunks()
+    data = image.field("bytes")
+    if not data.null_count:
+        return table
+    missing = pc.is_null(data)
+    wanted = table.filter(missing).select(["source", "key"]).to_pylist()
+    found, problems = originals.read_verified({r["source"]: r["key"] for r in wanted})
+    if problems:
+        source, why = next(iter(problems.items()))
+        raise OriginalsMissing(
+            f"input shard {shard_id}: {len(problems)} images to write are not in the output (the scored files keep no "
+            f"image bytes once the final shards are written) and cannot be read again from the pool "
+            f"{redact(originals.pool or '')}: {source}: {why}. Put the pool back as it was curated, or curate it "
+            "again (--new-run)"
+        )
+    refilled = pa.array([found[s] for s in table.column("source").filter(missing).to_pylist()], pa.binary())
+    filled = pc.replace_with_mask(data, missing, refilled)
+    image = pa.StructArray.from_arrays([filled, image.field("path")], fields=list(schema.IMAGE_TYPE))
+    return table.set_column(table.schema.get_field_index("image"), table.schema.field("image"), image)
 
 
 _METADATA_KIND = {t: kind for kind, t in schema.METADATA_TYPES.items()}
@@ -313,15 +348,28 @@ class _Shards(TaskStep):
                 ks[0],
                 plan[ks[0] : ks[-1] + 1],
                 {s: files for k in ks for p, _, _ in plan[k] for s, files in scored[p].items()},
-                *args,  # cfg_json, target, takedowns: the same for every unit
+                *args,  # cfg_json, target, takedowns, originals: the same for every unit
             )
             for partition, ks in starts.items()
         }
-        takedowns: Takedowns = args[-1]
+        takedowns: Takedowns = args[2]
         super().__init__(calls, [reason for _, reason in takedowns.lists])  # a takedown since: its images left out
 
     def reduce(self, receipts: Sequence[dict]) -> dict:
         return {"shards": [shard for r in receipts for shard in r["shards"]]}
+
+
+def shard_groups(records: dict[str, dict], rows_per_task: int) -> dict[str, list[str]]:
+    """Runs of input shards in shard order, each of about ``rows_per_task`` inputs: the units of a task per run."""
+    groups: dict[str, list[str]] = {}
+    group, rows = [], 0
+    for n, shard_id in enumerate(sorted(records), start=1):
+        group.append(shard_id)
+        rows += records[shard_id]["rows"]
+        if rows >= rows_per_task or n == len(records):
+            groups[f"group-{len(groups):07d}"] = group
+            group, rows = [], 0
+    return groups
 
 
 class _Ledger(TaskStep):
@@ -330,14 +378,10 @@ class _Ledger(TaskStep):
     name, unit_name, task = "ledger", "tasks", _write_ledger_group
 
     def __init__(self, records: dict[str, dict], partition_of: dict[str, int], rows_per_task: int, *args: Any):
-        calls: dict[str, tuple] = {}
-        group, rows = [], 0  # args: out_uri, cfg_json, takedowns
-        for n, shard_id in enumerate(sorted(records), start=1):
-            group.append((shard_id, records[shard_id]["ledger_files"], partition_of.get(shard_id)))
-            rows += records[shard_id]["rows"]
-            if rows >= rows_per_task or n == len(records):
-                calls[f"group-{len(calls):07d}"] = (args[0], group, *args[1:])
-                group, rows = [], 0
+        calls = {  # args: out_uri, cfg_json, takedowns
+            unit: (args[0], [(s, records[s]["ledger_files"], partition_of.get(s)) for s in group], *args[1:])
+            for unit, group in shard_groups(records, rows_per_task).items()
+        }
         super().__init__(calls)
 
     def reduce(self, receipts: Sequence[dict]) -> dict:
@@ -348,10 +392,15 @@ class _Ledger(TaskStep):
 
 
 def write_phase(
-    runner: StepRunner, cfg: CurateConfig, records: dict[str, dict], partition_of: dict[str, int], partitions: int
+    runner: StepRunner,
+    cfg: CurateConfig,
+    records: dict[str, dict],
+    partition_of: dict[str, int],
+    partitions: int,
+    originals: SourceReader,
 ) -> dict:
     """Write the final shards and final ledger as ``runner``'s steps; returns the manifest (not yet switched to: the
-    caller writes it)."""
+    caller writes it). ``originals`` reads the bytes the scored files no longer hold from the pool."""
     out, cfg_json = runner.output, cfg.model_dump_json()
     metadata_fields = schema.typed_metadata_fields(merge_all(r.get("metadata_types") or {} for r in records.values()))
     target = final_shard_schema(cfg, metadata_fields)  # once per run: every shard task gets the same schema
@@ -360,7 +409,7 @@ def write_phase(
     for shard_id, partition in partition_of.items():
         scored.setdefault(partition, {})[shard_id] = records[shard_id]["scored_files"]
     plan = plan_output_shards(runner.run(_Selected(out.uri, records, partitions))["selected"], cfg.write.rows_per_shard)
-    shards = runner.run(_Shards(plan, scored, out.uri, cfg_json, target, takedowns))["shards"]
+    shards = runner.run(_Shards(plan, scored, out.uri, cfg_json, target, takedowns, originals))["shards"]
     ledger = runner.run(_Ledger(records, partition_of, cfg.write.ledger_rows_per_task, out.uri, cfg_json, takedowns))
     log.info(f"[write] {len(shards)} final shards; the final ledger of {len(records)} input shards")
     return {
@@ -386,3 +435,65 @@ def write_phase(
         },
         "funnel": ledger["funnel"],
     }
+
+
+# --- after the switch: each image's bytes once -------------------------------------------------------------------------
+
+
+@ray.remote(num_cpus=0.25)
+def _drop_scored_bytes(out_uri: str, files: list[str], cfg_json: str) -> dict:
+    """Each scored file rewritten with every column but the image bytes (their path kept); a file already without
+    them is left as it is. Returns how many files and bytes fewer."""
+    cfg = config_from_json(cfg_json)
+    fs, root = resolve(out_uri)
+    rewritten = freed = 0
+    for rel in files:
+        path = join(root, rel)
+        with fs.open_input_file(path) as f:
+            pf = pq.ParquetFile(f)
+            if _without_bytes(pf.metadata):
+                continue
+            size, file_schema = f.size(), pf.schema_arrow
+            at = file_schema.get_field_index("image")
+            table = pf.read(columns=[n for n in file_schema.names if n != "image"])
+            paths = pf.read(columns=["image.path"]).column(0).combine_chunks().field("path")  # a struct of it
+        image = pa.StructArray.from_arrays([pa.nulls(len(paths), pa.binary()), paths], fields=list(schema.IMAGE_TYPE))
+        table = table.add_column(at, file_schema.field("image"), image).cast(file_schema)
+        data = encode_parquet(table, row_group_size=cfg.output.row_group_size, compression=cfg.output.compression)
+        write_bytes_atomic(fs, path, data)
+        rewritten, freed = rewritten + 1, freed + size - len(data)
+    return {"files": rewritten, "bytes": freed}
+
+
+def _without_bytes(meta: pq.FileMetaData) -> bool:
+    """Whether a scored file's statistics say every image's bytes are null."""
+    column = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == "image.bytes")
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(column).statistics
+        if stats is None or stats.null_count != meta.row_group(g).num_rows:
+            return False
+    return True
+
+
+class _DropBytes(TaskStep):
+    """The scored files without the image bytes: one unit per run of input shards of about
+    ``write.ledger_rows_per_task`` inputs."""
+
+    name, unit_name, task = "drop_bytes", "tasks", _drop_scored_bytes
+
+    def __init__(self, records: dict[str, dict], rows_per_task: int, out_uri: str, cfg_json: str):
+        calls = {
+            unit: (out_uri, [f for s in group for f in records[s]["scored_files"]], cfg_json)
+            for unit, group in shard_groups(records, rows_per_task).items()
+        }
+        super().__init__(calls)
+
+    def reduce(self, receipts: Sequence[dict]) -> dict:
+        return {key: sum(r[key] for r in receipts) for key in ("files", "bytes")}
+
+
+def drop_scored_bytes(runner: StepRunner, cfg: CurateConfig, records: dict[str, dict]) -> dict:
+    """After the switch to the final shards: the scored files' image bytes dropped, so that the output holds each
+    image's bytes once (the kept ones in the final shards). A later write reads them from the pool
+    (``with_originals``). Returns how many files were rewritten and how many bytes that freed."""
+    return runner.run(_DropBytes(records, cfg.write.ledger_rows_per_task, runner.output.uri, cfg.model_dump_json()))

@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 from collections import Counter
 from html.parser import HTMLParser
@@ -30,7 +29,7 @@ from common.layout import LAYOUT
 from curation.audit.charts import score_histogram
 from curation.audit.report import _NOT_REOPENED, write_report
 from curation.audit.report_data import SCORES, ReportOptions
-from curation.audit.thumbnails import SourceReader, SourceUnreadable, Thumbnails, Tile
+from curation.audit.thumbnails import Thumbnails, Tile
 from curation.audit.verify import audit, funnel_key
 from curation.audit.verify_shards import Problem
 from curation.config import CurateConfig
@@ -404,36 +403,6 @@ def _photo_bytes() -> list[bytes]:
         Image.fromarray(arr).save(buf, "JPEG", quality=85)
         out.append(buf.getvalue())
     return out
-
-
-def test_source_reader_reads_files_parquet_rows_and_tar_members(tmp_path):
-    a, b = _photo_bytes()
-    (tmp_path / "a.jpg").write_bytes(a)
-    pq.write_table(
-        pa.table({"image": pa.array([{"bytes": b, "path": "b"}, {"bytes": a, "path": "a"}], schema.IMAGE_TYPE)}),
-        tmp_path / "pool.parquet",
-        row_group_size=1,
-    )
-    with tarfile.open(tmp_path / "pool.tar", "w") as tar:
-        for name, data in (("x/b.jpg", b), ("x/a.jpg", a)):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    reader = SourceReader()
-    assert reader.read(str(tmp_path / "a.jpg")) == a
-    assert reader.read(f"{tmp_path}/pool.parquet#row=0") == b
-    assert reader.read(f"{tmp_path}/pool.parquet#row=1") == a
-    assert reader.read(f"{tmp_path}/pool.tar#x/b.jpg") == b
-    for source, why in (
-        (str(tmp_path / "gone.jpg"), "missing"),
-        (f"{tmp_path}/pool.parquet#row=7", "no row 7"),
-        (f"{tmp_path}/pool.parquet#photo-12", "source_column"),
-        (f"{tmp_path}/pool.tar#nope.jpg", "no member"),
-    ):
-        with pytest.raises(SourceUnreadable, match=why):
-            reader.read(source)
-    with pytest.raises(SourceUnreadable, match="max_file_bytes"):
-        SourceReader(max_bytes=len(a) - 1).read(str(tmp_path / "a.jpg"))
 
 
 def test_thumbnail_placeholders_say_why(tmp_path, lite):

@@ -1,18 +1,26 @@
-"""The write phase as the runner's steps: the manifest of a run, and a kill between units resumed from the receipts."""
+"""The write phase as the runner's steps: the manifest of a run, a kill between units resumed from the receipts,
+and each image's bytes kept once (in the final shards), a rewrite reading them again from the pool."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import shutil
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, CountedTask
 
+from common import schema
 from common.config import load_config
 from common.layout import LAYOUT
 from curation.config import CurateConfig
 from curation.phases.pipeline import GlobalPhases
 from curation.phases.write import shards as ws
+from curation.score.originals import CHANGED, OriginalsMissing, SourceReader
 from curation.steps.output import Output
 from curation.steps.runner import StepRunner
 
@@ -27,7 +35,8 @@ def _write(out, overrides: list[str]) -> dict:
     partition_of = {r["shard_id"]: i for i, shards in enumerate(phases.partitions) for _, r in shards}
     runner = StepRunner(phases.output, "write", phases.phase_hash("write"), window=2)
     assert runner.phase_fingerprint == phases.phase_hash("write")
-    return ws.write_phase(runner, cfg, phases.records, partition_of, len(phases.partitions))
+    originals = SourceReader(cfg.input, cfg.filters.max_file_bytes)  # a local pool: sources are its paths
+    return ws.write_phase(runner, cfg, phases.records, partition_of, len(phases.partitions), originals)
 
 
 def test_write_phase_resumes_a_kill_between_units_from_their_receipts(curated_run, tmp_path, monkeypatch):
@@ -57,3 +66,54 @@ def test_write_phase_resumes_a_kill_between_units_from_their_receipts(curated_ru
     }.items() >= kept.items()
     assert manifest["settings_hash"] != published["settings_hash"]
     assert manifest == {**published, "settings_hash": manifest["settings_hash"]}
+
+
+def _images(folder) -> pa.Table:
+    return pq.read_table(folder, columns=["key", "image"])
+
+
+def _hashes_are_keys(table: pa.Table) -> bool:
+    data = table.column("image").combine_chunks().field("bytes").to_pylist()
+    return [hashlib.sha256(d).hexdigest() for d in data] == table.column("key").to_pylist()
+
+
+def test_a_run_keeps_each_images_bytes_once_and_a_rewrite_reads_them_from_the_pool(curated_run, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(curated_run, out)
+    scored = _images(out / LAYOUT.scored)
+    assert scored.num_rows and pc.all(pc.is_null(scored.column("image").combine_chunks().field("bytes"))).as_py()
+    published = json.loads((out / LAYOUT.manifest).read_text())
+    kept = pa.concat_tables([_images(out / LAYOUT.shards / s["file"]) for s in published["shards"]])
+    assert _hashes_are_keys(kept)
+
+    # the write phase again with other settings (--phases write): the kept images read from the pool and checked
+    cfg = load_config(CurateConfig, LITE, [*CURATED_WITH[:-1], "write.rows_per_shard=2"])
+    GlobalPhases(cfg, Output.at(str(out))).run("write")
+    manifest = json.loads((out / LAYOUT.manifest).read_text())
+    rewritten = pa.concat_tables([_images(out / LAYOUT.shards / s["file"]) for s in manifest["shards"]])
+    assert len(manifest["shards"]) > len(published["shards"]) and rewritten.equals(kept)
+    assert pc.all(pc.is_null(_images(out / LAYOUT.scored).column("image").combine_chunks().field("bytes"))).as_py()
+
+
+def test_bytes_the_pool_no_longer_holds_as_curated_stop_the_write_naming_them(tmp_path):
+    (tmp_path / "a.jpg").write_bytes(b"edited since")
+    (tmp_path / "c.jpg").write_bytes(b"c")
+    sources = [str(tmp_path / n) for n in ("a.jpg", "b.jpg", "c.jpg")]
+    table = pa.table(
+        {
+            "source": sources,
+            "key": [hashlib.sha256(d).hexdigest() for d in (b"a", b"b", b"c")],
+            "image": pa.array(
+                [{"bytes": None, "path": "a.jpg"}, {"bytes": None, "path": "b.jpg"}, {"bytes": b"c", "path": "c.jpg"}],
+                schema.IMAGE_TYPE,
+            ),
+        }
+    )
+    reader = SourceReader(pool=str(tmp_path))
+    with pytest.raises(
+        OriginalsMissing, match=f"files-000001: 2 images to write .* {re.escape(f'{sources[0]}: {CHANGED}')}"
+    ):
+        ws.with_originals(table, reader, "files-000001")
+    (tmp_path / "a.jpg").write_bytes(b"a")  # the pool put back as it was curated
+    (tmp_path / "b.jpg").write_bytes(b"b")
+    assert _hashes_are_keys(ws.with_originals(table, reader, "files-000001"))
