@@ -64,7 +64,7 @@ def config(extra: list[str]) -> CurateConfig:
 # spread by a noise of per-item scale, so that the cosines of unrelated survivors sharing a k-means cluster spread as
 # real photos' do (``MIXTURE`` was chosen by ``--calibrate`` against the quantiles in ``CALIBRATION``, measured by
 # ``benchmarks/dedup_truth.py`` on real photos: not near-orthogonal, with a tail above 0.9); pHashes uniform over
-# ``--phash-bits`` bits (48 at 200k survivors: the chance density of a ~10^9 pool at 64 bits). Planted copies: each
+# ``--phash-bits`` bits spread over the 64 (48 at 200k survivors: the chance density of a ~10^9 pool at 64 bits). Planted copies: each
 # copy takes the (pHash distance, cosine) of a real copy of its kind, drawn from ``CALIBRATION`` (re-encodes and
 # resizes close on both signals, crops close on the embedding only, ...). Image bytes are small real JPEGs, keyed by
 # their sha256; a resized copy has fewer pixels than its original.
@@ -110,11 +110,26 @@ def _at_cosine(e: np.ndarray, cosine: np.ndarray, rng: np.random.Generator) -> n
     return c * e + np.sqrt(np.maximum(1 - c * c, 0)) * u
 
 
+def _varying_bits(bits: int) -> np.ndarray:
+    """The positions of a hash's ``bits`` random bits: spread over all 64, so that every band of the pHash search
+    holds its share of them (fixed bits gathered in one band would put every hash in one bucket of it)."""
+    fixed = np.linspace(0, 63, 64 - bits).round().astype(int) if bits < 64 else np.empty(0, int)
+    return np.setdiff1d(np.arange(64), fixed)
+
+
+def _random_hashes(n: int, bits: int, rng: np.random.Generator) -> np.ndarray:
+    out = np.zeros(n, np.uint64)
+    for pos in _varying_bits(bits):
+        out |= rng.integers(0, 2, n).astype(np.uint64) << np.uint64(pos)
+    return out
+
+
 def _flip(hashes: np.ndarray, distance: np.ndarray, bits: int, rng: np.random.Generator) -> np.ndarray:
-    """Each hash with ``distance`` of its ``bits`` low bits flipped."""
+    """Each hash with ``distance`` of its ``bits`` random bits flipped."""
+    varying = _varying_bits(bits)
     out = hashes.copy()
     for k, d in enumerate(distance):
-        flips = rng.choice(bits, min(int(d), bits), replace=False)
+        flips = rng.choice(varying, min(int(d), bits), replace=False)
         out[k] ^= np.uint64(sum(1 << int(b) for b in flips))
     return out
 
@@ -220,10 +235,7 @@ def _synthesise_shard(job: tuple) -> dict[str, int]:
     )
     ledger_schema = schema.with_metadata(schema.ledger_schema(), table="ledger", config_hash=cfg.results_hash())
     emb = _embeddings(rows, rng, centres, mix)
-    phash = rng.integers(0, 2**phash_bits, rows, dtype=np.uint64) if phash_bits < 64 else (
-        rng.integers(0, 2**63, rows, dtype=np.int64).astype(np.uint64) * np.uint64(2)
-        + rng.integers(0, 2, rows, dtype=np.int64).astype(np.uint64)
-    )  # fmt: skip
+    phash = _random_hashes(rows, phash_bits, rng)
     width = rng.integers(64, 97, rows)
     height = rng.integers(48, 97, rows)
     group = np.full(rows, -1, np.int64)
