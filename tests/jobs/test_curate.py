@@ -3,6 +3,7 @@
 import hashlib
 import json
 import math
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -223,6 +224,30 @@ def test_near_duplicate_variants_collapse_to_the_best_copy_as_the_pool_expects(l
     assert fates[schema.KEPT] + fates[schema.UNSAMPLED] == expected.after_dedup
     assert fates[schema.KEPT] == expected.kept
     assert fates[schema.REJECTED] == sum(expected.rejected.values())
+
+
+def test_the_dedup_record_and_the_card_say_how_dedup_decided(curated):
+    record = json.loads((curated / LAYOUT.done("dedup")).read_text())
+    chance = record["chance"]
+    assert chance["survivors"] == record["inputs"] and chance["expected_chance_links"] <= chance["bound"]
+    card = (curated / LAYOUT.card).read_text()
+    assert "## Deduplication" in card and f"At N = {chance['survivors']} survivors" in card
+    for region in chance["regions"]:
+        used = region["radius"] if region["radius"] >= 0 else "off"
+        assert f"| {region['region']} | {region['configured_radius']} | {used} |" in card
+
+
+def test_a_rule_over_the_chance_bound_stops_dedup_with_the_setting_to_change(
+    curated, sample_pool, repo_root, tmp_path, capsys
+):
+    out = tmp_path / "out"
+    shutil.copytree(curated, out)
+    args = ["--config", str(repo_root / LITE), "--input", str(sample_pool), "--output", str(out), "--phases",
+            "dedup,sample,write", "dedup.fit_radii=false", "dedup.links=[{phash_radius: 32}]"]  # fmt: skip
+    assert curate.main(args) == 2
+    err = capsys.readouterr().err
+    assert "error: dedup: the link rule is expected to link" in err and "dedup.links[0].phash_radius" in err
+    assert "Traceback" not in err and not (out / LAYOUT.done("dedup")).exists()
 
 
 def test_unsampled_rows_name_their_clusters(ledger):
