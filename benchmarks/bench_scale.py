@@ -135,7 +135,7 @@ def _flip(hashes: np.ndarray, distance: np.ndarray, bits: int, rng: np.random.Ge
 
 
 def _jpeg(rng: np.random.Generator, width: int, height: int) -> bytes:
-    """A small real JPEG: a smooth colour field with noise, unique per draw."""
+    """A small real JPEG: a smooth colour field with noise."""
     import io
 
     from PIL import Image
@@ -146,6 +146,13 @@ def _jpeg(rng: np.random.Generator, width: int, height: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=int(rng.integers(70, 95)))
     return buf.getvalue()
+
+
+def _images(width: np.ndarray, height: np.ndarray, shard: int, rng: np.random.Generator) -> list[bytes]:
+    """One JPEG per survivor, each of its size: encoded once per size in the shard, made unique by the survivor's
+    index after the end-of-image marker (decoders stop there; the bytes, and so the keys, differ)."""
+    base = {size: _jpeg(rng, *size) for size in set(zip(width.tolist(), height.tolist()))}
+    return [base[(w, h)] + f"{shard}:{i}".encode() for i, (w, h) in enumerate(zip(width.tolist(), height.tolist()))]
 
 
 def within_cluster_cosines(x: np.ndarray, seed: int = 0) -> np.ndarray:
@@ -256,7 +263,7 @@ def _synthesise_shard(job: tuple) -> dict[str, int]:
     width[dst[resized]], height[dst[resized]] = width[src[resized]] * 2 // 3, height[src[resized]] * 2 // 3
     group[src] = src + (int(seed[1]) << 32)  # the original's row, unique over shards
     group[dst] = group[src]
-    images = [_jpeg(rng, int(w), int(h)) for w, h in zip(width, height)]
+    images = _images(width, height, int(seed[1]), rng)
     keys = [hashlib.sha256(b).hexdigest() for b in images]
     sources = [f"synthetic://pool/{shard_id}/{i:07d}.jpg" for i in range(rows)]
     columns = {

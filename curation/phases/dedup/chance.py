@@ -20,7 +20,8 @@ from its observable bulk:
   chance. The normal, because its tail is no lighter than the binomial of independent bits of the same spread (on
   uniform 48-bit hashes it overestimates the binomial 2x at 8 bits, 20x at 3). A joint region fits on the pairs at
   ``c >= t``, or, where fewer than ``MIN_FIT_PAIRS`` of them lie beyond its radius, on the highest cosine that has
-  them; one sampled pair's weight is added to ``W``, so that an unseen population never counts as empty.
+  them; one sampled pair's weight is added to ``W``, so that an unseen population never counts as empty. A region
+  wide enough to hold nearly its whole population (few pairs beyond it) counts all its pairs, copies included.
 
 Assumptions, and where they are checked. (1) Unrelated pairs' pHash distances, at each cosine, have a lower tail no
 heavier than that normal: counted against brute force where chance links are common (``tests``: 24-bit hashes),
@@ -45,7 +46,8 @@ import numpy as np
 
 from curation.phases.dedup.link_rule import HASH_BITS, LinkRule, Region, pair_distances
 
-MIN_FIT_PAIRS = 50  # sampled pairs a population needs before its spread is fitted
+MIN_FIT_PAIRS = 50  # sampled pairs a population needs beyond a region before its spread is fitted
+MIN_BEYOND_SHARE = 0.05  # below this share of a population beyond a region, its unrelated pairs are all its pairs
 MIN_BOUND = 0.5  # chance links the bound allows in the whole run, however small the pool
 COSINE_BINS = 200  # histogram bins over [-1, 1]: 0.01 wide
 MAX_PAIRS_PER_CLUSTER = 20_000  # sampled pairs of one cluster's sample rows, at most
@@ -206,23 +208,37 @@ class RegionEstimate:
         return best
 
 
+def _unrelated(weighted: np.ndarray, raw: np.ndarray, above: int, tail: Tail) -> float:
+    """The population's unrelated pairs, from the (weighted, raw) distance histograms: those beyond ``above``
+    scaled up by the normal's share there; where that share is small or few pairs lie beyond (a region wide enough
+    to take in most of the population), every pair, copies included."""
+    share = 1 - tail.p_within(above)
+    if raw[above + 1 :].sum() < MIN_FIT_PAIRS or share < MIN_BEYOND_SHARE:
+        return float(weighted.sum())
+    return float(weighted[above + 1 :].sum()) / share
+
+
 def region_estimate(sample: ChanceSample, region: Region) -> RegionEstimate:
     """The unrelated pairs of the region's population and their fitted distances; the population's pairs within the
     region's radius are not counted (copies sit there), but inferred from those beyond through the fitted normal."""
     above = max(region.phash_radius, 0)
     if region.min_cosine is None:
-        tail = Tail.fit(sample.global_hist, above, None)
-        beyond = sample.global_hist[above + 1 :].sum() / max(sample.global_hist.sum(), 1)
-        return RegionEstimate(region, sample.hashed_pairs * beyond / max(1 - tail.p_within(above), 1e-12), tail)
+        fit_above = above if sample.global_hist[above + 1 :].sum() >= MIN_FIT_PAIRS else -1
+        tail = Tail.fit(sample.global_hist, fit_above, None)
+        hist = sample.global_hist.astype(np.float64)
+        pairs = _unrelated(hist, sample.global_hist, above, tail) / max(hist.sum(), 1) * sample.hashed_pairs
+        return RegionEstimate(region, pairs, tail)
     first = _bin_of_threshold(region.min_cosine)
     fit_from = first
     while fit_from > 0 and sample.cluster_raw[fit_from:, above + 1 :].sum() < MIN_FIT_PAIRS:
         fit_from -= 1
-    tail = Tail.fit(sample.cluster_raw[fit_from:].sum(axis=0), above, round(fit_from * 2 / COSINE_BINS - 1, 2))
+    population = sample.cluster_raw[fit_from:].sum(axis=0)
+    fit_above = above if population[above + 1 :].sum() >= MIN_FIT_PAIRS else -1  # too few beyond: fit on them all
+    tail = Tail.fit(population, fit_above, round(fit_from * 2 / COSINE_BINS - 1, 2))
     mean_weight = sample.cluster_weighted.sum() / max(sample.cluster_raw.sum(), 1)
-    beyond = float(sample.cluster_weighted[first:, above + 1 :].sum())
+    raw, weighted = sample.cluster_raw[first:].sum(axis=0), sample.cluster_weighted[first:].sum(axis=0)
     # one sampled pair's weight added: an unseen population never counts as empty
-    return RegionEstimate(region, beyond / max(1 - tail.p_within(above), 1e-12) + mean_weight, tail)
+    return RegionEstimate(region, _unrelated(weighted, raw, above, tail) + mean_weight, tail)
 
 
 @dataclass(frozen=True)

@@ -82,3 +82,12 @@ def test_fixed_radii_over_the_bound_stop_with_the_setting_to_change_or_go_on_whe
     allowed = chance.decide(measured, rule, 1e-4, fit_radii=False, allow=True)
     assert allowed.allowed and allowed.expected > allowed.bound and allowed.summary()["allowed_over_bound"]
     assert chance.ChanceSample.from_json(measured.to_json()).global_hist.tolist() == measured.global_hist.tolist()
+
+
+def test_a_region_wide_enough_to_hold_its_whole_population_counts_every_pair():
+    hashes, x, home = _sample(3000, 48)
+    measured = chance.measure(3000, hashes, np.ones(3000, bool), x, home, 1.0, 10**6, seed=0)
+    wide = chance.region_estimate(measured, Region(64, 0.5))  # no pair lies beyond 64 bits
+    at_least = measured.cluster_weighted[chance._bin_of_threshold(0.5) :].sum()
+    assert at_least > 100 and wide.expected(64) >= at_least
+    assert chance.region_estimate(measured, Region(32)).expected(32) >= 0.95 * measured.hashed_pairs
