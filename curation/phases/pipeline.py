@@ -319,8 +319,6 @@ class GlobalPhases:
             self.pool = run.get("input_store") or run["input"]
         originals = SourceReader(self.cfg.input, self.cfg.filters.max_file_bytes, self.pool)
         manifest = write_phase(runner, self.cfg, self.records, partition_of, len(self.partitions), originals)
-        dedup = read_done(self.fs, self.root, "dedup")  # how dedup decided, for the card
-        manifest = {**manifest, "dedup": {"chance": dedup.get("chance"), "components": dedup.get("components")}}
         if self.against is not None:  # this output is the release's next version
             manifest = {**manifest, "version": self.against.version + 1, "previous": self.against.previous()}
         self.guard()

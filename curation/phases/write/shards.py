@@ -50,6 +50,7 @@ from common.layout import LAYOUT
 from common.storage import encode_parquet, exists, join, redact, resolve, write_bytes_atomic
 from curation.config import CurateConfig, config_from_json
 from curation.phases.write.takedown import Takedowns, applied_takedowns
+from curation.records import read_done
 from curation.score.ledger import funnel_of
 from curation.score.metadata import merge_all, split_metadata
 from curation.score.originals import OriginalsMissing, SourceReader
@@ -391,6 +392,14 @@ class _Ledger(TaskStep):
         return {"files": [f for r in receipts for f in r["files"]], "funnel": dict(sorted(funnel.items()))}
 
 
+def _dedup_summary(out) -> dict:
+    """The link rule the dedup phase used, its chance estimate and what it dropped (its done record)."""
+    if not out.exists(LAYOUT.done("dedup")):
+        return {}
+    dedup = read_done(out.fs, out.root, "dedup")
+    return {"chance": dedup.get("chance"), "components": dedup.get("components")}
+
+
 def write_phase(
     runner: StepRunner,
     cfg: CurateConfig,
@@ -434,6 +443,7 @@ def write_phase(
             "bytes": sum(s["bytes"] for s in shards),
         },
         "funnel": ledger["funnel"],
+        "dedup": _dedup_summary(out),  # how dedup decided, for the card
     }
 
 
