@@ -32,8 +32,8 @@ pictures are flat or dark (``benchmarks/RESULTS.md``). (2) A sampled pair of a c
 pairs: the sample is uniform.
 
 ``fit_radii`` (the default) lowers the regions' radii until their estimates sum to at most the bound
-(``fit_radii_within``: each widened a bit at a time, in turn; a region that cannot take even radius 0 is turned
-off), so the rule a run uses depends on its N, as the chance rate does. Otherwise the configured radii are used, and a total above the
+(``fit_radii_within``: each its even share, then what the others left, a bit at a time; a region that cannot take
+even radius 0 is turned off), so the rule a run uses depends on its N, as the chance rate does. Otherwise the configured radii are used, and a total above the
 bound stops the phase with one line naming the setting (``ChanceBoundError``) unless ``dedup.allow_chance``.
 """
 
@@ -208,12 +208,12 @@ class RegionEstimate:
         return best
 
 
-def _unrelated(weighted: np.ndarray, raw: np.ndarray, above: int, tail: Tail) -> float:
-    """The population's unrelated pairs, from the (weighted, raw) distance histograms: those beyond ``above``
-    scaled up by the normal's share there; where that share is small or few pairs lie beyond (a region wide enough
-    to take in most of the population), every pair, copies included."""
+def _unrelated(weighted: np.ndarray, above: int, tail: Tail) -> float:
+    """The population's unrelated pairs, from its weighted distance histogram: those beyond ``above`` scaled up by
+    the normal's share there; where that share is small (a region wide enough to take in most of the population),
+    every pair, copies included."""
     share = 1 - tail.p_within(above)
-    if raw[above + 1 :].sum() < MIN_FIT_PAIRS or share < MIN_BEYOND_SHARE:
+    if share < MIN_BEYOND_SHARE:
         return float(weighted.sum())
     return float(weighted[above + 1 :].sum()) / share
 
@@ -226,7 +226,7 @@ def region_estimate(sample: ChanceSample, region: Region) -> RegionEstimate:
         fit_above = above if sample.global_hist[above + 1 :].sum() >= MIN_FIT_PAIRS else -1
         tail = Tail.fit(sample.global_hist, fit_above, None)
         hist = sample.global_hist.astype(np.float64)
-        pairs = _unrelated(hist, sample.global_hist, above, tail) / max(hist.sum(), 1) * sample.hashed_pairs
+        pairs = _unrelated(hist, above, tail) / max(hist.sum(), 1) * sample.hashed_pairs
         return RegionEstimate(region, pairs, tail)
     first = _bin_of_threshold(region.min_cosine)
     fit_from = first
@@ -236,9 +236,9 @@ def region_estimate(sample: ChanceSample, region: Region) -> RegionEstimate:
     fit_above = above if population[above + 1 :].sum() >= MIN_FIT_PAIRS else -1  # too few beyond: fit on them all
     tail = Tail.fit(population, fit_above, round(fit_from * 2 / COSINE_BINS - 1, 2))
     mean_weight = sample.cluster_weighted.sum() / max(sample.cluster_raw.sum(), 1)
-    raw, weighted = sample.cluster_raw[first:].sum(axis=0), sample.cluster_weighted[first:].sum(axis=0)
+    weighted = sample.cluster_weighted[first:].sum(axis=0)
     # one sampled pair's weight added: an unseen population never counts as empty
-    return RegionEstimate(region, _unrelated(weighted, raw, above, tail) + mean_weight, tail)
+    return RegionEstimate(region, _unrelated(weighted, above, tail) + mean_weight, tail)
 
 
 @dataclass(frozen=True)
@@ -294,18 +294,20 @@ class ChanceEstimate:
 
 
 def fit_radii_within(estimates: tuple[RegionEstimate, ...], bound: float) -> list[int]:
-    """Radii, each at most its region's, whose estimates sum to at most ``bound``: every region widened one bit at a
-    time, in turn, while the total stays within it (the tails are steep, so the bound is shared about evenly in
-    bits, and what one region does not need another may use)."""
-    radii = [-1] * len(estimates)
-    total, grown = 0.0, True
+    """Radii, each at most its region's, whose estimates sum to at most ``bound``: each region first gets the largest
+    radius within an even share of the bound (the tails are steep: a shared budget in bits would go to the region
+    whose estimate grows slowest), then what the others left is spent widening them one bit at a time, in turn."""
+    on = [e for e in estimates if e.region.phash_radius >= 0]
+    radii = [e.fit_radius(bound / max(len(on), 1)) if e.region.phash_radius >= 0 else -1 for e in estimates]
+    total = sum(e.expected(r) for e, r in zip(estimates, radii))
+    grown = True
     while grown:
         grown = False
         for k, e in enumerate(estimates):
             r = radii[k] + 1
             if r > e.region.phash_radius:
                 continue
-            cost = e.expected(r) - (e.expected(radii[k]) if radii[k] >= 0 else 0.0)
+            cost = e.expected(r) - e.expected(radii[k])
             if total + cost <= bound:
                 radii[k], total, grown = r, total + cost, True
     return radii
