@@ -148,7 +148,7 @@ def test_balance_key_spreads_picks_over_its_values(mixture, hierarchy):
     keyed = balanced_select(hierarchy, TARGET, seed=0, balance_key=key)
     assert keyed.size == TARGET
     assert np.mean(key[plain] == "profile") < 0.15
-    assert np.mean(key[keyed] == "profile") > 0.3  # leaves taken whole keep their 8%, the others reach up to 50%
+    assert np.mean(key[keyed] == "profile") > 0.28  # leaves taken whole keep their 8%, the others reach up to 50%
     # the leaf budgets do not change: the key only moves picks inside leaves
     leaf = hierarchy.assignments[:, 0]
     assert np.array_equal(np.bincount(leaf[plain], minlength=100), np.bincount(leaf[keyed], minlength=100))
