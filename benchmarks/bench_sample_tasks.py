@@ -8,8 +8,8 @@ For each size N, ``bench_scale``'s synthesised scored output of N survivors (reu
 dedup phase (run once); then the sample phase of each tree in ``--trees`` in turn, each in a fresh process on a
 local Ray (``--cpus``) on the same dedup output, its previous sample outputs cleared. A sampler thread there polls
 every worker of its own Ray every 50 ms: a worker runs one task at a time under the title ``ray::<task>``, so its RSS
-while a title holds is that task's (with what the worker kept from its earlier tasks), and the title's span is the
-task's wall time (to the poll). Printed per size and tree:
+while a title holds is that task's (with what the worker kept from its earlier tasks); each task's wall time is its
+span in Ray's timeline. Printed per size and tree:
 the phase's wall time, the driver's peak RSS, and per task name the tasks seen, the longest and the largest RSS.
 """
 
@@ -101,8 +101,16 @@ def run_phase(out: str, phase: str, cpus: int, overrides: list[str]) -> dict:
     start = time.monotonic()
     record = GlobalPhases(cfg, Output.at(out)).run(phase)
     seconds = time.monotonic() - start
+    time.sleep(2)  # workers report their task events every second
+    report = sampler.report()
+    for event in ray.timeline():  # exact task spans, where the sampler's titles would merge a worker's tasks
+        name = str(event.get("cat", "")).removeprefix("task::")
+        if name in report["tasks"] and "dur" in event:
+            t = report["tasks"][name]
+            t["timed"] = t.get("timed", 0) + 1
+            t["max_task_s"] = max(t.get("max_task_s", 0.0), event["dur"] / 1e6)
     ray.shutdown()
-    return {"seconds": seconds, "record": record, **sampler.report()}
+    return {"seconds": seconds, "record": record, **report}
 
 
 def _phase(tree: Path, out: Path, phase: str, args: argparse.Namespace) -> dict:
@@ -156,9 +164,9 @@ def main() -> int:
                 f"driver peak RSS {r['driver_rss'] / GIB:.2f} GiB",
                 flush=True,
             )
-            for name, t in sorted(r["tasks"].items(), key=lambda kv: -kv[1]["max_s"]):
-                rss = t["max_rss"] / GIB
-                print(f"    {name:<24} {t['count']:5d} seen, longest {t['max_s']:7.1f} s, peak RSS {rss:5.2f} GiB")
+            for name, t in sorted(r["tasks"].items(), key=lambda kv: -kv[1].get("max_task_s", 0)):
+                rss, longest = t["max_rss"] / GIB, t.get("max_task_s", t["max_s"])
+                print(f"    {name:<24} {t.get('timed', 0):5d} tasks, longest {longest:7.1f} s, peak RSS {rss:5.2f} GiB")
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)
     return 0

@@ -46,24 +46,28 @@ Tasks, work and memory at 1B survivors on a cluster (M = 1000 survivors files of
 added by ``routing_levels``). Projected from the arithmetic, not measured:
 - gather: M tasks, each one survivors file read row group by row group (its embeddings, ~4x in decoding buffers),
   writing ~2k training rows (1/500 of its items: 64 x 31.6k = 2M training rows in all, 3 GB);
-- route-<l>: M tasks per level, each one training file (~2k rows, 3 MB) compared with at most F centroids per level
-  above; fit-<l>: 1 task at the top (25 centroids on 1.6k points), ~25 at the middle level and ~250 at the leaves,
-  each at most F = 256 centroids on at most 256 x F = 65k points (typically 64 x F = 16k: k-means work per task ~
-  16k x 256 x D x 20 iterations, seconds, whatever N; the top and middle fits refit 10 times on their closest
-  points); each reads its group's rows from the M route files (M footers);
+- route-<l>: M tasks per level, each one training file (~2k rows, 3 MB), its rows compared with at most F centroids
+  per level above;
+- fit-<l>: at most F centroids on at most 256 x F = 65k points per task (typically 64 per centroid), reading its
+  group's rows from the M route files (M footers). Top: 1 task, 25 clusters of the centroids of a 400-means of
+  1.6k points. Middle: ~13-25 tasks of ~2 parents, each parent's ~126 clusters from the centroids of a 1.3k-means
+  of its ~8k points (~1.5e11 flops a parent, a minute or two a task: the largest), 10 resampling refits. Leaves:
+  ~130 tasks of ~25 parents x ~10 leaves on ~640 points each (~2.5e9 flops a task, about a second). None of
+  these grows with N: more items add tasks, or a level, never work to a task;
 - hierarchy: one task, the centroids of every level (34.8k x D: 54 MB);
 - assign: M tasks, each one survivors file's row groups plus ~28 bytes per row (uid, leaf, distance, balance:
-  28 MB); work per row: 25 + ~126 + ~10 centroid distances (the fan-outs on its path) instead of 31.6k;
+  28 MB); work per row: 25 + ~126 + ~10 centroid distances (the fan-outs on its path), not all 31.6k leaves;
 - budget task: per-leaf counts and budgets (31.6k int64) and the centroids, 64 files' counts at a time;
 - select: 250 tasks of ~30 bytes per row of their bucket (``BUCKET_ROWS`` = 4M: ~120 MB, plus sorting);
 - assemble: M tasks, the uid, source, shard_id and key columns of one survivors file (~100 MB at 1M rows);
 - driver: per-file row counts and uid ranges, the fitted levels' centroids (54 MB, put once for the assign
   tasks), per-parent child counts, the leaves' cluster ids (31.6k x levels int32), one small receipt per task.
-Every task's work is bounded by the settings and the survivors files' size, not by N; what grows is the number of
-tasks and of footers a reader of routed files fetches (M). A parent far denser than its share of children (capped
-at F) routes more rows to its fit task than the fit uses. Files: M training, M per level routed, ~300 level
-files, 2M under work/, one per bucket under selected/, M decisions. ``sample/work/`` can be deleted once every
-decisions file is written.
+Every training and assign task's work is bounded by the settings and the survivors files' size, not by N; what
+grows is the number of tasks, the footers a reader of routed files fetches (M), and the one budget task, which sums
+every file's per-leaf counts (up to M x K1 rows: ~30M at 1B, seconds) and splits the target over the K1 leaves. A
+parent far denser than its share of children (capped at F) routes more rows to its fit task than the fit uses.
+Files under work/: M training, M routed per level, ~160 fitted groups, 2M from assign (buckets, counts); one per
+bucket under selected/, M decisions. ``sample/work/`` can be deleted once every decisions file is written.
 """
 
 from __future__ import annotations
