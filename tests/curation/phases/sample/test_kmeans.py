@@ -9,9 +9,12 @@ import pytest
 from curation.phases.reference import balanced_sample
 from curation.phases.sample.kmeans import (
     ClusterHierarchy,
+    allocate_children,
     balanced_select,
+    descend,
     hierarchical_kmeans,
     leaf_budgets,
+    routing_levels,
     target_size,
     water_fill,
 )
@@ -173,3 +176,20 @@ def test_sizes_fractions_and_limits(mixture, hierarchy):
         balanced_select(hierarchy, 10, mode="nearest")
     sel = balanced_sample(x[:3000], fraction=0.25, n_clusters=(30, 5), mode="closest", seed=0)
     assert sel.indices.size == 750
+
+
+def test_the_tree_is_bounded_by_the_fan_out_and_items_descend_it(mixture, hierarchy):
+    # at 10^9 items the default levels get one on top; the fan-out never needs more than F children per parent
+    assert routing_levels([31623, 3162], 256) == [31623, 3162, 25]
+    assert routing_levels([100, 2], 8) == [100, 25, 7, 2] and routing_levels([5], 8) == [5]
+    alloc = allocate_children(np.array([0.0, 1, 10, 1000]), 40, 16)
+    assert alloc.sum() == 40 and alloc.min() >= 1 and alloc.max() == 16 and np.all(np.diff(alloc) >= 0)
+    # an item's leaf is the nearest of the children of its nearest top cluster
+    x, _ = mixture
+    top = np.argmin(((x[:300, None, :] - hierarchy.centroids[1][None]) ** 2).sum(-1), axis=1)
+    assert np.array_equal(hierarchy.assignments[:300, 1], top)
+    d = ((x[:300, None, :] - hierarchy.centroids[0][None]) ** 2).sum(-1)
+    d[hierarchy.parents[0][None, :] != top[:, None]] = np.inf
+    assert np.array_equal(hierarchy.assignments[:300, 0], np.argmin(d, axis=1))
+    again, _ = descend(x[:300], hierarchy.centroids, hierarchy.parents)
+    assert np.array_equal(again, hierarchy.assignments[:300])
