@@ -123,9 +123,9 @@ def routing_levels(n_clusters: Sequence[int], max_fanout: int) -> list[int]:
     return levels
 
 
-def training_fraction(k: int, points_per_cluster: int, n: int) -> float:
+def training_fraction(k: int, training_points_per_cluster: int, n: int) -> float:
     """The share of the items (those of lowest training key) that a level of ``k`` clusters is trained on."""
-    return min(1.0, k * points_per_cluster / max(n, 1))
+    return min(1.0, k * training_points_per_cluster / max(n, 1))
 
 
 def allocate_children(weight: np.ndarray, total: int, cap: int) -> np.ndarray:
@@ -278,7 +278,7 @@ def hierarchical_kmeans(
     n_iter: int = 20,
     resample_steps: Sequence[int] | None = None,
     max_fanout: int = 256,
-    points_per_cluster: int = 64,
+    training_points_per_cluster: int = 64,
     max_points_per_centroid: int = 256,
     train_key: np.ndarray | None = None,
 ) -> ClusterHierarchy:
@@ -286,10 +286,10 @@ def hierarchical_kmeans(
     top-down, in fits of at most ``max_fanout`` clusters each (levels added by ``routing_levels`` where needed).
 
     The top level is trained on the items of lowest ``train_key`` (default: random under ``seed``), about
-    ``points_per_cluster`` per cluster (``training_fraction``); each level below on its own such share, routed
-    down the levels above (``descend``), each parent's children fitted on its own items (``fit_children``), their
-    number allocated over the parents in proportion to the parent's items (``allocate_children``). Every item then
-    descends the tree. ``resample_steps`` (per level of the result) refit each fit on the items closest to its
+    ``training_points_per_cluster`` per cluster (``training_fraction``); each level below on its own such share,
+    routed down the levels above (``descend``), each parent's children fitted on its own items (``fit_children``),
+    their number allocated over the parents in proportion to the parent's items (``allocate_children``). Every item
+    then descends the tree. ``resample_steps`` (per level of the result) refit each fit on the items closest to its
     centroids (``_fit_level``). The partitioned phase (``curation.phases.sample.cluster_sampling``) runs the same
     fits, a group of parents per task.
     """
@@ -306,7 +306,7 @@ def hierarchical_kmeans(
     parents: list[np.ndarray] = [np.empty(0)] * (len(levels) - 1)
     weight, above = np.array([float(n)]), None
     for level in range(len(levels) - 1, -1, -1):
-        fit = np.flatnonzero(key < training_fraction(levels[level], points_per_cluster, n))
+        fit = np.flatnonzero(key < training_fraction(levels[level], training_points_per_cluster, n))
         route = np.zeros(fit.size, np.int32)  # the top level's one parent
         if level + 1 < len(levels):
             route = descend(x[fit], centroids[level + 1 :], parents[level + 1 :])[0][:, 0]

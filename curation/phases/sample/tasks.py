@@ -212,9 +212,10 @@ def fit_task(
     and writes them (parent, weight, centroid); returns {centroids, points}."""
     fs, root = resolve(out_uri)
     paths = [join(root, route_path(level, i)) for i in range(n_files)]
-    t = routed.read_routed(fs, paths, group, pq.read_schema(paths[0], filesystem=fs).remove_metadata())
+    schema = pq.read_schema(paths[0], filesystem=fs).remove_metadata()
+    t = routed.read_routed(fs, paths, group, schema)
     t = t.take(pa.array(np.argsort(t.column("uid").to_numpy(), kind="stable")))
-    dim = pq.read_schema(paths[0], filesystem=fs).field("embedding").type.list_size
+    dim = schema.field("embedding").type.list_size
     x = _embeddings(t) if t.num_rows else np.zeros((0, dim), np.float32)
     fitted = kmeans.fit_children(
         x, t.column("key").to_numpy(), t.column("parent").to_numpy(), first_parent, children, parent_centroids,
