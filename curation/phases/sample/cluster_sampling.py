@@ -51,9 +51,10 @@ added by ``routing_levels``). Projected from the arithmetic, not measured:
 - fit-<l>: at most F centroids on at most 256 x F = 65k points per task (typically 64 per centroid), reading its
   group's rows from the M route files (M footers). Top: 1 task, 25 clusters of the centroids of a 400-means of
   1.6k points. Middle: ~13-25 tasks of ~2 parents, each parent's ~126 clusters from the centroids of a 1.3k-means
-  of its ~8k points (~1.5e11 flops a parent, a minute or two a task: the largest), 10 resampling refits. Leaves:
-  ~130 tasks of ~25 parents x ~10 leaves on ~640 points each (~2.5e9 flops a task, about a second). None of
-  these grows with N: more items add tasks, or a level, never work to a task;
+  of its ~8k points, 10 resampling refits (~1.5e11 flops a parent: the largest tasks). Leaves: ~130 tasks of ~25
+  parents x ~10 leaves on ~640 points each (~2.5e9 flops a task). Measured as kernels on random 384-d data, one
+  core: a middle task 1.7 s, a leaf task 0.1 s (``benchmarks/RESULTS.md``). None of these grows with N: more
+  items add tasks, or a level, never work to a task;
 - hierarchy: one task, the centroids of every level (34.8k x D: 54 MB);
 - assign: M tasks, each one survivors file's row groups plus ~28 bytes per row (uid, leaf, distance, balance:
   28 MB); work per row: 25 + ~126 + ~10 centroid distances (the fan-outs on its path), not all 31.6k leaves;
