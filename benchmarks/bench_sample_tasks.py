@@ -3,6 +3,7 @@ as the number of survivors grows.
 
     python benchmarks/bench_sample_tasks.py --sizes 1000000,4000000 --work /tmp/bench-sample --keep
     python benchmarks/bench_sample_tasks.py --sizes 1000000 --work /tmp/bench-sample --trees . /tmp/other-checkout
+    python benchmarks/bench_sample_tasks.py --sizes 1000000,4000000 sample.max_fanout=64 --trees .   # overrides first
 
 For each size N, ``bench_scale``'s synthesised scored output of N survivors (reused when ``--work`` holds it) and its
 dedup phase (run once); then the sample phase of each tree in ``--trees`` in turn, each in a fresh process on a

@@ -182,8 +182,10 @@ def test_the_tree_is_bounded_by_the_fan_out_and_items_descend_it(mixture, hierar
     # at 10^9 items the default levels get one on top; the fan-out never needs more than F children per parent
     assert routing_levels([31623, 3162], 256) == [31623, 3162, 25]
     assert routing_levels([100, 2], 8) == [100, 25, 7, 2] and routing_levels([5], 8) == [5]
-    alloc = allocate_children(np.array([0.0, 1, 10, 1000]), 40, 16)
-    assert alloc.sum() == 40 and alloc.min() >= 1 and alloc.max() == 16 and np.all(np.diff(alloc) >= 0)
+    assert allocate_children(np.array([1.0, 2, 3, 4]), 20, 16).tolist() == [2, 4, 6, 8]
+    assert allocate_children(np.array([1.0, 1, 1]), 4, 16).sum() == 4
+    # a parent above the cap keeps the cap; its excess is not pushed onto sparse parents: fewer clusters
+    assert allocate_children(np.array([0.0, 1, 10, 1000]), 40, 16).tolist() == [1, 1, 1, 16]
     # an item's leaf is the nearest of the children of its nearest top cluster
     x, _ = mixture
     top = np.argmin(((x[:300, None, :] - hierarchy.centroids[1][None]) ** 2).sum(-1), axis=1)
