@@ -129,20 +129,24 @@ def training_fraction(k: int, training_points_per_cluster: int, n: int) -> float
 
 
 def allocate_children(weight: np.ndarray, total: int, cap: int) -> np.ndarray:
-    """Children per parent: ``total`` split in proportion to ``weight`` (largest remainders), at least 1 and at most
-    ``cap`` each. Dense parents get more children, as the leaves of a flat k-means follow the density. A parent
-    whose share is above ``cap`` keeps ``cap``, and the rest is not pushed onto sparser parents (whose children
-    would have too few items to fit): the level then has fewer clusters than ``total``."""
+    """Children per parent: one each, the rest of ``total`` in proportion to ``weight`` (largest shares first), at
+    most ``cap`` each. Dense parents get more children, as the leaves of a flat k-means follow the density. What a
+    parent above ``cap`` cannot take goes to the others, each up to twice its own share (its children keep at least
+    half the training items a child has on average); beyond that the level has fewer clusters than ``total``."""
     w = np.asarray(weight, np.float64)
     ideal = w * (total / w.sum()) if w.sum() > 0 else np.full(w.size, total / max(w.size, 1))
-    alloc = np.clip(np.floor(ideal).astype(np.int64), 1, cap)
-    room = np.flatnonzero((alloc < cap) & (alloc < np.ceil(ideal)))
-    free = max(0, int(total) - int(alloc.sum()))
-    alloc[room[np.argsort(-(ideal - np.floor(ideal))[room], kind="stable")[:free]]] += 1
-    spare = np.flatnonzero(alloc > 1)  # the parents raised to 1 made it more than total: the most rounded up give
-    over = min(int(alloc.sum()) - int(total), spare.size)
-    if over > 0:
-        alloc[spare[np.argsort(-(alloc - ideal)[spare], kind="stable")[:over]]] -= 1
+    capacity = np.minimum(cap, np.maximum(1, np.ceil(2 * ideal))).astype(np.int64)
+    alloc = np.ones(w.size, np.int64)
+    free = min(int(total), int(capacity.sum())) - w.size
+    while free > 0:
+        open_ = np.flatnonzero(alloc < capacity)
+        share = w[open_] * free / w[open_].sum() if w[open_].sum() > 0 else np.full(open_.size, free / open_.size)
+        add = np.minimum(np.floor(share).astype(np.int64), capacity[open_] - alloc[open_])
+        if not add.any():  # every share below one: the largest get one each
+            alloc[open_[np.argsort(-share, kind="stable")[:free]]] += 1
+            break
+        alloc[open_] += add
+        free -= int(add.sum())
     return alloc
 
 

@@ -184,7 +184,8 @@ def test_the_tree_is_bounded_by_the_fan_out_and_items_descend_it(mixture, hierar
     assert routing_levels([100, 2], 8) == [100, 25, 7, 2] and routing_levels([5], 8) == [5]
     assert allocate_children(np.array([1.0, 2, 3, 4]), 20, 16).tolist() == [2, 4, 6, 8]
     assert allocate_children(np.array([1.0, 1, 1]), 4, 16).sum() == 4
-    # a parent above the cap keeps the cap; its excess is not pushed onto sparse parents: fewer clusters
+    # a parent above the cap keeps the cap; its excess goes to the others up to twice their share, then is dropped
+    assert allocate_children(np.array([10.0, 10, 60]), 20, 8).tolist() == [5, 5, 8]
     assert allocate_children(np.array([0.0, 1, 10, 1000]), 40, 16).tolist() == [1, 1, 1, 16]
     # an item's leaf is the nearest of the children of its nearest top cluster
     x, _ = mixture
