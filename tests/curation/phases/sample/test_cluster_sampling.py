@@ -140,7 +140,7 @@ def test_it_selects_what_the_single_process_reference_selects(ray_local, tmp_pat
         "levels": 4,
         "clusters_per_level": [int(c.shape[0]) for c in single.hierarchy.centroids],
     }
-    # a level on top, one between; a parent of the dense components keeps 6 children, so fewer than 60 leaves
+    # a level on top and one between; no parent has more than 6 children, so at most the 60 leaves asked for
     assert summary["clusters_per_level"][1:] == [20, 8, 3] and 40 <= summary["clusters_per_level"][0] <= 60
     assert got.column("source").to_pylist() == [f"pool/{j:07d}.jpg" for j in alive]
     assert np.array_equal(np.flatnonzero(got.column("selected").to_numpy()), single.indices)
