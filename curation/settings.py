@@ -199,6 +199,10 @@ class SampleSettings(Strict):
     # The leaf k-means trains on this many points per leaf (faiss's own range: 39 to 256 by default). Its time grows
     # linearly with it; 64 places the centroids well enough to balance on and takes a quarter of 256's time.
     training_points_per_cluster: int = Field(64, ge=39)
+    # Most clusters one k-means task fits (the children of a group of parents), and so the most centroids an item is
+    # compared with per level: bounds every task's work whatever the pool's size. Levels are added to the hierarchy
+    # where a parent would otherwise need more children (at 10^9 items: 31.6k leaves under 3.2k under 25).
+    max_fanout: int = Field(256, ge=4)
 
 
 class WriteSettings(Strict):

@@ -10,7 +10,8 @@ kernels the phases run (``dedup.phash_bands``, ``dedup.embedding_clusters.thresh
 - ``embedding_pairs``: pairs of L2-normalised embeddings with cosine similarity >= a threshold among each item's
   ``k`` nearest neighbours: exact (flat inner product) for small N, an inverted file searched cluster by cluster
   above ``flat_max``.
-- ``balanced_sample``: hierarchical k-means then balanced selection, in one process.
+- ``balanced_sample``: hierarchical k-means (top-down, every fit of the tree in turn) then balanced selection, in
+  one process; given the phase's training keys (``train_key``), the phase's selection exactly.
 """
 
 from __future__ import annotations
@@ -351,7 +352,7 @@ def balanced_sample(
     """Hierarchical k-means on the embeddings ``x`` followed by balanced selection of ``size`` (or ``fraction``).
 
     ``n_clusters`` defaults to two levels: about sqrt(N) leaves and a tenth of that on top (at least 2 each).
-    Remaining keyword arguments go to ``hierarchical_kmeans``.
+    Remaining keyword arguments go to ``hierarchical_kmeans`` (``train_key``, ``max_fanout``, ...).
     """
     n = x.shape[0]
     count = target_size(n, size, fraction)

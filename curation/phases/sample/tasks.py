@@ -3,7 +3,6 @@ read and write. Each task writes its one output atomically and returns a small J
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,11 +29,11 @@ from curation.phases.sample.selection import (
     value_ranks,
 )
 from curation.settings import SampleSettings
-from curation.steps.window import FOOTER_THREADS, map_footers, run_tasks
+from curation.steps.window import FOOTER_THREADS, map_footers
 
 HIERARCHY_FILE, DECISIONS_DIR, WORK_DIR = LAYOUT.sample_hierarchy, LAYOUT.sample_decisions, LAYOUT.sample_work
 BUCKETS_DIR, COUNTS_DIR, SELECTED_DIR = f"{WORK_DIR}/buckets", f"{WORK_DIR}/counts", f"{WORK_DIR}/selected"
-BUDGET_DIR = f"{WORK_DIR}/budget"
+BUDGET_DIR, TRAINING_DIR = f"{WORK_DIR}/budget", f"{WORK_DIR}/training"
 BUDGET_FILE = f"{BUDGET_DIR}/budget.parquet"
 
 DECISIONS_SCHEMA = pa.schema(
@@ -59,6 +58,26 @@ def buckets_path(index: int) -> str:
 
 def counts_path(index: int) -> str:
     return f"{COUNTS_DIR}/part-{index:06d}.parquet"
+
+
+def training_path(index: int) -> str:
+    return f"{TRAINING_DIR}/part-{index:06d}.parquet"
+
+
+def route_dir(level: int) -> str:
+    return f"{WORK_DIR}/route-{level}"
+
+
+def route_path(level: int, index: int) -> str:
+    return f"{route_dir(level)}/part-{index:06d}.parquet"
+
+
+def level_dir(level: int) -> str:
+    return f"{WORK_DIR}/level-{level}"
+
+
+def level_path(level: int, group: int) -> str:
+    return f"{level_dir(level)}/group-{group:05d}.parquet"
 
 
 def selected_path(bucket: int) -> str:
@@ -136,72 +155,104 @@ def read_hierarchy(fs: pafs.FileSystem, root: str) -> tuple[list[np.ndarray], li
     return hierarchy_from_table(pq.read_table(join(root, HIERARCHY_FILE), filesystem=fs))
 
 
-# --- train --------------------------------------------------------------------------------------------------------
+# --- train: the hierarchy, top-down, in fits of bounded size -----------------------------------------------------
 
 
 @ray.remote(num_cpus=1)
-def _training_sample_task(
-    out_uri: str, survivor_file: str, decision_file: str, fraction: float, seed: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """The alive items whose hash falls below ``fraction``: (hash values, embeddings)."""
+def gather_task(out_uri: str, index: int, survivor_file: str, decision_file: str, fraction: float, seed: int) -> dict:
+    """Writes the file's alive items whose training key (a hash of uid and seed) is below ``fraction``: the
+    training items of every level, each level taking those below its own fraction; returns {rows}."""
     fs, root = resolve(out_uri)
-    keys, pieces = [np.zeros(0)], []
+    schema = _training_schema(pq.read_schema(join(root, survivor_file), filesystem=fs))
+    pieces = [schema.empty_table()]
     for rows in _alive_row_groups(fs, root, survivor_file, decision_file, ["uid", "embedding"]):
         key = uid_uniform(rows.column("uid").to_numpy(), seed, TRAIN_STREAM)
-        take = key < fraction
-        if take.any():
-            keys.append(key[take])
-            pieces.append(_embeddings(rows.filter(pa.array(take))))
-    return np.concatenate(keys), (np.concatenate(pieces) if pieces else np.zeros((0, 0), np.float32))
+        kept = rows.filter(pa.array(key < fraction))
+        columns = {"uid": kept.column("uid"), "key": key[key < fraction], "embedding": kept.column("embedding")}
+        pieces.append(pa.table(columns, schema=schema))
+    table = pa.concat_tables(pieces)
+    _write(fs, root, training_path(index), table)
+    return {"rows": table.num_rows}
+
+
+def _training_schema(survivors: pa.Schema) -> pa.Schema:
+    return pa.schema([("uid", pa.int64()), ("key", pa.float64()), survivors.field("embedding")])
 
 
 @ray.remote(num_cpus=1)
-def train_task(
-    out_uri: str,
-    survivor_files: list[str],
-    decision_files: list[str],
-    alive: int,
-    clusters: list[int],
-    sample_size: int,
-    seed: int,
-    window: int,
+def route_task(
+    out_uri: str, index: int, level: int, fraction: float, above: tuple | None, group_of: np.ndarray
 ) -> dict:
-    """Trains the hierarchy on the ``sample_size`` alive survivors of lowest hash (all when fewer) and writes it;
-    returns {points, clusters_per_level}. A Ray task, so that the driver never holds the training sample.
-
-    Tasks return the items below a hash threshold set a little above ``sample_size`` (4 sigma); this task keeps the
-    lowest ``sample_size`` of them in place (a second copy of the sample would double its memory).
-    """
+    """Routes the file's training items of ``level`` (key below ``fraction``) down the levels ``above`` it (centroids,
+    parents; None at the top) to their parent, and on to the fit task of the parent's group; returns {rows}."""
     fs, root = resolve(out_uri)
-    dim = pq.read_schema(join(root, survivor_files[0]), filesystem=fs).field("embedding").type.list_size
-    fraction = min(1.0, (sample_size + 4 * math.sqrt(sample_size) + 16) / alive)
-    expected = fraction * alive
-    capacity = int(expected + 8 * math.sqrt(expected) + 64)
-    x, keys, at = np.empty((capacity, dim), np.float32), np.empty(capacity), 0
-    launches = (
-        lambda s=s, d=d: _training_sample_task.remote(out_uri, s, d, fraction, seed)
-        for s, d in zip(survivor_files, decision_files)
+    rows = pq.read_table(join(root, training_path(index)), filters=[("key", "<", fraction)], filesystem=fs)
+    parent = np.zeros(rows.num_rows, np.int32)
+    if above is not None and rows.num_rows:
+        parent = kmeans.descend(_embeddings(rows), *above)[0][:, 0]
+    rows = rows.append_column("parent", pa.array(parent, pa.int32()))
+    routed.write_routed(fs, join(root, route_path(level, index)), rows, group_of[parent], int(group_of.max()) + 1)
+    return {"rows": rows.num_rows}
+
+
+@ray.remote(num_cpus=1)
+def fit_task(
+    out_uri: str,
+    level: int,
+    group: int,
+    n_files: int,
+    first_parent: int,
+    children: np.ndarray,
+    parent_centroids: np.ndarray | None,
+    seed: int,
+    resample_steps: int,
+    grandchildren: int,
+) -> dict:
+    """Fits the children of the group's parents (``kmeans.fit_children``) on the items routed to them, in uid order,
+    and writes them (parent, weight, centroid); returns {centroids, points}."""
+    fs, root = resolve(out_uri)
+    paths = [join(root, route_path(level, i)) for i in range(n_files)]
+    schema = pq.read_schema(paths[0], filesystem=fs).remove_metadata()
+    t = routed.read_routed(fs, paths, group, schema)
+    t = t.take(pa.array(np.argsort(t.column("uid").to_numpy(), kind="stable")))
+    dim = schema.field("embedding").type.list_size
+    x = _embeddings(t) if t.num_rows else np.zeros((0, dim), np.float32)
+    fitted = kmeans.fit_children(
+        x, t.column("key").to_numpy(), t.column("parent").to_numpy(), first_parent, children, parent_centroids,
+        level=level, seed=seed, resample_steps=resample_steps, grandchildren=grandchildren,
+    )  # fmt: skip
+    table = pa.table(
+        {
+            "parent": fitted.parent,
+            "weight": fitted.weight,
+            "centroid": pa.FixedSizeListArray.from_arrays(pa.array(fitted.centroids.ravel()), dim),
+        }
     )
-    for key, piece in run_tasks(launches, window, ordered=True):
-        if not len(piece):  # a file none of whose alive items fell below the threshold (or with none alive)
-            continue
-        if at + len(piece) > x.shape[0]:  # beyond 8 sigma: grow rather than fail
-            x = np.concatenate([x[:at], np.empty((max(x.shape[0], len(piece)), dim), np.float32)])
-            keys = np.concatenate([keys[:at], np.empty(max(keys.size, key.size))])
-        x[at : at + len(piece)], keys[at : at + len(piece)] = piece, key
-        at += len(piece)
-    if at > sample_size:
-        keep = np.sort(np.argpartition(keys[:at], sample_size - 1)[:sample_size])
-        for start in range(0, sample_size, 4096):  # keep[j] >= j: each chunk reads only rows no chunk wrote yet
-            chunk = keep[start : start + 4096]
-            x[start : start + chunk.size] = x[chunk]
-        at = sample_size
-    if at == 0:
-        raise ValueError(f"the training sample of {alive} survivors came out empty; raise sample_size")
-    h = kmeans.hierarchical_kmeans(x[:at], clusters, seed=seed)
-    del x
+    _write(fs, root, level_path(level, group), table, row_group_size=10_000)
+    return {"centroids": int(fitted.parent.size), "points": fitted.points}
+
+
+def read_level(fs: pafs.FileSystem, root: str, level: int, groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A fitted level's (centroids, parents, weights), its groups' clusters in order."""
+    t = pa.concat_tables(pq.read_table(join(root, level_path(level, g)), filesystem=fs) for g in range(groups))
+    flat = t.column("centroid").combine_chunks().flatten().to_numpy().reshape(t.num_rows, -1)
+    return np.ascontiguousarray(flat), t.column("parent").to_numpy(), t.column("weight").to_numpy()
+
+
+@ray.remote(num_cpus=1)
+def hierarchy_task(out_uri: str, groups: list[int]) -> dict:
+    """Writes ``sample/hierarchy.parquet`` from the fitted levels (``groups[l]`` files of level l); returns
+    {clusters_per_level}."""
+    fs, root = resolve(out_uri)
+    levels = [read_level(fs, root, level, g) for level, g in enumerate(groups)]
+    h = kmeans.ClusterHierarchy(
+        assignments=np.zeros((0, len(levels)), np.int32),
+        centroids=tuple(c for c, _, _ in levels),
+        parents=tuple(p for _, p, _ in levels[:-1]),
+        leaf_distance=np.zeros(0, np.float32),
+    )
     _write(fs, root, HIERARCHY_FILE, hierarchy_table(h), row_group_size=10_000)
-    return {"points": at, "clusters_per_level": [int(c.shape[0]) for c in h.centroids]}
+    return {"clusters_per_level": [int(c.shape[0]) for c in h.centroids]}
 
 
 # --- assign, budget, select, assemble -----------------------------------------------------------------------------
@@ -213,19 +264,21 @@ def assign_task(
     index: int,
     survivor_file: str,
     decision_file: str,
-    centroids: np.ndarray,
+    hierarchy: tuple[list[np.ndarray], list[np.ndarray]],
     buckets: int,
     balance: bool,
     chosen_from: int | None,
 ) -> dict:
-    """Gives the file's alive survivors their leaf and squared distance to it, routes (uid, leaf, distance,
+    """Gives the file's alive survivors their leaf (down the ``hierarchy``: centroids, parents) and squared distance
+    to it, routes (uid, leaf, distance,
     balance) to the buckets by leaf and writes the per-leaf counts (``selection.leaf_counts``); returns {rows}."""
     fs, root = resolve(out_uri)
     columns = ["uid", "embedding"] + (["balance"] if balance else [])
     uids, leaves, dists = [], [], []
     values: list[pa.Array] = []  # the balance key's chunks
     for rows in _alive_row_groups(fs, root, survivor_file, decision_file, columns):
-        leaf, dist = kmeans.assign_nearest(_embeddings(rows), centroids)
+        assignments, dist = kmeans.descend(_embeddings(rows), *hierarchy)
+        leaf = assignments[:, 0]
         uids.append(rows.column("uid").to_numpy())
         leaves.append(leaf)
         dists.append(dist)

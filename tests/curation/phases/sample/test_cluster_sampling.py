@@ -1,7 +1,8 @@
-"""The partitioned sample phase (curation/phases/sample/cluster_sampling.py) against the single-process kernel
-(curation/phases/sample/kmeans.py): the same selection when trained on everything, exact sizes, balance no worse,
-whole small clusters, independence from partitioning, deterministic bytes; its steps on the runner: a killed step
-resumes, changed settings or inputs clear."""
+"""The partitioned sample phase (curation/phases/sample/cluster_sampling.py) against the single-process reference
+(curation/phases/reference.py, kmeans.hierarchical_kmeans): the same selection on the same training keys, exact
+sizes, balance no worse, whole small clusters, independence from partitioning, deterministic bytes, fit tasks
+bounded by the fan-out as the pool grows; its steps on the runner: a killed step resumes, changed settings or
+inputs clear."""
 
 from __future__ import annotations
 
@@ -109,22 +110,38 @@ def data():
     return x, labels, balance, dropped
 
 
-def test_trained_on_everything_it_selects_what_the_single_process_kernel_selects(ray_local, tmp_path, data):
+def alive_keys(dropped: np.ndarray, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The alive items (indices, in uid order) and their training keys, as the phase hashes them."""
+    alive = np.setdiff1d(np.arange(n), dropped)
+    return alive, uid_uniform(make_uid(alive // 400, alive % 400).astype(np.int64), seed, TRAIN_STREAM)
+
+
+def test_it_selects_what_the_single_process_reference_selects(ray_local, tmp_path, data):
+    """On the same training keys, with a fan-out that adds a level, every fit split over tasks: the same bytes of
+    selection and cluster ids as the reference in one process."""
     x, _, balance, dropped = data
     files = write_survivors(tmp_path, x, balance, dropped, n_files=3)
-    settings = SampleSettings(target_count=1500, clusters=[60, 8], mode="closest", balance_key=None, seed=4)
-    summary = run(tmp_path, files, settings, buckets=4, sample_size=10**6)
+    settings = SampleSettings(
+        target_count=1500, clusters=[60, 8], mode="closest", balance_key=None, seed=4, max_fanout=6
+    )
+    summary = run(tmp_path, files, settings, buckets=4)
 
-    alive = np.setdiff1d(np.arange(x.shape[0]), dropped)
-    single = reference.balanced_sample(x[alive], size=1500, n_clusters=[60, 8], mode="closest", seed=4)
+    alive, key = alive_keys(dropped, x.shape[0], seed=4)
+    single = reference.balanced_sample(
+        x[alive], size=1500, n_clusters=[60, 8], mode="closest", seed=4, train_key=key, max_fanout=6
+    )
     got = read_decisions(tmp_path, 3)
+    assert summary["largest_fit"]["centroids"] <= 6
+    del summary["largest_fit"]
     assert summary == {
         "inputs": alive.size,
         "selected": 1500,
         "unsampled": alive.size - 1500,
-        "levels": 2,
-        "clusters_per_level": [60, 8],
+        "levels": 4,
+        "clusters_per_level": [int(c.shape[0]) for c in single.hierarchy.centroids],
     }
+    # a level on top and one between; no parent has more than 6 children, so at most the 60 leaves asked for
+    assert summary["clusters_per_level"][1:] == [20, 8, 3] and 40 <= summary["clusters_per_level"][0] <= 60
     assert got.column("source").to_pylist() == [f"pool/{j:07d}.jpg" for j in alive]
     assert np.array_equal(np.flatnonzero(got.column("selected").to_numpy()), single.indices)
     assert np.array_equal(np.asarray(got.column("cluster_ids").to_pylist()), single.cluster_ids)
@@ -145,7 +162,7 @@ def test_exact_size_and_balance_no_worse_than_single_process(ray_local, tmp_path
     ours, theirs = [], []
     for seed in range(4):
         settings = SampleSettings(target_fraction=0.1, clusters=[100, 16], balance_key="head_yaw_class", seed=seed)
-        summary = run(tmp_path, files, settings, buckets=3, sample_size=4000)
+        summary = run(tmp_path, files, settings, buckets=3)
         chosen = np.flatnonzero(read_decisions(tmp_path, 4).column("selected").to_numpy())
         single = reference.balanced_sample(
             x[alive], fraction=0.1, n_clusters=[100, 16], mode="closest", balance_key=codes, seed=seed
@@ -163,7 +180,7 @@ def test_clusters_below_their_share_are_taken_whole_and_closest_first(ray_local,
     x, _, balance, dropped = data
     files = write_survivors(tmp_path, x, balance, dropped, n_files=2)
     settings = SampleSettings(target_count=3000, clusters=[40], mode="closest", balance_key="head_yaw_class")
-    run(tmp_path, files, settings, buckets=2, sample_size=3000)
+    run(tmp_path, files, settings, buckets=2)
     got = read_decisions(tmp_path, 2)
     leaf = np.asarray(got.column("cluster_ids").to_pylist())[:, 0]
     selected = got.column("selected").to_numpy()
@@ -192,15 +209,13 @@ def test_independent_of_partitioning_and_deterministic(ray_local, tmp_path, data
     for name, n_files, buckets in (("a", 2, 1), ("b", 5, 4), ("c", 5, 4)):
         root = tmp_path / name
         files = write_survivors(root, x, balance, dropped, n_files=n_files)
-        run(root, files, settings, buckets=buckets, sample_size=5000)
+        run(root, files, settings, buckets=buckets)
         runs.append(read_decisions(root, n_files))
     assert runs[0].equals(runs[1])
 
-    # the training set is the 5000 alive items of lowest hash, in uid order
-    alive = np.setdiff1d(np.arange(x.shape[0]), dropped)
-    uid = make_uid(alive // 400, alive % 400).astype(np.int64)
-    lowest = np.sort(np.argsort(uid_uniform(uid, 7, TRAIN_STREAM))[:5000])
-    want = kmeans.hierarchical_kmeans(x[alive][lowest], [50, 6], seed=7)
+    # each level is trained on the alive items of lowest hash, as the reference trains on them
+    alive, key = alive_keys(dropped, x.shape[0], seed=7)
+    want = kmeans.hierarchical_kmeans(x[alive], [50, 6], seed=7, train_key=key)
     got = pq.read_table(tmp_path / "a" / HIERARCHY_FILE).to_pydict()
     for level in (0, 1):
         rows = [i for i, lv in enumerate(got["level"]) if lv == level]
@@ -208,6 +223,19 @@ def test_independent_of_partitioning_and_deterministic(ray_local, tmp_path, data
     for i in range(5):
         b, c = (tmp_path / name / LAYOUT.sample_decision(i) for name in "bc")
         assert b.read_bytes() == c.read_bytes()
+
+
+def test_no_fit_task_grows_with_the_pool(ray_local, tmp_path, data):
+    """Default clusters (about sqrt(N) leaves) under a fan-out of 4: as N grows 4x, a level is added, and the
+    largest fit task still has at most 4 centroids on at most 4 x 256 points."""
+    x, _, balance, dropped = data
+    levels = []
+    for n in (x.shape[0] // 4, x.shape[0]):
+        files = write_survivors(tmp_path / str(n), x[:n], balance[:n], dropped[dropped < n], n_files=2)
+        summary = run(tmp_path / str(n), files, SampleSettings(target_fraction=0.3, max_fanout=4))
+        assert summary["largest_fit"]["centroids"] <= 4 and summary["largest_fit"]["points"] <= 4 * 256
+        levels.append(summary["clusters_per_level"])
+    assert levels[1][0] > 1.8 * levels[0][0] and len(levels[1]) == len(levels[0]) + 1 and levels[1][-1] <= 4
 
 
 def test_a_killed_step_resumes_and_changed_settings_or_inputs_clear(ray_local, tmp_path, data, caplog):
@@ -249,7 +277,7 @@ def test_a_killed_step_resumes_and_changed_settings_or_inputs_clear(ray_local, t
     caplog.clear()
     other = run(tmp_path, files, settings.model_copy(update={"seed": 9}), buckets=2)
     assert other["selected"] == 500 and not stray.exists()
-    assert any("train: settings or inputs changed" in line for line in caplog.messages)
+    assert any("gather: settings or inputs changed" in line for line in caplog.messages)
     assert hierarchy.stat().st_mtime_ns != untouched[hierarchy]
 
     # other inputs (a survivors file rewritten: its modification time changed): the same
@@ -257,13 +285,20 @@ def test_a_killed_step_resumes_and_changed_settings_or_inputs_clear(ray_local, t
     os.utime(survivors, ns=(survivors.stat().st_atime_ns, survivors.stat().st_mtime_ns + 10**9))
     caplog.clear()
     assert run(tmp_path, files, settings, buckets=2) == first
-    assert any("train: settings or inputs changed" in line for line in caplog.messages)
+    assert any("gather: settings or inputs changed" in line for line in caplog.messages)
     assert all(p.read_bytes() == before[i][0] for i, p in outputs.items())
 
 
 def test_tiny_and_empty_inputs(ray_local, tmp_path, data):
     x, _, balance, _ = data
-    tiny = {"inputs": 5, "selected": 3, "unsampled": 2, "levels": 1, "clusters_per_level": [1]}
+    tiny = {
+        "inputs": 5,
+        "selected": 3,
+        "unsampled": 2,
+        "levels": 1,
+        "clusters_per_level": [1],
+        "largest_fit": {"centroids": 1, "points": 5},
+    }
     files = write_survivors(tmp_path / "tiny", x[:6], balance[:6], np.array([2]), n_files=2)
     assert run(tmp_path / "tiny", files, SampleSettings(target_count=3)) == tiny
 

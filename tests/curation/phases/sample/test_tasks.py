@@ -53,13 +53,13 @@ def test_assign_budget_and_select(ray_local, tmp_path):
 
     assigned = ray.get(
         [
-            assign_task.remote(out, i, f, "dedup/decisions/none.parquet", h.centroids[0], 3, True, 150)
+            assign_task.remote(out, i, f, "dedup/decisions/none.parquet", (h.centroids, h.parents), 3, True, 150)
             for i, f in enumerate(files)
         ]
     )
     assert assigned == [{"rows": 100}, {"rows": 100}]
     counts = pa.concat_tables([pq.read_table(tmp_path / counts_path(i)) for i in range(2)])
-    leaf = kmeans.assign_nearest(x, h.centroids[0])[0]
+    leaf = h.assignments[:, 0]
     want = np.bincount(leaf, minlength=6)
     got = np.bincount(counts.column("leaf").to_numpy(), weights=counts.column("items").to_numpy(), minlength=6)
     assert np.array_equal(got, want) and pa.compute.sum(counts.column("chosen")).as_py() == 50
