@@ -325,7 +325,12 @@ def main() -> None:
     print(f"{len(named)} photo files, {len(photos.names)} distinct originals", file=sys.stderr)
     copies = make_copies(photos, args.variants, args.seed)
     rule = DedupSettings().rule()
-    rules = {"previous: pHash <= 8 or cosine >= 0.95": LinkRule.of([(8, None), (64, 0.95)]), "rule": rule}
+    rules = {
+        "pHash <= 8 alone": LinkRule.of([(8, None)]),
+        "cosine >= 0.95 alone": LinkRule.of([(64, 0.95)]),
+        "previous: pHash <= 8 or cosine >= 0.95": LinkRule.of([(8, None), (64, 0.95)]),
+        "rule": rule,
+    }
     if args.radii:
         rules["rule at --radii"] = rule.with_radii([int(r) for r in args.radii.split(",")])
     result = evaluate(photos, copies, rules)
