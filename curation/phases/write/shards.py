@@ -469,7 +469,10 @@ def _drop_scored_bytes(out_uri: str, files: list[str], cfg_json: str) -> dict:
             paths = pf.read(columns=["image.path"]).column(0).combine_chunks().field("path")  # a struct of it
         image = pa.StructArray.from_arrays([pa.nulls(len(paths), pa.binary()), paths], fields=list(schema.IMAGE_TYPE))
         table = table.add_column(at, file_schema.field("image"), image).cast(file_schema)
-        data = encode_parquet(table, row_group_size=cfg.output.row_group_size, compression=cfg.output.compression)
+        # no image bytes left: the row groups of a file that carries none (as the ledger's), not of one with images
+        data = encode_parquet(
+            table, row_group_size=cfg.output.ledger_row_group_size, compression=cfg.output.compression
+        )
         write_bytes_atomic(fs, path, data)
         rewritten, freed = rewritten + 1, freed + size - len(data)
     return {"files": rewritten, "bytes": freed}

@@ -91,3 +91,9 @@ def test_a_region_wide_enough_to_hold_its_whole_population_counts_every_pair():
     at_least = measured.cluster_weighted[chance._bin_of_threshold(0.5) :].sum()
     assert at_least > 100 and wide.expected(64) >= at_least
     assert chance.region_estimate(measured, Region(32)).expected(32) >= 0.95 * measured.hashed_pairs
+
+
+def test_one_cluster_holding_the_whole_sample_is_measured_in_bounded_memory():
+    hashes, x, _ = _sample(30_000, 48)
+    measured = chance.measure(10**6, hashes, np.ones(30_000, bool), x, np.zeros(30_000, int), 1.0, 10**5, seed=0)
+    assert measured.cluster_raw.sum() == chance.MAX_PAIRS_PER_CLUSTER  # of 4.5e8 pairs, a sample
