@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-HASH_BITS = 64
+from curation.phases.dedup.phash_bands import HASH_BITS, popcount64
+
 NO_HASH = HASH_BITS + 1  # the distance given to a pair where either pHash is missing: never within a radius
 
 
@@ -105,7 +106,7 @@ class LinkRule:
 
 def pair_distances(hashes_a: np.ndarray, hashes_b: np.ndarray, valid_a=None, valid_b=None) -> np.ndarray:
     """Hamming distances of two uint64 hash arrays, ``NO_HASH`` where either side is marked invalid."""
-    d = np.bitwise_count(np.asarray(hashes_a, np.uint64) ^ np.asarray(hashes_b, np.uint64)).astype(np.int16)
+    d = popcount64(np.asarray(hashes_a, np.uint64) ^ np.asarray(hashes_b, np.uint64)).astype(np.int16)
     if valid_a is not None:
         d = np.where(valid_a, d, NO_HASH)
     if valid_b is not None:
