@@ -29,6 +29,7 @@ from curation.models.settings import (
     QualityModelSettings,
     YoloModelSettings,
 )
+from curation.phases.dedup.chance import RANDOM_PAIRS
 from curation.phases.dedup.link_rule import LinkRule
 
 
@@ -167,7 +168,7 @@ class DedupSettings(Strict):
     # when their estimate exceeds the bound (false) unless allow_chance (the excess is recorded in the summary and card).
     fit_radii: bool = True
     allow_chance: bool = False
-    chance_pairs: int = Field(4_000_000, ge=1000)  # random pairs the estimate measures the pHash distances of
+    chance_pairs: int = Field(RANDOM_PAIRS, ge=1000)  # random pairs the estimate measures the pHash distances of
     embedding_k: int = Field(16, ge=1)  # neighbours examined per image
     # keep rule: highest of the first score column that is set (aesthetic on the full profile, quality on lite),
     # then larger resolution, then smaller key

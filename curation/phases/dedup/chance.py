@@ -54,6 +54,7 @@ from curation.phases.dedup.link_rule import HASH_BITS, LinkRule, Region, pair_di
 MIN_FIT_PAIRS = 50  # sampled pairs a population needs beyond a region before its spread is fitted
 MIN_BEYOND_SHARE = 0.05  # below this share of a population beyond a region, its unrelated pairs are all its pairs
 MIN_BOUND = 0.5  # chance links the bound allows in the whole run, however small the pool
+RANDOM_PAIRS = 4_000_000  # random pairs whose pHash distances are measured (dedup.chance_pairs)
 COSINE_BINS = 200  # histogram bins over [-1, 1]: 0.01 wide
 MAX_PAIRS_PER_CLUSTER = 20_000  # sampled pairs of one cluster's sample rows, at most
 
@@ -299,12 +300,17 @@ class ChanceEstimate:
         )
 
 
+def _share(estimates: tuple[RegionEstimate, ...], bound: float) -> float:
+    """The even share of the bound of each region that is on."""
+    return bound / max(sum(e.region.phash_radius >= 0 for e in estimates), 1)
+
+
 def fit_radii_within(estimates: tuple[RegionEstimate, ...], bound: float) -> list[int]:
     """Radii, each at most its region's, whose estimates sum to at most ``bound``: each region first gets the largest
     radius within an even share of the bound (the tails are steep: a shared budget in bits would go to the region
     whose estimate grows slowest), then what the others left is spent widening them one bit at a time, in turn."""
-    on = [e for e in estimates if e.region.phash_radius >= 0]
-    radii = [e.fit_radius(bound / max(len(on), 1)) if e.region.phash_radius >= 0 else -1 for e in estimates]
+    share = _share(estimates, bound)
+    radii = [e.fit_radius(share) if e.region.phash_radius >= 0 else -1 for e in estimates]
     total = sum(e.expected(r) for e, r in zip(estimates, radii))
     grown = True
     while grown:
@@ -330,15 +336,13 @@ def decide(
     """The radii the run uses and their estimate; raises ``ChanceBoundError`` as the module says."""
     bound = max(max_fraction * sample.survivors, MIN_BOUND)
     estimates = tuple(region_estimate(sample, r) for r in configured.regions)
-    on = [e for e in estimates if e.region.phash_radius >= 0]
-    share = bound / max(len(on), 1)
     if fit_radii:
         rule = configured.with_radii(fit_radii_within(estimates, bound))
         return ChanceEstimate(rule, configured, estimates, bound, sample.survivors, allowed=False)
     result = ChanceEstimate(configured, configured, estimates, bound, sample.survivors, allowed=allow)
     if result.expected > bound and not allow:
         worst = max(range(len(estimates)), key=lambda k: estimates[k].expected(configured.regions[k].phash_radius))
-        fitted = estimates[worst].fit_radius(share)
+        fitted = estimates[worst].fit_radius(_share(estimates, bound))
         change = (
             f"to {fitted}, within its share" if fitted >= 0 else "or remove the region: no radius is within its share"
         )

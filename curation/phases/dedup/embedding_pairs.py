@@ -61,6 +61,7 @@ import numpy as np
 import ray
 
 from common.storage import delete_quietly
+from curation.phases.dedup.chance import RANDOM_PAIRS
 from curation.phases.dedup.embedding_clusters import Layout, ProbeRule, SearchSettings, default_cluster_size
 from curation.phases.dedup.embedding_tasks import (
     BUCKETS_DIR,
@@ -207,7 +208,7 @@ def plan_embedding_search(
     max_probes: int = 7,
     probe_z: float = 1.0,
     bucket_rows: int = 500_000,
-    chance_pairs: int = 10**6,
+    chance_pairs: int = RANDOM_PAIRS,
 ) -> SearchPlan:
     """The plan step: centroids, buckets and the chance histograms (``embedding_tasks.CHANCE_FILE``) of the survivors.
 

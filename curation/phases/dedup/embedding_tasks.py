@@ -125,7 +125,12 @@ def _draw_sample(
 
 @ray.remote(num_cpus=1)
 def make_plan(
-    out_uri: str, files: list[str], counts: np.ndarray, layout: Layout, probes: ProbeRule, chance_pairs: int = 10**6
+    out_uri: str,
+    files: list[str],
+    counts: np.ndarray,
+    layout: Layout,
+    probes: ProbeRule,
+    chance_pairs: int = chance.RANDOM_PAIRS,
 ) -> dict:
     """Sample, train the centroids (written to ``CENTROIDS_FILE``), pack the clusters into buckets (the bucket of
     each cluster written to ``BUCKETS_FILE``), measure the sample's chance histograms (``CHANCE_FILE``); returns the
