@@ -56,7 +56,7 @@ def curate_for_training(root: Path, sz: Sizes, at_least: int) -> Path:
         str(pool),
         "--output",
         str(out),
-        "dedup.signals=[]",
+        "dedup.links=[]",
         "stages.text_overlay.enabled=false",
     ]
     if sz.ray_cpus:

@@ -132,13 +132,16 @@ def test_the_profiled_step_gives_each_part_its_time_and_the_shares_sum_to_one(on
 def test_a_compiled_block_is_one_part_forward_and_backward():
     cfg = SIZES["tiny"]
     block = torch.compile(Block(cfg, cfg.heads), backend="aot_eager", fullgraph=True)  # the ranges do not break it
-    x = torch.randn(2, 15, cfg.width)
+    # a batch big enough that the block outweighs the fixed glue around it (the cache lookup, the sum, AccumulateGrad)
+    x = torch.randn(32, 15, cfg.width)
     rope = rope_tables(grid_coords(2, 3), cfg.head_dim, cfg.rope_base, 1 + cfg.num_registers, torch.float32)
     block(x, rope).sum().backward()  # compiled before the profiled pass
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         block(x, rope).sum().backward()
-    shares = {p["part"]: p["share"] for p in breakdown(prof.events(), 1, device_time=False)["parts"]}
-    assert shares["compiled_blocks"] > 0.9  # the sum and its backward are the rest
+    b = breakdown(prof.events(), 1, device_time=False)
+    shares = {p["part"]: p["share"] for p in b["parts"]}
+    assert shares["compiled_blocks"] > 0.8  # the sum, its backward and the glue are the rest
+    assert not [e["name"] for e in b["other_top"] if any(k in e["name"] for k in ("mm", "softmax", "attention"))]
     assert shares["attention"] == shares["mlp"] == shares["norm"] == 0  # dynamo drops the ranges inside the graph
 
 
