@@ -29,7 +29,7 @@ below, beside the sizes (``sizes.py``), what a part writes as it runs (``harness
    a sweep of its settings, one axis at a time from the best so far (``Sizes.pretrain_sweep``): eager then
    ``torch.compile``; activation checkpointing full, selective (op-level, as torchtitan's) and off; FSDP2's
    reshard-after-forward always, never and torchtitan's default; prefetch 1 and 2 units; the batch, ascending until
-   one runs out of memory. Per setting: step time, images/s, tokens/s, peak memory and MFU (the backbone's own FLOP
+   one runs out of memory. Per setting: step time, images/s, tokens/s, peak memory and MFU (the backbone and MAE decoder FLOP
    count, ``pretrain.train.train_flops_per_image``, against the GPU's dense bf16 peak, ``pretrain.train.PEAK_TFLOPS``;
    the peak used is printed), then the best, which the next part streams with. Then where the step's time goes: a few
    steps of the first eager and the first compiled setting under ``torch.profiler`` (``step_profile.py``), GPU kernel

@@ -180,8 +180,8 @@ def grid_coords(gh: int, gw: int, device: torch.device | str | None = None) -> T
     return torch.stack(torch.meshgrid(rows, cols, indexing="ij"), dim=-1).reshape(-1, 2)
 
 
-def rope_tables(coords: Tensor, head_dim: int, base: float, prefix: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin of shape [..., 1, prefix + n, head_dim] for coords [..., n, 2] (the 1 broadcasts over heads)."""
+def rope_tables(coords: Tensor, head_dim: int, base: float, prefix: int) -> tuple[Tensor, Tensor]:
+    """fp32 cos, sin of shape [..., 1, prefix + n, head_dim] for coords [..., n, 2] (the 1 broadcasts over heads)."""
     with step_part("rope"):
         quarter = head_dim // 4
         periods = base ** (torch.arange(quarter, device=coords.device, dtype=torch.float32) / quarter)
@@ -189,14 +189,17 @@ def rope_tables(coords: Tensor, head_dim: int, base: float, prefix: int, dtype: 
         angles = angles.flatten(-2)  # [..., n, head_dim / 2]: (row freqs, col freqs)
         angles = torch.cat([angles, angles], dim=-1)  # dim i and i + head_dim / 2 share an angle
         angles = F.pad(angles, (0, 0, prefix, 0))  # angle 0 = no rotation for the prefix tokens
-        return angles.cos().to(dtype).unsqueeze(-3), angles.sin().to(dtype).unsqueeze(-3)
+        return angles.cos().unsqueeze(-3), angles.sin().unsqueeze(-3)
 
 
 def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
-    """Rotate dim i with dim i + head_dim / 2 (x: [B, heads, L, head_dim])."""
+    """Rotate dim i with dim i + head_dim / 2 (x: [B, heads, L, head_dim]), in fp32 whatever ``x``'s dtype, as
+    DINOv3 rotates in its tables' dtype, fp32 in its 7B recipe: bf16's 8-bit mantissa would round cos and sin, and the
+    rotated q and k, before the attention logits."""
     cos, sin = rope
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -441,7 +444,7 @@ class Sapiens2Backbone(nn.Module):
             x = x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))
         prefix = 1 + self.cfg.num_registers
         coords = coords if keep is None else coords[keep]
-        rope = rope_tables(coords, self.cfg.head_dim, self.cfg.rope_base, prefix, x.dtype)
+        rope = rope_tables(coords, self.cfg.head_dim, self.cfg.rope_base, prefix)
         x = torch.cat([self.cls_token.expand(B, -1, -1), self.registers.expand(B, -1, -1), x], dim=1)
         for blk in self.blocks:
             x = blk(x, rope)
@@ -478,7 +481,7 @@ class Sapiens2Backbone(nn.Module):
         tokens = x.gather(1, windows.flatten(1)[..., None].expand(-1, -1, D)).view(-1, win * win, D)
         query = (self.cls_token + self.window_query).expand(tokens.shape[0], -1, -1)
         seq = torch.cat([query, tokens], dim=1)
-        rope = rope_tables(coords[windows].flatten(0, 1), self.cfg.head_dim, self.cfg.rope_base, 1, x.dtype)
+        rope = rope_tables(coords[windows].flatten(0, 1), self.cfg.head_dim, self.cfg.rope_base, 1)
         for blk in self.local_blocks:
             seq = blk(seq, rope, mask)
         return seq[:, 0].view(B, -1, D), keep, (th, tw)

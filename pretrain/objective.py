@@ -182,6 +182,15 @@ class MAEDecoder(nn.Module):
         return self.pred(x[:, prefix.shape[1] :])
 
 
+def decoder_macs(cfg: MAEConfig, in_dim: int, visible: int, tokens: int, prefix: int, out_dim: int) -> float:
+    """Forward multiply-adds of ``MAEDecoder`` for one image: ``visible`` encoder tokens and ``prefix`` [CLS] and
+    register tokens in, ``tokens`` patches out (``out_dim`` pixels each); attention products included, as
+    ``backbone.flops(attention=True)`` counts them."""
+    w, length = cfg.width, prefix + tokens
+    layer = length * (4 * w * w + 2 * w * round(cfg.ffn_ratio * w)) + 2 * length * length * w  # qkv+out, MLP, attn
+    return float((visible + prefix) * in_dim * w + cfg.depth * layer + tokens * w * out_dim)
+
+
 # --- self-distillation --------------------------------------------------------------------------------------------
 
 

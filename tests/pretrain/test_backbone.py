@@ -36,6 +36,7 @@ from pretrain.backbone import (
     Attention,
     BackboneConfig,
     Sapiens2Backbone,
+    apply_rope,
     build,
     count_params,
     flops,
@@ -151,7 +152,7 @@ def test_gqa_exactly_in_the_middle_blocks():
 
 def test_rope_rotates_patches_only_and_by_axis():
     coords = grid_coords(4, 6)
-    cos, sin = rope_tables(coords, head_dim=16, base=100.0, prefix=9, dtype=torch.float32)
+    cos, sin = rope_tables(coords, head_dim=16, base=100.0, prefix=9)
     assert cos.shape == sin.shape == (1, 9 + 24, 16)
     assert torch.equal(cos[:, :9], torch.ones(1, 9, 16)) and torch.equal(sin[:, :9], torch.zeros(1, 9, 16))
     patch_sin = sin[0, 9:].view(4, 6, 16)
@@ -172,7 +173,7 @@ def test_rope_makes_attention_depend_on_relative_position_only():
     pos = torch.randint(0, 12, (10, 2))  # (row, col) of 10 tokens on a 16x16 grid
 
     def run(p: torch.Tensor) -> torch.Tensor:
-        rope = rope_tables(coords[p[:, 0] * 16 + p[:, 1]], cfg.head_dim, cfg.rope_base, 0, x.dtype)
+        rope = rope_tables(coords[p[:, 0] * 16 + p[:, 1]], cfg.head_dim, cfg.rope_base, 0)
         return attn(x, rope)
 
     base = run(pos)
@@ -193,8 +194,8 @@ def test_rope_at_another_grid_rotates_by_image_position_not_token_index():
     assert torch.allclose(blocks, coarse, atol=1e-6)
     assert fine.min() > -1 and fine.max() < 1 and coarse.min() > -1 and coarse.max() < 1  # both span the image
     # the image offset from the top-left token to the one half the image right and down: (4, 3) coarse, (8, 6) fine
-    cos_c, sin_c = rope_tables(coarse, 16, 100.0, 0, torch.float32)
-    cos_f, sin_f = rope_tables(fine, 16, 100.0, 0, torch.float32)
+    cos_c, sin_c = rope_tables(coarse, 16, 100.0, 0)
+    cos_f, sin_f = rope_tables(fine, 16, 100.0, 0)
 
     def angle(cos: torch.Tensor, sin: torch.Tensor, i: int, j: int) -> torch.Tensor:
         return torch.atan2(sin[0, j], cos[0, j]) - torch.atan2(sin[0, i], cos[0, i])
@@ -310,7 +311,7 @@ def test_layer_scale_on_the_attention_branch_only_as_sapiens2_and_on_both_as_din
     from pretrain.backbone import Block, grid_coords, rope_tables
 
     x = torch.randn(2, 1 + 8 + 12, 64)
-    rope = rope_tables(grid_coords(3, 4), TINY.head_dim, TINY.rope_base, 1 + 8, x.dtype)
+    rope = rope_tables(grid_coords(3, 4), TINY.head_dim, TINY.rope_base, 1 + 8)
     for both in (False, True):
         torch.manual_seed(0)
         blk = Block(dataclasses.replace(TINY, ffn_layer_scale=both, layer_scale_init=0.3), TINY.heads)
@@ -691,3 +692,14 @@ def test_the_pretraining_step_gives_attention_a_mask_only_in_windowed_blocks(siz
     attentions = {m for m in model.modules() if isinstance(m, Attention)}
     assert {m for m, _ in calls} == attentions  # student, teacher and decoder: each attention ran
     assert {m for m, masked in calls if masked} == (windowed if size.endswith("-4k") else set())
+
+
+def test_the_rope_rotation_runs_in_fp32_for_bf16_queries():
+    """bf16 q and k are rotated in fp32 and rounded once: the result is the fp32 rotation of the same values, cast."""
+    coords = grid_coords(16, 12)
+    rope = rope_tables(coords, head_dim=32, base=100.0, prefix=1)
+    assert rope[0].dtype == rope[1].dtype == torch.float32
+    x = torch.randn(2, 4, 1 + 16 * 12, 32).bfloat16()
+    out = apply_rope(x, rope)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, apply_rope(x.float(), rope).bfloat16())

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from torch.utils.flop_counter import FlopCounterMode
 
-from pretrain.backbone import SIZES, build
+from pretrain.backbone import SIZES, BackboneOutput, build
 from pretrain.masking import Masks, generate_masks
 from pretrain.objective import (
     TERMS,
@@ -20,10 +21,12 @@ from pretrain.objective import (
     CollapseMonitor,
     JointObjective,
     MAEConfig,
+    MAEDecoder,
     NonFiniteLossError,
     ObjectiveConfig,
     collapse_state,
     contrastive_diagnostics,
+    decoder_macs,
     distillation_loss,
     mae_loss,
     mae_targets,
@@ -610,3 +613,24 @@ def test_the_shipped_tiny_recipe_learns_where_the_former_one_collapses(repo_root
     )
     stuck = _short_run(former, images)
     assert sum(w["collapse"] is not None for w in stuck) >= len(stuck) - 1, stuck
+
+
+@pytest.mark.parametrize("visible,grid,prefix", [(12, (6, 8), 5), (48, (6, 8), 1)])
+def test_the_decoder_flops_equal_torch_flop_counter(visible, grid, prefix):
+    """The count the MFU figure adds for the MAE decoder equals torch's own (2 FLOPs per multiply-add), on the meta
+    device: with mask tokens and without."""
+    cfg, width, patch = MAEConfig(width=64, depth=2, heads=4), 96, 16
+    tokens = grid[0] * grid[1]
+    with torch.device("meta"):
+        decoder = MAEDecoder(width, cfg, patch)
+        keep = torch.zeros(2, visible, dtype=torch.long) if visible < tokens else None
+        enc = BackboneOutput(
+            cls=torch.zeros(2, width),
+            registers=torch.zeros(2, prefix - 1, width),
+            patches=torch.zeros(2, visible, width),
+            grid=grid,
+            keep=keep,
+        )
+        with FlopCounterMode(display=False) as counter:
+            decoder(enc)
+    assert counter.get_total_flops() == 2 * 2 * decoder_macs(cfg, width, visible, tokens, prefix, 3 * patch * patch)

@@ -134,7 +134,7 @@ def test_a_compiled_block_is_one_part_forward_and_backward():
     block = torch.compile(Block(cfg, cfg.heads), backend="aot_eager", fullgraph=True)  # the ranges do not break it
     # a batch big enough that the block outweighs the fixed glue around it (the cache lookup, the sum, AccumulateGrad)
     x = torch.randn(32, 15, cfg.width)
-    rope = rope_tables(grid_coords(2, 3), cfg.head_dim, cfg.rope_base, 1 + cfg.num_registers, torch.float32)
+    rope = rope_tables(grid_coords(2, 3), cfg.head_dim, cfg.rope_base, 1 + cfg.num_registers)
     block(x, rope).sum().backward()  # compiled before the profiled pass
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         block(x, rope).sum().backward()
