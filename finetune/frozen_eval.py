@@ -38,11 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from common import storage
 from finetune import data
 from finetune.augment import mirror_order
 from finetune.metrics import confusion_matrix, iou_from_confusion
 from pretrain.backbone import Sapiens2Backbone
-from pretrain.data import DataIndex
+from pretrain.config import PretrainProbe
+from pretrain.data import DataError, DataIndex
 from pretrain.views import IMAGENET_MEAN, IMAGENET_STD
 
 LUMA = (0.299, 0.587, 0.114)  # ITU-R BT.601, as PIL's "L" mode
@@ -441,4 +443,37 @@ class FrozenEval:
             "results": results,
             "pixel_miou_ceiling": pixel_miou(truth, eval_tokens.parts, len(parts)),
             "timing": {"features_s": feature_s, "total_s": time.perf_counter() - started},
+        }
+
+
+class RunProbe:
+    """The frozen probe on the EMA teacher during pretraining (``pretrain.config.PretrainProbe``; the evaluator of
+    ``pretrain.train.fit``). The labelled splits are read once, at the worker's start. Every rank computes the
+    features, since a sharded backbone's forward needs them all; the scoring rank fits and scores the probes and
+    returns the ``best`` figures of ``jobs.probe``."""
+
+    def __init__(self, settings: PretrainProbe, seed: int) -> None:
+        assert settings.data is not None  # PretrainProbe requires it when on
+        train_uri, val_uri = storage.join(settings.data, "train"), storage.join(settings.data, "val")
+        self.train, info = read_split(train_uri, settings.labels)
+        self.evaluate, val_info = read_split(val_uri, settings.eval_limit)
+        if val_info != info:
+            raise DataError(f"probe.data {storage.redact(settings.data)}: train/ and val/ labels differ")
+        self.parts, self.seed = info.parts, seed
+        self.settings = ProbeSettings(k=settings.k, iters=settings.iters)
+
+    def __call__(self, backbone: Sapiens2Backbone, device: torch.device, score: bool) -> dict[str, float] | None:
+        started = time.perf_counter()
+        features, bs, classes = backbone_features(backbone, device), self.settings.batch_size, len(self.parts)
+        train, evaluate = tokens_of(self.train, features, classes, bs), tokens_of(self.evaluate, features, classes, bs)
+        if not score:
+            return None
+        out = evaluate_tokens(train, evaluate, self.parts, self.settings, self.seed)
+        p, k, s = out["probe_best"], out["knn_best"], out["left_right_best"]
+        scores = {"probe_miou": p["miou"], "knn_miou": k["miou"], "left_right_acc": s["balanced_acc"]}
+        return {
+            **{name: float(v) for name, v in scores.items() if v is not None},
+            "labels": len(self.train.parts),
+            "eval_images": len(self.evaluate.parts),
+            "eval_s": time.perf_counter() - started,
         }

@@ -36,6 +36,8 @@ from common.ray_utils import init_ray
 from common.storage import StorageError
 from common.watchdog import Watchdog
 from finetune.config import FinetuneConfig
+from finetune.frozen_eval import RunProbe
+from jobs.finetune import resolve_data
 from pretrain.backbone import count_params
 from pretrain.config import PretrainConfig
 from pretrain.data import DataError, DataIndex, find_index, save_index
@@ -97,6 +99,11 @@ def _pretrain(args: argparse.Namespace) -> int:
         folders.refuse_other_kind(args.storage, folders.RUNS, "--storage")
         folders.refuse_other_kind(run_uri, folders.TRAINING_RUN, "the run folder")
         data_uri = args.data if "://" in args.data else os.path.abspath(args.data)
+        if cfg.probe.every:
+            assert cfg.probe.data is not None  # PretrainProbe requires it when on
+            resolve_data(cfg.probe.data, None)  # train/ and val/ are there
+            if "://" not in cfg.probe.data:  # the workers' working directory is not this one
+                cfg.probe.data = os.path.abspath(os.path.expanduser(cfg.probe.data))
         identity = {"data": storage.redact(data_uri), "model_hash": cfg.model_hash()}
         check_run(run_uri, identity, cfg.result_settings(), args.allow_change)
         index, scanned = find_index(data_uri, run_uri, verify_sha256=cfg.data.verify_sha256)
@@ -143,7 +150,7 @@ def _train(
     start = time.monotonic()
     try:
         with Watchdog("jobs.pretrain", cfg.watchdog.minutes):
-            fit(cfg, args.storage, args.name, data_uri)
+            fit(cfg, args.storage, args.name, data_uri, RunProbe if cfg.probe.every else None)
     except (Permanent, Exhausted) as exc:
         return ended_with(exc)
     lease.check()  # the export below is this run's to write only while it holds the run

@@ -96,6 +96,25 @@ class PretrainLog(LogSettings):
     collapse_patience: int = Field(10, ge=1)
 
 
+class PretrainProbe(Strict):
+    """The frozen probe of ``jobs.probe`` on the EMA teacher every ``every`` optimiser steps (and at the last): every
+    rank runs the sharded teacher over the probe's images, rank 0 fits and scores the probes; the scores are ``eval``
+    records of the metrics log and TensorBoard. A failed evaluation is logged and training goes on. 0: none."""
+
+    every: int = Field(0, ge=0)
+    data: str | None = None  # labelled shards with train/ and val/, as ``jobs.make_synthetic`` writes them
+    labels: int | None = Field(None, ge=2)  # training images the probes fit on (None: the whole train/ split)
+    eval_limit: int | None = Field(64, ge=1)  # evaluation images (None: the whole val/ split)
+    k: int = Field(10, ge=1)  # neighbours of the k-NN label transfer
+    iters: int = Field(50, ge=1)  # L-BFGS iterations per linear fit
+
+    @model_validator(mode="after")
+    def _data_when_on(self) -> PretrainProbe:
+        if self.every and not self.data:
+            raise ValueError("probe.every needs probe.data (a folder written by `python -m jobs.make_synthetic`)")
+        return self
+
+
 class FaultSettings(Strict):
     """Fault drills. ``kill_at_step``: SIGKILL one worker process when it reaches a step, once per run (a marker file
     remembers). ``disk_full_at_step``: the checkpoint of that step meets a full disk (its shards go to ``/dev/full``,
@@ -109,7 +128,7 @@ class FaultSettings(Strict):
 class PretrainConfig(TrainingConfig):
     operational = (
         *TrainingConfig.operational, "fault", "objective.check_finite", "model.compile", "model.activation_checkpointing", "data.read_segments",
-        "data.read_cpus", "data.prefetch_batches", "data.plan_steps", "data.verify_sha256",
+        "data.read_cpus", "data.prefetch_batches", "data.plan_steps", "data.verify_sha256", "probe",
     )  # fmt: skip
 
     model: ModelSettings = ModelSettings()
@@ -119,6 +138,7 @@ class PretrainConfig(TrainingConfig):
     checkpoint: PretrainCheckpoint = PretrainCheckpoint()
     log: PretrainLog = PretrainLog()
     fault: FaultSettings = FaultSettings()
+    probe: PretrainProbe = PretrainProbe()
 
     @model_validator(mode="after")
     def _sizes_fit_the_model(self) -> PretrainConfig:

@@ -33,7 +33,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from common import storage
 from pretrain import data
 from pretrain.backbone import Sapiens2Backbone, build, flops, step_part
-from pretrain.config import PretrainConfig, PretrainOptim
+from pretrain.config import PretrainConfig, PretrainOptim, PretrainProbe
 from pretrain.masking import num_masked
 from pretrain.objective import DIAGNOSTICS, TERMS, CollapseMonitor, JointObjective, collapse_state, decoder_macs
 from training import checkpoint, failures
@@ -271,14 +271,22 @@ def console_line(c: PretrainConfig, step: int, r: dict) -> str:
     )
 
 
+# An evaluation during the run (``probe``): called on every rank with the EMA teacher's backbone and the device;
+# the rank told to score (rank 0) returns the figures, the others None. Built on each rank from the probe settings
+# and the run's seed by the factory the job passes to ``fit`` (the frozen probe lives in ``finetune``, above us).
+Evaluator = Callable[[Sapiens2Backbone, torch.device, bool], dict[str, float] | None]
+EvaluatorFactory = Callable[[PretrainProbe, int], Evaluator]
+
+
 def train_loop(loop_config: dict) -> None:
-    """``TorchTrainer``'s ``train_loop_per_worker``: ``loop_config`` holds the config (as JSON data), the run URI and
-    the data folder's URI as given."""
+    """``TorchTrainer``'s ``train_loop_per_worker``: ``loop_config`` holds the config (as JSON data), the run URI,
+    the data folder's URI as given and the evaluator factory, if any."""
     import ray.train
 
     cfg = PretrainConfig.model_validate(loop_config["config"])
     with failures.classified(loop_config["run_uri"], ray.train.get_context().get_world_rank()):
-        PretrainWorker(cfg, loop_config["run_uri"], loop_config.get("data_uri")).run()
+        worker = PretrainWorker(cfg, loop_config["run_uri"], loop_config.get("data_uri"), loop_config.get("evaluator"))
+        worker.run()
 
 
 class PretrainWorker(Worker[PretrainConfig]):
@@ -287,7 +295,9 @@ class PretrainWorker(Worker[PretrainConfig]):
     hash_covers = "model (size, MAE decoder or projection head settings)"
     model: JointObjective
 
-    def __init__(self, cfg: PretrainConfig, run_uri: str, data_uri: str | None = None) -> None:
+    def __init__(
+        self, cfg: PretrainConfig, run_uri: str, data_uri: str | None = None, evaluator: EvaluatorFactory | None = None
+    ) -> None:
         super().__init__(cfg, run_uri)
         self.model = build_model(cfg, self.device)
         self.trainer = Trainer(self.model, cfg, self.device, rank=self.rank, world=self.world)
@@ -296,6 +306,7 @@ class PretrainWorker(Worker[PretrainConfig]):
         self.position, self.samples_seen = data.DataPosition(), 0
         self.flops_per_image, self.tokens_per_image = train_flops_per_image(cfg)
         self.peak = peak_flops(cfg, self.device)
+        self.evaluator = self._evaluator(evaluator)
         self.resume()
 
     # --- checkpoints ---
@@ -347,6 +358,8 @@ class PretrainWorker(Worker[PretrainConfig]):
                 schedule = {k: float(update[k]) for k in ("lr", "wd", "momentum")}
                 self._log_window(window, **schedule)
                 window = Window()
+            if self.evaluator and (self.step % c.probe.every == 0 or self.step == c.steps):
+                self._evaluate()
             if self.step % c.checkpoint.every == 0 or self.step == c.steps:
                 self.save()
             elif c.checkpoint.on_preemption and self.step % c.checkpoint.preemption_check_every == 0:
@@ -356,6 +369,42 @@ class PretrainWorker(Worker[PretrainConfig]):
                     preemption_saved = True
         if self.log:
             self.log.close()
+
+    # --- evaluations during the run ---
+
+    def _evaluator(self, factory: EvaluatorFactory | None) -> Evaluator | None:
+        """The run's evaluator, or None when ``probe.every`` is 0, no factory was given, or a rank could not build
+        it (its probe data unreadable): all ranks agree, since each evaluation is a collective of them all."""
+        if not (self.cfg.probe.every and factory):
+            return None
+        built: Evaluator | None = None
+        try:
+            built = factory(self.cfg.probe, self.cfg.seed)
+        except Exception as exc:  # noqa: BLE001 - an evaluation never stops the run
+            log_line(f"[pretrain] probe off: rank {self.rank} could not read probe.data: {exc}")
+        ready = torch.tensor([float(built is not None)], device=self.device)
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN)
+        return built if ready.item() else None
+
+    def _evaluate(self) -> None:
+        """The evaluator on the EMA teacher; its figures to the metrics log (rank 0). The root's own parameters
+        (patch embedding, tokens, norms) are gathered around it: the teacher's backbone runs outside the root's
+        forward, whose hooks would otherwise gather them. A failure is logged and training goes on."""
+        assert self.evaluator is not None
+        model = cast(FSDPModule, self.model)
+        teacher = _teacher(self.model)
+        scores: dict[str, float] | None = None
+        try:
+            model.unshard()
+            scores = self.evaluator(teacher, self.device, self.rank == 0)
+        except Exception as exc:  # noqa: BLE001 - an evaluation never stops the run
+            log_line(f"[pretrain] probe at step {self.step} failed on rank {self.rank}, training goes on: {exc!r}")
+        finally:
+            model.reshard()
+        if self.log and scores is not None:
+            self.log.write({"kind": "eval", "step": self.step, "epoch": self.position.epoch, **scores})
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if k.endswith(("miou", "acc")))
+            log_line(f"[pretrain] step {self.step} probe (EMA teacher): {shown}")
 
     # --- pieces of a step ---
 
@@ -453,9 +502,21 @@ class PretrainWorker(Worker[PretrainConfig]):
 # --- the driver side --------------------------------------------------------------------------------------------------
 
 
-def fit(cfg: PretrainConfig, storage_path: str, name: str, data_uri: str | None = None):
+def fit(
+    cfg: PretrainConfig,
+    storage_path: str,
+    name: str,
+    data_uri: str | None = None,
+    evaluator: EvaluatorFactory | None = None,
+):
     """Run (or resume) the training run ``name`` under ``storage_path`` on the connected Ray cluster; ``data_uri``
-    opens the data (default: the folder name the run's index recorded, enough unless its URI carries a query)."""
-    config = {"config": cfg.model_dump(mode="json"), "run_uri": run_uri_for(storage_path, name), "data_uri": data_uri}
+    opens the data (default: the folder name the run's index recorded, enough unless its URI carries a query);
+    ``evaluator`` builds the evaluation that ``probe.every`` runs (a module-level callable: Ray sends it by name)."""
+    config = {
+        "config": cfg.model_dump(mode="json"),
+        "run_uri": run_uri_for(storage_path, name),
+        "data_uri": data_uri,
+        "evaluator": evaluator,
+    }
     reader = {"the data reader (data.read_cpus)": {"CPU": cfg.data.read_cpus}}  # each worker's Ray Data tasks
     return launch(train_loop, config, cfg.ray, storage_path, name, requests=reader)

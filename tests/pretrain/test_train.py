@@ -9,6 +9,7 @@ and losses per step, and a 2-worker checkpoint must continue on 1 worker with th
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import pickle
 import shutil
@@ -549,3 +550,50 @@ def test_compiled_blocks_under_fsdp2_train_as_eager_with_every_checkpointing_mod
             torch.testing.assert_close(t, eager, rtol=1e-4, atol=1e-5, msg=lambda m, s=setting: f"{s}: {m}")
     finally:
         dist.destroy_process_group()
+
+
+# --- evaluations during the run -------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_probe_during_the_run_scores_the_ema_teacher_as_jobs_probe_does(shards, storage, tmp_path):
+    """``probe.every`` scores the sharded EMA teacher (2 workers) at steps 2 and 4; at the last step its figures equal
+    ``jobs.probe``'s on the teacher exported from the same checkpoint, in one process; TensorBoard has them too."""
+    from jobs import make_synthetic, probe
+
+    labelled = tmp_path / "labelled"
+    assert make_synthetic.main(["--out", str(labelled), "--n", "8", "--val", "4", "--seed", "3"]) == 0
+    steps = ["steps=4", "checkpoint.every=4", "probe.every=2", f"probe.data={labelled}", "probe.eval_limit=4"]
+    args = ["--config", TINY, "--data", str(shards), "--storage", str(storage), "--name", "probed"]
+    assert job.main([*args, *FAST, *steps, "--export", "teacher"]) == 0
+    evals = latest_per_step(read_metrics(str(storage / "probed"), "eval"))
+    assert sorted(evals) == [2, 4]
+    for r in evals.values():
+        assert 0 <= r["probe_miou"] <= 1 and 0 <= r["knn_miou"] <= 1 and 0 <= r["left_right_acc"] <= 1, r
+        assert r["labels"] == 8 and r["eval_images"] == 4
+    out = tmp_path / "probe.json"
+    teacher = storage / "probed" / "teacher_backbone.safetensors"
+    assert probe.main(["--data", str(labelled), "--backbone", str(teacher), "--out", str(out), "--val-limit", "4"]) == 0
+    best = json.loads(out.read_text())["results"]["8"]
+    assert evals[4]["probe_miou"] == pytest.approx(best["probe_best"]["miou"], abs=0.02)
+    assert evals[4]["knn_miou"] == pytest.approx(best["knn_best"]["miou"], abs=0.02)
+    board = tensorboard_scalars(storage / "probed")
+    assert board["eval/probe_miou"] == pytest.approx({s: r["probe_miou"] for s, r in evals.items()}, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_probe_that_cannot_read_its_data_is_turned_off_and_training_goes_on(shards, storage, tmp_path, capfd):
+    """The evaluator's data fail on every rank at the start (val/ images of another size than train/'s): the run
+    says so and trains to its end with no evaluation."""
+    from jobs import make_synthetic
+
+    a, b, labelled = tmp_path / "a", tmp_path / "b", tmp_path / "labelled"
+    assert make_synthetic.main(["--out", str(a), "--n", "4", "--val", "2"]) == 0
+    assert make_synthetic.main(["--out", str(b), "--n", "4", "--val", "2", "--height", "64", "--width", "48"]) == 0
+    labelled.mkdir()
+    shutil.copytree(a / "train", labelled / "train")
+    shutil.copytree(b / "val", labelled / "val")
+    overrides = ["steps=2", "checkpoint.every=2", "probe.every=1", f"probe.data={labelled}"]
+    run = run_job(shards, storage, "probe-off", *overrides)
+    assert sorted(latest_per_step(read_metrics(str(run)))) == [1, 2] and not read_metrics(str(run), "eval")
+    assert "probe off" in capfd.readouterr().out
