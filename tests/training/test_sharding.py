@@ -108,11 +108,11 @@ def test_every_setting_trains_the_same_steps_on_two_ranks(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(params, reference_params, strict=True)), (rank, setting)
 
 
-def mesh_steps(rank: int, fsdp: list[str], uri: str) -> dict:
-    """3 pretraining steps of 2 micro-batches on 4 ranks (world 4) with the mesh ``fsdp`` sets. The flat mesh saves
-    a checkpoint to ``uri`` before step 2; any other loads it there (its own state after the same 2 steps, within
+def mesh_steps(rank: int, fsdp: list[str], uri: str) -> tuple[dict, nn.Module, torch.optim.Optimizer]:
+    """3 pretraining steps of 2 micro-batches on 4 ranks with the mesh ``fsdp`` sets. The flat mesh saves a
+    checkpoint to ``uri`` before step 2; any other loads it there (its own state after the same 2 steps, within
     float tolerance), so step 2 starts from the same bits on both. Returns each step's loss terms and gradient norm,
-    the fingerprint at step 2, the mesh and the full parameters at the end."""
+    the fingerprint at step 2, the mesh, the full parameters at the end; and the model and its optimiser."""
     cfg = load_config(PretrainConfig, TINY, [*SMALL, "ray.workers=4", *fsdp])
     model = build_model(cfg, CPU)
     trainer = Trainer(model, cfg, CPU, rank=rank, world=dist.get_world_size())
@@ -129,37 +129,48 @@ def mesh_steps(rank: int, fsdp: list[str], uri: str) -> dict:
         terms, update = trainer.train_step(step, iter(images[step]))
         steps.append(torch.cat([terms, update["grad_norm"].view(1)]))
     mesh = next(model.parameters()).device_mesh
-    return {
+    found = {
         "steps": torch.stack(steps),
         "fingerprint": at_two,
         "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)),
         "params": [p.detach().full_tensor() for p in model.parameters()],
     }
+    return found, model, trainer.optimizer
+
+
+def flat_and_hsdp(rank: int, folder: str) -> dict:
+    """Flat over 4, then 2 x 2 resuming the flat checkpoint (``mesh_steps``); then the 2 x 2 checkpoint of the end
+    read back by the flat model, with the fingerprints of both."""
+    flat, flat_model, flat_optimizer = mesh_steps(rank, [], f"{folder}/flat")
+    hsdp, model, optimizer = mesh_steps(rank, ["fsdp.replicate=2", "fsdp.shard=2"], f"{folder}/flat")
+    uri = f"{folder}/hsdp"
+    checkpoint.save(uri, model, optimizer, {"step": 3})  # each replicated shard written by one rank (DCP's dedup)
+    problems = checkpoint.verify(uri, checkpoint.read_commit(uri))
+    checkpoint.load(uri, flat_model, flat_optimizer)
+    back = [fingerprint(model, optimizer), fingerprint(flat_model, flat_optimizer)]
+    return {"flat": flat, "hsdp": hsdp, "problems": problems, "back": back}
 
 
 # Four ranks, flat then 2 x 2 in the same process group.
 MESH_RANK = """
 import sys, torch, torch.distributed as dist
-from tests.training.test_sharding import mesh_steps
-store, rank, uri, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+from tests.training.test_sharding import flat_and_hsdp
+store, rank, folder, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 torch.set_num_threads(1)
 dist.init_process_group("gloo", store=dist.FileStore(store, 4), rank=rank, world_size=4)
-flat = mesh_steps(rank, [], uri)
-hsdp = mesh_steps(rank, ["fsdp.replicate=2", "fsdp.shard=2"], uri)
-torch.save({"flat": flat, "hsdp": hsdp}, out)
+torch.save(flat_and_hsdp(rank, folder), out)
 dist.barrier()
 dist.destroy_process_group()
 """
 
 
 @pytest.mark.slow  # 4 processes on 2 cores
-def test_hsdp_trains_what_flat_fsdp_trains_and_resumes_its_checkpoint(tmp_path):
+def test_hsdp_trains_what_flat_fsdp_trains_and_their_checkpoints_load_across(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     outs = [tmp_path / f"rank{r}.pt" for r in range(4)]
-    store, uri = str(tmp_path / "store"), str(tmp_path / "checkpoint")
+    args = [sys.executable, "-c", MESH_RANK, str(tmp_path / "store")]
     ranks = [
-        subprocess.Popen([sys.executable, "-c", MESH_RANK, store, str(r), uri, str(out)], cwd=REPO, env=env)
-        for r, out in enumerate(outs)
+        subprocess.Popen([*args, str(r), str(tmp_path), str(out)], cwd=REPO, env=env) for r, out in enumerate(outs)
     ]
     try:
         assert [p.wait(timeout=300) for p in ranks] == [0] * 4
@@ -167,7 +178,8 @@ def test_hsdp_trains_what_flat_fsdp_trains_and_resumes_its_checkpoint(tmp_path):
         for p in ranks:
             p.kill()
     for out in outs:
-        flat, hsdp = torch.load(out).values()
+        found = torch.load(out)
+        flat, hsdp = found["flat"], found["hsdp"]
         assert flat["mesh"] == {"dp_shard": 4} and hsdp["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
         # the same losses and gradient norms on every rank: steps 0 and 1 from the same seed, step 2 from the
         # flat mesh's checkpoint; sums and reductions in another order differ by float rounding only
@@ -175,6 +187,9 @@ def test_hsdp_trains_what_flat_fsdp_trains_and_resumes_its_checkpoint(tmp_path):
         assert hsdp["fingerprint"] == pytest.approx(flat["fingerprint"], rel=1e-12)
         for a, b in zip(hsdp["params"], flat["params"], strict=True):
             torch.testing.assert_close(a, b)
+        assert found["problems"] == []
+        saved, loaded = found["back"]
+        assert loaded == pytest.approx(saved, rel=1e-12)
 
 
 def test_the_mesh_must_fit_the_world(world_of_one):
