@@ -42,8 +42,9 @@ def mixed_precision(device: torch.device, precision: str) -> MixedPrecisionPolic
 
 def shard(model: M, chains: Chains, device: torch.device, precision: str, settings: FsdpSettings | None = None) -> M:
     """FSDP2 over the process group on ``device_mesh`` (flat, or HSDP by ``fsdp.replicate`` x ``fsdp.shard``): one
-    ``fully_shard`` per unit of ``chains``, then the root (the parameters left over, and the move to ``device``); bf16 parameters and compute with fp32 gradient reduction on GPUs when asked;
-    then ``configure_fsdp`` with ``settings`` (default: FSDP2's own behaviour)."""
+    ``fully_shard`` per unit of ``chains``, then the root (the parameters left over, and the move to ``device``);
+    bf16 parameters and compute with fp32 gradient reduction on GPUs when asked; then ``configure_fsdp`` with
+    ``settings`` (default: FSDP2's own behaviour)."""
     settings = settings or FsdpSettings()
     mp = mixed_precision(device, precision)
     mesh = device_mesh(device, settings)
@@ -59,10 +60,10 @@ def device_mesh(device: torch.device, settings: FsdpSettings) -> DeviceMesh:
     """The data-parallel mesh of the process group: 1-D (``SHARD``) when flat, else ``REPLICATE`` x ``SHARD`` (HSDP:
     ``fully_shard`` shards over the last dimension and replicates over the first); a ``ValueError`` when the degrees
     do not fit the world size."""
-    replicate, shard = settings.mesh_shape(dist.get_world_size())
-    if replicate == 1:
-        return init_device_mesh(device.type, (shard,), mesh_dim_names=(SHARD,))
-    return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=(REPLICATE, SHARD))
+    shape = settings.mesh_shape(dist.get_world_size())
+    if shape[0] == 1:
+        return init_device_mesh(device.type, shape[1:], mesh_dim_names=(SHARD,))
+    return init_device_mesh(device.type, shape, mesh_dim_names=(REPLICATE, SHARD))
 
 
 def sum_over_shards(local: Tensor, like: Tensor) -> Tensor:
