@@ -5,9 +5,9 @@ sharding, schedules, checkpoints and metrics log are the shared training runtime
 
 - Model: ``JointObjective`` (student, MAE decoder, projection head, EMA teacher). Built identically on every rank
   from the run's seed, then sharded with FSDP2: ``fully_shard`` on every transformer block (student, teacher,
-  decoder) and on both projection heads, then on the root; ``fsdp`` sets when they reshard and how far ahead they
-  are gathered (``fsdp_chains``). On GPU with ``precision: bf16`` parameters are gathered and computed in bf16 and
-  gradients reduced in fp32. The teacher's EMA update runs on the local shards.
+  decoder) and on both projection heads, then on the root; ``fsdp`` sets the mesh (flat or HSDP), when they
+  reshard and how far ahead they are gathered (``fsdp_chains``). On GPU with ``precision: bf16`` parameters are
+  gathered and computed in bf16 and gradients reduced in fp32. The teacher's EMA update runs on the local shards.
 - Optimiser: AdamW, decay and no-decay groups (1-D params, tokens: the objective's ``no_weight_decay``); linear
   warm-up to the peak ``optim.lr x global batch / 256`` (``training.schedules.peak_lr``) then cosine learning
   rate, cosine weight decay, both by optimiser step (so gradient accumulation does not stretch them); gradient
@@ -52,7 +52,7 @@ from pretrain.objective import DIAGNOSTICS, TERMS, CollapseMonitor, JointObjecti
 from training import checkpoint, failures
 from training.runner import launch, run_uri_for
 from training.schedules import lr_at, wd_at
-from training.sharding import optimizer_step, shard
+from training.sharding import optimizer_step, shard, sum_over_shards
 from training.worker import Worker, log_line
 
 # TensorBoard / MLflow / W&B groups of the pretraining scalars beyond the shared ones (training.metrics_sinks.GROUPS)
@@ -186,8 +186,8 @@ def fingerprint(model: JointObjective, optimizer: torch.optim.Optimizer) -> dict
             for ts in groups.values()
         ]
     )
-    dist.all_reduce(sums)  # every tensor here is a sharded DTensor: local sums add up to the global one
-    return dict(zip(groups, sums.tolist()))
+    # every tensor here is sharded like the first: its shards' local sums add up to the global one
+    return dict(zip(groups, sum_over_shards(sums, trainable[0]).tolist()))
 
 
 def train_flops_per_image(cfg: PretrainConfig) -> tuple[float, int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from common.config import Strict
 from common.watchdog import WatchdogSettings
@@ -65,10 +65,45 @@ class FsdpSettings(Strict):
     teacher, a frozen backbone) have no backward to save a gather for and always reshard.
     ``prefetch``: how many units ahead of the running one FSDP2 gathers along each chain of units; 1 is its implicit
     order, above 1 explicit prefetch lists (more overlap of communication with compute, more memory held).
+    ``replicate`` x ``shard`` (torchtitan's ``dp_replicate`` x ``dp_shard``; -1: the workers the other leaves): each
+    parameter is sharded over groups of ``shard`` consecutive ranks (one node's, as Ray Train numbers them) and
+    replicated over ``replicate`` such groups (HSDP): all-gathers stay inside a group, one all-reduce of the reduced
+    gradient shards crosses them. The default, one group of every worker, is flat FSDP. Every rank still trains its
+    own images: the gradient is the same mean over all of them.
     """
 
     reshard_after_forward: Literal["always", "default", "never"] = "always"
     prefetch: int = Field(1, ge=1)
+    replicate: int = 1
+    shard: int = -1
+
+    @field_validator("replicate", "shard")
+    @classmethod
+    def _degree(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError("a degree is -1 (the workers the other leaves) or at least 1")
+        return v
+
+    @model_validator(mode="after")
+    def _one_rest(self) -> FsdpSettings:
+        if self.replicate == -1 and self.shard == -1:
+            raise ValueError("fsdp.replicate and fsdp.shard are both -1 (the rest): give one of them")
+        return self
+
+    def mesh_shape(self, workers: int) -> tuple[int, int]:
+        """(replicate, shard) on ``workers`` ranks, -1 resolved; a ``ValueError`` naming both settings and the
+        worker count when their product is not it."""
+        replicate, shard = self.replicate, self.shard
+        if replicate == -1:
+            replicate = workers // shard if workers % shard == 0 else 0
+        elif shard == -1:
+            shard = workers // replicate if workers % replicate == 0 else 0
+        if replicate * shard != workers:
+            raise ValueError(
+                f"fsdp.replicate={self.replicate} x fsdp.shard={self.shard} does not fit {workers} worker(s): the "
+                "product must be the worker count (-1 takes the rest)"
+            )
+        return replicate, shard
 
 
 class TrainingConfig(Strict):
@@ -87,6 +122,11 @@ class TrainingConfig(Strict):
     ray: RaySettings = RaySettings()
     watchdog: WatchdogSettings = WatchdogSettings()
     fsdp: FsdpSettings = FsdpSettings()
+
+    @model_validator(mode="after")
+    def _mesh_fits_the_workers(self) -> TrainingConfig:
+        self.fsdp.mesh_shape(self.ray.workers)  # refused at load, before Ray starts
+        return self
 
     def result_settings(self) -> dict[str, Any]:
         """Every setting that changes the run's result, as ``{dotted key: JSON value}``: what a resume must keep."""

@@ -6,6 +6,12 @@ the next (one stack of blocks), the chains in the order their first unit runs. P
 stops at its end: what runs after a chain's last unit is another chain (another stack, a head, the teacher's own
 no-grad forward), not the next unit of a flat list. ``reshard_after_forward: default`` keeps the last unit with
 trainable parameters in that order gathered, the one whose backward runs first.
+
+The mesh (``device_mesh``) is flat or HSDP (``fsdp.replicate`` x ``fsdp.shard``); nothing else depends on its shape.
+Every rank is a data-parallel rank either way: it reads its own images, and the objective's batch statistics reduce
+over the whole world. The EMA update and AdamW run on the local shards; the gradient norm is a DTensor reduction
+(over the shard dimension only: the replicas hold the same shards); DCP checkpoints hold global tensors, so one
+written on one mesh loads onto another. Sums of local shards go through ``sum_over_shards``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import TypeVar, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -23,6 +30,7 @@ from training.config import FsdpSettings
 
 M = TypeVar("M", bound=nn.Module)
 Chains = Sequence[Sequence[nn.Module]]
+REPLICATE, SHARD = "dp_replicate", "dp_shard"  # the mesh's dimensions (torchtitan's names)
 
 
 def mixed_precision(device: torch.device, precision: str) -> MixedPrecisionPolicy:
@@ -33,17 +41,37 @@ def mixed_precision(device: torch.device, precision: str) -> MixedPrecisionPolic
 
 
 def shard(model: M, chains: Chains, device: torch.device, precision: str, settings: FsdpSettings | None = None) -> M:
-    """FSDP2 over the process group: one ``fully_shard`` per unit of ``chains``, then the root (the parameters left
-    over, and the move to ``device``); bf16 parameters and compute with fp32 gradient reduction on GPUs when asked;
-    then ``configure_fsdp`` with ``settings`` (default: FSDP2's own behaviour)."""
+    """FSDP2 over the process group on ``device_mesh`` (flat, or HSDP by ``fsdp.replicate`` x ``fsdp.shard``): one
+    ``fully_shard`` per unit of ``chains``, then the root (the parameters left over, and the move to ``device``);
+    bf16 parameters and compute with fp32 gradient reduction on GPUs when asked; then ``configure_fsdp`` with
+    ``settings`` (default: FSDP2's own behaviour)."""
+    settings = settings or FsdpSettings()
     mp = mixed_precision(device, precision)
-    mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = device_mesh(device, settings)
     for chain in chains:
         for unit in chain:
             fully_shard(unit, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    configure_fsdp(chains, settings or FsdpSettings())
+    configure_fsdp(chains, settings)
     return model
+
+
+def device_mesh(device: torch.device, settings: FsdpSettings) -> DeviceMesh:
+    """The data-parallel mesh of the process group: 1-D (``SHARD``) when flat, else ``REPLICATE`` x ``SHARD`` (HSDP:
+    ``fully_shard`` shards over the last dimension and replicates over the first); a ``ValueError`` when the degrees
+    do not fit the world size."""
+    shape = settings.mesh_shape(dist.get_world_size())
+    if shape[0] == 1:
+        return init_device_mesh(device.type, shape[1:], mesh_dim_names=(SHARD,))
+    return init_device_mesh(device.type, shape, mesh_dim_names=(REPLICATE, SHARD))
+
+
+def sum_over_shards(local: Tensor, like: Tensor) -> Tensor:
+    """Sum ``local``, computed from this rank's shards of parameters sharded as ``like``, over the ranks holding the
+    other shards, each shard counted once (HSDP's replica groups hold the same shards); in place, returned."""
+    if isinstance(like, DTensor):
+        dist.all_reduce(local, group=like.device_mesh.get_group(SHARD))
+    return local
 
 
 def configure_fsdp(chains: Chains, settings: FsdpSettings) -> None:

@@ -1,5 +1,6 @@
-"""FSDP2's reshard-after-forward and prefetch settings (``training.sharding.configure_fsdp``) on CPU with gloo: they
-reach every unit along its own chain, change on a model already sharded, and leave what a step computes as it is."""
+"""FSDP2's settings on CPU with gloo: reshard-after-forward and prefetch (``training.sharding.configure_fsdp``) reach
+every unit along its own chain, change on a model already sharded, and leave what a step computes as it is; an HSDP
+mesh (``fsdp.replicate`` x ``fsdp.shard``) trains what the flat one does, and loads its checkpoints."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from finetune.train import build_model as build_finetune_model
 from finetune.train import fsdp_chains as finetune_chains
 from finetune.train import make_task
 from pretrain.config import PretrainConfig
-from pretrain.train import Trainer, build_model, fsdp_chains
+from pretrain.train import Trainer, build_model, fingerprint, fsdp_chains
+from training import checkpoint
 from training.config import FsdpSettings
 from training.runner import check_run, claim_run
-from training.sharding import configure_fsdp
+from training.sharding import configure_fsdp, device_mesh
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/pretrain/tiny.yaml"
@@ -106,6 +108,95 @@ def test_every_setting_trains_the_same_steps_on_two_ranks(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(params, reference_params, strict=True)), (rank, setting)
 
 
+def mesh_steps(rank: int, fsdp: list[str], uri: str) -> tuple[dict, nn.Module, torch.optim.Optimizer]:
+    """3 pretraining steps of 2 micro-batches on 4 ranks with the mesh ``fsdp`` sets. The flat mesh saves a
+    checkpoint to ``uri`` before step 2; any other loads it there (its own state after the same 2 steps, within
+    float tolerance), so step 2 starts from the same bits on both. Returns each step's loss terms and gradient norm,
+    the fingerprint at step 2, the mesh, the full parameters at the end; and the model and its optimiser."""
+    cfg = load_config(PretrainConfig, TINY, [*SMALL, "ray.workers=4", *fsdp])
+    model = build_model(cfg, CPU)
+    trainer = Trainer(model, cfg, CPU, rank=rank, world=dist.get_world_size())
+    g = torch.Generator().manual_seed(rank)
+    images = torch.randint(0, 256, (3, 2, 2, 3, *cfg.image_size), dtype=torch.uint8, generator=g)  # step, micro
+    steps = []
+    for step in range(3):
+        if step == 2:
+            if fsdp:
+                checkpoint.load(uri, model, trainer.optimizer)
+            else:
+                checkpoint.save(uri, model, trainer.optimizer, {"step": step})
+            at_two = fingerprint(model, trainer.optimizer)
+        terms, update = trainer.train_step(step, iter(images[step]))
+        steps.append(torch.cat([terms, update["grad_norm"].view(1)]))
+    mesh = next(model.parameters()).device_mesh
+    found = {
+        "steps": torch.stack(steps),
+        "fingerprint": at_two,
+        "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)),
+        "params": [p.detach().full_tensor() for p in model.parameters()],
+    }
+    return found, model, trainer.optimizer
+
+
+def flat_and_hsdp(rank: int, folder: str) -> dict:
+    """Flat over 4, then 2 x 2 resuming the flat checkpoint (``mesh_steps``); then the 2 x 2 checkpoint of the end
+    read back by the flat model, with the fingerprints of both."""
+    flat, flat_model, flat_optimizer = mesh_steps(rank, [], f"{folder}/flat")
+    hsdp, model, optimizer = mesh_steps(rank, ["fsdp.replicate=2", "fsdp.shard=2"], f"{folder}/flat")
+    uri = f"{folder}/hsdp"
+    checkpoint.save(uri, model, optimizer, {"step": 3})  # each replicated shard written by one rank (DCP's dedup)
+    problems = checkpoint.verify(uri, checkpoint.read_commit(uri))
+    checkpoint.load(uri, flat_model, flat_optimizer)
+    back = [fingerprint(model, optimizer), fingerprint(flat_model, flat_optimizer)]
+    return {"flat": flat, "hsdp": hsdp, "problems": problems, "back": back}
+
+
+# Four ranks, flat then 2 x 2 in the same process group.
+MESH_RANK = """
+import sys, torch, torch.distributed as dist
+from tests.training.test_sharding import flat_and_hsdp
+store, rank, folder, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", store=dist.FileStore(store, 4), rank=rank, world_size=4)
+torch.save(flat_and_hsdp(rank, folder), out)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # 4 processes on 2 cores
+def test_hsdp_trains_what_flat_fsdp_trains_and_their_checkpoints_load_across(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    outs = [tmp_path / f"rank{r}.pt" for r in range(4)]
+    args = [sys.executable, "-c", MESH_RANK, str(tmp_path / "store")]
+    ranks = [
+        subprocess.Popen([*args, str(r), str(tmp_path), str(out)], cwd=REPO, env=env) for r, out in enumerate(outs)
+    ]
+    try:
+        assert [p.wait(timeout=300) for p in ranks] == [0] * 4
+    finally:
+        for p in ranks:
+            p.kill()
+    for out in outs:
+        found = torch.load(out)
+        flat, hsdp = found["flat"], found["hsdp"]
+        assert flat["mesh"] == {"dp_shard": 4} and hsdp["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
+        # the same losses and gradient norms on every rank: steps 0 and 1 from the same seed, step 2 from the
+        # flat mesh's checkpoint; sums and reductions in another order differ by float rounding only
+        torch.testing.assert_close(hsdp["steps"], flat["steps"])
+        assert hsdp["fingerprint"] == pytest.approx(flat["fingerprint"], rel=1e-12)
+        for a, b in zip(hsdp["params"], flat["params"], strict=True):
+            torch.testing.assert_close(a, b)
+        assert found["problems"] == []
+        saved, loaded = found["back"]
+        assert loaded == pytest.approx(saved, rel=1e-12)
+
+
+def test_the_mesh_must_fit_the_world(world_of_one):
+    with pytest.raises(ValueError, match=r"^fsdp.replicate=2 x fsdp.shard=-1 does not fit 1 worker\(s\)"):
+        device_mesh(CPU, FsdpSettings(replicate=2))
+
+
 def test_the_settings_reach_each_unit_and_change_on_a_sharded_model(world_of_one):
     cfg = load_config(PretrainConfig, TINY, SMALL)
     model = build_model(cfg, CPU)
@@ -171,12 +262,29 @@ def test_the_settings_are_checked_with_a_clear_message():
         load_config(FinetuneConfig, REPO / "configs/finetune/tiny.yaml", ["fsdp.gather=2"])
 
 
+def test_the_mesh_degrees_are_checked_against_the_workers():
+    def mesh(*overrides: str) -> tuple[int, int]:
+        return load_config(PretrainConfig, TINY, ["ray.workers=8", *overrides]).fsdp.mesh_shape(8)
+
+    assert mesh() == (1, 8)  # flat, as before there were degrees
+    assert mesh("fsdp.replicate=2") == mesh("fsdp.replicate=-1", "fsdp.shard=4") == (2, 4)
+    assert mesh("fsdp.replicate=2", "fsdp.shard=4") == (2, 4) and mesh("fsdp.replicate=8") == (8, 1)
+    for bad in (["fsdp.replicate=3"], ["fsdp.replicate=2", "fsdp.shard=2"], ["fsdp.replicate=-1", "fsdp.shard=16"]):
+        with pytest.raises(ConfigError, match=r"<root>: fsdp.replicate=\S+ x fsdp.shard=\S+ does not fit 8 worker"):
+            mesh(*bad)
+    with pytest.raises(ConfigError, match=r"fsdp: fsdp.replicate and fsdp.shard are both -1"):
+        mesh("fsdp.replicate=-1")
+    with pytest.raises(ConfigError, match=r"fsdp.shard: Value error, a degree is -1 .* \(got 0\)"):
+        mesh("fsdp.shard=0")
+
+
 @pytest.mark.parametrize("config", [PretrainConfig, FinetuneConfig])
 def test_a_resume_may_change_the_fsdp_settings(tmp_path, config):
     path = TINY if config is PretrainConfig else REPO / "configs/finetune/tiny.yaml"
     before = load_config(config, path)
     identity = {"data": "/d"}
     assert claim_run(str(tmp_path), identity, before.result_settings()) is None
-    after = load_config(config, path, ["fsdp.reshard_after_forward=never", "fsdp.prefetch=3"])
+    after = load_config(config, path, ["fsdp.reshard_after_forward=never", "fsdp.prefetch=3",
+                                     "fsdp.replicate=-1", "fsdp.shard=1"])  # fmt: skip
     assert not any(k.startswith("fsdp") for k in after.result_settings())
     assert check_run(str(tmp_path), identity, after.result_settings()) == {}
