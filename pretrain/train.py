@@ -153,7 +153,7 @@ class Trainer:
         accum, terms = self.cfg.optim.grad_accum, []
         for micro, images in enumerate(micro_batches):
             if isinstance(self.model, FSDPModule):
-                self.model.set_requires_gradient_sync(micro == accum - 1)
+                self.model.set_requires_gradient_sync(self.cfg.fsdp.reduce_every_micro_batch or micro == accum - 1)
             self.generator.manual_seed(_seed(self.seed, step, micro, self.rank))
             with torch.autocast(self.device_type, torch.bfloat16) if self.autocast else contextlib.nullcontext():
                 out = self.model(images, step, self.generator)

@@ -53,9 +53,12 @@ def sharded(units: list[nn.Module]) -> list[bool]:
     return [isinstance(next(u.parameters()), DTensor) for u in units]
 
 
-def two_steps(reshard: str, prefetch: int, rank: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def two_steps(
+    reshard: str, prefetch: int, rank: int = 0, reduce_every: bool = True
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The loss terms of 2 pretraining steps of 2 micro-batches and the full parameters after them."""
     fsdp = [f"fsdp.reshard_after_forward={reshard}", f"fsdp.prefetch={prefetch}"]
+    fsdp.append(f"fsdp.reduce_every_micro_batch={reduce_every}")
     cfg = load_config(PretrainConfig, TINY, [*SMALL, *fsdp])
     model = build_model(cfg, CPU)
     trainer = Trainer(model, cfg, CPU, rank=rank, world=dist.get_world_size())
@@ -81,7 +84,9 @@ from tests.training.test_sharding import SETTINGS, two_steps
 store, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch.set_num_threads(1)
 dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
-torch.save({s: two_steps(*s, rank=rank) for s in SETTINGS}, out)
+results = {s: two_steps(*s, rank=rank) for s in SETTINGS}
+results["held"] = two_steps("always", 1, rank=rank, reduce_every=False)
+torch.save(results, out)
 dist.barrier()  # neither rank tears its connections down while the other still uses them
 dist.destroy_process_group()
 """
@@ -106,6 +111,11 @@ def test_every_setting_trains_the_same_steps_on_two_ranks(tmp_path):
         if rank == 0:  # each rank has its own images, so its own loss
             assert torch.equal(terms, reference_terms), setting
         assert all(torch.equal(a, b) for a, b in zip(params, reference_params, strict=True)), (rank, setting)
+    # Gradients held unsharded until the last micro-batch: the same sums in another order
+    for rank in range(2):
+        terms, params = results[rank]["held"]
+        assert torch.allclose(terms, results[rank][SETTINGS[0]][0], rtol=1e-5, atol=1e-6)
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(params, reference_params, strict=True))
 
 
 def mesh_steps(rank: int, fsdp: list[str], uri: str) -> tuple[dict, nn.Module, torch.optim.Optimizer]:
