@@ -65,13 +65,21 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40
 
 
 def build_model(cfg: PretrainConfig, device: torch.device) -> JointObjective:
-    """The objective with FSDP2 applied; every rank builds the same initial weights from ``cfg.seed``."""
-    torch.manual_seed(cfg.seed)
-    model = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=cfg.steps)
+    """The objective with FSDP2 applied, holding the weights of a plain build seeded with ``cfg.seed``.
+
+    Built on the meta device and sharded, then each rank materialises only its shards on ``device`` and writes their
+    seeded values (``JointObjective.init_materialised``): host memory holds a rank's shards and one module's full
+    weights at a time, not the whole fp32 objective with its teacher."""
+    with torch.device("meta"):
+        model = JointObjective(build(cfg.model.backbone(), "meta"), cfg.objective, total_steps=cfg.steps)
     if cfg.model.compile:
         for block in [*model.student.all_blocks, *_teacher(model).all_blocks]:
             block.compile()
-    return shard(model, fsdp_chains(model), device, cfg.precision, cfg.fsdp)
+    shard(model, fsdp_chains(model), device, cfg.precision, cfg.fsdp)
+    model.to_empty(device=device)
+    torch.manual_seed(cfg.seed)
+    model.init_materialised()
+    return model
 
 
 def fsdp_chains(model: JointObjective) -> list[list[nn.Module]]:
