@@ -7,7 +7,8 @@ checkpoints with a commit record (``training/worker.py``): a rerun of the same c
 worker group, continues from the newest committed checkpoint with the same data order.
 
 - Backbone: an exported pretrained backbone (``backbone.safetensors`` of ``jobs.pretrain``, safetensors only) or a
-  random initialisation from the run's seed.
+  random initialisation from the run's seed. Built on the meta device and sharded; each rank then reads only its
+  shards' rows of the file, or draws the seeded weights one module at a time (``build_model``).
 - Optimiser: AdamW at the peak rate ``optim.lr x global batch / 256`` (``training.schedules.peak_lr``); layer-wise LR
   decay: the head and the final norm get the full rate, block ``i`` of the ``n`` blocks (a 4K backbone's windowed
   blocks first, then the global ones) ``decay ** (n - i)``, the patch embedding and learned tokens

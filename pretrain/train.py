@@ -3,10 +3,11 @@
 One code path for CPU (gloo) and GPU (nccl; Ray Train picks the backend from ``use_gpu``); the worker group,
 sharding, schedules, checkpoints and metrics log are the shared training runtime's (``training/``):
 
-- Model: ``JointObjective`` (student, MAE decoder, projection head, EMA teacher). Built identically on every rank
-  from the run's seed, then sharded with FSDP2: ``fully_shard`` on every transformer block (student, teacher,
-  decoder) and on both projection heads, then on the root; ``fsdp`` sets when they reshard and how far ahead they
-  are gathered (``fsdp_chains``). On GPU with ``precision: bf16`` parameters are gathered and computed in bf16 and
+- Model: ``JointObjective`` (student, MAE decoder, projection head, EMA teacher). Built on the meta device, sharded,
+  then each rank materialises only its shards with the weights a plain build from the run's seed has (the teacher
+  copied from the student's shards; ``build_model``). FSDP2: ``fully_shard`` on every transformer block (student,
+  teacher, decoder) and on both projection heads, then on the root; ``fsdp`` sets when they reshard and how far
+  ahead they are gathered (``fsdp_chains``). On GPU with ``precision: bf16`` parameters are gathered and computed in bf16 and
   gradients reduced in fp32. The teacher's EMA update runs on the local shards.
 - Optimiser: AdamW, decay and no-decay groups (1-D params, tokens: the objective's ``no_weight_decay``); linear
   warm-up to the peak ``optim.lr x global batch / 256`` (``training.schedules.peak_lr``) then cosine learning
@@ -19,7 +20,8 @@ sharding, schedules, checkpoints and metrics log are the shared training runtime
 - Checkpoints (``training/worker.py``) every ``checkpoint.every`` steps, at the end, and when Ray Train reports
   an imminent preemption; a restarted worker group (or a rerun of the same command) resumes from the newest one
   that reads back. The data position is part of it.
-- Metrics every ``log.every`` steps from rank 0: JSON lines under ``<run>/metrics/`` (every raw term) and a progress
+- Metrics every ``log.every`` steps from rank 0: JSON lines under ``<run>/metrics/`` (every raw term; an attempt's
+  first record also ``host_memory_peak_bytes``, the largest rank's peak RSS up to its first step) and a progress
   line (``console_line``: the loss the student can lower first), with the contrastive term's diagnostics; a
   collapse they show (``objective.collapse_state``) that lasts ``log.collapse_patience`` steps is logged once as a
   warning and a ``collapse`` record, and so is its end.

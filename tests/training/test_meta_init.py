@@ -51,7 +51,8 @@ def whole(model: nn.Module) -> dict[str, Tensor]:
 
 
 def configs() -> tuple[PretrainConfig, FinetuneConfig]:
-    return load_config(PretrainConfig, TINY, PRETRAIN), load_config(FinetuneConfig, FINETUNE, ["head.class_weights=null"])
+    finetune = load_config(FinetuneConfig, FINETUNE, ["head.class_weights=null"])
+    return load_config(PretrainConfig, TINY, PRETRAIN), finetune
 
 
 def meta_builds(backbone_file: str, device: torch.device = CPU) -> dict[str, dict[str, Tensor]]:
@@ -90,14 +91,13 @@ def a_backbone_file(folder: Path) -> str:
 def check(got: dict[str, dict[str, Tensor]], want: dict[str, dict[str, Tensor]]) -> None:
     for name, state in want.items():
         assert got[name].keys() == state.keys(), name
-        assert all(torch.equal(got[name][k], v) for k, v in state.items()), (name, [
-            k for k, v in state.items() if not torch.equal(got[name][k], v)
-        ])  # fmt: skip
+        assert [k for k, v in state.items() if not torch.equal(got[name][k], v)] == [], name
     objective = got["objective"]
+    twins = {"student.": "teacher.backbone.", "head.": "teacher.head."}
     for key, value in objective.items():  # the EMA teacher starts as the student
-        if key.startswith(("student.", "head.")):
-            twin = "teacher.backbone." + key.removeprefix("student.") if key.startswith("student.") else "teacher." + key
-            assert torch.equal(objective[twin], value), key
+        for side, teacher in twins.items():
+            if key.startswith(side):
+                assert torch.equal(objective[teacher + key.removeprefix(side)], value), key
 
 
 def test_meta_builds_hold_the_seeded_and_loaded_weights(world_of_one, tmp_path):
@@ -122,11 +122,8 @@ def test_meta_builds_hold_the_seeded_and_loaded_weights_on_two_ranks(tmp_path):
     backbone = a_backbone_file(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
-    ranks = [
-        subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path / "store"), str(r), backbone, str(out)],
-                         cwd=REPO, env=env)  # fmt: skip
-        for r, out in enumerate(outs)
-    ]
+    command = [sys.executable, "-c", RANK, str(tmp_path / "store")]
+    ranks = [subprocess.Popen([*command, str(r), backbone, str(out)], cwd=REPO, env=env) for r, out in enumerate(outs)]
     try:
         assert [p.wait(timeout=180) for p in ranks] == [0, 0]
     finally:
