@@ -406,8 +406,15 @@ class SafetensorsFile:
     def __init__(self, uri: str) -> None:
         fs, path = storage.resolve(uri)
         self._file = fs.open_input_file(path)
-        (header_len,) = struct.unpack("<Q", self._file.read_at(8, 0))
-        header = json.loads(self._file.read_at(header_len, 8))
+        try:
+            size = self._file.size()
+            (header_len,) = struct.unpack("<Q", self._file.read_at(8, 0)) if size >= 8 else (0,)
+            if not 0 < header_len <= size - 8:  # a foreign file's first bytes: no allocation of that size
+                raise ValueError(f"a header of {header_len} bytes in a file of {size}: not safetensors")
+            header = json.loads(self._file.read_at(header_len, 8))
+        except Exception:
+            self._file.close()
+            raise
         self.meta: dict[str, str] = header.pop("__metadata__", {})
         self.entries: dict[str, dict] = header  # name -> dtype, shape, data_offsets
         self._data = 8 + header_len
@@ -442,6 +449,12 @@ class SafetensorsFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def safetensors_meta(uri: str) -> dict[str, str]:
+    """The metadata of a safetensors file, from its header alone."""
+    with SafetensorsFile(uri) as f:
+        return f.meta
 
 
 def read_safetensors(uri: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

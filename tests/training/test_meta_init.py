@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -25,6 +26,7 @@ from pretrain.config import PretrainConfig
 from pretrain.export import export_objective
 from pretrain.objective import JointObjective
 from pretrain.train import build_model
+from training.checkpoint import read_safetensors
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/pretrain/tiny.yaml"
@@ -102,7 +104,17 @@ def check(got: dict[str, dict[str, Tensor]], want: dict[str, dict[str, Tensor]])
 
 def test_meta_builds_hold_the_seeded_and_loaded_weights(world_of_one, tmp_path):
     backbone = a_backbone_file(tmp_path)
-    check(meta_builds(backbone), plain_builds(backbone))
+    got = meta_builds(backbone)
+    check(got, plain_builds(backbone))
+    # a fine-tuned model's file: its backbone.* tensors are read, its head.* left
+    tensors, meta = read_safetensors(backbone)
+    finetuned = tmp_path / "finetuned.safetensors"
+    save_file({**{f"backbone.{k}": v for k, v in tensors.items()}, "head.w": torch.ones(3)}, str(finetuned),
+              metadata={**meta, "task": "seg"})  # fmt: skip
+    _, finetune = configs()
+    model = build_finetune_model(finetune, make_task("seg", finetune, LABELS, finetune.model.backbone()),
+                                 str(finetuned), CPU)  # fmt: skip
+    assert all(torch.equal(v, got["loaded"][k]) for k, v in whole(model).items())
 
 
 RANK = """
