@@ -393,6 +393,7 @@ class FinetuneWorker(Worker[FinetuneConfig]):
             loss, terms = self.task.loss(self.model.head, out, self.labels(batch))
             loss.backward()
             grad_norm = optimizer_step(self.optimizer, self.params, c.optim.grad_clip)
+            self.take_host_peak()
             self.step += 1
             window.append(torch.stack([loss.detach().float(), grad_norm.float(), *terms.values()]))
             if self.step % c.log.every == 0 or self.step == c.steps:
@@ -415,7 +416,8 @@ class FinetuneWorker(Worker[FinetuneConfig]):
         record = {"kind": "train", "step": self.step, "loss": stats[0], "grad_norm": stats[1],
                   **dict(zip(names, stats[2:])), "lr": lr, "wd": wd, "step_s": seconds / len(window),
                   "data_wait_s": wait / len(window), "data_wait_frac": wait / seconds,
-                  "images_per_s": len(window) * self.cfg.data.batch_size * self.world / seconds}  # fmt: skip
+                  "images_per_s": len(window) * self.cfg.data.batch_size * self.world / seconds,
+                  **self.host_peak_field()}  # fmt: skip
         if self.log:
             self.log.write(record)
             terms = " ".join(f"{k} {v:.4f}" for k, v in zip(names, stats[2:]))

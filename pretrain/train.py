@@ -52,7 +52,6 @@ from pretrain.config import PretrainConfig, PretrainOptim
 from pretrain.masking import num_masked
 from pretrain.objective import DIAGNOSTICS, TERMS, CollapseMonitor, JointObjective, collapse_state
 from training import checkpoint, failures
-from training.metrics import host_memory_peak_bytes
 from training.runner import launch, run_uri_for
 from training.schedules import lr_at, wd_at
 from training.sharding import optimizer_step, shard
@@ -305,7 +304,6 @@ class PretrainWorker(Worker[PretrainConfig]):
         self.position, self.samples_seen = data.DataPosition(), 0
         self.flops_per_image, self.tokens_per_image = train_flops_per_image(cfg)
         self.peak = peak_flops(cfg, self.device)
-        self.host_peak: int | None = None  # this rank's, from the attempt's first step to its first metrics record
         self.resume()
 
     # --- checkpoints ---
@@ -341,13 +339,12 @@ class PretrainWorker(Worker[PretrainConfig]):
         )
         window = Window()
         self.collapse = CollapseMonitor(c.log.collapse_patience)
-        preemption_saved, first_step = False, True
+        preemption_saved = False
         while self.step < c.steps:
             waits: list[float] = []
             keys: list[str] = []
             terms, update = self.trainer.train_step(self.step, self._micro_batches(batches, waits, keys))
-            if first_step:  # what building, sharding, restoring and a whole step took of the host
-                self.host_peak, first_step = host_memory_peak_bytes(), False
+            self.take_host_peak()
             self.step += 1
             self.position = data.advance(self.position, per_step, self.index.num_samples)
             self.samples_seen += per_step
@@ -422,10 +419,7 @@ class PretrainWorker(Worker[PretrainConfig]):
         }
         if self.peak:
             record["mfu"] = images_per_s * self.flops_per_image / (self.world * self.peak)
-        if self.host_peak is not None:  # the attempt's first record: the largest rank's peak up to its first step
-            peak = torch.tensor([self.host_peak], dtype=torch.int64, device=self.device)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            record["host_memory_peak_bytes"], self.host_peak = int(peak.item()), None
+        record.update(self.host_peak_field())
         change = self.collapse.update(record["collapse"], self.step - window.steps, self.step)
         if self.log:
             self.log.write(record)
