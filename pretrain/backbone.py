@@ -506,7 +506,8 @@ def build(cfg: BackboneConfig | str, device: torch.device | str | None = None) -
 def init_streamed(cfg: BackboneConfig, write: Callable[[str, Tensor], None]) -> None:
     """The weights ``build(cfg)`` draws from the default generator's current state, one module's at a time: each
     parameter's full tensor goes to ``write(name, tensor)`` and is dropped, so the host holds one module's weights,
-    never the backbone's (a meta-device build then keeps only its shards). The generator ends where ``build`` leaves it.
+    never the backbone's (a meta-device build then keeps only its shards). The generator ends where ``build``
+    leaves it.
 
     The values are the constructors' and ``init_weights``' own draws, in their order, on full tensors: a rank's
     shard is then exactly the seeded plain build's, at any world size. Drawing per shard instead would give other

@@ -144,9 +144,10 @@ def load_backbone_shards(uri: str, backbone: torch.nn.Module) -> None:
         found = {k.removeprefix(prefix) for k in f.entries if k.startswith(prefix)}
         wrong = sorted(n for n in params.keys() & found if f.shape(prefix + n) != tuple(params[n].shape))
         if found != params.keys() or wrong:
+            missing, unexpected = sorted(params.keys() - found), sorted(found - params.keys())
             raise ValueError(
-                f"{storage.redact(uri)} does not hold this backbone's weights: missing {sorted(params.keys() - found)}, "
-                f"unexpected {sorted(found - params.keys())}, other shapes {wrong}"
+                f"{storage.redact(uri)} does not hold this backbone's weights: missing {missing}, unexpected "
+                f"{unexpected}, other shapes {wrong}"
             )
         for name, p in params.items():
             region = local_region(p)

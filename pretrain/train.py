@@ -7,8 +7,8 @@ sharding, schedules, checkpoints and metrics log are the shared training runtime
   then each rank materialises only its shards with the weights a plain build from the run's seed has (the teacher
   copied from the student's shards; ``build_model``). FSDP2: ``fully_shard`` on every transformer block (student,
   teacher, decoder) and on both projection heads, then on the root; ``fsdp`` sets when they reshard and how far
-  ahead they are gathered (``fsdp_chains``). On GPU with ``precision: bf16`` parameters are gathered and computed in bf16 and
-  gradients reduced in fp32. The teacher's EMA update runs on the local shards.
+  ahead they are gathered (``fsdp_chains``). On GPU with ``precision: bf16`` parameters are gathered and computed
+  in bf16 and gradients reduced in fp32. The teacher's EMA update runs on the local shards.
 - Optimiser: AdamW, decay and no-decay groups (1-D params, tokens: the objective's ``no_weight_decay``); linear
   warm-up to the peak ``optim.lr x global batch / 256`` (``training.schedules.peak_lr``) then cosine learning
   rate, cosine weight decay, both by optimiser step (so gradient accumulation does not stretch them); gradient

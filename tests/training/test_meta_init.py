@@ -58,7 +58,7 @@ def configs() -> tuple[PretrainConfig, FinetuneConfig]:
 
 
 def meta_builds(backbone_file: str, device: torch.device = CPU) -> dict[str, dict[str, Tensor]]:
-    """The states of the sharded builds: pretraining's objective, fine-tuning's model seeded and from ``backbone_file``."""
+    """The sharded builds' states: pretraining's objective, fine-tuning's model seeded and from ``backbone_file``."""
     pretrain, finetune = configs()
     task = make_task("seg", finetune, LABELS, finetune.model.backbone())
     return {
