@@ -87,7 +87,8 @@ def main() -> None:
             ]
             outs = [p.communicate(timeout=1800)[0] for p in ranks]
         held = int(outs[0].strip().splitlines()[-1])
-        print(f"{args.size} reduce_every_micro_batch={reduce_every}: {held / 2**30:.3f} GiB ({held} bytes) of gradients per rank")
+        shown = f"{held / 2**30:.3f} GiB ({held} bytes)"
+        print(f"{args.size} reduce_every_micro_batch={reduce_every}: {shown} of gradients per rank")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ checkpoints with a commit record (``training/worker.py``): a rerun of the same c
 worker group, continues from the newest committed checkpoint with the same data order.
 
 - Backbone: an exported pretrained backbone (``backbone.safetensors`` of ``jobs.pretrain``, safetensors only) or a
-  random initialisation from the run's seed.
+  random initialisation from the run's seed. Built on the meta device and sharded; each rank then reads only its
+  shards' rows of the file, or draws the seeded weights one module at a time (``build_model``).
 - Optimiser: AdamW at the peak rate ``optim.lr x global batch / 256`` (``training.schedules.peak_lr``); layer-wise LR
   decay: the head and the final norm get the full rate, block ``i`` of the ``n`` blocks (a 4K backbone's windowed
   blocks first, then the global ones) ``decay ** (n - i)``, the patch embedding and learned tokens
@@ -48,15 +49,15 @@ from common.progress import Progress
 from finetune import data, losses, tasks
 from finetune.augment import Augmenter
 from finetune.config import FinetuneConfig
-from pretrain.backbone import BackboneConfig, Sapiens2Backbone, build
+from pretrain.backbone import BackboneConfig, Sapiens2Backbone, build, init_streamed
 from pretrain.data import DataIndex
-from pretrain.export import load_backbone
+from pretrain.export import load_backbone, load_backbone_shards, read_backbone_config
 from pretrain.views import IMAGENET_MEAN, IMAGENET_STD
 from training import failures
 from training.checkpoint import read_safetensors
 from training.runner import launch, run_uri_for
 from training.schedules import lr_at, peak_lr, wd_at
-from training.sharding import optimizer_step, shard
+from training.sharding import copy_module, optimizer_step, shard, write_full
 from training.worker import Worker, log_line
 
 METRICS_FILE = "metrics.json"
@@ -76,10 +77,17 @@ class FinetuneModel(nn.Module):
     def __init__(self, backbone: Sapiens2Backbone, head: nn.Module, frozen: bool = False) -> None:
         super().__init__()
         self.backbone, self.head, self.frozen = backbone, head, frozen
-        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("mean", torch.empty(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.empty(1, 3, 1, 1), persistent=False)
+        self.init_buffers()
         if frozen:
             backbone.requires_grad_(False)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The normalisation constants (written again once a meta-device build is materialised)."""
+        self.mean.copy_(torch.tensor(IMAGENET_MEAN, device="cpu").view(1, 3, 1, 1))
+        self.std.copy_(torch.tensor(IMAGENET_STD, device="cpu").view(1, 3, 1, 1))
 
     def forward(self, images: Tensor) -> Tensor:
         x = images.float() / 255 if images.dtype == torch.uint8 else images.float()
@@ -180,20 +188,57 @@ def build_backbone(cfg: FinetuneConfig, backbone_uri: str | None) -> Sapiens2Bac
     return backbone
 
 
+def backbone_settings(cfg: FinetuneConfig, backbone_uri: str | None) -> BackboneConfig:
+    """The backbone ``build_backbone`` builds: the pretrained file's architecture (checked against the config, read
+    from its header) with the config's training settings, or the config's."""
+    if backbone_uri is None:
+        return cfg.model.backbone()
+    found = read_backbone_config(
+        backbone_uri, activation_checkpointing=cfg.model.activation_checkpointing, drop_path=cfg.model.drop_path
+    )
+    check_architecture(found, cfg, backbone_uri)
+    return found
+
+
 def build_model(
     cfg: FinetuneConfig, task: tasks.Task, backbone_uri: str | None, device: torch.device | None = None
 ) -> FinetuneModel:
-    """Backbone (pretrained or seeded random) + the task's head (seeded), FSDP2-sharded when a process group runs."""
-    backbone = build_backbone(cfg, backbone_uri)
-    torch.manual_seed(cfg.seed + 1)
-    head = task.build_head(backbone.cfg.width, feature_stride(backbone.cfg))
-    model = FinetuneModel(backbone, head, frozen=cfg.optim.freeze_backbone)
-    if cfg.model.compile:
-        for block in backbone.all_blocks:
-            block.compile()
+    """Backbone (pretrained or seeded random) + the task's head (seeded), FSDP2-sharded when a process group runs.
+
+    Sharded, it is built on the meta device and each rank materialises only its shards on ``device``: their rows
+    read from the pretrained file (``load_backbone_shards``), or the seeded weights drawn one module at a time
+    (``init_streamed``); the same weights as the plain build, which never holds more than one backbone."""
     if device is None or not dist.is_initialized():
+        backbone = build_backbone(cfg, backbone_uri)
+        torch.manual_seed(cfg.seed + 1)
+        model = FinetuneModel(backbone, _head(task, backbone.cfg), frozen=cfg.optim.freeze_backbone)
+        _compile(cfg, model)
         return model.to(device or "cpu")
-    return shard(model, fsdp_chains(model), device, cfg.precision, cfg.fsdp)
+    bb_cfg = backbone_settings(cfg, backbone_uri)
+    with torch.device("meta"):
+        model = FinetuneModel(Sapiens2Backbone(bb_cfg), _head(task, bb_cfg), frozen=cfg.optim.freeze_backbone)
+    _compile(cfg, model)
+    shard(model, fsdp_chains(model), device, cfg.precision, cfg.fsdp)
+    model.to_empty(device=device)
+    if backbone_uri is None:
+        torch.manual_seed(cfg.seed)
+        init_streamed(bb_cfg, lambda name, full: write_full(model.backbone.get_parameter(name), full))
+    else:
+        load_backbone_shards(backbone_uri, model.backbone)
+    torch.manual_seed(cfg.seed + 1)
+    copy_module(model.head, _head(task, bb_cfg))  # small: drawn whole on the CPU, as the plain build draws it
+    model.init_buffers()
+    return model
+
+
+def _head(task: tasks.Task, backbone: BackboneConfig) -> nn.Module:
+    return task.build_head(backbone.width, feature_stride(backbone))
+
+
+def _compile(cfg: FinetuneConfig, model: FinetuneModel) -> None:
+    if cfg.model.compile:
+        for block in model.backbone.all_blocks:
+            block.compile()
 
 
 def fsdp_chains(model: FinetuneModel) -> list[list[nn.Module]]:
@@ -348,6 +393,7 @@ class FinetuneWorker(Worker[FinetuneConfig]):
             loss, terms = self.task.loss(self.model.head, out, self.labels(batch))
             loss.backward()
             grad_norm = optimizer_step(self.optimizer, self.params, c.optim.grad_clip)
+            self.take_host_peak()
             self.step += 1
             window.append(torch.stack([loss.detach().float(), grad_norm.float(), *terms.values()]))
             if self.step % c.log.every == 0 or self.step == c.steps:
@@ -370,7 +416,8 @@ class FinetuneWorker(Worker[FinetuneConfig]):
         record = {"kind": "train", "step": self.step, "loss": stats[0], "grad_norm": stats[1],
                   **dict(zip(names, stats[2:])), "lr": lr, "wd": wd, "step_s": seconds / len(window),
                   "data_wait_s": wait / len(window), "data_wait_frac": wait / seconds,
-                  "images_per_s": len(window) * self.cfg.data.batch_size * self.world / seconds}  # fmt: skip
+                  "images_per_s": len(window) * self.cfg.data.batch_size * self.world / seconds,
+                  **self.host_peak_field()}  # fmt: skip
         if self.log:
             self.log.write(record)
             terms = " ".join(f"{k} {v:.4f}" for k, v in zip(names, stats[2:]))

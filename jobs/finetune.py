@@ -32,7 +32,7 @@ from finetune.train import FINETUNED_FILE, METRICS_FILE, PICTURES, check_archite
 from pretrain.backbone import count_params
 from pretrain.data import DataError, DataIndex
 from pretrain.export import backbone_config
-from training.checkpoint import read_safetensors
+from training.checkpoint import safetensors_meta
 from training.failures import Exhausted, Permanent
 from training.metrics_sinks import describe
 from training.runner import (
@@ -96,7 +96,7 @@ def check_backbone(backbone: str, cfg: FinetuneConfig) -> None:
             f"--backbone {uri} does not exist (jobs.pretrain writes <storage>/<name>/backbone.safetensors)"
         )
     try:
-        _, meta = read_safetensors(backbone)
+        meta = safetensors_meta(backbone)  # its header alone: the driver reads no weights
     except Exception as exc:  # noqa: BLE001 - any failure to parse means it is not a safetensors file
         raise StorageError(f"--backbone {uri} is not a safetensors file: {exc}") from None
     if "backbone_config" not in meta:

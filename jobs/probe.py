@@ -37,7 +37,7 @@ from finetune.frozen_eval import FrozenEval, ProbeSettings, backbone_features, r
 from finetune.train import build_backbone
 from jobs.finetune import check_backbone, resolve_data
 from pretrain.data import DataError
-from training.checkpoint import read_safetensors
+from training.checkpoint import safetensors_meta
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "finetune" / "tiny.yaml"
 RANDOM = "random"
@@ -72,7 +72,7 @@ def _absolute(uri: str) -> str:
 
 def _size_of(backbone: str) -> str | None:
     try:
-        return read_safetensors(backbone)[1].get("size")
+        return safetensors_meta(backbone).get("size")
     except Exception:  # noqa: BLE001 - a missing or foreign file: check_backbone then says what is wrong with it
         return None
 
@@ -125,7 +125,7 @@ def _probe(args: argparse.Namespace) -> int:
     run = FrozenEval(ProbeSettings(k=args.k, iters=args.iters), labels, args.grayscale, args.seed)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")  # the probes fit on the CPU
     result = run.run(backbone_features(model, device), train, evaluate, info.parts)
-    meta = read_safetensors(backbone)[1] if backbone else {}
+    meta = safetensors_meta(backbone) if backbone else {}
     result["config"].update(
         backbone=storage.redact(backbone) if backbone else RANDOM,  # the result holds no query or credentials
         which=meta.get("which", "student") if backbone else None,

@@ -29,8 +29,10 @@ global stage, and masked patches inside a kept window are excluded from its atte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -392,16 +394,23 @@ class Sapiens2Backbone(nn.Module):
     def init_weights(self) -> None:
         """(Re)initialise every parameter; call after materialising a model built on the meta device."""
         for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Conv2d)):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.RMSNorm):
-                m.reset_parameters()
-            elif isinstance(m, Block):
-                m.ls1.fill_(self.cfg.layer_scale_init)
-                if m.ls2 is not None:
-                    m.ls2.fill_(self.cfg.layer_scale_init)
+            self._init_module(m)
+        self._init_tokens()
+
+    def _init_module(self, m: nn.Module) -> None:
+        """The parameters ``m`` holds itself (not its children's): every module's in ``init_weights``'s order."""
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.RMSNorm):
+            m.reset_parameters()
+        elif isinstance(m, Block):
+            m.ls1.fill_(self.cfg.layer_scale_init)
+            if m.ls2 is not None:
+                m.ls2.fill_(self.cfg.layer_scale_init)
+
+    def _init_tokens(self) -> None:
         nn.init.trunc_normal_(self.cls_token, std=0.02)
         nn.init.trunc_normal_(self.registers, std=0.02)
         if self.window_query is not None:
@@ -494,6 +503,44 @@ def build(cfg: BackboneConfig | str, device: torch.device | str | None = None) -
     cfg = SIZES[cfg] if isinstance(cfg, str) else cfg
     with torch.device(device or "cpu"):
         return Sapiens2Backbone(cfg)
+
+
+@torch.no_grad()
+def init_streamed(cfg: BackboneConfig, write: Callable[[str, Tensor], None]) -> None:
+    """The weights ``build(cfg)`` draws from the default generator's current state, one module's at a time: each
+    parameter's full tensor goes to ``write(name, tensor)`` and is dropped, so the host holds one module's weights,
+    never the backbone's (a meta-device build then keeps only its shards). The generator ends where ``build``
+    leaves it.
+
+    The values are the constructors' and ``init_weights``' own draws, in their order, on full tensors: a rank's
+    shard is then exactly the seeded plain build's, at any world size. Drawing per shard instead would give other
+    values for every world size."""
+    shadow = build(cfg, "meta")  # the backbone's modules and names; tensors materialised one module at a time
+    # The constructors draw every Linear and Conv2d weight (reset_parameters, in construction order, which is the
+    # modules' order) before init_weights redraws them: those draws only move the generator, so they run on
+    # throwaway tensors.
+    for m in shadow.modules():
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            with _materialised(m):
+                m.reset_parameters()
+    for prefix, m in [*list(shadow.named_modules())[1:], ("", shadow)]:  # the root's tokens last, as init_weights
+        with _materialised(m):
+            if m is shadow:
+                shadow._init_tokens()
+            else:
+                shadow._init_module(m)
+            for name, p in m.named_parameters(recurse=False):
+                write(f"{prefix}.{name}" if prefix else name, p)
+
+
+@contextlib.contextmanager
+def _materialised(module: nn.Module) -> Iterator[None]:
+    """``module``'s own parameters as (uninitialised) CPU tensors while the block runs, back on meta after it."""
+    module.to_empty(device="cpu", recurse=False)
+    try:
+        yield
+    finally:
+        module.to_empty(device="meta", recurse=False)
 
 
 def count_params(cfg: BackboneConfig | str) -> int:

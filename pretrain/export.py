@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -19,7 +20,8 @@ import torch.distributed.checkpoint as dcp
 from common import storage
 from pretrain.backbone import BackboneConfig, Sapiens2Backbone
 from pretrain.config import ModelSettings
-from training.checkpoint import SafeLoadPlanner, read_commit, read_safetensors, storage_reader
+from training.checkpoint import SafeLoadPlanner, SafetensorsFile, read_commit, read_safetensors, storage_reader
+from training.sharding import local_region, write_local
 
 BACKBONE_FILE = "backbone.safetensors"
 
@@ -118,10 +120,46 @@ def load_backbone(uri: str, **overrides) -> Sapiens2Backbone:
     on one task starts another, and a supervised backbone is the positive control of ``benchmarks/pretrain_value.py``.
     """
     tensors, meta = read_safetensors(uri)
-    if "task" in meta:  # a fine-tuned model: backbone.* and head.* tensors
-        tensors = {k.removeprefix(FINETUNED_PREFIX): v for k, v in tensors.items() if k.startswith(FINETUNED_PREFIX)}
-    # Files written before the setting existed carry no flag; their tensors tell whether blocks scale the FFN branch.
-    cfg = backbone_config(meta, ffn_layer_scale=any(k.endswith(".ls2") for k in tensors))
+    cfg, prefix = _file_backbone(meta, tensors)
+    tensors = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
     model = Sapiens2Backbone(dataclasses.replace(cfg, **overrides))
     model.load_state_dict(tensors, strict=True)
     return model
+
+
+def read_backbone_config(uri: str, **overrides) -> BackboneConfig:
+    """The architecture of ``load_backbone``'s backbone (``overrides`` as there), from the file's header alone."""
+    with SafetensorsFile(uri) as f:
+        return dataclasses.replace(_file_backbone(f.meta, f.entries)[0], **overrides)
+
+
+@torch.no_grad()
+def load_backbone_shards(uri: str, backbone: torch.nn.Module) -> None:
+    """``load_backbone``'s weights into ``backbone`` (materialised, sharded or not): each parameter's part this rank
+    holds (``local_region``) is read from the file, rows of the first dimension as one byte range each, so a rank
+    reads its shards, not the file."""
+    with SafetensorsFile(uri) as f:
+        _, prefix = _file_backbone(f.meta, f.entries)
+        params = dict(backbone.named_parameters())
+        found = {k.removeprefix(prefix) for k in f.entries if k.startswith(prefix)}
+        wrong = sorted(n for n in params.keys() & found if f.shape(prefix + n) != tuple(params[n].shape))
+        if found != params.keys() or wrong:
+            missing, unexpected = sorted(params.keys() - found), sorted(found - params.keys())
+            raise ValueError(
+                f"{storage.redact(uri)} does not hold this backbone's weights: missing {missing}, unexpected "
+                f"{unexpected}, other shapes {wrong}"
+            )
+        for name, p in params.items():
+            region = local_region(p)
+            rows_only = all(r == slice(0, n) for r, n in zip(region[1:], p.shape[1:]))  # FSDP2's Shard(0)
+            part = f.read(prefix + name, region[0]) if region and rows_only else f.read(prefix + name)[region]
+            write_local(p, part)
+
+
+def _file_backbone(meta: dict[str, str], names: Iterable[str]) -> tuple[BackboneConfig, str]:
+    """The architecture a file's metadata records and the prefix of its backbone's tensor names (a fine-tuned
+    model's backbone.* beside its head.*)."""
+    prefix = FINETUNED_PREFIX if "task" in meta else ""
+    keys = [k for k in names if k.startswith(prefix)]
+    # Files written before the setting existed carry no flag; their tensors tell whether blocks scale the FFN branch.
+    return backbone_config(meta, ffn_layer_scale=any(k.endswith(".ls2") for k in keys)), prefix

@@ -30,11 +30,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from common.config import Strict
-from pretrain.backbone import BackboneOutput, Sapiens2Backbone, step_part
+from pretrain.backbone import BackboneConfig, BackboneOutput, Sapiens2Backbone, init_streamed, step_part
 from pretrain.masking import MaskingConfig, Masks, generate_masks
 from pretrain.views import Views, ViewsConfig, make_views
+from training.sharding import copy_module, write_full, write_local
 
 
 class MAEConfig(Strict):
@@ -367,6 +369,12 @@ class CollapseMonitor:
 # --- the joint objective ------------------------------------------------------------------------------------------
 
 
+def heads(backbone: BackboneConfig, cfg: ObjectiveConfig) -> tuple[MAEDecoder, DINOHead]:
+    """The MAE decoder and the projection head on ``backbone``, drawn in this order from the default generator."""
+    patch = backbone.patch_size * (backbone.window or 1)
+    return MAEDecoder(backbone.width, cfg.mae, patch, backbone.in_chans), DINOHead(backbone.width, cfg.cl)
+
+
 class JointObjective(nn.Module):
     """Student backbone + MAE decoder + projection head, their EMA teacher, and L = L_MAE + lambda * L_CL.
 
@@ -381,15 +389,33 @@ class JointObjective(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.total_steps = total_steps
-        width, window = backbone.cfg.width, backbone.cfg.window or 1
         self.student = backbone
-        self.decoder = MAEDecoder(width, cfg.mae, backbone.cfg.patch_size * window, backbone.cfg.in_chans)
-        self.head = DINOHead(width, cfg.cl)
+        self.decoder, self.head = heads(backbone.cfg, cfg)
         self.teacher = nn.ModuleDict({"backbone": copy.deepcopy(backbone), "head": copy.deepcopy(self.head)})
         self.teacher.requires_grad_(False)
         self.teacher.eval()
         self.register_buffer("center", torch.zeros(1, cfg.cl.prototypes))
         self.register_buffer("center_ready", torch.zeros((), dtype=torch.bool))
+
+    @torch.no_grad()
+    def init_materialised(self) -> None:
+        """The weights of the plain construction from the default generator's current state, for a model built on
+        the meta device, sharded and materialised (``to_empty``): each rank writes only its shards. The backbone is
+        drawn one module at a time (``init_streamed``); the decoder and head, small, are built whole on the CPU
+        and copied; the teacher then copies the student's shards, as the plain build's deep copy."""
+        init_streamed(self.student.cfg, lambda name, full: write_full(self.student.get_parameter(name), full))
+        for dst, src in zip((self.decoder, self.head), heads(self.student.cfg, self.cfg)):
+            copy_module(dst, src)
+        for t, s in zip(self._teacher_params(), self._student_params()):
+            write_local(t, s.to_local() if isinstance(s, DTensor) else s)
+        self.center.zero_()
+        self.center_ready.fill_(False)
+
+    def _teacher_params(self) -> list[Tensor]:
+        return [*self.teacher["backbone"].parameters(), *self.teacher["head"].parameters()]
+
+    def _student_params(self) -> list[Tensor]:
+        return [*self.student.parameters(), *self.head.parameters()]
 
     def train(self, mode: bool = True) -> JointObjective:
         super().train(mode)
@@ -467,9 +493,7 @@ class JointObjective(nn.Module):
         """teacher <- m * teacher + (1 - m) * student for backbone and head; returns the momentum m used."""
         m = teacher_momentum(step, self.total_steps, self.cfg.cl.momentum, self.cfg.cl.momentum_end)
         with step_part("ema_teacher"):
-            teacher: list[Tensor] = [*self.teacher["backbone"].parameters(), *self.teacher["head"].parameters()]
-            student: list[Tensor] = [*self.student.parameters(), *self.head.parameters()]
-            torch._foreach_lerp_(teacher, student, 1.0 - m)
+            torch._foreach_lerp_(self._teacher_params(), self._student_params(), 1.0 - m)
         return m
 
     def _patch_keep(self, keep: Tensor, images: Tensor) -> Tensor:

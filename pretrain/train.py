@@ -3,10 +3,11 @@
 One code path for CPU (gloo) and GPU (nccl; Ray Train picks the backend from ``use_gpu``); the worker group,
 sharding, schedules, checkpoints and metrics log are the shared training runtime's (``training/``):
 
-- Model: ``JointObjective`` (student, MAE decoder, projection head, EMA teacher). Built identically on every rank
-  from the run's seed, then sharded with FSDP2: ``fully_shard`` on every transformer block (student, teacher,
-  decoder) and on both projection heads, then on the root; ``fsdp`` sets the mesh (flat or HSDP), when they
-  reshard and how far ahead they are gathered (``fsdp_chains``). On GPU with ``precision: bf16`` parameters are
+- Model: ``JointObjective`` (student, MAE decoder, projection head, EMA teacher). Built on the meta device, sharded,
+  then each rank materialises only its shards with the weights a plain build from the run's seed has (the teacher
+  copied from the student's shards; ``build_model``). FSDP2: ``fully_shard`` on every transformer block (student,
+  teacher, decoder) and on both projection heads, then on the root; ``fsdp`` sets the mesh (flat or HSDP), when
+  they reshard and how far ahead they are gathered (``fsdp_chains``). On GPU with ``precision: bf16`` parameters are
   gathered and computed in bf16 and gradients reduced in fp32. The teacher's EMA update runs on the local shards.
 - Optimiser: AdamW, decay and no-decay groups (1-D params, tokens: the objective's ``no_weight_decay``); linear
   warm-up to the peak ``optim.lr x global batch / 256`` (``training.schedules.peak_lr``) then cosine learning
@@ -19,7 +20,8 @@ sharding, schedules, checkpoints and metrics log are the shared training runtime
 - Checkpoints (``training/worker.py``) every ``checkpoint.every`` steps, at the end, and when Ray Train reports
   an imminent preemption; a restarted worker group (or a rerun of the same command) resumes from the newest one
   that reads back. The data position is part of it.
-- Metrics every ``log.every`` steps from rank 0: JSON lines under ``<run>/metrics/`` (every raw term) and a progress
+- Metrics every ``log.every`` steps from rank 0: JSON lines under ``<run>/metrics/`` (every raw term; an attempt's
+  first record also ``host_memory_peak_bytes``, the largest rank's peak RSS up to its first step) and a progress
   line (``console_line``: the loss the student can lower first), with the contrastive term's diagnostics; a
   collapse they show (``objective.collapse_state``) that lasts ``log.collapse_patience`` steps is logged once as a
   warning and a ``collapse`` record, and so is its end.
@@ -65,13 +67,21 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40
 
 
 def build_model(cfg: PretrainConfig, device: torch.device) -> JointObjective:
-    """The objective with FSDP2 applied; every rank builds the same initial weights from ``cfg.seed``."""
-    torch.manual_seed(cfg.seed)
-    model = JointObjective(build(cfg.model.backbone()), cfg.objective, total_steps=cfg.steps)
+    """The objective with FSDP2 applied, holding the weights of a plain build seeded with ``cfg.seed``.
+
+    Built on the meta device and sharded, then each rank materialises only its shards on ``device`` and writes their
+    seeded values (``JointObjective.init_materialised``): host memory holds a rank's shards and one module's full
+    weights at a time, not the whole fp32 objective with its teacher."""
+    with torch.device("meta"):
+        model = JointObjective(build(cfg.model.backbone(), "meta"), cfg.objective, total_steps=cfg.steps)
     if cfg.model.compile:
         for block in [*model.student.all_blocks, *_teacher(model).all_blocks]:
             block.compile()
-    return shard(model, fsdp_chains(model), device, cfg.precision, cfg.fsdp)
+    shard(model, fsdp_chains(model), device, cfg.precision, cfg.fsdp)
+    model.to_empty(device=device)
+    torch.manual_seed(cfg.seed)
+    model.init_materialised()
+    return model
 
 
 def fsdp_chains(model: JointObjective) -> list[list[nn.Module]]:
@@ -347,6 +357,7 @@ class PretrainWorker(Worker[PretrainConfig]):
             waits: list[float] = []
             keys: list[str] = []
             terms, update = self.trainer.train_step(self.step, self._micro_batches(batches, waits, keys))
+            self.take_host_peak()
             self.step += 1
             self.position = data.advance(self.position, per_step, self.index.num_samples)
             self.samples_seen += per_step
@@ -459,6 +470,7 @@ class PretrainWorker(Worker[PretrainConfig]):
         }
         if self.peak:
             record["mfu"] = images_per_s * self.flops_per_image / (self.world * self.peak)
+        record.update(self.host_peak_field())
         change = self.collapse.update(record["collapse"], self.step - window.steps, self.step)
         if self.log:
             self.log.write(record)

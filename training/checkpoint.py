@@ -393,6 +393,70 @@ def keep_newest(run_uri: str, keep: int) -> None:
 # --- safetensors ----------------------------------------------------------------------------------------------
 
 
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+class SafetensorsFile:
+    """A safetensors file (local or object store) read in parts: its header on opening, then only the rows of each
+    tensor asked for, so a rank reads its own shard of a large file and nothing else."""
+
+    def __init__(self, uri: str) -> None:
+        fs, path = storage.resolve(uri)
+        self._file = fs.open_input_file(path)
+        try:
+            size = self._file.size()
+            (header_len,) = struct.unpack("<Q", self._file.read_at(8, 0)) if size >= 8 else (0,)
+            if not 0 < header_len <= size - 8:  # a foreign file's first bytes: no allocation of that size
+                raise ValueError(f"a header of {header_len} bytes in a file of {size}: not safetensors")
+            header = json.loads(self._file.read_at(header_len, 8))
+        except Exception:
+            self._file.close()
+            raise
+        self.meta: dict[str, str] = header.pop("__metadata__", {})
+        self.entries: dict[str, dict] = header  # name -> dtype, shape, data_offsets
+        self._data = 8 + header_len
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Tensor ``name``, or its ``rows`` (of the first dimension, steps of 1): one contiguous byte range."""
+        entry = self.entries[name]
+        shape, (begin, end) = self.shape(name), entry["data_offsets"]
+        if rows is None or not shape:
+            first, count = 0, shape[0] if shape else 1
+        else:
+            first, stop, _ = rows.indices(shape[0])
+            count = max(stop - first, 0)
+        row_bytes = (end - begin) // shape[0] if shape and shape[0] else end - begin
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+        out = torch.empty((count, *shape[1:]) if shape else (), dtype=dtype)
+        if out.numel():
+            self._file.seek(self._data + begin + first * row_bytes)
+            got = self._file.readinto(out.view(-1).view(torch.uint8).numpy())  # straight into the tensor's memory
+            if got != count * row_bytes:
+                raise storage.StorageError(f"{name}: the file ends {count * row_bytes - got} bytes early")
+        return out
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def safetensors_meta(uri: str) -> dict[str, str]:
+    """The metadata of a safetensors file, from its header alone."""
+    with SafetensorsFile(uri) as f:
+        return f.meta
+
+
 def read_safetensors(uri: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors and metadata of a safetensors file (local or object store); no pickle involved."""
     from safetensors.torch import load as st_load

@@ -7,6 +7,8 @@ TensorBoard by default).
 from __future__ import annotations
 
 import json
+import resource
+import sys
 import time
 
 from common import storage
@@ -61,6 +63,12 @@ class MetricsLog:
         self.out.close()
         if self.sinks:
             self.sinks.close()
+
+
+def host_memory_peak_bytes() -> int:
+    """This process's peak resident set size so far (the kernel's high-water mark: Linux counts KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _part_first_step(path: str) -> tuple[str, int]:

@@ -52,6 +52,7 @@ GROUPS = {
             "compute_s",
             "data_wait_frac",
             "mfu",
+            "host_memory_peak_bytes",
         ),
         "perf",
     ),

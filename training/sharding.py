@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from training.config import FsdpSettings
 
@@ -101,6 +102,37 @@ def _fsdp_unit(module: nn.Module) -> FSDPModule:
     if not isinstance(module, FSDPModule):
         raise TypeError(f"{type(module).__name__} is not sharded: configure_fsdp takes the units shard has sharded")
     return module
+
+
+def local_region(param: Tensor) -> tuple[slice, ...]:
+    """The part of ``param``'s full tensor this rank holds: its shard of a DTensor (DCP's own arithmetic, so any
+    placement), all of a plain tensor."""
+    if not isinstance(param, DTensor):
+        return tuple(slice(0, n) for n in param.shape)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+@torch.no_grad()
+def write_local(param: Tensor, part: Tensor) -> None:
+    """Copy ``part`` (this rank's ``local_region`` of the full tensor, on any device) into ``param``'s local data."""
+    (param.to_local() if isinstance(param, DTensor) else param).copy_(part)
+
+
+@torch.no_grad()
+def write_full(param: Tensor, full: Tensor) -> None:
+    """Copy this rank's part of ``full`` (the whole tensor) into ``param``."""
+    write_local(param, full[local_region(param)])
+
+
+@torch.no_grad()
+def copy_module(dst: nn.Module, src: nn.Module) -> None:
+    """Every parameter (this rank's part of it) and buffer of ``src``, a plain module, into ``dst``'s of the same
+    name (``dst`` sharded or not)."""
+    for name, p in src.named_parameters():
+        write_full(dst.get_parameter(name), p)
+    for name, b in src.named_buffers():
+        dst.get_buffer(name).copy_(b)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, params: Sequence[Tensor], grad_clip: float | None) -> Tensor:

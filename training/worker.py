@@ -32,7 +32,7 @@ from common import storage, watchdog
 from common.storage import StorageError
 from training import checkpoint
 from training.config import TrainingConfig
-from training.metrics import MetricsLog, drop_after
+from training.metrics import MetricsLog, drop_after, host_memory_peak_bytes
 
 C = TypeVar("C", bound=TrainingConfig)
 
@@ -67,6 +67,8 @@ class Worker(ABC, Generic[C]):
         self.step = 0
         self.saved_step: int | None = None  # the step of the newest checkpoint, restored or saved
         self.log: MetricsLog | None = None  # rank 0's, from ``resume`` on
+        self._host_peak: int | None = None  # this rank's peak RSS after the attempt's first step, until it is logged
+        self._host_peak_taken = False
 
     @property
     def step(self) -> int:
@@ -77,6 +79,22 @@ class Worker(ABC, Generic[C]):
         # each step a loop takes (and the one a resume restores) is the progress the driver's watchdog watches
         self._step = value
         watchdog.beat(f"step {value}/{self.cfg.steps}")
+
+    def take_host_peak(self) -> None:
+        """After each step: the first time, this rank's peak RSS so far (what building, sharding, restoring and one
+        step took of the host)."""
+        if not self._host_peak_taken:
+            self._host_peak, self._host_peak_taken = host_memory_peak_bytes(), True
+
+    def host_peak_field(self) -> dict[str, int]:
+        """``host_memory_peak_bytes``, the largest rank's ``take_host_peak``, for the attempt's first metrics record;
+        empty after it. A collective: every rank calls it at each metrics record."""
+        if self._host_peak is None:
+            return {}
+        peak = torch.tensor([self._host_peak], dtype=torch.int64, device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        self._host_peak = None
+        return {"host_memory_peak_bytes": int(peak.item())}
 
     @abstractmethod
     def model_hash(self) -> str:

@@ -734,6 +734,7 @@ def test_finetune_job_trains_evaluates_and_resumes(shards, tmp_path, ray_local, 
     assert len(pictures) == 2 and data.decode_image(pictures[0].read_bytes()).shape == (64, 3 * 48, 3)
     train = [json.loads(line) for f in (run / "metrics").glob("*.jsonl") for line in f.read_text().splitlines()]
     assert [r["step"] for r in train if r["kind"] == "train"] == [2, 4, 6]
+    assert ["host_memory_peak_bytes" in r for r in train if r["kind"] == "train"] == [True, False, False]
     board = tensorboard_scalars(run)  # TensorBoard: the training scalars and the evaluation curve
     assert board["loss/loss"] == pytest.approx({r["step"]: r["loss"] for r in train if r["kind"] == "train"}, rel=1e-6)
     assert set(board["optim/lr"]) == set(board["perf/data_wait_frac"]) == {2, 4, 6}

@@ -41,6 +41,7 @@ from pretrain.backbone import (
     count_params,
     flops,
     grid_coords,
+    init_streamed,
     rope_tables,
 )
 from pretrain.export import BACKBONE_FILE, export_backbone, load_backbone
@@ -72,6 +73,18 @@ def _perturb_outside(images: torch.Tensor, keep: torch.Tensor, patch: int) -> to
     kept = torch.zeros(B, (H // patch) * gw, dtype=torch.bool).scatter_(1, keep, True)
     kept = kept.view(B, 1, H // patch, 1, gw, 1).expand(-1, 3, -1, patch, -1, patch).reshape(B, 3, H, W)
     return torch.where(kept, images, torch.randn_like(images) * 5)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-4k", "tiny-gqa"])
+def test_the_streamed_init_draws_the_seeded_build_one_module_at_a_time(name):
+    cfg = dataclasses.replace(SIZES[name], ffn_layer_scale=True)  # every kind of parameter
+    torch.manual_seed(3)
+    want, after = build(cfg).state_dict(), torch.rand(4)
+    torch.manual_seed(3)
+    got: dict[str, torch.Tensor] = {}
+    init_streamed(cfg, lambda name, full: got.setdefault(name, full.clone()))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+    assert torch.equal(torch.rand(4), after)  # the generator left where the plain build leaves it
 
 
 @pytest.mark.parametrize("name", sorted(SIZES))

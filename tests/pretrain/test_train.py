@@ -191,6 +191,14 @@ def test_short_fsdp_run_finishes_and_its_loss_falls(reference):
         reported = event["state"]
 
 
+def test_the_first_metrics_record_carries_the_host_memory_peak(reference):
+    first, *rest = read_metrics(str(reference))
+    assert 2**27 < first["host_memory_peak_bytes"] < 2**36  # a worker holding torch and the tiny model: 128 MiB..64 GiB
+    assert not any("host_memory_peak_bytes" in r for r in rest)  # up to the first step only
+    board = tensorboard_scalars(reference)
+    assert board["perf/host_memory_peak_bytes"] == {first["step"]: pytest.approx(first["host_memory_peak_bytes"])}
+
+
 def test_checkpoints_are_committed_and_only_the_last_k_kept(reference):
     kept = ckpt.list_checkpoints(str(reference))
     assert [(step, committed) for step, _, committed in kept] == [(8, True), (12, True)]

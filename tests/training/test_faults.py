@@ -225,6 +225,9 @@ def test_a_backbone_of_another_patch_size_is_refused_before_ray_starts(tmp_path)
     finetune_job.check_backbone(str(path), load_config(FinetuneConfig, FINETUNE_TINY, ["model.patch_size=8"]))
     with pytest.raises(ConfigError, match=r"\(width .*patch 8\) .* set model.patch_size=8 as it was pretrained"):
         finetune_job.check_backbone(str(path), load_config(FinetuneConfig, FINETUNE_TINY, ["model.patch_size=16"]))
+    path.write_bytes(b"\xff" * 64)  # read as a header length of 2^64 - 1 bytes
+    with pytest.raises(StorageError, match=r"is not a safetensors file: a header of \d+ bytes in a file of 64"):
+        finetune_job.check_backbone(str(path), load_config(FinetuneConfig, FINETUNE_TINY, ["model.patch_size=8"]))
 
 
 # --- pretraining runs with one fault each -------------------------------------------------------------------------
