@@ -110,6 +110,7 @@ def _pretrain(args: argparse.Namespace) -> int:
         if not scanned:
             index.check_present()
         check_free_space(run_uri, checkpoint_bytes(cfg), cfg.checkpoint.keep)
+        cfg.split(cfg.ray.workers)  # a global batch that does not divide among the workers is refused here
         lease = Lease(run_uri, holder="jobs.pretrain", on_lost=interrupt_main).acquire(force=args.break_lease)
     except (ConfigError, DataError, StorageError, LeaseHeld) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -136,12 +137,13 @@ def _train(
         save_index(run_uri, index)
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
-    per_step = cfg.samples_per_step()
+    per_step, split = cfg.samples_per_step(), cfg.split(cfg.ray.workers)
     shown = shown_place(run_uri)
     print(
         f"[pretrain] {'starting' if changes is None else 'resuming'} {shown}{describe_changes(changes)}: "
         f"size={cfg.model.size} steps={cfg.steps} "
         f"workers={cfg.ray.workers} gpu={cfg.ray.use_gpu} global batch={per_step} "
+        f"(= {cfg.ray.workers} workers x {split[1]} micro-batches x {split[0]} images) "
         f"lr={peak_lr(cfg.optim, per_step):.3g} (optim.lr {cfg.optim.lr:g} x {per_step} / 256) "
         f"data={index.num_samples} samples in {index.num_units} row groups "
         f"({index.num_samples // per_step} steps/epoch)",
@@ -150,7 +152,13 @@ def _train(
     start = time.monotonic()
     try:
         with Watchdog("jobs.pretrain", cfg.watchdog.minutes):
-            fit(cfg, args.storage, args.name, data_uri, RunProbe if cfg.probe.every else None)
+            fit(
+                cfg.for_workers(cfg.ray.workers),
+                args.storage,
+                args.name,
+                data_uri,
+                RunProbe if cfg.probe.every else None,
+            )
     except (Permanent, Exhausted) as exc:
         return ended_with(exc)
     lease.check()  # the export below is this run's to write only while it holds the run

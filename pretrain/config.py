@@ -11,7 +11,7 @@ import dataclasses
 
 from pydantic import Field, field_validator, model_validator
 
-from common.config import Strict, hash_json
+from common.config import ConfigError, Strict, hash_json
 from pretrain.backbone import SIZES, BackboneConfig, Checkpointing, checkpointing_mode
 from pretrain.objective import ObjectiveConfig
 from training.config import CheckpointSettings, LogSettings, OptimSettings, TrainingConfig
@@ -67,7 +67,12 @@ class DataSettings(Strict):
     # (H, W) of the decoded image: a person-centred crop of the model's aspect resized to this size. None: the
     # objective's global view size. The views are then cut from it on the device.
     image_size: tuple[int, int] | None = None
-    batch_size: int = Field(32, ge=1)  # images per worker per micro-batch
+    # Images per optimiser step over all workers: the recipe (batch, peak LR, schedules), whatever the cluster's size.
+    # Set, the worker count is operational (a resume on fewer or more workers keeps it), ``batch_size`` is the
+    # largest micro-batch a worker may hold and ``optim.grad_accum`` is derived (``PretrainConfig.split``). None:
+    # the global batch is batch_size x optim.grad_accum x ray.workers.
+    global_batch: int | None = Field(None, ge=1)
+    batch_size: int = Field(32, ge=1)  # images per worker per micro-batch (with global_batch: at most)
     shuffle: bool = True  # seeded per epoch: row groups in a random order, rows shuffled inside each
     person_crop: bool = True  # centre the crop on the prominent persons' boxes (else the image centre)
     read_segments: int = Field(8, ge=1)  # plan segments (runs of rows of one row group) per Ray Data read task
@@ -155,8 +160,48 @@ class PretrainConfig(TrainingConfig):
     def image_size(self) -> tuple[int, int]:
         return self.data.image_size or self.objective.views.global_size
 
+    @model_validator(mode="after")
+    def _one_accumulation(self) -> PretrainConfig:
+        if self.data.global_batch is not None and self.optim.grad_accum != 1:
+            raise ValueError("optim.grad_accum is derived from data.global_batch: set one of them")
+        return self
+
     def samples_per_step(self, workers: int | None = None) -> int:
+        if self.data.global_batch is not None:
+            return self.data.global_batch
         return self.data.batch_size * self.optim.grad_accum * (workers or self.ray.workers)
+
+    def split(self, workers: int) -> tuple[int, int]:
+        """(images per micro-batch, micro-batches per step) of each of ``workers`` for ``data.global_batch``: the
+        fewest micro-batches whose size fits ``data.batch_size``. A ``ConfigError`` naming the worker counts that
+        fit when the global batch does not divide among ``workers``."""
+        g, cap = self.samples_per_step(workers), self.data.batch_size
+        if g % workers:
+            fits = [w for w in range(1, min(g, 4096) + 1) if g % w == 0]
+            raise ConfigError(
+                f"data.global_batch={g} does not divide among {workers} workers: it fits {', '.join(map(str, fits))} "
+                "workers; change ray.workers or data.global_batch"
+            )
+        per_worker = g // workers
+        accum = next(a for a in range(-(-per_worker // cap), per_worker + 1) if per_worker % a == 0)
+        return per_worker // accum, accum
+
+    def for_workers(self, workers: int) -> PretrainConfig:
+        """This config with ``data.global_batch`` resolved for ``workers`` into ``data.batch_size`` and
+        ``optim.grad_accum``, what the workers run (itself when the global batch is not set)."""
+        if self.data.global_batch is None:
+            return self
+        micro, accum = self.split(workers)
+        resolved = self.model_copy(deep=True)
+        resolved.data.global_batch = None
+        resolved.data.batch_size, resolved.optim.grad_accum, resolved.ray.workers = micro, accum, workers
+        return resolved
+
+    def result_settings(self) -> dict:
+        settings = super().result_settings()
+        if self.data.global_batch is not None:  # the split follows the cluster; the global batch is the recipe
+            settings.pop("ray.workers", None)
+        return settings
 
     def model_hash(self) -> str:
         """Hash of what the checkpointed tensors' shapes depend on: a resume with another value is refused."""

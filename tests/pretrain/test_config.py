@@ -42,3 +42,18 @@ def test_a_run_recorded_with_the_flag_reads_back_and_resumes_with_a_mode(tmp_pat
     for mode in ("full", "selective", "off"):
         now = load_config(PretrainConfig, TINY, [f"model.activation_checkpointing={mode}"])
         assert now.model_hash() == old.model_hash() and check_run(run, identity, now.result_settings()) == {}
+
+
+def test_a_global_batch_splits_among_the_workers_or_names_the_counts_that_fit():
+    cfg = load_config(PretrainConfig, TINY, ["data.global_batch=32", "data.batch_size=8"])
+    assert [cfg.split(w) for w in (1, 2, 4, 8, 32)] == [(8, 4), (8, 2), (8, 1), (4, 1), (1, 1)]
+    assert all(cfg.samples_per_step(w) == 32 for w in (1, 2, 4))
+    resolved = cfg.for_workers(2)
+    assert (resolved.data.batch_size, resolved.optim.grad_accum, resolved.samples_per_step()) == (8, 2, 32)
+    assert "ray.workers" not in cfg.result_settings() and cfg.result_settings()["data.global_batch"] == 32
+    with pytest.raises(ConfigError, match=r"global_batch=32 does not divide among 3 workers: it fits 1, 2, 4, 8"):
+        cfg.split(3)
+    with pytest.raises(ConfigError, match=r"optim\.grad_accum is derived from data\.global_batch"):
+        load_config(PretrainConfig, TINY, ["data.global_batch=32", "optim.grad_accum=2"])
+    plain = load_config(PretrainConfig, TINY, ["data.batch_size=4", "optim.grad_accum=2"])
+    assert plain.for_workers(2) is plain and plain.split(2) == (4, 2) and "ray.workers" in plain.result_settings()

@@ -328,6 +328,28 @@ def test_two_worker_run_continues_on_one_worker(shards, storage, reference):
 
 
 @pytest.mark.slow
+def test_a_global_batch_run_resumes_on_fewer_workers_with_the_same_samples_and_schedule(
+    shards, storage, reference, capfd
+):
+    """``data.global_batch`` is the recipe: 8 steps on 2 workers, then 4 more on 1 worker with no override of the
+    worker count. Each step of the resume takes the 4 images the 2-worker reference took at that step, at its
+    learning rate; the start line says how the batch was split."""
+    gb = ["optim.grad_accum=1", "data.global_batch=4"]
+    run = run_job(shards, storage, "global-batch", *gb, "steps=8")
+    run_job(shards, storage, "global-batch", *gb, "ray.workers=1", f"steps={STEPS}", "--allow-change", "steps")
+    out = capfd.readouterr().out
+    assert "global batch=4 (= 2 workers x 2 micro-batches x 1 images)" in out
+    assert "global batch=4 (= 1 workers x 4 micro-batches x 1 images)" in out
+    (resume,) = read_metrics(str(run), "resume")
+    assert (resume["step"], resume["saved_world_size"], resume["world_size"]) == (8, 2, 1)
+    recorded, expected = keys_by_step(run), keys_by_step(reference)
+    for s in range(1, STEPS + 1):
+        assert list(itertools.chain(*recorded[s])) == list(itertools.chain(*expected[s])), s
+    train, ref = latest_per_step(read_metrics(str(run))), latest_per_step(read_metrics(str(reference)))
+    assert [train[s]["lr"] for s in range(9, STEPS + 1)] == pytest.approx([ref[s]["lr"] for s in range(9, STEPS + 1)])
+
+
+@pytest.mark.slow
 def test_killed_driver_rerun_resumes_with_the_same_samples(shards, storage, reference, ray_local):
     name = "driver-killed"
     address = ray_local.get_runtime_context().gcs_address
