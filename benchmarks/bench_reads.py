@@ -166,8 +166,8 @@ def report(label: str, figures: tuple[int, int]) -> float:
     return ratio
 
 
-def train_figure(shards: str, work: Path, batch: int, workers: int, steps: int) -> list[float]:
-    """``jobs.pretrain`` (tiny) on ``shards`` for ``steps``: each metrics window's read_amplification."""
+def train_figure(shards: str, work: Path, batch: int, workers: int, steps: int) -> list[tuple[int, float]]:
+    """``jobs.pretrain`` (tiny) on ``shards`` for ``steps``: each metrics window's last step and read_amplification."""
     from jobs import pretrain
     from training.metrics import read_metrics
 
@@ -178,7 +178,7 @@ def train_figure(shards: str, work: Path, batch: int, workers: int, steps: int) 
     ]  # fmt: skip
     argv = ["--config", str(REPO / "configs/pretrain/tiny.yaml"), "--data", shards, "--storage", str(runs)]
     assert pretrain.main([*argv, "--name", "reads", *overrides]) == 0
-    return [r["read_amplification"] for r in read_metrics(str(runs / "reads"))]
+    return [(r["step"], r["read_amplification"]) for r in read_metrics(str(runs / "reads"))]
 
 
 def main() -> int:
@@ -214,7 +214,10 @@ def main() -> int:
         report("now: pretrain.data.read_segments", now(index, steps, per_worker, args.workers, per_task))
         if args.train and rows_per_group == cfg.output.shard_row_group_size:
             windows = train_figure(shards, args.work, args.global_batch, args.workers, steps)
-            print(f"  jobs.pretrain, {steps} steps: read_amplification per 10-step window {windows}")
+            spans = np.diff([0] + [s for s, _ in windows])  # each window's steps: its share of the images
+            epoch = float(np.average([a for _, a in windows], weights=spans))
+            shown = ", ".join(f"{a:.2f}" for _, a in windows)
+            print(f"  jobs.pretrain, {args.workers} Ray workers, {steps} steps: {epoch:.3f} (per 10-step window: {shown})")
     if args.readme_shards:
         index = data.DataIndex.scan(args.readme_shards)
         tiny = load_config(PretrainConfig, str(REPO / "configs/pretrain/tiny.yaml"))
