@@ -104,3 +104,11 @@ def test_the_full_row_groups_come_first_and_each_falls_in_one_workers_step_at_an
     assert not old.full_first
     plain = np.random.default_rng([5, 2]).permutation(index.num_units)
     assert list(data.EpochOrder(old, seed=5, epoch=2).units) == list(plain)
+
+
+def test_a_batch_goes_to_a_cpu_device_unpinned():
+    import torch
+
+    images = torch.arange(24, dtype=torch.uint8).view(1, 2, 3, 4).permute(0, 3, 1, 2)  # a view, as stream yields
+    moved = data.to_device(images, torch.device("cpu"))
+    assert torch.equal(moved, images) and not moved.is_pinned()  # page-locking is for CUDA copies only
