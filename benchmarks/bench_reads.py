@@ -217,7 +217,9 @@ def main() -> int:
             spans = np.diff([0] + [s for s, _ in windows])  # each window's steps: its share of the images
             epoch = float(np.average([a for _, a in windows], weights=spans))
             shown = ", ".join(f"{a:.2f}" for _, a in windows)
-            print(f"  jobs.pretrain, {args.workers} Ray workers, {steps} steps: {epoch:.3f} (per 10-step window: {shown})")
+            print(
+                f"  jobs.pretrain, {args.workers} Ray workers, {steps} steps: {epoch:.3f} (per 10-step window: {shown})"
+            )
     if args.readme_shards:
         index = data.DataIndex.scan(args.readme_shards)
         tiny = load_config(PretrainConfig, str(REPO / "configs/pretrain/tiny.yaml"))
