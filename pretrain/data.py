@@ -503,16 +503,26 @@ def chunk_bytes(meta: pq.FileMetaData, row_group: int, columns: list[str]) -> in
     return sum(c.total_compressed_size for c in chunks if c.path_in_schema.split(".", 1)[0] in columns)
 
 
-def read_segments(batch: pa.Table, data_uri: str, out_hw: tuple[int, int], person_crop: bool) -> dict[str, np.ndarray]:
+def read_segments(
+    batch: pa.Table,
+    data_uri: str,
+    out_hw: tuple[int, int],
+    person_crop: bool,
+    footers: dict[str, pq.FileMetaData] | None = None,
+) -> dict[str, np.ndarray]:
     """A Ray Data map_batches function: plan segments (files relative to ``data_uri``) -> decoded images and keys,
-    in plan order, with the bytes read for each segment (on its first row) and each image's encoded bytes."""
+    in plan order, with the bytes read for each segment (on its first row) and each image's encoded bytes.
+    ``footers``: shards' footers the caller fetched (and counted) already."""
     files: dict[str, pq.ParquetFile] = {}
     images, keys, read_bytes, image_bytes = [], [], [], []
     held: tuple[tuple[str, int], pa.Table] | None = None  # the last row group read: its next segment reads nothing
     for seg in batch.to_pylist():
         pf, fetched = files.get(seg["file"]), 0
         if pf is None:
-            pf, fetched = _open_counted(data_uri, seg["file"])
+            given = (footers or {}).get(seg["file"])
+            pf, fetched = (
+                (open_shard(data_uri, seg["file"], given), 0) if given else _open_counted(data_uri, seg["file"])
+            )
             files[seg["file"]] = pf
         unit = (seg["file"], seg["row_group"])
         if held is None or held[0] != unit:
@@ -589,6 +599,15 @@ def stream(
             world=world,
             rank=rank,
         )
+        # A chunk over a few shards: their footers fetched once here and handed to every read task, which Ray Data
+        # may run in several processes (each would fetch them again); over many, each process keeps its own.
+        names = sorted({s["file"] for s in segments})
+        footers: dict[str, pq.FileMetaData] = {}
+        fetched = 0
+        if len(names) <= FOOTERS_KEPT:
+            for name in names:
+                pf, n = _open_counted(index.root, name)
+                footers[name], fetched = pf.metadata, fetched + n
         ds: ray.data.Dataset = ray.data.from_items(
             segments, override_num_blocks=max(1, math.ceil(len(segments) / d.read_segments))
         )
@@ -597,7 +616,12 @@ def stream(
             batch_size=d.read_segments,
             batch_format="pyarrow",
             num_cpus=d.read_cpus,
-            fn_kwargs={"data_uri": index.root, "out_hw": tuple(cfg.image_size), "person_crop": d.person_crop},
+            fn_kwargs={
+                "data_uri": index.root,
+                "out_hw": tuple(cfg.image_size),
+                "person_crop": d.person_crop,
+                "footers": footers,
+            },
         )
         batches = ds.iter_batches(batch_size=d.batch_size, batch_format="numpy", prefetch_batches=d.prefetch_batches)
         for batch in batches:
@@ -607,9 +631,10 @@ def stream(
             yield Batch(
                 images=images.permute(0, 3, 1, 2),
                 keys=list(batch["key"]),
-                read_bytes=int(batch["read_bytes"].sum()),
+                read_bytes=int(batch["read_bytes"].sum()) + fetched,
                 image_bytes=int(batch["image_bytes"].sum()),
             )
+            fetched = 0  # counted with the chunk's first batch
         done += chunk
 
 
