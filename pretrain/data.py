@@ -28,10 +28,11 @@ inside one worker's slice of one step: it is read once, wholly used, by one work
 scored parts' ``output.row_group_size``. Row groups with fewer rows than most (a shard's last) come after the full
 ones in each epoch's order, so none shifts a full one off that alignment (an index saved before version 3 keeps the
 plain permutation, so a run resumed across this change keeps its order). A read task reads a row group once for
-consecutive segments of it (a row group larger than a global batch, on older shards) and a process keeps the
-footers it read. Every batch carries the bytes read for it (the column chunks of the row groups read and the footers
-fetched) and the bytes of its images; the metrics' ``read_amplification`` is their ratio over all workers.
-Randomness: a global batch of B holds the rows of about B / R row groups, and a row group holds images that are
+consecutive segments of it (a row group larger than a global batch, on older shards); a worker whose plan chunk
+spans at most ``FOOTERS_KEPT`` shards fetches their footers once and hands them to its read tasks, else each read
+process keeps the last ``FOOTERS_KEPT`` it fetched. Every batch carries the bytes read for it (the column chunks
+of the row groups read and the footers fetched) and the bytes of its images; the metrics' ``read_amplification``
+is their ratio over all workers. Randomness: a global batch of B holds the rows of about B / R row groups, and a row group holds images that are
 neighbours in a shard (the write phase keeps them in source order), so a batch mixes more sources the smaller R
 (the former 100-row groups put a batch of 32 in one or two); each epoch still visits every sample once, in a new
 order of row groups and of rows within each.
