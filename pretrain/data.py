@@ -32,10 +32,10 @@ consecutive segments of it (a row group larger than a global batch, on older sha
 spans at most ``FOOTERS_KEPT`` shards fetches their footers once and hands them to its read tasks, else each read
 process keeps the last ``FOOTERS_KEPT`` it fetched. Every batch carries the bytes read for it (the column chunks
 of the row groups read and the footers fetched) and the bytes of its images; the metrics' ``read_amplification``
-is their ratio over all workers. Randomness: a global batch of B holds the rows of about B / R row groups, and a row group holds images that are
-neighbours in a shard (the write phase keeps them in source order), so a batch mixes more sources the smaller R
-(the former 100-row groups put a batch of 32 in one or two); each epoch still visits every sample once, in a new
-order of row groups and of rows within each.
+is their ratio over all workers. Randomness: a global batch of B holds the rows of about B / R row groups, and a
+row group holds images that are neighbours in a shard (the write phase keeps them in source order), so a batch
+mixes more sources the smaller R (the former 100-row groups put a batch of 32 in one or two); each epoch still
+visits every sample once, in a new order of row groups and of rows within each.
 """
 
 from __future__ import annotations
