@@ -88,7 +88,10 @@ class InputSettings(Strict):
 
 
 class OutputSettings(Strict):
-    row_group_size: int = Field(100, ge=1)  # rows that carry images: small row groups keep readers' memory low
+    row_group_size: int = Field(100, ge=1)  # scored parts' rows per row group: small ones keep readers' memory low
+    # final shards' rows per row group, sized for training reads: a row group is read whole, so one that divides
+    # the images a training worker takes per step is read once (pretrain/data.py); 16 fits any multiple of 16
+    shard_row_group_size: int = Field(16, ge=1)
     # ledger rows carry no image (~1 KB each): small row groups would make writing them several times slower
     ledger_row_group_size: int = Field(10_000, ge=1)
     compression: str = "zstd"

@@ -19,6 +19,23 @@ Each worker streams its plan through Ray Data: plan segments (runs of rows of on
 person-centred crop to the model's aspect + resize, in Ray Data tasks -> micro-batches of uint8 images
 [B, 3, H, W] as torch tensors with their sample keys. Only the original encoded bytes are read from the shards
 (no pickles); decoding uses the project's reduced-size JPEG decode.
+
+Reads without amplification. Parquet reads a row group's column chunks whole, so a row group split over workers or
+steps is read once per piece. Where a row group holds R rows, R divides the rows a worker takes per step
+(``data.batch_size x optim.grad_accum``) and every row group before it in the order is full, each row group falls
+inside one worker's slice of one step: it is read once, wholly used, by one worker. The final shards' row groups are
+``output.shard_row_group_size`` rows (16: any per-worker step of a multiple of 16 images) for this, apart from the
+scored parts' ``output.row_group_size``. Row groups with fewer rows than most (a shard's last) come after the full
+ones in each epoch's order, so none shifts a full one off that alignment (an index saved before version 3 keeps the
+plain permutation, so a run resumed across this change keeps its order). A read task reads a row group once for
+consecutive segments of it (a row group larger than a global batch, on older shards); a worker whose plan chunk
+spans at most ``FOOTERS_KEPT`` shards fetches their footers once and hands them to its read tasks, else each read
+process keeps the last ``FOOTERS_KEPT`` it fetched. Every batch carries the bytes read for it (the column chunks
+of the row groups read and the footers fetched) and the bytes of its images; the metrics' ``read_amplification``
+is their ratio over all workers. Randomness: a global batch of B holds the rows of about B / R row groups, and a
+row group holds images that are neighbours in a shard (the write phase keeps them in source order), so a batch
+mixes more sources the smaller R (the former 100-row groups put a batch of 32 in one or two); each epoch still
+visits every sample once, in a new order of row groups and of rows within each.
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ import logging
 import math
 import posixpath
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -34,6 +52,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from PIL import Image
@@ -49,8 +68,9 @@ if TYPE_CHECKING:  # not imported at run time: Ray Data's decode tasks import th
     from pretrain.config import PretrainConfig
 
 INDEX_FILE = "data_index.parquet"
-# 1: "file" held absolute paths or URIs; 2: names relative to the data folder, their sha256, the folder's name.
-INDEX_VERSION = 2
+# 1: "file" held absolute paths or URIs; 2: names relative to the data folder, their sha256, the folder's name;
+# 3: the same, its runs' epochs ordering full row groups first (``DataIndex.full_first``).
+INDEX_VERSION = 3
 _META_VERSION, _META_ROOT = b"humans1b.index_version", b"humans1b.data_root"
 READ_COLUMNS = ("key", "image", "width", "height", "persons")
 
@@ -67,7 +87,8 @@ class DataIndex:
     """Every row group of the run's shards: ``files[file[i]]``, row group ``row_group[i]`` holds ``rows[i]`` rows.
 
     ``files`` are names relative to ``root``, the data folder's URI as given; ``sha256`` is each file's digest from
-    the manifest (None where an index of version 1 did not record it).
+    the manifest (None where an index of version 1 did not record it). ``full_first``: epochs order the full row
+    groups before the others (False for an index saved before version 3).
     """
 
     files: list[str]
@@ -76,6 +97,7 @@ class DataIndex:
     rows: np.ndarray  # int64 [U]
     root: str = ""
     sha256: list[str | None] | None = None
+    full_first: bool = True
 
     @property
     def num_samples(self) -> int:
@@ -84,6 +106,12 @@ class DataIndex:
     @property
     def num_units(self) -> int:
         return len(self.rows)
+
+    @property
+    def full_rows(self) -> int:
+        """The rows most row groups hold: the shards' row group size (a shard's last may hold fewer)."""
+        counts, times = np.unique(self.rows, return_counts=True)
+        return int(counts[np.argmax(times)]) if len(counts) else 0
 
     def open(self, name: str) -> pq.ParquetFile:
         return open_shard(self.root, name)
@@ -176,6 +204,7 @@ class DataIndex:
             rows=table.column("rows").to_numpy().astype(np.int64),
             root=root,
             sha256=[sha_of[f] for f in files],
+            full_first=version >= 3,
         )
 
     @classmethod
@@ -247,12 +276,12 @@ def _versions_shards(fs, root: str, manifest: dict, shown: str) -> list[dict]:
     return shards
 
 
-def open_shard(data_uri: str, name: str) -> pq.ParquetFile:
-    """The shard ``name`` (relative to the data folder ``data_uri``; a release's, ``../``); a clear error when it is
-    gone."""
+def open_shard(data_uri: str, name: str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
+    """The shard ``name`` (relative to the data folder ``data_uri``; a release's, ``../``), its footer read unless
+    ``metadata`` is given; a clear error when it is gone."""
     fs, root = storage.resolve(data_uri)
     try:
-        return pq.ParquetFile(fs.open_input_file(posixpath.normpath(storage.join(root, name))))
+        return pq.ParquetFile(fs.open_input_file(posixpath.normpath(storage.join(root, name))), metadata=metadata)
     except FileNotFoundError:
         raise DataError(
             f"{name} under {storage.redact(data_uri)} is gone: the data was rewritten or removed after this run indexed "
@@ -318,12 +347,17 @@ class DataPosition:
 
 
 class EpochOrder:
-    """The sample sequence of one epoch: row groups permuted, rows permuted inside each (both seeded)."""
+    """The sample sequence of one epoch: row groups permuted, the full ones first (``DataIndex.full_first``), rows
+    permuted inside each (both seeded)."""
 
     def __init__(self, index: DataIndex, seed: int, epoch: int, shuffle: bool = True) -> None:
         self.index, self.seed, self.epoch, self.shuffle = index, seed, epoch, shuffle
         n = index.num_units
-        self.units = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+        units = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+        if index.full_first:  # a stable split: the full ones keep their drawn order, so do the others
+            full = index.rows[units] == index.full_rows
+            units = np.concatenate([units[full], units[~full]])
+        self.units = units
         self.starts = np.concatenate([[0], np.cumsum(index.rows[self.units])])
 
     def rows_of(self, unit: int) -> np.ndarray:
@@ -350,6 +384,18 @@ class EpochOrder:
                 }
             )
         return out
+
+
+def read_alignment(index: DataIndex, per_worker: int) -> str | None:
+    """Why this split reads row groups more than once (None where each full one falls in one worker's step)."""
+    rows = index.full_rows
+    if not rows or per_worker % rows == 0:
+        return None
+    return (
+        f"the shards' row groups hold {rows} images, which do not divide the {per_worker} each worker takes per step: "
+        "a row group split over workers or steps is read once per piece (metrics: read_amplification). Shards "
+        "written with output.shard_row_group_size dividing it are read once (jobs.curate --phases write)"
+    )
 
 
 def advance(position: DataPosition, per_step: int, num_samples: int) -> DataPosition:
@@ -431,17 +477,62 @@ def decode_crop(row: dict, out_hw: tuple[int, int], person_crop: bool = True) ->
     return np.asarray(img.resize((out_hw[1], out_hw[0]), Image.Resampling.BILINEAR, box=box))
 
 
-def read_segments(batch: pa.Table, data_uri: str, out_hw: tuple[int, int], person_crop: bool) -> dict[str, np.ndarray]:
+# Footers this process has read, newest last: with training-sized row groups a footer (~6 KB per row group of a
+# curated shard) weighs as much as several row groups, so a reader fetches each one once, not once per task.
+_FOOTERS: OrderedDict[tuple[str, str], pq.FileMetaData] = OrderedDict()
+FOOTERS_KEPT = 64
+
+
+def _open_counted(data_uri: str, name: str) -> tuple[pq.ParquetFile, int]:
+    """The shard and the bytes fetched to open it: its footer's the first time this process opens it, else 0."""
+    known = _FOOTERS.get((data_uri, name))
+    pf = open_shard(data_uri, name, known)
+    if known is not None:
+        _FOOTERS.move_to_end((data_uri, name))
+        return pf, 0
+    _FOOTERS[(data_uri, name)] = pf.metadata
+    while len(_FOOTERS) > FOOTERS_KEPT:
+        _FOOTERS.popitem(last=False)
+    return pf, pf.metadata.serialized_size + 8  # the footer and its length and magic
+
+
+def chunk_bytes(meta: pq.FileMetaData, row_group: int, columns: list[str]) -> int:
+    """Bytes of the column chunks of ``columns`` (top-level names) in one row group, as stored: what reading them
+    fetches."""
+    group = meta.row_group(row_group)
+    chunks = (group.column(i) for i in range(group.num_columns))
+    return sum(c.total_compressed_size for c in chunks if c.path_in_schema.split(".", 1)[0] in columns)
+
+
+def read_segments(
+    batch: pa.Table,
+    data_uri: str,
+    out_hw: tuple[int, int],
+    person_crop: bool,
+    footers: dict[str, pq.FileMetaData] | None = None,
+) -> dict[str, np.ndarray]:
     """A Ray Data map_batches function: plan segments (files relative to ``data_uri``) -> decoded images and keys,
-    in plan order."""
+    in plan order, with the bytes read for each segment (on its first row) and each image's encoded bytes.
+    ``footers``: shards' footers the caller fetched (and counted) already."""
     files: dict[str, pq.ParquetFile] = {}
-    images, keys = [], []
+    images, keys, read_bytes, image_bytes = [], [], [], []
+    held: tuple[tuple[str, int], pa.Table] | None = None  # the last row group read: its next segment reads nothing
     for seg in batch.to_pylist():
-        pf = files.get(seg["file"])
+        pf, fetched = files.get(seg["file"]), 0
         if pf is None:
-            pf = files[seg["file"]] = open_shard(data_uri, seg["file"])
-        columns = [c for c in READ_COLUMNS if c in pf.schema_arrow.names]
-        table = pf.read_row_group(seg["row_group"], columns=columns).take(seg["rows"])
+            given = (footers or {}).get(seg["file"])
+            pf, fetched = (
+                (open_shard(data_uri, seg["file"], given), 0) if given else _open_counted(data_uri, seg["file"])
+            )
+            files[seg["file"]] = pf
+        unit = (seg["file"], seg["row_group"])
+        if held is None or held[0] != unit:
+            columns = [c for c in READ_COLUMNS if c in pf.schema_arrow.names]
+            held = unit, pf.read_row_group(seg["row_group"], columns=columns)
+            fetched += chunk_bytes(pf.metadata, seg["row_group"], columns)
+        table = held[1].take(seg["rows"])
+        read_bytes += [fetched] + [0] * (table.num_rows - 1)
+        image_bytes += pc.binary_length(pc.struct_field(table.column("image"), "bytes")).to_pylist()
         for row in table.to_pylist():
             try:
                 images.append(decode_crop(row, out_hw, person_crop))
@@ -449,7 +540,12 @@ def read_segments(batch: pa.Table, data_uri: str, out_hw: tuple[int, int], perso
                 raise DataError(f"cannot decode sample {row['key']} from {seg['file']}: {exc}") from exc
             keys.append(row["key"])
     empty = np.zeros((0, *out_hw, 3), np.uint8)
-    return {"image": np.stack(images) if images else empty, "key": np.array(keys, dtype=object)}
+    return {
+        "image": np.stack(images) if images else empty,
+        "key": np.array(keys, dtype=object),
+        "read_bytes": np.array(read_bytes, np.int64),
+        "image_bytes": np.array(image_bytes, np.int64),
+    }
 
 
 # --- the worker's stream --------------------------------------------------------------------------------------------
@@ -459,6 +555,20 @@ def read_segments(batch: pa.Table, data_uri: str, out_hw: tuple[int, int], perso
 class Batch:
     images: torch.Tensor  # [B, 3, H, W] uint8 (a view of the NHWC array Ray Data delivered)
     keys: list[str]
+    read_bytes: int = 0  # bytes read from the shards for these images (read_segments)
+    image_bytes: int = 0  # their encoded bytes
+
+
+def read_amplification(read_bytes: int, image_bytes: int) -> float | None:
+    """Bytes read per byte of the images used (None before any image)."""
+    return read_bytes / image_bytes if image_bytes else None
+
+
+def to_device(images: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch on the training device: on a GPU from page-locked memory, so the copy does not wait for the host."""
+    if device.type == "cuda":
+        images = images.pin_memory()
+    return images.to(device, non_blocking=True)
 
 
 def stream(
@@ -490,6 +600,15 @@ def stream(
             world=world,
             rank=rank,
         )
+        # A chunk over a few shards: their footers fetched once here and handed to every read task, which Ray Data
+        # may run in several processes (each would fetch them again); over many, each process keeps its own.
+        names = sorted({s["file"] for s in segments})
+        footers: dict[str, pq.FileMetaData] = {}
+        fetched = 0
+        if len(names) <= FOOTERS_KEPT:
+            for name in names:
+                pf, n = _open_counted(index.root, name)
+                footers[name], fetched = pf.metadata, fetched + n
         ds: ray.data.Dataset = ray.data.from_items(
             segments, override_num_blocks=max(1, math.ceil(len(segments) / d.read_segments))
         )
@@ -498,14 +617,25 @@ def stream(
             batch_size=d.read_segments,
             batch_format="pyarrow",
             num_cpus=d.read_cpus,
-            fn_kwargs={"data_uri": index.root, "out_hw": tuple(cfg.image_size), "person_crop": d.person_crop},
+            fn_kwargs={
+                "data_uri": index.root,
+                "out_hw": tuple(cfg.image_size),
+                "person_crop": d.person_crop,
+                "footers": footers,
+            },
         )
         batches = ds.iter_batches(batch_size=d.batch_size, batch_format="numpy", prefetch_batches=d.prefetch_batches)
         for batch in batches:
             with warnings.catch_warnings():  # a read-only view of the object store; training only reads it
                 warnings.simplefilter("ignore", UserWarning)
                 images = torch.from_numpy(batch["image"])
-            yield Batch(images=images.permute(0, 3, 1, 2), keys=list(batch["key"]))
+            yield Batch(
+                images=images.permute(0, 3, 1, 2),
+                keys=list(batch["key"]),
+                read_bytes=int(batch["read_bytes"].sum()) + fetched,
+                image_bytes=int(batch["image_bytes"].sum()),
+            )
+            fetched = 0  # counted with the chunk's first batch
         done += chunk
 
 

@@ -58,7 +58,7 @@ from training.sharding import optimizer_step, shard, sum_over_shards
 from training.worker import Worker, log_line
 
 # TensorBoard / MLflow / W&B groups of the pretraining scalars beyond the shared ones (training.metrics_sinks.GROUPS)
-SCALAR_GROUPS = {**dict.fromkeys(DIAGNOSTICS, "contrastive"), "samples_seen": "progress"}
+SCALAR_GROUPS = {**dict.fromkeys(DIAGNOSTICS, "contrastive"), "samples_seen": "progress", "read_amplification": "perf"}
 # bf16 dense peak per GPU, for MFU when log.peak_tflops is not set (matched against the device name).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 
@@ -245,13 +245,17 @@ class Window:
     terms: Tensor | None = None  # objective.TERMS summed over steps (mean over micro-batches)
     grad_norm: Tensor | None = None
     data_wait: float = 0.0
+    read_bytes: int = 0  # this rank's bytes read for its batches and their images' bytes (data.Batch)
+    image_bytes: int = 0
     started: float = field(default_factory=time.perf_counter)
 
-    def add(self, terms: Tensor, grad_norm: Tensor, data_wait: float) -> None:
+    def add(self, terms: Tensor, grad_norm: Tensor, data_wait: float, reads: list[tuple[int, int]]) -> None:
         self.steps += 1
         self.terms = terms if self.terms is None else self.terms + terms
         self.grad_norm = grad_norm if self.grad_norm is None else self.grad_norm + grad_norm
         self.data_wait += data_wait
+        self.read_bytes += sum(r for r, _ in reads)
+        self.image_bytes += sum(i for _, i in reads)
 
 
 # --- the worker loop ------------------------------------------------------------------------------------------------
@@ -313,6 +317,9 @@ class PretrainWorker(Worker[PretrainConfig]):
         self.trainer = Trainer(self.model, cfg, self.device, rank=self.rank, world=self.world)
         self.optimizer = self.trainer.optimizer
         self.index = data.load_index(run_uri, data_uri)
+        misaligned = data.read_alignment(self.index, cfg.data.batch_size * cfg.optim.grad_accum)
+        if misaligned and self.rank == 0:
+            log_line(f"[pretrain] note: {misaligned}")
         self.position, self.samples_seen = data.DataPosition(), 0
         self.flops_per_image, self.tokens_per_image = train_flops_per_image(cfg)
         self.peak = peak_flops(cfg, self.device)
@@ -356,12 +363,13 @@ class PretrainWorker(Worker[PretrainConfig]):
         while self.step < c.steps:
             waits: list[float] = []
             keys: list[str] = []
-            terms, update = self.trainer.train_step(self.step, self._micro_batches(batches, waits, keys))
+            reads: list[tuple[int, int]] = []
+            terms, update = self.trainer.train_step(self.step, self._micro_batches(batches, waits, keys, reads))
             self.take_host_peak()
             self.step += 1
             self.position = data.advance(self.position, per_step, self.index.num_samples)
             self.samples_seen += per_step
-            window.add(terms, cast(Tensor, update["grad_norm"]), sum(waits, 0.0))
+            window.add(terms, cast(Tensor, update["grad_norm"]), sum(waits, 0.0), reads)
             self._fault_drill()
             if c.log.record_keys:
                 self._record_keys(keys)
@@ -419,15 +427,18 @@ class PretrainWorker(Worker[PretrainConfig]):
 
     # --- pieces of a step ---
 
-    def _micro_batches(self, batches: Iterator[data.Batch], waits: list[float], keys: list[str]) -> Iterator[Tensor]:
+    def _micro_batches(
+        self, batches: Iterator[data.Batch], waits: list[float], keys: list[str], reads: list[tuple[int, int]]
+    ) -> Iterator[Tensor]:
         """A step's micro-batches on the device, each read from the stream when the step takes it; the wait for
-        each goes to ``waits``, its sample keys to ``keys``."""
+        each goes to ``waits``, its sample keys to ``keys``, its bytes read and images' bytes to ``reads``."""
         for _ in range(self.cfg.optim.grad_accum):
             t = time.perf_counter()
             batch = next(batches)
             waits.append(time.perf_counter() - t)
             keys += batch.keys
-            yield batch.images.to(self.device, non_blocking=True)
+            reads.append((batch.read_bytes, batch.image_bytes))
+            yield data.to_device(batch.images, self.device)
 
     def _record_keys(self, keys: list[str]) -> None:
         gathered: list[list[str]] = [[] for _ in range(self.world)]
@@ -446,6 +457,9 @@ class PretrainWorker(Worker[PretrainConfig]):
         dist.all_reduce(stats)
         dist.all_reduce(wait[0:1])
         dist.all_reduce(wait[1:2], op=dist.ReduceOp.MAX)
+        # float64 counts: exact up to 2^53 bytes per window
+        read = torch.tensor([window.read_bytes, window.image_bytes], dtype=torch.float64, device=self.device)
+        dist.all_reduce(read)
         means, waits = stats.tolist(), wait.tolist()
         step_s = (time.perf_counter() - window.started) / window.steps
         images_per_s = c.samples_per_step(self.world) / step_s
@@ -467,6 +481,7 @@ class PretrainWorker(Worker[PretrainConfig]):
             "data_wait_max_s": wait_max,
             "compute_s": step_s - wait_mean,
             "data_wait_frac": wait_mean / step_s,
+            "read_amplification": data.read_amplification(*(int(b) for b in read.tolist())),
         }
         if self.peak:
             record["mfu"] = images_per_s * self.flops_per_image / (self.world * self.peak)

@@ -160,6 +160,10 @@ def test_short_fsdp_run_finishes_and_its_loss_falls(reference):
         assert r["lr"] == pytest.approx(lr_at(s - 1, fast.optim, STEPS, fast.samples_per_step()))
         assert r["step_s"] == pytest.approx(r["data_wait_s"] + r["compute_s"])
         assert r["images_per_s"] > 0 and r["tokens_per_s"] > r["images_per_s"] and "mfu" not in r
+    # Row groups of 4 split over 2 workers' steps of 2: each read by both, a window's figure 0 where a read task
+    # still held its row groups from the step before (the same ones, at an epoch's end and the next one's start).
+    amplification = [r["read_amplification"] for r in train.values()]
+    assert min(amplification) >= 0 and 1 < np.mean(amplification) < 3, amplification
     # The contrastive diagnostics ride along (means over micro-batches and workers), with each window's collapse
     # state; a state held for log.collapse_patience steps is recorded once, with the step it began after.
     cfg = load_config(PretrainConfig, TINY, FAST)
@@ -178,6 +182,7 @@ def test_short_fsdp_run_finishes_and_its_loss_falls(reference):
         ("optim/grad_norm", "grad_norm"),
         ("perf/images_per_s", "images_per_s"),
         ("perf/data_wait_frac", "data_wait_frac"),
+        ("perf/read_amplification", "read_amplification"),
         ("contrastive/teacher_entropy", "teacher_entropy"),
         ("contrastive/proto_used", "proto_used"),
     ]:

@@ -174,7 +174,9 @@ def _write_output_shards(
             rows.append(with_originals(picked, originals, shard_id))  # a taken-down image is never read again
         table = with_typed_metadata(pa.concat_tables(rows), typed).select(target.names).cast(target)
         shards.append(
-            write_named_by_content(fs, root, LAYOUT.shards, f"part-{k:05d}", table, cfg, cfg.output.row_group_size)
+            write_named_by_content(
+                fs, root, LAYOUT.shards, f"part-{k:05d}", table, cfg, cfg.output.shard_row_group_size
+            )
         )
     return {"shards": shards}
 
