@@ -349,6 +349,7 @@ class FinetuneWorker(Worker[FinetuneConfig]):
             loss.backward()
             grad_norm = optimizer_step(self.optimizer, self.params, c.optim.grad_clip)
             self.step += 1
+            self.poll_save()
             window.append(torch.stack([loss.detach().float(), grad_norm.float(), *terms.values()]))
             if self.step % c.log.every == 0 or self.step == c.steps:
                 self._log(window, list(terms), lr, wd, time.perf_counter() - started, wait)
@@ -359,8 +360,10 @@ class FinetuneWorker(Worker[FinetuneConfig]):
                 self.save()
         done = self.curve and self.curve[-1]["step"] == self.step and self.saved_step == self.step  # a rerun
         final = self.curve[-1] if done else self.evaluate(pictures=c.eval.visualise)
+        self.finish_save()
         if self.saved_step != self.step:
             self.save()
+        self.finish_save()
         self._finish(final)
 
     def _log(self, window: list[Tensor], names: list[str], lr: float, wd: float, seconds: float, wait: float) -> None:

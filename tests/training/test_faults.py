@@ -45,14 +45,18 @@ def one_process():
     dist.destroy_process_group()
 
 
-def _save(run: Path, step: int) -> str:
+def _trained(step: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(step)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 64)).sum().backward()
     optimizer.step()
+    return model, optimizer
+
+
+def _save(run: Path, step: int) -> str:
     uri = ckpt.step_uri(str(run), step)
-    ckpt.save(uri, model, optimizer, {"step": step})
+    ckpt.save(uri, *_trained(step), {"step": step})
     return uri
 
 
@@ -99,6 +103,49 @@ def test_a_record_written_before_records_listed_files_still_needs_its_metadata(t
     assert ckpt.verify(uri, commit) == []
     (Path(uri) / ".metadata").unlink()
     assert ckpt.verify(uri, commit) == [".metadata: missing"]
+
+
+def test_an_async_checkpoint_is_committed_only_once_written_and_holds_the_state_it_was_started_with(
+    tmp_path, one_process
+):
+    blocking = ckpt.read_commit(_save(tmp_path / "blocking", 4))
+    model, optimizer = _trained(4)
+    started = {k: v.clone() for k, v in model.state_dict().items()}
+    saver = ckpt.AsyncSaver(pinned=False)
+    uri = ckpt.step_uri(str(tmp_path / "async"), 4)
+    saver.start(uri, model, optimizer, {"step": 4}, None)
+    with pytest.raises(RuntimeError, match="still in flight"):  # at most one in flight
+        saver.start(ckpt.step_uri(str(tmp_path / "async"), 5), model, optimizer, {"step": 5}, None)
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()  # training goes on while it is written
+    assert saver.in_flight is not None
+    saver.in_flight.done.result()  # every file written: still not a checkpoint of the run until committed
+    assert ckpt.list_checkpoints(str(tmp_path / "async")) == [(4, uri, False)]
+    assert ckpt.latest_committed(str(tmp_path / "async")) is None
+    assert saver.ready(torch.device("cpu"))
+    committed_uri, record, seconds = saver.commit()
+    assert committed_uri == uri and record["step"] == 4 and set(seconds) == {"stage_s", "write_s", "summary_s"}
+    commit = ckpt.read_commit(uri)
+    assert ckpt.latest_committed(str(tmp_path / "async")) == uri and ckpt.verify(uri, commit) == []
+    assert commit["files"].keys() == blocking["files"].keys()  # the same files, each with its size and CRC-32
+    fresh, fresh_optimizer = _trained(0)
+    ckpt.load(uri, fresh, fresh_optimizer)
+    assert all(torch.equal(v, started[k]) for k, v in fresh.state_dict().items())  # the state at its start
+
+
+def test_an_async_save_meeting_a_full_disk_fails_at_its_commit_naming_it(tmp_path, one_process):
+    uri = ckpt.step_uri(str(tmp_path), 8)
+    Path(uri).mkdir(parents=True)
+    (Path(uri) / "__0_0.distcp").symlink_to("/dev/full")
+    saver = ckpt.AsyncSaver(pinned=False)
+    saver.start(uri, *_trained(8), {"step": 8}, None)
+    with pytest.raises(Exception) as raised:
+        saver.commit()
+    assert failures.permanent(raised.value) == (
+        f"no space left on the device writing {uri}: free space there (or lower checkpoint.keep), then run the same "
+        "command again"
+    )
+    assert ckpt.list_checkpoints(str(tmp_path)) == [(8, uri, False)] and saver.in_flight is None
 
 
 # --- one classification of failures ----------------------------------------------------------------------------------
