@@ -399,3 +399,39 @@ def test_a_shard_gone_under_a_running_stream_is_a_permanent_failure(curated_run,
         next(batches)
     line = failures.permanent(raised.value)
     assert line is not None and "is gone: the data was rewritten or removed" in line
+
+
+@pytest.mark.slow
+def test_with_async_saves_a_damaged_checkpoint_a_kill_mid_save_and_a_full_disk_end_as_with_blocking_ones(
+    finished, capsys
+):
+    """One run meets the three: step 12's checkpoint damaged (resumes from 8), rank 1 killed at step 17 while step
+    16's save is in flight (its folder has no commit record: resumes from the new 12), then a full disk at the last
+    save (stops in one line). Every commit record written lists files that read back."""
+    args = _copy(finished, "async")
+    run = finished[1] / "async"
+    _overwrite_a_third(run / "checkpoints/step_000000012/__1_0.distcp")
+    capsys.readouterr()
+    faults = ["fault.kill_at_step=17", "fault.kill_rank=1", "fault.disk_full_at_step=20"]
+    assert job.main([*args, "checkpoint.async_save=true", "steps=20", "--allow-change", "steps", *faults]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"error: no space left on the device writing {run / 'checkpoints/step_000000020'}: free space there (or "
+        "lower checkpoint.keep), then run the same command again"
+    )
+    resumes = read_metrics(str(run), "resume")
+    assert [r["step"] for r in resumes] == [8, 12]
+    # the async checkpoint of step 12 holds the state of step 12: its fingerprint, taken on the staged copy while
+    # training went on, is the loaded state's
+    saved, loaded = resumes[1]["saved_fingerprint"], resumes[1]["fingerprint"]
+    assert saved["exp_avg_sq"] > 0 and all(loaded[k] == pytest.approx(v, rel=1e-9) for k, v in saved.items())
+    (aside,) = ckpt.set_aside_names(str(run))
+    assert aside.startswith("damaged-step_000000012-")
+    assert sorted(r["step"] for r in _train_records(run)) == list(range(1, 21))
+    assert [(s, committed) for s, _, committed in ckpt.list_checkpoints(str(run))] == [
+        (8, True), (12, True), (16, True), (20, False)
+    ]  # fmt: skip
+    for _, uri, committed in ckpt.list_checkpoints(str(run)):
+        assert not committed or ckpt.verify(uri, ckpt.read_commit(uri)) == []
+    saves = read_metrics(str(run), "checkpoint")
+    assert {r["step"] for r in saves if "stage_s" in r} == {12, 16}  # committed after training went on
