@@ -12,9 +12,9 @@ leaves the checkpoint's size as it is. Per run, from its own metrics (``log.ever
 
 - no save: the steps with no save in flight (the first step and the one after each blocking save excluded);
 - blocking: the step that carries the save (its ``step_s`` holds the whole write and the fingerprint);
-- async: the steps from the save's start to its commit (the ``checkpoint`` record's ``at_step``), with the time the
-  save held the step path (``stage_s``: the copy into host memory) and what ran beside it (``write_s``,
-  ``summary_s``: the fingerprint, on the staged copy).
+- async: the steps from the save's start to the one after its commit (the ``checkpoint`` record's ``at_step``),
+  with the time the save held the step path (``stage_s``: the copy into host memory) and what ran beside it
+  (``write_s``, ``summary_s``: the fingerprint, on the staged copy).
 
 The fingerprint's cost per save is the ``summary_s`` of both runs (on the step path for a blocking save).
 """
@@ -46,7 +46,6 @@ CPU = [  # what a CPU steps through; the model (and so the checkpoint) stays the
     "objective.views.global_size=[64,48]",
     "objective.views.local_size=[32,32]",
     "objective.views.n_local=2",
-    "objective.cl.prototypes=256",
     "data.batch_size=1",
     "data.read_segments=1",
     "data.read_cpus=0.5",
@@ -77,13 +76,14 @@ def run(cfg: PretrainConfig, shards: str) -> tuple[list[dict], list[dict], int]:
 
 def save_step_times(train: list[dict], saves: list[dict], steps: int) -> tuple[list[float], list[float]]:
     """(step times while a save held the step or was written, step times with none) of one run's metrics records
-    (``log.every=1``): a blocking save is carried by the step after it (its window opens before the save), an async
-    one by the steps from its start to its commit (``at_step``); the first step and the save at the end are left out."""
+    (``log.every=1``). A save started after step s is committed after step ``at_step`` (s itself when blocking) and
+    both land in the windows that follow: steps s + 1 .. at_step + 1. The first step and the save at the end are left
+    out."""
     step_s = {r["step"]: r["step_s"] for r in train}
     during: set[int] = set()
     for save in saves:
         if save["step"] < steps:
-            during.update(range(save["step"] + 1, max(save["at_step"], save["step"] + 1) + 1))
+            during.update(range(save["step"] + 1, save["at_step"] + 2))
     with_save = [step_s[s] for s in sorted(during) if s in step_s]
     return with_save, [t for s, t in step_s.items() if s > 1 and s not in during]
 
