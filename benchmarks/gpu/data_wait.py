@@ -95,13 +95,12 @@ def save_figures(run_uri: str, steps: int, save_steps: int) -> dict | None:
     from training.metrics import read_metrics
 
     try:
-        records = [r for r in read_metrics(run_uri, None) if r["step"] > steps or r["kind"] == "checkpoint"]
+        train = [r for r in read_metrics(run_uri) if r["step"] > steps]
+        saved = next((r for r in read_metrics(run_uri, "checkpoint") if r["step"] == steps), None)
     except (OSError, ValueError):
         return None
-    train = [r for r in records if r["kind"] == "train"]
     if not train or train[-1]["step"] < steps + save_steps:
         return None
-    saved = next((r for r in records if r["kind"] == "checkpoint" and r["step"] == steps), None)
     return {
         "step_s_during_async_save": round(statistics.median(r["step_s"] for r in train), 4),
         "async_save": {k: round(saved[k], 2) for k in ("stage_s", "write_s", "summary_s")} if saved else None,
