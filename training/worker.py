@@ -217,8 +217,8 @@ class Worker(ABC, Generic[C]):
 
     def _committed(self, uri: str, record: dict, seconds: dict[str, float]) -> None:
         """After a commit: the ``checkpoint`` record (with the seconds the save took: ``write_s`` and ``summary_s``,
-        the fingerprint's, on the step path for a blocking save; only ``stage_s`` for an async one), a roll of the
-        metrics log, retention."""
+        the fingerprint's, both on the step path of a blocking save; an async one adds ``stage_s``, its only time on
+        the step path), a roll of the metrics log, retention."""
         self.saved_step = record["step"]
         if self.log:
             self.log.write({"kind": "checkpoint", "step": record["step"], "uri": storage.redact(uri),
