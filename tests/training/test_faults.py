@@ -228,6 +228,17 @@ def test_a_resume_drops_what_earlier_attempts_wrote_past_its_checkpoint(tmp_path
     assert drop_after(str(tmp_path), 12) == 0
 
 
+def test_two_commits_after_one_step_share_a_part_of_the_metrics(tmp_path):
+    """An async save committed by the next save, then that save committed at the end: both records kept."""
+    log = MetricsLog.for_run(str(tmp_path), 1, load_config(PretrainConfig, TINY, ["log.backends=[]"]))
+    log.write({"kind": "train", "step": 8})
+    for step in (4, 8):
+        log.write({"kind": "checkpoint", "step": step})
+        log.roll(9)
+    log.close()
+    assert [r["step"] for r in read_metrics(str(tmp_path), "checkpoint")] == [4, 8]
+
+
 # --- a resume keeps the run's settings ------------------------------------------------------------------------------
 
 
