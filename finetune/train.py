@@ -349,11 +349,11 @@ class FinetuneWorker(Worker[FinetuneConfig]):
             loss.backward()
             grad_norm = optimizer_step(self.optimizer, self.params, c.optim.grad_clip)
             self.step += 1
-            self.poll_save()
             window.append(torch.stack([loss.detach().float(), grad_norm.float(), *terms.values()]))
             if self.step % c.log.every == 0 or self.step == c.steps:
                 self._log(window, list(terms), lr, wd, time.perf_counter() - started, wait)
                 window, started, wait = [], time.perf_counter(), 0.0
+            self.poll_save()  # after the step's metrics: a commit rolls the metrics log to the next step
             if c.eval.every and self.step % c.eval.every == 0 and self.step < c.steps:
                 self.evaluate()
             if c.checkpoint.every and self.step % c.checkpoint.every == 0 and self.step < c.steps:

@@ -343,13 +343,13 @@ class PretrainWorker(Worker[PretrainConfig]):
             self.samples_seen += per_step
             window.add(terms, cast(Tensor, update["grad_norm"]), sum(waits, 0.0))
             self._fault_drill()
-            self.poll_save()
             if c.log.record_keys:
                 self._record_keys(keys)
             if self.step % c.log.every == 0 or self.step == c.steps:
                 schedule = {k: float(update[k]) for k in ("lr", "wd", "momentum")}
                 self._log_window(window, **schedule)
                 window = Window()
+            self.poll_save()  # after the step's metrics: a commit rolls the metrics log to the next step
             if self.step % c.checkpoint.every == 0 or self.step == c.steps:
                 self.save()
             elif c.checkpoint.on_preemption and self.step % c.checkpoint.preemption_check_every == 0:
