@@ -41,7 +41,10 @@ below, beside the sizes (``sizes.py``), what a part writes as it runs (``harness
    photos at web sizes) through Ray Data inside a Ray Train run (``pretrain.train.fit``), with the best setting of
    part 2: the share of the step spent waiting for the next batch, from the run's own metrics; where it is over 3%,
    a second run with a wider decode path (``Sizes.data_paths``: 4x the read tasks in flight, twice the prefetch
-   depth). What the decode costs per core and how many cores a GPU needs: ``benchmarks/bench_decode_path.py``.
+   depth). Each run then goes on ``Sizes.save_steps`` steps while an async checkpoint of its last timed step
+   (``checkpoint.async_save``: staged in pinned host memory, written from a thread) is written: the step time beside
+   the write against the timed steps', the seconds the save held the step path, and the step it was committed at.
+   What the decode costs per core and how many cores a GPU needs: ``benchmarks/bench_decode_path.py``.
 4. ``value`` (``value_chain.py``): does pretraining give a better backbone? ``benchmarks/pretrain_value.py``'s chain
    (``run_chain``: a pool of renders with web junk, its lite curation and its uncurated form, held-out MAE, the positive
    control, labelled renders, frozen-feature probes via ``jobs.probe``, fine-tuning with a recipe chosen per init on

@@ -399,14 +399,17 @@ class FinetuneWorker(Worker[FinetuneConfig]):
             if self.step % c.log.every == 0 or self.step == c.steps:
                 self._log(window, list(terms), lr, wd, time.perf_counter() - started, wait)
                 window, started, wait = [], time.perf_counter(), 0.0
+            self.poll_save()  # after the step's metrics: a commit rolls the metrics log to the next step
             if c.eval.every and self.step % c.eval.every == 0 and self.step < c.steps:
                 self.evaluate()
             if c.checkpoint.every and self.step % c.checkpoint.every == 0 and self.step < c.steps:
                 self.save()
         done = self.curve and self.curve[-1]["step"] == self.step and self.saved_step == self.step  # a rerun
         final = self.curve[-1] if done else self.evaluate(pictures=c.eval.visualise)
+        self.finish_save()
         if self.saved_step != self.step:
             self.save()
+        self.finish_save()
         self._finish(final)
 
     def _log(self, window: list[Tensor], names: list[str], lr: float, wd: float, seconds: float, wait: float) -> None:

@@ -180,16 +180,18 @@ def _local(t: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def fingerprint(model: JointObjective, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """Global sums of squares of the student side, the teacher and the Adam moments (checks a restore)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
+def fingerprint(state: dict, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Global sums of squares of the trained parameters (those the optimiser holds), the teacher and the Adam moments
+    of a checkpointed state dict (``checkpoint.checkpointed``: the live tensors or a staged copy), reduced over
+    ``group``: checks a restore."""
+    params, moments = state["model"], state["optim"]["state"]
     groups = {
-        "params": trainable,
-        "teacher": list(model.teacher.parameters()),
-        "exp_avg": [optimizer.state[p]["exp_avg"] for p in trainable if p in optimizer.state],
-        "exp_avg_sq": [optimizer.state[p]["exp_avg_sq"] for p in trainable if p in optimizer.state],
+        "params": [t for name, t in params.items() if name in moments],
+        "teacher": [t for name, t in params.items() if name.startswith("teacher.")],
+        "exp_avg": [m["exp_avg"] for m in moments.values()],
+        "exp_avg_sq": [m["exp_avg_sq"] for m in moments.values()],
     }
-    device = trainable[0].device
+    device = _local(groups["teacher"][0]).device
     sums = torch.stack(
         [
             sum(((_local(t).double() ** 2).sum() for t in ts), torch.zeros((), dtype=torch.float64, device=device))
@@ -197,7 +199,7 @@ def fingerprint(model: JointObjective, optimizer: torch.optim.Optimizer) -> dict
         ]
     )
     # every tensor here is sharded like the first: its shards' local sums add up to the global one
-    return dict(zip(groups, sum_over_shards(sums, trainable[0]).tolist()))
+    return dict(zip(groups, sum_over_shards(sums, groups["teacher"][0], group).tolist()))
 
 
 def train_flops_per_image(cfg: PretrainConfig) -> tuple[float, int]:
@@ -335,15 +337,17 @@ class PretrainWorker(Worker[PretrainConfig]):
         return {
             "data_position": self.position.to_dict(),
             "samples_seen": self.samples_seen,
-            "fingerprint": fingerprint(self.model, self.optimizer),
         }
+
+    def summary(self, state: dict, group: dist.ProcessGroup | None) -> dict:
+        return {"fingerprint": fingerprint(state, group)}
 
     def restore_state(self, commit: dict) -> dict:
         self.position = data.DataPosition(**commit["data_position"])
         self.samples_seen = commit["samples_seen"]
         return {
             "saved_fingerprint": commit["fingerprint"],
-            "fingerprint": fingerprint(self.model, self.optimizer),
+            "fingerprint": fingerprint(checkpoint.checkpointed(self.model, self.optimizer)),
             "data_position": self.position.to_dict(),
         }
 
@@ -377,6 +381,7 @@ class PretrainWorker(Worker[PretrainConfig]):
                 schedule = {k: float(update[k]) for k in ("lr", "wd", "momentum")}
                 self._log_window(window, **schedule)
                 window = Window()
+            self.poll_save()  # after the step's metrics: a commit rolls the metrics log to the next step
             if self.evaluator and (self.step % c.probe.every == 0 or self.step == c.steps):
                 self._evaluate()
             if self.step % c.checkpoint.every == 0 or self.step == c.steps:
@@ -386,6 +391,7 @@ class PretrainWorker(Worker[PretrainConfig]):
                 if notice is not None and not preemption_saved:
                     self.save(reason="preemption")  # then train on until the node goes
                     preemption_saved = True
+        self.finish_save()
         if self.log:
             self.log.close()
 

@@ -9,7 +9,9 @@ Layout of a run directory (local path or object store)::
 A checkpoint counts only once ``commit.json`` exists. It is written by rank 0 after ``dcp.save`` returned, and
 ``dcp.save`` returns on every rank only after the coordinator wrote ``.metadata``, i.e. after every shard is
 complete; ``write_json_atomic`` moves it into place from a temporary name. Directories without it (a save that a
-preemption cut short) are removed before training resumes.
+preemption cut short) are removed before training resumes. An async save (``AsyncSaver``) stages the state in host
+memory and writes it from a thread while training goes on; its commit record is written the same way, at the first
+step at which every rank's write has returned.
 
 A committed checkpoint is verified before it is trusted: the commit record lists every file with its size and CRC-32,
 taken as the bytes went out (``_Digesting``: no second read); ``verify`` compares them with one listing of the folder
@@ -38,9 +40,11 @@ import random
 import struct
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import pyarrow.fs as pafs
 import torch
@@ -51,6 +55,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from common import storage
@@ -236,37 +241,160 @@ def _set_rng_state(state: dict) -> None:
 # --- save / load --------------------------------------------------------------------------------------------------
 
 
-def save(uri: str, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict) -> None:
-    """Every rank calls this; returns once the checkpoint at ``uri`` is committed. The commit record lists every
-    file of it with its size and CRC-32 (``verify``)."""
+Summary = Callable[[dict, dist.ProcessGroup | None], dict]
+"""The loop's commit-record entries computed from the checkpointed state dict (``{"model", "optim"}``) with
+collectives on the given group: the live tensors after a blocking save, the staged copy off the step path after an
+async one."""
+
+
+def checkpointed(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The state dict a checkpoint holds, ``{"model", "optim"}``: this rank's shards, keyed by parameter name."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _write_rng(uri: str) -> dict[str, dict[str, int]]:
+    """This rank's RNG states as a file of the checkpoint, written now; its entry of the commit record."""
     fs, path = storage.resolve(uri)
-    rank, world = _rank_world()
     buf = io.BytesIO()
     torch.save(_rng_state(), buf)
-    rng = f"rng/rank-{rank:05d}.pt"
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    writer = _writer(uri)
+    name = f"rng/rank-{_rank_world()[0]:05d}.pt"
+    storage.write_bytes_atomic(fs, storage.join(path, name), buf.getvalue())
+    return {name: {"bytes": len(buf.getvalue()), "crc32": zlib.crc32(buf.getvalue())}}
+
+
+@contextmanager
+def _naming(uri: str) -> Iterator[None]:
+    """A failed write's error, naming the checkpoint it was writing where the error itself names no file."""
     try:
-        storage.write_bytes_atomic(fs, storage.join(path, rng), buf.getvalue())
-        # Returns on each rank after the coordinator has written .metadata, so all shards (and RNG files) exist.
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
+        yield
     except (OSError, CheckpointException) as exc:
         found = failures.os_error(exc)
         if found is None or found.filename:
             raise
-        # a write's error names no file: name the checkpoint it was writing
         raise OSError(found.errno, found.strerror or str(found), storage.redact(uri)) from exc
-    mine = {**writer.fs.written, rng: {"bytes": len(buf.getvalue()), "crc32": zlib.crc32(buf.getvalue())}}  # type: ignore[attr-defined]
+
+
+def _commit(uri: str, record: dict, mine: dict[str, dict[str, int]]) -> None:
+    """Every rank, once its files of ``uri`` are durable: rank 0 writes the commit record listing every rank's files
+    (``mine``: this rank's, with size and CRC-32); returns when it is written."""
+    fs, path = storage.resolve(uri)
+    rank, world = _rank_world()
     every: list[dict] = [mine]
     if world > 1:
         every = [{} for _ in range(world)]
         dist.all_gather_object(every, mine)
     if rank == 0:
         files = {name: digest for written in every for name, digest in written.items()}
-        commit = {**train_state, "world_size": world, "committed_at": time.time(), "files": files}
+        commit = {**record, "world_size": world, "committed_at": time.time(), "files": files}
         storage.write_json_atomic(fs, storage.join(path, COMMIT_FILE), commit)
     if world > 1:
         dist.barrier()
+
+
+def save(
+    uri: str, model: nn.Module, optimizer: torch.optim.Optimizer, record: dict, summary: Summary | None = None
+) -> dict[str, float]:
+    """Every rank calls this; returns once the checkpoint at ``uri`` is committed, with the seconds its write and
+    summary took. The commit record is ``record`` and ``summary``'s entries, and lists every file with its size and
+    CRC-32 (``verify``)."""
+    started = time.perf_counter()
+    state = checkpointed(model, optimizer)
+    writer = _writer(uri)
+    with _naming(uri):
+        rng = _write_rng(uri)
+        # Returns on each rank after the coordinator has written .metadata, so all shards (and RNG files) exist.
+        dcp.save(state, storage_writer=writer)
+    written = time.perf_counter()
+    extra = summary(state, None) if summary else {}
+    seconds = {"write_s": written - started, "summary_s": time.perf_counter() - written}
+    _commit(uri, {**record, **extra}, {**writer.fs.written, **rng})  # type: ignore[attr-defined]
+    return seconds
+
+
+class _KeepingStager(BlockingAsyncStager):
+    """DCP's blocking stager (a host copy; pinned and reused across saves when ``cache_staged_state_dict``) that
+    keeps the copy it made, for the summary computed from it while training goes on."""
+
+    staged: dict | None = None
+
+    def stage(self, state_dict: dict) -> dict:
+        self.staged = super().stage(state_dict)
+        return self.staged
+
+
+@dataclass
+class _InFlight:
+    uri: str
+    record: dict
+    rng: dict[str, dict[str, int]]
+    writer: dcp.FileSystemWriter
+    done: Future  # (summary entries, {"write_s", "summary_s"}) once every file of this rank is durable
+    stage_s: float
+
+
+class AsyncSaver:
+    """Async checkpoints (``checkpoint.async_save``), at most one in flight. ``start`` stages the state in host
+    memory and returns; DCP writes it from a thread, then the summary is computed on the staged copy there.
+    ``commit`` (every rank, at the same step) waits for it and writes the commit record: a checkpoint counts only
+    once every rank's files are durable, so a save cut short is never chosen (``latest_committed``).
+
+    The background thread's collectives run on a gloo group of their own: the training's collectives on the
+    default group (NCCL or gloo) never meet them, in whatever order the two threads reach theirs."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.group: dist.ProcessGroup | None = None
+        if dist.is_available() and dist.is_initialized():
+            self.group = cast(dist.ProcessGroup, dist.new_group(backend="gloo"))  # every rank is in it
+        self.stager = _KeepingStager(cache_staged_state_dict=pinned)
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self.in_flight: _InFlight | None = None
+
+    def start(
+        self, uri: str, model: nn.Module, optimizer: torch.optim.Optimizer, record: dict, summary: Summary | None
+    ) -> None:
+        if self.in_flight is not None:
+            raise RuntimeError(f"a save of {storage.redact(self.in_flight.uri)} is still in flight: commit it first")
+        started = time.perf_counter()
+        writer = _writer(uri)
+        with _naming(uri):
+            rng = _write_rng(uri)
+        upload = dcp.async_save(
+            checkpointed(model, optimizer), storage_writer=writer, process_group=self.group, async_stager=self.stager
+        )
+        assert isinstance(upload, Future)  # a blocking stager: staged by now, only the upload pending
+        staged, self.stager.staged = self.stager.staged, None
+        stage_s = time.perf_counter() - started
+
+        def finish() -> tuple[dict, dict[str, float]]:
+            upload.result()
+            written = time.perf_counter()
+            extra = summary(staged, self.group) if summary and staged is not None else {}
+            return extra, {"write_s": written - started, "summary_s": time.perf_counter() - written}
+
+        self.in_flight = _InFlight(uri, record, rng, writer, self.thread.submit(finish), stage_s)
+
+    def ready(self, device: torch.device) -> bool:
+        """Whether the save in flight is done on every rank (a collective on the default group: every rank calls
+        this at the same steps); False with none in flight."""
+        if self.in_flight is None:
+            return False
+        done = torch.tensor([float(self.in_flight.done.done())], device=device)
+        if _rank_world()[1] > 1:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return bool(done.item())
+
+    def commit(self) -> tuple[str, dict, dict[str, float]]:
+        """Wait for the save in flight (every rank) and commit it: its URI, commit record and seconds spent
+        (``stage_s`` on the step path; ``write_s``, ``summary_s`` in the background). A failed write raises here."""
+        if (flight := self.in_flight) is None:
+            raise RuntimeError("no save in flight")
+        self.in_flight = None
+        with _naming(flight.uri):
+            extra, seconds = flight.done.result()
+        record = {**flight.record, **extra}
+        _commit(flight.uri, record, {**flight.writer.fs.written, **flight.rng})  # type: ignore[attr-defined]
+        return flight.uri, record, {"stage_s": flight.stage_s, **seconds}
 
 
 def _crc32(fs: pafs.FileSystem, path: str) -> int:
@@ -341,8 +469,7 @@ def load(uri: str, model: nn.Module, optimizer: torch.optim.Optimizer, commit: d
     Returns the commit record (step, data position, config, ...); ``commit``: the record, when already read.
     """
     commit = commit or read_commit(uri)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}  # dcp.load's state dict type
+    state = checkpointed(model, optimizer)
     dcp.load(state, storage_reader=storage_reader(uri), planner=SafeLoadPlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank, world = _rank_world()

@@ -32,6 +32,9 @@ class OptimSettings(Strict):
 
 class CheckpointSettings(Strict):
     keep: int = Field(3, ge=1)  # the newest this many stay
+    # write checkpoints from a thread while training goes on (DCP's async save; staged in host memory, pinned on
+    # GPU, which holds a copy of each rank's shards); committed at the first step every rank's files are durable
+    async_save: bool = False
 
 
 class LogSettings(Strict):

@@ -45,6 +45,7 @@ class MetricsLog:
         return cls(run_uri, first_step, Sinks(cfg.log.backends, run_uri, first_step, params, groups or {}))
 
     def _open(self, step: int) -> None:
+        self.first_step = step
         self.out = self.fs.open_output_stream(storage.join(self.dir, f"part-{self.attempt}-{step:09d}.jsonl"))
 
     def write(self, record: dict) -> None:
@@ -54,8 +55,11 @@ class MetricsLog:
             self.sinks.log(record)
 
     def roll(self, next_step: int) -> None:
-        self.out.close()
-        self._open(next_step)
+        # two commits after one step (an async save's, then the next save's) share the part: reopened, it would be
+        # emptied
+        if next_step != self.first_step:
+            self.out.close()
+            self._open(next_step)
         if self.sinks:
             self.sinks.checkpoint()
 

@@ -67,11 +67,17 @@ def device_mesh(device: torch.device, settings: FsdpSettings) -> DeviceMesh:
     return init_device_mesh(device.type, shape, mesh_dim_names=(REPLICATE, SHARD))
 
 
-def sum_over_shards(local: Tensor, like: Tensor) -> Tensor:
+def sum_over_shards(local: Tensor, like: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
     """Sum ``local``, computed from this rank's shards of parameters sharded as ``like``, over the ranks holding the
-    other shards, each shard counted once (HSDP's replica groups hold the same shards); in place, returned."""
-    if isinstance(like, DTensor):
-        dist.all_reduce(local, group=like.device_mesh.get_group(SHARD))
+    other shards, each shard counted once (HSDP's replica groups hold the same shards); in place, returned.
+    ``group``: a group of every rank to reduce over instead (a background save's own), the replicas then divided
+    out."""
+    mesh = like.device_mesh if isinstance(like, DTensor) else None
+    if group is not None:
+        dist.all_reduce(local, group=group)
+        local /= mesh.size(0) if mesh is not None and mesh.ndim == 2 else 1
+    elif mesh is not None:
+        dist.all_reduce(local, group=mesh.get_group(SHARD))
     return local
 
 

@@ -11,7 +11,10 @@ model hash covers (``model_hash``), and the loop.
   run stops (``checkpoint.CheckpointError``, permanent). Rank 0 then drops the metrics an earlier attempt wrote past
   the restored step (``training.metrics.drop_after``) and opens the metrics log with a ``resume`` record.
 - ``save``: a committed checkpoint of the current step (``training/checkpoint.py``), a ``checkpoint`` record and a
-  roll of the metrics log, then retention of the newest ``checkpoint.keep``.
+  roll of the metrics log, then retention of the newest ``checkpoint.keep``. With ``checkpoint.async_save`` it
+  returns once the state is staged; the loop calls ``poll_save`` after every step, which commits the save (record,
+  roll, retention) at the first step every rank's files are durable, and ``finish_save`` at its end. A save waits
+  for the one before; a preemption's save is committed before the loop goes on.
 
 The project, not Ray Train, keeps the checkpoints (``training/checkpoint.py`` says why); Ray Train restarts the
 worker group after a transient failure, and ``training.failures`` stops it after a permanent one.
@@ -69,6 +72,7 @@ class Worker(ABC, Generic[C]):
         self.log: MetricsLog | None = None  # rank 0's, from ``resume`` on
         self._host_peak: int | None = None  # this rank's peak RSS after the attempt's first step, until it is logged
         self._host_peak_taken = False
+        self.saver: checkpoint.AsyncSaver | None = None  # made at the first async save
 
     @property
     def step(self) -> int:
@@ -103,6 +107,10 @@ class Worker(ABC, Generic[C]):
     @abstractmethod
     def train_state(self) -> dict:
         """The loop's state besides the tensors and the step, as JSON data for a checkpoint's commit record."""
+
+    def summary(self, state: dict, group: dist.ProcessGroup | None) -> dict:
+        """The commit record's entries computed from the checkpointed tensors (``checkpoint.Summary``)."""
+        return {}
 
     @abstractmethod
     def restore_state(self, commit: dict) -> dict:
@@ -193,19 +201,46 @@ class Worker(ABC, Generic[C]):
     # --- save ---
 
     def save(self, reason: str = "interval") -> None:
-        """Commit a checkpoint of the current step (every rank calls this), then keep the newest ``checkpoint.keep``."""
+        """Checkpoint the current step (every rank calls this), committed now or, with ``checkpoint.async_save``, by
+        ``poll_save`` / ``finish_save`` once written; the save in flight before is committed first."""
+        self.finish_save()
         uri = checkpoint.step_uri(self.run_uri, self.step)
-        commit = {
+        record = {
             "step": self.step,
             **self.train_state(),
             "model_hash": self.model_hash(),
             "config": self.cfg.model_dump(mode="json"),
             "reason": reason,
         }
-        checkpoint.save(uri, self.model, self.optimizer, commit)
-        self.saved_step = self.step
+        if not self.cfg.checkpoint.async_save:
+            seconds = checkpoint.save(uri, self.model, self.optimizer, record, self.summary)
+            self._committed(uri, record, seconds)
+            return
+        if self.saver is None:
+            self.saver = checkpoint.AsyncSaver(pinned=self.device.type == "cuda")
+        self.saver.start(uri, self.model, self.optimizer, record, self.summary)
+        if reason == "preemption":  # the node is about to go: durable first
+            self.finish_save()
+
+    def poll_save(self) -> None:
+        """Commit the async save in flight if every rank has written it (every rank, after every step)."""
+        if self.saver is not None and self.saver.in_flight is not None and self.saver.ready(self.device):
+            self.finish_save()
+
+    def finish_save(self) -> None:
+        """Wait for the async save in flight, if any, and commit it (every rank)."""
+        if self.saver is None or self.saver.in_flight is None:
+            return
+        self._committed(*self.saver.commit())
+
+    def _committed(self, uri: str, record: dict, seconds: dict[str, float]) -> None:
+        """After a commit: the ``checkpoint`` record (with the seconds the save took: ``write_s`` and ``summary_s``,
+        the fingerprint's, both on the step path of a blocking save; an async one adds ``stage_s``, its only time on
+        the step path), a roll of the metrics log, retention."""
+        self.saved_step = record["step"]
         if self.log:
-            self.log.write({"kind": "checkpoint", "step": self.step, "uri": storage.redact(uri), "reason": reason})
+            self.log.write({"kind": "checkpoint", "step": record["step"], "uri": storage.redact(uri),
+                            "reason": record["reason"], "at_step": self.step, **seconds})  # fmt: skip
             self.log.roll(self.step + 1)
         if self.rank == 0:
             checkpoint.keep_newest(self.run_uri, self.cfg.checkpoint.keep)

@@ -76,6 +76,7 @@ def run_figures(run_uri: str, warmup: int, steps: int) -> dict | None:
         return None
     if not records or records[-1]["step"] < steps:
         return None
+    records = [r for r in records if r["step"] <= steps]  # the steps after carry an async save (save_figures)
     frac = [r["data_wait_frac"] for r in records]
     return {
         "data_wait_frac_mean": round(statistics.mean(frac), 4),
@@ -87,12 +88,33 @@ def run_figures(run_uri: str, warmup: int, steps: int) -> dict | None:
     }
 
 
+def save_figures(run_uri: str, steps: int, save_steps: int) -> dict | None:
+    """Step time over the ``save_steps`` steps after the async checkpoint of step ``steps`` started, and that save's
+    seconds (``stage_s`` on the step path, ``write_s`` beside it) and commit step, from the run's metrics; None until
+    the last of those steps is in."""
+    from training.metrics import read_metrics
+
+    try:
+        train = [r for r in read_metrics(run_uri) if r["step"] > steps]
+        saved = next((r for r in read_metrics(run_uri, "checkpoint") if r["step"] == steps), None)
+    except (OSError, ValueError):
+        return None
+    if not train or train[-1]["step"] < steps + save_steps:
+        return None
+    return {
+        "step_s_during_async_save": round(statistics.median(r["step_s"] for r in train), 4),
+        "async_save": {k: round(saved[k], 2) for k in ("stage_s", "write_s", "summary_s")} if saved else None,
+        "async_save_committed_at": saved["at_step"] if saved else None,
+    }
+
+
 def measure_path(
     cfg, root: Path, name: str, shards: Path, path: tuple[str, ...], sz: Sizes, report: PartReport, last: bool
 ) -> None:
     """One training run (``name``, under ``root/runs``) of ``shards`` on decode path ``path``, its figures appended to the report's ``runs`` (the lowest wait's
     also at the top level). Where no other path is to follow (``last``, or the wait within the goal) the part ends
-    at the run's last metrics line: its final checkpoint (GBs for 0.4B) is not waited for."""
+    at the run's last metrics line: its final checkpoint (GBs for 0.4B) is not waited for. The run's last
+    ``sz.save_steps`` steps follow an async checkpoint of step ``data_warmup + data_steps`` (``save_figures``)."""
     from pretrain import data
     from pretrain.train import fit
     from training.runner import run_uri_for
@@ -101,13 +123,15 @@ def measure_path(
     Path(run_uri).mkdir(parents=True)
     index = data.ensure_index(str(shards), run_uri)
     report.set(shards_images=index.num_samples, batch=cfg.data.batch_size)
-    steps = sz.data_warmup + sz.data_steps
+    steps = sz.data_warmup + sz.data_steps  # the timed ones; the run goes on sz.save_steps more
     seen = threading.Event()
 
     def watch() -> None:
         while (row := run_figures(run_uri, sz.data_warmup, steps)) is None:
             time.sleep(0.5)
-        report.append("runs", {"decode_path": list(path), **row})
+        while (during := save_figures(run_uri, steps, sz.save_steps)) is None:
+            time.sleep(0.5)
+        report.append("runs", {"decode_path": list(path), **row, **during})
         best = min(report.data["runs"], key=lambda r: r["data_wait_frac_mean"])
         report.set(**{k: v for k, v in best.items() if k != "decode_path"}, best_decode_path=best["decode_path"])
         if last or row["data_wait_frac_mean"] <= sz.data_wait_retry_above:
@@ -131,9 +155,10 @@ def part_data_wait(sz: Sizes, deadline: Deadline, report: PartReport, context: d
 
     setting = context.get("setting") or {axis: values[0] for axis, values in sz.pretrain_sweep.items()}
     steps = sz.data_warmup + sz.data_steps
-    base = [
-        f"steps={steps}",
+    base = [  # after the timed steps an async checkpoint and the steps that go on while it is written
+        f"steps={steps + sz.save_steps}",
         f"checkpoint.every={steps}",
+        "checkpoint.async_save=true",
         "checkpoint.on_preemption=false",
         f"ray.use_gpu={str(torch.cuda.is_available()).lower()}",
         *setting_overrides(setting),

@@ -82,12 +82,26 @@ def table_rows(parts: dict) -> list[tuple[str, str, str]]:
                         f"step {run['step_s']:.3f} s, MFU {percent(run['mfu'])}",
                     )
                 )
+                if "step_s_during_async_save" in run:
+                    rows.append((part, f"decode path {path}: async checkpoint", async_save_line(run)))
             for s in r.get("skipped", []):
                 rows.append((part, f"decode path {' '.join(s['decode_path'])}", f"skipped: {s['why']}"))
         elif part == "value":
             rows += value_rows(r)
         rows.append((part, "seconds (budget)", f"{r['seconds']} ({r['budget_s']})"))
     return rows
+
+
+def async_save_line(run: dict) -> str:
+    """The steps after the timed ones, while their async checkpoint is written, against the timed steps."""
+    save = run["async_save"]
+    committed = run["async_save_committed_at"]
+    return f"step {run['step_s_during_async_save']:.3f} s while it is written vs {run['step_s']:.3f} s without; " + (
+        f"{save['stage_s']:.2f} s on the step path (staging), written in {save['write_s']:.2f} s, fingerprint "
+        f"{save['summary_s']:.2f} s beside it, committed at step {committed}"
+        if save
+        else "not committed within the steps measured"
+    )
 
 
 def breakdown_rows(b: dict) -> list[tuple[str, str, str]]:

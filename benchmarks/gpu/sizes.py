@@ -46,6 +46,8 @@ class Sizes:
     # decode paths (config overrides) measured in order, the next only while the wait is over the threshold
     data_paths: tuple[tuple[str, ...], ...]
     data_wait_retry_above: float
+    # steps after the timed ones, while an async checkpoint (checkpoint.async_save) of the last timed one is written
+    save_steps: int
     # pretrained vs random (benchmarks/pretrain_value.py's chain)
     value_models: tuple[tuple[str, int | None, tuple[str, ...]], ...]  # (model.size, model.patch_size, overrides)
     value_pretrain: tuple[str, ...]  # pretraining overrides of every size
@@ -88,6 +90,7 @@ GPU = Sizes(
     # flight and twice the prefetch depth
     data_paths=((), ("data.read_segments=2", "data.prefetch_batches=8")),
     data_wait_retry_above=0.03,
+    save_steps=10,
     # Part value: the tiny backbone at its configured peak learning rate (1e-3), at a global batch of 128 in one process
     # (a step of the tiny objective is ~12,000 small ATen ops at any batch, so at batch 8 launch overhead sets its
     # time); the warm-up and the frozen prototypes 50 steps (5%, as the config's 5 of 60). Time on one H200 with 16
@@ -162,6 +165,7 @@ SMOKE = Sizes(
     data_steps=2,
     data_paths=((), ("data.read_segments=1", "data.prefetch_batches=4")),
     data_wait_retry_above=0.0,  # both paths run: the second one's code is checked too
+    save_steps=2,
     value_models=(("tiny", None, ()),),
     value_pretrain=("ray.workers=1", "data.batch_size=4"),
     value_budget=dict(

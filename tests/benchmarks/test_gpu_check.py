@@ -91,6 +91,7 @@ def test_every_part_measures(tmp_path):
     assert wait["shards_images"] >= wait["batch"] and wait["windows"] >= 1
     for run in wait["runs"]:
         assert 0 <= run["data_wait_frac_mean"] <= run["data_wait_frac_max"] < 1 and run["step_s"] > 0
+        assert run["step_s_during_async_save"] > 0  # the steps beside the async checkpoint of the last timed one
     assert wait["data_wait_frac_mean"] == min(r["data_wait_frac_mean"] for r in wait["runs"])
     # the fastest setting of the pretraining part is the one streamed
     assert wait["setting"] == {axis: best[axis] for axis in AXES}

@@ -295,9 +295,9 @@ def test_two_worker_checkpoint_loads_into_one_process(reference):
     try:
         model = build_model(cfg, torch.device("cpu"))
         optimizer = build_optimizer(model, cfg.optim)
-        fresh = fingerprint(model, optimizer)
+        fresh = fingerprint(ckpt.checkpointed(model, optimizer))
         ckpt.load(uri, model, optimizer)
-        loaded = fingerprint(model, optimizer)
+        loaded = fingerprint(ckpt.checkpointed(model, optimizer))
         for k, v in commit["fingerprint"].items():
             assert loaded[k] == pytest.approx(v, rel=1e-9) and fresh[k] != loaded[k], k
         steps = {float(optimizer.state[p]["step"]) for p in optimizer.state}
@@ -306,7 +306,7 @@ def test_two_worker_checkpoint_loads_into_one_process(reference):
         images = torch.randint(0, 256, (2, 3, 64, 48), dtype=torch.uint8)
         model(images, STEPS, torch.Generator().manual_seed(0))["loss"].backward()
         optimizer.step()
-        assert fingerprint(model, optimizer)["params"] != pytest.approx(loaded["params"], rel=1e-12)
+        assert fingerprint(ckpt.checkpointed(model, optimizer))["params"] != pytest.approx(loaded["params"], rel=1e-12)
     finally:
         dist.destroy_process_group()
 

@@ -45,14 +45,18 @@ def one_process():
     dist.destroy_process_group()
 
 
-def _save(run: Path, step: int) -> str:
+def _trained(step: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(step)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 64)).sum().backward()
     optimizer.step()
+    return model, optimizer
+
+
+def _save(run: Path, step: int) -> str:
     uri = ckpt.step_uri(str(run), step)
-    ckpt.save(uri, model, optimizer, {"step": step})
+    ckpt.save(uri, *_trained(step), {"step": step})
     return uri
 
 
@@ -99,6 +103,49 @@ def test_a_record_written_before_records_listed_files_still_needs_its_metadata(t
     assert ckpt.verify(uri, commit) == []
     (Path(uri) / ".metadata").unlink()
     assert ckpt.verify(uri, commit) == [".metadata: missing"]
+
+
+def test_an_async_checkpoint_is_committed_only_once_written_and_holds_the_state_it_was_started_with(
+    tmp_path, one_process
+):
+    blocking = ckpt.read_commit(_save(tmp_path / "blocking", 4))
+    model, optimizer = _trained(4)
+    started = {k: v.clone() for k, v in model.state_dict().items()}
+    saver = ckpt.AsyncSaver(pinned=False)
+    uri = ckpt.step_uri(str(tmp_path / "async"), 4)
+    saver.start(uri, model, optimizer, {"step": 4}, None)
+    with pytest.raises(RuntimeError, match="still in flight"):  # at most one in flight
+        saver.start(ckpt.step_uri(str(tmp_path / "async"), 5), model, optimizer, {"step": 5}, None)
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()  # training goes on while it is written
+    assert saver.in_flight is not None
+    saver.in_flight.done.result()  # every file written: still not a checkpoint of the run until committed
+    assert ckpt.list_checkpoints(str(tmp_path / "async")) == [(4, uri, False)]
+    assert ckpt.latest_committed(str(tmp_path / "async")) is None
+    assert saver.ready(torch.device("cpu"))
+    committed_uri, record, seconds = saver.commit()
+    assert committed_uri == uri and record["step"] == 4 and set(seconds) == {"stage_s", "write_s", "summary_s"}
+    commit = ckpt.read_commit(uri)
+    assert ckpt.latest_committed(str(tmp_path / "async")) == uri and ckpt.verify(uri, commit) == []
+    assert commit["files"].keys() == blocking["files"].keys()  # the same files, each with its size and CRC-32
+    fresh, fresh_optimizer = _trained(0)
+    ckpt.load(uri, fresh, fresh_optimizer)
+    assert all(torch.equal(v, started[k]) for k, v in fresh.state_dict().items())  # the state at its start
+
+
+def test_an_async_save_meeting_a_full_disk_fails_at_its_commit_naming_it(tmp_path, one_process):
+    uri = ckpt.step_uri(str(tmp_path), 8)
+    Path(uri).mkdir(parents=True)
+    (Path(uri) / "__0_0.distcp").symlink_to("/dev/full")
+    saver = ckpt.AsyncSaver(pinned=False)
+    saver.start(uri, *_trained(8), {"step": 8}, None)
+    with pytest.raises(Exception) as raised:
+        saver.commit()
+    assert failures.permanent(raised.value) == (
+        f"no space left on the device writing {uri}: free space there (or lower checkpoint.keep), then run the same "
+        "command again"
+    )
+    assert ckpt.list_checkpoints(str(tmp_path)) == [(8, uri, False)] and saver.in_flight is None
 
 
 # --- one classification of failures ----------------------------------------------------------------------------------
@@ -179,6 +226,17 @@ def test_a_resume_drops_what_earlier_attempts_wrote_past_its_checkpoint(tmp_path
     steps = [r["step"] for r in read_metrics(str(tmp_path))]
     assert steps == list(range(1, 13))  # each once, in the files themselves
     assert drop_after(str(tmp_path), 12) == 0
+
+
+def test_two_commits_after_one_step_share_a_part_of_the_metrics(tmp_path):
+    """An async save committed by the next save, then that save committed at the end: both records kept."""
+    log = MetricsLog.for_run(str(tmp_path), 1, load_config(PretrainConfig, TINY, ["log.backends=[]"]))
+    log.write({"kind": "train", "step": 8})
+    for step in (4, 8):
+        log.write({"kind": "checkpoint", "step": step})
+        log.roll(9)
+    log.close()
+    assert [r["step"] for r in read_metrics(str(tmp_path), "checkpoint")] == [4, 8]
 
 
 # --- a resume keeps the run's settings ------------------------------------------------------------------------------
@@ -357,3 +415,39 @@ def test_a_shard_gone_under_a_running_stream_is_a_permanent_failure(curated_run,
         next(batches)
     line = failures.permanent(raised.value)
     assert line is not None and "is gone: the data was rewritten or removed" in line
+
+
+@pytest.mark.slow
+def test_with_async_saves_a_damaged_checkpoint_a_kill_mid_save_and_a_full_disk_end_as_with_blocking_ones(
+    finished, capsys
+):
+    """One run meets the three: step 12's checkpoint damaged (resumes from 8), rank 1 killed at step 17 while step
+    16's save is in flight (its folder has no commit record: resumes from the new 12), then a full disk at the last
+    save (stops in one line). Every commit record written lists files that read back."""
+    args = _copy(finished, "async")
+    run = finished[1] / "async"
+    _overwrite_a_third(run / "checkpoints/step_000000012/__1_0.distcp")
+    capsys.readouterr()
+    faults = ["fault.kill_at_step=17", "fault.kill_rank=1", "fault.disk_full_at_step=20"]
+    assert job.main([*args, "checkpoint.async_save=true", "steps=20", "--allow-change", "steps", *faults]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"error: no space left on the device writing {run / 'checkpoints/step_000000020'}: free space there (or "
+        "lower checkpoint.keep), then run the same command again"
+    )
+    resumes = read_metrics(str(run), "resume")
+    assert [r["step"] for r in resumes] == [8, 12]
+    # the async checkpoint of step 12 holds the state of step 12: its fingerprint, taken on the staged copy while
+    # training went on, is the loaded state's
+    saved, loaded = resumes[1]["saved_fingerprint"], resumes[1]["fingerprint"]
+    assert saved["exp_avg_sq"] > 0 and all(loaded[k] == pytest.approx(v, rel=1e-9) for k, v in saved.items())
+    (aside,) = ckpt.set_aside_names(str(run))
+    assert aside.startswith("damaged-step_000000012-")
+    assert sorted(r["step"] for r in _train_records(run)) == list(range(1, 21))
+    assert [(s, committed) for s, _, committed in ckpt.list_checkpoints(str(run))] == [
+        (8, True), (12, True), (16, True), (20, False)
+    ]  # fmt: skip
+    for _, uri, committed in ckpt.list_checkpoints(str(run)):
+        assert not committed or ckpt.verify(uri, ckpt.read_commit(uri)) == []
+    saves = read_metrics(str(run), "checkpoint")
+    assert {r["step"] for r in saves if "stage_s" in r} == {12, 16}  # committed after training went on

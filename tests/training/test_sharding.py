@@ -135,7 +135,7 @@ def mesh_steps(rank: int, fsdp: list[str], uri: str) -> tuple[dict, nn.Module, t
                 checkpoint.load(uri, model, trainer.optimizer)
             else:
                 checkpoint.save(uri, model, trainer.optimizer, {"step": step})
-            at_two = fingerprint(model, trainer.optimizer)
+            at_two = fingerprint(checkpoint.checkpointed(model, trainer.optimizer))
         terms, update = trainer.train_step(step, iter(images[step]))
         steps.append(torch.cat([terms, update["grad_norm"].view(1)]))
     mesh = next(model.parameters()).device_mesh
@@ -157,7 +157,7 @@ def flat_and_hsdp(rank: int, folder: str) -> dict:
     checkpoint.save(uri, model, optimizer, {"step": 3})  # each replicated shard written by one rank (DCP's dedup)
     problems = checkpoint.verify(uri, checkpoint.read_commit(uri))
     checkpoint.load(uri, flat_model, flat_optimizer)
-    back = [fingerprint(model, optimizer), fingerprint(flat_model, flat_optimizer)]
+    back = [fingerprint(checkpoint.checkpointed(m, o)) for m, o in ((model, optimizer), (flat_model, flat_optimizer))]
     return {"flat": flat, "hsdp": hsdp, "problems": problems, "back": back}
 
 
