@@ -145,11 +145,16 @@ class LinkRegionSettings(Strict):
 
     phash_radius: int = Field(ge=0, le=64)  # Hamming distance over 64 bits: the most; the run may lower it (fit_radii)
     min_cosine: float | None = Field(None, ge=-1, le=1)  # None: the pHash alone, searched over the whole pool
+    # Measure the crop distance instead of the pHash distance: the least distance between either image's pHash and the
+    # other's pHash or the pHashes of its sub-crops (finds light crops; needs min_cosine)
+    crops: bool = False
 
     @model_validator(mode="after")
     def _searchable(self) -> LinkRegionSettings:
         if self.min_cosine is None and self.phash_radius > 32:
             raise ValueError("a pHash-alone region (no min_cosine) searches the whole pool: phash_radius <= 32")
+        if self.crops and self.min_cosine is None:
+            raise ValueError("a region with crops: true is searched inside the embedding clusters: set min_cosine")
         return self
 
 
@@ -158,11 +163,13 @@ class DedupSettings(Strict):
 
     # A pair is linked when it falls in any region. Measured on real photos and their copies
     # (benchmarks/dedup_truth.py): re-encodes, resizes, tone and colour changes stay within a few pHash bits and above
-    # ~0.85 cosine; light crops move 10-20 bits and stay above ~0.95. An empty list turns dedup off.
+    # ~0.85 cosine; light crops move 10-20 bits (4 of crop distance at the median) and stay above ~0.89. An empty
+    # list turns dedup off.
     links: list[LinkRegionSettings] = [
         LinkRegionSettings(phash_radius=3),  # the pHash alone
         LinkRegionSettings(phash_radius=12, min_cosine=0.80),  # pHash-led, confirmed by the embedding
         LinkRegionSettings(phash_radius=24, min_cosine=0.95),  # embedding-led, confirmed by the pHash
+        LinkRegionSettings(phash_radius=12, min_cosine=0.85, crops=True),  # crop-led, confirmed by the embedding
     ]
     # Expected chance links (unrelated pairs linked) per survivor at most, estimated from the run's own sample
     # (curation.phases.dedup.chance); at least half a link in the whole run.
@@ -188,7 +195,7 @@ class DedupSettings(Strict):
     probe_z: float = Field(1.0, gt=0)
 
     def rule(self) -> LinkRule:
-        return LinkRule.of([(r.phash_radius, r.min_cosine) for r in self.links])
+        return LinkRule.of([(r.phash_radius, r.min_cosine, r.crops) for r in self.links])
 
 
 class SampleSettings(Strict):

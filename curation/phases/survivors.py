@@ -27,6 +27,8 @@ def survivors_schema(embedding_dim: int) -> pa.Schema:
             pa.field("source", pa.string(), nullable=False),
             pa.field("key", pa.string()),
             pa.field("phash", pa.uint64()),  # null when the phash stage did not run
+            # the sub-crops' pHashes (stages.phash.crop_boxes); null where not computed (an output scored before them)
+            pa.field("phash_crops", pa.list_(pa.uint64())),
             pa.field("score", pa.float64()),  # the keep score (dedup.keep_score, first set); NaN when none is set
             pa.field("width", pa.int32()),
             pa.field("height", pa.int32()),
@@ -83,6 +85,22 @@ def _keep_score(table: pa.Table, columns: list[str]):
     return score
 
 
+def read_scored(fs, path: str, columns: list[str], target: pa.Schema) -> pa.Table:
+    """The ``columns`` of a scored file. A stage's column the file lacks (scored before the stage wrote it, as the
+    ``phash_crops`` of an older output) is read as nulls of its type in ``target``; any other missing column raises."""
+    import pyarrow.parquet as pq
+
+    from common.schema import stage_columns
+
+    with pq.ParquetFile(path, filesystem=fs) as f:
+        have = set(f.schema_arrow.names)
+        added = {c.name for c in stage_columns()} & (set(columns) - have)
+        t = f.read(columns=[c for c in columns if c not in added])
+    for name in sorted(added):
+        t = t.append_column(target.field(name), pa.nulls(t.num_rows, target.field(name).type))
+    return t.select(columns)
+
+
 def survey_partition(
     out_uri: str, shards: list[tuple[int, dict]], path: str, keep_score: list[str], balance_key: str | None, dim: int
 ) -> dict:
@@ -91,16 +109,19 @@ def survey_partition(
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from common.schema import scored_schema
     from common.storage import join, resolve, write_parquet_atomic
 
     fs, root = resolve(out_uri)
     columns = sorted(
-        {"source", "key", "shard_id", "phash", "width", "height", "encoding_quality", "embedding", *keep_score}
+        {"source", "key", "shard_id", "phash", "phash_crops", "width", "height", "encoding_quality", "embedding"}
+        | set(keep_score)
         | ({balance_key} if balance_key else set())
     )
+    scored = scored_schema(dim)
     pieces, missing_embedding = [], 0
     for ordinal, record in shards:
-        parts = [pq.read_table(join(root, f), columns=columns, filesystem=fs) for f in record["scored_files"]]
+        parts = [read_scored(fs, join(root, f), columns, scored) for f in record["scored_files"]]
         t = pa.concat_tables(parts)
         t = t.take(pc.sort_indices(t, [("source", "ascending")]))
         missing_embedding += t.column("embedding").null_count
@@ -113,6 +134,7 @@ def survey_partition(
                     "source": t.column("source"),
                     "key": t.column("key"),
                     "phash": t.column("phash"),
+                    "phash_crops": t.column("phash_crops").cast(pa.list_(pa.uint64())),
                     "score": pa.array(_keep_score(t, keep_score)),
                     "width": t.column("width"),
                     "height": t.column("height"),

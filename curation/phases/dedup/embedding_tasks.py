@@ -37,7 +37,7 @@ from curation.phases.dedup.embedding_clusters import (
     sample_quotas,
     sample_rows,
 )
-from curation.phases.dedup.link_rule import LinkRule, pair_distances
+from curation.phases.dedup.link_rule import NO_HASH, LinkRule, crop_distances, pair_distances
 from curation.steps.window import run_tasks, task_window
 
 PAIRS_DIR, BUCKETS_DIR, PLAN_DIR = LAYOUT.embedding_pairs, LAYOUT.embedding_buckets, LAYOUT.embedding_plan
@@ -49,6 +49,8 @@ PAIRS_SCHEMA = pa.schema(
         pa.field("b", pa.int64(), nullable=False),
         pa.field("similarity", pa.float32(), nullable=False),
         pa.field("distance", pa.uint8(), nullable=False),  # pHash Hamming distance; 65 where a pHash is missing
+        # the crop distance (link_rule.crop_distances); 65 where a hash is missing or no region measures it
+        pa.field("crop_distance", pa.uint8(), nullable=False),
     ]
 )
 
@@ -91,21 +93,37 @@ def _hashes(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     return column.fill_null(0).to_numpy().astype(np.uint64), valid
 
 
+def _crop_hashes(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """A ``phash_crops`` column as a (rows, K) uint64 array (0 where null) and whether each row has them; K is the
+    longest list (0 where none is set)."""
+    column = column.combine_chunks()
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    lengths = column.value_lengths().fill_null(0).to_numpy(zero_copy_only=False)
+    k = int(lengths.max()) if lengths.size else 0
+    out = np.zeros((len(column), k), np.uint64)
+    full = valid & (lengths == k)  # a row with fewer crops than the others is not compared on them
+    if k and full.any():
+        out[full] = np.asarray(column.filter(pa.array(full)).flatten().to_numpy(), np.uint64).reshape(-1, k)
+    return out, full
+
+
 @ray.remote(num_cpus=1)
 def _sample_file(
     out_uri: str, path: str, file_index: int, quota: int, seed: int
-) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
     fs, root = resolve(out_uri)
-    table = pq.read_table(join(root, path), columns=["embedding", "phash"], filesystem=fs)
+    table = pq.read_table(join(root, path), columns=["embedding", "phash", "phash_crops"], filesystem=fs)
     rows = np.sort(np.random.default_rng([seed, file_index]).choice(table.num_rows, quota, replace=False))
     table = table.take(pa.array(rows, pa.int64()))
-    return file_index, (_matrix(table.column("embedding")), *_hashes(table.column("phash")))
+    crops = _crop_hashes(table.column("phash_crops"))[0].shape[1]
+    return file_index, (_matrix(table.column("embedding")), *_hashes(table.column("phash")), crops)
 
 
 def _draw_sample(
     out_uri: str, files: list[str], counts: np.ndarray, size: int, seed: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A uniform sample of the survivors: embeddings, pHashes and whether each pHash is set."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A uniform sample of the survivors: embeddings, pHashes, whether each pHash is set, and the sub-crop hashes
+    per survivor (the most any sampled file holds)."""
     fs, root = resolve(out_uri)
     quotas = sample_quotas(counts, size)
     dim = pq.read_schema(join(root, files[0]), filesystem=fs).field("embedding").type.list_size
@@ -117,10 +135,12 @@ def _draw_sample(
         for i, (f, q) in enumerate(zip(files, quotas))
         if q
     ]
-    for i, (x, h, valid) in run_tasks(calls, task_window()):
+    crop_count = 0
+    for i, (x, h, valid, crops) in run_tasks(calls, task_window()):
         sample[offsets[i] : offsets[i + 1]], hashes[offsets[i] : offsets[i + 1]] = x, h
         hashed[offsets[i] : offsets[i + 1]] = valid
-    return sample, hashes, hashed
+        crop_count = max(crop_count, crops)
+    return sample, hashes, hashed, crop_count
 
 
 @ray.remote(num_cpus=1)
@@ -136,10 +156,12 @@ def make_plan(
     each cluster written to ``BUCKETS_FILE``), measure the sample's chance histograms (``CHANCE_FILE``); returns the
     plan's stats and log lines. A Ray task, so that the driver never holds the training sample."""
     n = int(counts.sum())
-    sample, hashes, hashed = _draw_sample(out_uri, files, counts, sample_rows(n, layout), layout.seed)
+    sample, hashes, hashed, crop_count = _draw_sample(out_uri, files, counts, sample_rows(n, layout), layout.seed)
     centroids, bucket_of, stats = plan_clusters(sample, n, len(files), layout, probes)
     home = nearest(sample, centroids)
-    measured = chance.measure(n, hashes, hashed, sample, home, stats["rows_per_survivor"], chance_pairs, layout.seed)
+    measured = chance.measure(
+        n, hashes, hashed, sample, home, stats["rows_per_survivor"], chance_pairs, layout.seed, crop_count
+    )
     fs, root = resolve(out_uri)
     buf = io.BytesIO()
     np.save(buf, centroids)
@@ -178,7 +200,7 @@ def assign_file(
     if exists(fs, join(root, bucket_path(buckets - 1, file_index))):
         return {"rows": 0, "cpu_s": 0.0}
     start = time.process_time()
-    table = pq.read_table(join(root, path), columns=["uid", "phash", "embedding"], filesystem=fs)
+    table = pq.read_table(join(root, path), columns=["uid", "phash", "phash_crops", "embedding"], filesystem=fs)
     uid = table.column("uid").to_numpy()
     ranked = probes.ranked(_matrix(table.column("embedding")), centroids)
     item, rank = np.nonzero(ranked >= 0)  # one row per (survivor, cluster it is searched in)
@@ -193,6 +215,7 @@ def assign_file(
             "home": pa.array(rank == 0),
             "ranked": pa.FixedSizeListArray.from_arrays(pa.array(ranked[item].ravel()), ranked.shape[1]),
             "phash": table.column("phash").take(pa.array(item, pa.int64())),
+            "phash_crops": table.column("phash_crops").take(pa.array(item, pa.int64())),
             "embedding": table.column("embedding").take(pa.array(item, pa.int64())),
         }
     )
@@ -217,12 +240,20 @@ def _read_bucket(fs, root: str, bucket: int, n_files: int) -> tuple[np.ndarray, 
     return x, rows
 
 
-def _distances(rows: pa.Table, uid: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The pHash distance of each pair (a, b) of uids of ``rows`` (``NO_HASH`` where a pHash is missing)."""
+def _distances(
+    rows: pa.Table, uid: np.ndarray, a: np.ndarray, b: np.ndarray, crops: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """The pHash distance and, when ``crops``, the crop distance of each pair (a, b) of uids of ``rows``
+    (``NO_HASH`` where a hash is missing, and for every crop distance when not ``crops``)."""
     hashes, valid = _hashes(rows.column("phash"))
     order = np.argsort(uid, kind="stable")
     at_a, at_b = order[np.searchsorted(uid[order], a)], order[np.searchsorted(uid[order], b)]
-    return pair_distances(hashes[at_a], hashes[at_b], valid[at_a], valid[at_b])
+    distance = pair_distances(hashes[at_a], hashes[at_b], valid[at_a], valid[at_b])
+    if not crops:
+        return distance, np.full(distance.shape, NO_HASH, np.int16)
+    sub, whole = _crop_hashes(rows.column("phash_crops"))
+    va, vb = valid[at_a] & whole[at_a], valid[at_b] & whole[at_b]
+    return distance, crop_distances(hashes[at_a], sub[at_a], hashes[at_b], sub[at_b], va, vb)
 
 
 @ray.remote(num_cpus=1)
@@ -243,13 +274,20 @@ def search_bucket(out_uri: str, bucket: int, n_files: int, s: SearchSettings) ->
         found.append(cluster_pairs(x[part], uid[part], home[part], ranked[part], s))  # gathered while searched
         largest = max(largest, int(home[part].sum()))
     a, b, sim = concat_pairs(found)
-    distance = _distances(rows, uid, a, b)
+    rule = LinkRule(s.confirm)
+    distance, crop = _distances(rows, uid, a, b, rule.needs_crops)
     if s.confirm:  # the joint regions of the link rule: the pHash confirms the embedding
-        linked = LinkRule(s.confirm).confirmed(distance, sim)
-        a, b, sim, distance = a[linked], b[linked], sim[linked], distance[linked]
+        linked = rule.confirmed(distance, sim, crop)
+        a, b, sim, distance, crop = a[linked], b[linked], sim[linked], distance[linked], crop[linked]
     order = np.lexsort((b, a))  # clusters own disjoint pairs: sorting is all that is left
     pairs = pa.table(
-        {"a": a[order], "b": b[order], "similarity": sim[order], "distance": distance[order].astype(np.uint8)},
+        {
+            "a": a[order],
+            "b": b[order],
+            "similarity": sim[order],
+            "distance": distance[order].astype(np.uint8),
+            "crop_distance": crop[order].astype(np.uint8),
+        },
         schema=PAIRS_SCHEMA,
     )
     write_parquet_atomic(fs, out, pairs, row_group_size=1 << 20)

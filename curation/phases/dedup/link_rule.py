@@ -149,7 +149,7 @@ def crop_distances(hashes_a, crops_a, hashes_b, crops_b, valid_a=None, valid_b=N
     a, b = np.asarray(hashes_a, np.uint64), np.asarray(hashes_b, np.uint64)
     ca, cb = np.asarray(crops_a, np.uint64), np.asarray(crops_b, np.uint64)
     d = popcount64(a ^ b).astype(np.int16)
-    if d.size:
+    if d.size and ca.ndim == cb.ndim == 2 and ca.shape[1] and cb.shape[1]:
         d = np.minimum(d, popcount64(a[:, None] ^ cb).min(axis=1))
         d = np.minimum(d, popcount64(b[:, None] ^ ca).min(axis=1))
     if valid_a is not None:

@@ -49,6 +49,7 @@ from common.config import hash_json_each
 from common.layout import LAYOUT
 from common.storage import encode_parquet, exists, join, redact, resolve, write_bytes_atomic
 from curation.config import CurateConfig, config_from_json
+from curation.phases.survivors import read_scored
 from curation.phases.write.takedown import Takedowns, applied_takedowns
 from curation.records import read_done
 from curation.score.ledger import funnel_of
@@ -151,9 +152,7 @@ def _write_output_shards(
     )
 
     def scored_of(shard_id: str) -> pa.Table:
-        return pa.concat_tables(
-            [pq.read_table(join(root, f), columns=columns, filesystem=fs) for f in scored_files[shard_id]]
-        )
+        return pa.concat_tables([read_scored(fs, join(root, f), columns, target) for f in scored_files[shard_id]])
 
     # the output shards walk the partitions and input shards in increasing order: each file is read once, one held
     selected, scored = functools.lru_cache(maxsize=1)(selected_of), functools.lru_cache(maxsize=1)(scored_of)

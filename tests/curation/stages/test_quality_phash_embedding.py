@@ -25,7 +25,8 @@ from common.imageio import decode
 from curation.config import CurateConfig
 from curation.score.stage import REJECT
 from curation.stages.embedding import LITE_NAME, EmbeddingStage
-from curation.stages.phash import PhashStage, hamming, hash_to_int
+from curation.phases.dedup.link_rule import crop_distances
+from curation.stages.phash import CROP_COUNT, PhashStage, crop_boxes, hamming, hash_to_int
 from curation.stages.quality import PARTS, QualityStage
 from generators.sample_pool import ultralytics_assets
 
@@ -263,6 +264,39 @@ def test_phash_near_duplicates_close_and_different_photos_far(photos):
     print(f"\nphash distances: near-duplicates {dup_dist}; different photos min {min(unrelated)} max {max(unrelated)}")
     assert max(max(d) for d in dup_dist.values()) <= 10
     assert min(unrelated) >= 16
+
+
+def test_sub_crop_hashes_bring_a_light_crop_close_to_its_original(photos):
+    """A crop keeping 90-95% of each side, off-centre, moves the whole-image pHash far; one of the original's sub-crop
+    windows frames it alike, so its crop distance stays small. Unrelated photos stay far on the crop distance."""
+    stage = _stage(PhashStage)
+    assert stage.columns[1].type == pa.list_(pa.uint64(), CROP_COUNT)
+    assert len(crop_boxes(192, 144)) == CROP_COUNT and crop_boxes(192, 144)[-1][2:] == (192, 144)
+    names = list(photos)
+    rng = np.random.default_rng(3)
+    copies = []
+    for n in names:
+        img = photos[n]
+        h, w = img.shape[:2]
+        f = rng.uniform(0.90, 0.95)
+        ch, cw = round(h * f), round(w * f)
+        y, x = int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1))
+        copies.append(_jpeg(np.ascontiguousarray(img[y : y + ch, x : x + cw]), 90))
+    orig = stage.process_batch(_rows([_jpeg(photos[n]) for n in names]))
+    crop = stage.process_batch(_rows(copies))
+    pa.array([u["phash_crops"] for u in orig], stage.columns[1].type)  # the stored type holds them
+
+    def signals(updates):
+        return np.array([u["phash"] for u in updates], np.uint64), np.array([u["phash_crops"] for u in updates], np.uint64)
+
+    (h0, c0), (h1, c1) = signals(orig), signals(crop)
+    whole = [hamming(int(a), int(b)) for a, b in zip(h0, h1)]
+    cropped = crop_distances(h0, c0, h1, c1).tolist()
+    i, j = np.triu_indices(len(names), 1)
+    unrelated = crop_distances(h0[i], c0[i], h0[j], c0[j])
+    print(f"\nlight crops: whole-image distance {whole}, crop distance {cropped}; unrelated min {unrelated.min()}")
+    assert np.median(cropped) < np.median(whole) and max(cropped) <= 10
+    assert all(c <= w for c, w in zip(cropped, whole)) and unrelated.min() >= 12
 
 
 # -------------------------------------------------------------------------------------------------- embedding

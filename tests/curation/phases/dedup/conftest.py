@@ -33,10 +33,10 @@ def _mixture(n: int, dim: int, seed: int, copies: float = 0.05, centre_norm: flo
 
 
 def _write_survivors(
-    out, x: np.ndarray, rows_per_file: int, phash: np.ndarray | None = None
+    out, x: np.ndarray, rows_per_file: int, phash: np.ndarray | None = None, crops: np.ndarray | None = None
 ) -> tuple[list[str], np.ndarray]:
-    """Survivor partitions of ``x`` (and ``phash``, uint64 per row; None: no pHashes) in the survivors schema under
-    ``out``; returns their paths and the uid of each row of ``x``."""
+    """Survivor partitions of ``x`` (and ``phash``, uint64 per row, ``crops``, (rows, K) uint64 sub-crop hashes;
+    None: none) in the survivors schema under ``out``; returns their paths and the uid of each row of ``x``."""
     fs, root = resolve(str(out))
     n, dim = x.shape
     files, uids = [], []
@@ -51,6 +51,9 @@ def _write_survivors(
                 "source": [f"s://{i}/{j}" for j in range(m)],
                 "key": [f"{i}-{j}" for j in range(m)],
                 "phash": pa.nulls(m, pa.uint64()) if phash is None else pa.array(phash[start : start + m], pa.uint64()),
+                "phash_crops": pa.nulls(m, pa.list_(pa.uint64()))
+                if crops is None
+                else pa.array(crops[start : start + m].tolist(), pa.list_(pa.uint64())),
                 "score": np.full(m, np.nan),
                 "width": np.full(m, 64, np.int32),
                 "height": np.full(m, 64, np.int32),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from curation.phases.dedup import chance
-from curation.phases.dedup.link_rule import LinkRule, Region, pair_distances
+from curation.phases.dedup.link_rule import LinkRule, Region, crop_distances, pair_distances
 
 
 def _sample(n: int, bits: int, seed: int = 0, dim: int = 16, clusters: int = 20):
@@ -38,6 +38,26 @@ def test_the_estimate_stays_above_the_chance_links_counted_and_near_them(radius)
     estimated = chance.region_estimate(measured, Region(radius)).expected(radius)
     assert counted > 20
     assert counted <= estimated <= 8 * counted, (counted, estimated)
+
+
+@pytest.mark.parametrize("radius", [1, 3])
+def test_the_crop_distance_estimate_stays_above_its_chance_links_counted(radius):
+    # 24 random bits, and 8 sub-crop hashes per item a few bits off its own (as a real sub-crop's hash is): the union
+    # bound counts each comparison as independent, so it may only err high
+    hashes, x, home = _sample(3000, 24, clusters=1)
+    rng = np.random.default_rng(2)
+    flips = np.zeros((3000, 8), np.uint64)
+    for _ in range(3):
+        flips |= np.uint64(1) << rng.integers(0, 24, (3000, 8)).astype(np.uint64)
+    crops = hashes[:, None] ^ flips
+    measured = chance.measure(3000, hashes, np.ones(3000, bool), x, home, 1.0, 10**6, seed=0, crop_count=8)
+    assert chance.ChanceSample.from_json(measured.to_json()).crop_count == 8
+    i, j = np.triu_indices(3000, 1)
+    counted = int((crop_distances(hashes[i], crops[i], hashes[j], crops[j]) <= radius).sum())
+    plain = chance.region_estimate(measured, Region(radius, -1.0)).expected(radius)
+    estimated = chance.region_estimate(measured, Region(radius, -1.0, crops=True)).expected(radius)
+    assert estimated == pytest.approx(17 * plain)
+    assert counted > 20 and counted <= estimated, (counted, estimated)
 
 
 def test_copies_inside_a_region_are_not_counted_as_chance():

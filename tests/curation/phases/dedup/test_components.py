@@ -54,6 +54,7 @@ def write_survivors(root: Path, n_files: int, shards_per_file: int, rows_per_sha
                 "source": [f"pool/{s:05d}/{r:04d}.jpg" for s, r in zip(shard, rank)],
                 "key": pa.array(key.tolist(), pa.string()),
                 "phash": pa.array(rng.integers(0, 2**63, n).astype(np.uint64)),
+                "phash_crops": pa.nulls(n, pa.list_(pa.uint64())),
                 "score": score,
                 "width": side,
                 "height": rng.choice([384, 512], n).astype(np.int32),

@@ -11,7 +11,7 @@ from curation.phases import reference
 from curation.phases.dedup import embedding_pairs as ep
 from curation.phases.dedup import embedding_tasks as tasks
 from curation.phases.dedup.embedding_clusters import SATURATED_WARNING
-from curation.phases.dedup.link_rule import NO_HASH, Region, pair_distances
+from curation.phases.dedup.link_rule import NO_HASH, Region, crop_distances, pair_distances
 from curation.steps.output import Output
 from curation.steps.runner import StepRunner
 
@@ -162,3 +162,27 @@ def test_the_phash_confirms_each_pair_of_a_joint_region(ray_local, tmp_path, emb
     assert _run(tmp_path / "unhashed", files, confirm=(Region(64, THRESHOLD),))["pairs"] == 0
     _run(tmp_path / "unhashed-all", write_survivors(tmp_path / "unhashed-all", x, 1000)[0])
     assert set(_read_pairs(tmp_path / "unhashed-all")[0][0].column("distance").to_pylist()) <= {NO_HASH}
+
+
+def test_a_crop_region_links_the_pairs_within_its_crop_distance(ray_local, tmp_path, embedding_mixture, write_survivors):
+    x = embedding_mixture(3000, 32, seed=6)
+    rng = np.random.default_rng(6)
+    hashes = rng.integers(0, 2**63, len(x), dtype=np.int64).astype(np.uint64)
+    crops = rng.integers(0, 2**63, (len(x), 16), dtype=np.int64).astype(np.uint64)
+    files, uid = write_survivors(tmp_path / "all", x, 1000, hashes, crops)
+    _run(tmp_path / "all", files)
+    _, all_pairs = _read_pairs(tmp_path / "all")
+    row = {u: r for r, u in enumerate(uid.tolist())}
+    # half the embedding pairs become crops: b's pHash a few bits off one of a's sub-crop hashes
+    for a, b in sorted(all_pairs)[::2]:
+        crops[row[a], rng.integers(0, 16)] = hashes[row[b]] ^ np.uint64(int(rng.integers(0, 64)))
+    files, _ = write_survivors(tmp_path / "crops", x, 1000, hashes, crops)
+    result = _run(tmp_path / "crops", files, confirm=(Region(4, 0.0), Region(6, THRESHOLD, crops=True)))
+    tables, kept = _read_pairs(tmp_path / "crops")
+    a, b = (np.array([row[u] for u, _ in sorted(all_pairs)]), np.array([row[v] for _, v in sorted(all_pairs)]))
+    crop = dict(zip(sorted(all_pairs), crop_distances(hashes[a], crops[a], hashes[b], crops[b]).tolist()))
+    plain = dict(zip(sorted(all_pairs), pair_distances(hashes[a], hashes[b]).tolist()))
+    assert kept == {p for p in all_pairs if crop[p] <= 6 or plain[p] <= 4} and len(kept) >= len(all_pairs) // 3
+    assert result["pairs"] == len(kept)
+    got = {(u, v): c for t in tables for u, v, c in zip(*(t.column(n).to_pylist() for n in ("a", "b", "crop_distance")))}
+    assert all(got[p] == crop[p] for p in kept)

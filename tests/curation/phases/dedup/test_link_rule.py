@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from curation.phases.dedup.link_rule import NO_HASH, LinkRule, pair_distances
-from curation.settings import DedupSettings
+from curation.phases.dedup.link_rule import NO_HASH, LinkRule, Region, comparisons, crop_distances, pair_distances
+from curation.settings import DedupSettings, LinkRegionSettings
 
 
 def test_a_pair_is_linked_by_any_region_and_a_joint_region_needs_both_signals():
@@ -43,3 +43,36 @@ def test_the_settings_give_the_rule_in_order_and_refuse_a_whole_pool_search_too_
     assert rule.regions[0].min_cosine is None and all(r.min_cosine is not None for r in rule.regions[1:])
     with pytest.raises(ValueError, match="phash_radius <= 32"):
         DedupSettings(links=[{"phash_radius": 40}])
+
+
+def test_the_crop_distance_is_the_least_of_its_comparisons():
+    rng = np.random.default_rng(0)
+    n, k = 300, 5
+    a, b = rng.integers(0, 2**63, n).astype(np.uint64), rng.integers(0, 2**63, n).astype(np.uint64)
+    ca, cb = rng.integers(0, 2**63, (n, k)).astype(np.uint64), rng.integers(0, 2**63, (n, k)).astype(np.uint64)
+    cb[:100, 2] = a[:100] ^ np.uint64(0b101)  # b is a crop of a, framed like a's window 2
+    valid = rng.random(n) < 0.9
+    got = crop_distances(a, ca, b, cb, valid, None)
+    for p in range(n):
+        hashes = [(a[p], b[p])] + [(a[p], c) for c in cb[p]] + [(b[p], c) for c in ca[p]]
+        want = min(int(x ^ y).bit_count() for x, y in hashes) if valid[p] else NO_HASH
+        assert got[p] == want
+    assert (got[:100][valid[:100]] <= 2).all() and comparisons(k) == 11
+    # no sub-crop hashes (an output scored before them): the pHash distance
+    assert crop_distances(a, np.zeros((n, 0), np.uint64), b, cb).tolist() == pair_distances(a, b).tolist()
+
+
+def test_a_crop_region_links_on_the_crop_distance_and_needs_a_cosine():
+    rule = LinkRule.of([(3, None), (12, 0.8), (6, 0.85, True)])
+    d, c, crop = np.array([20, 20, 20, 5]), np.array([0.9, 0.8, 0.9, 0.9]), np.array([4, 4, 7, 5])
+    assert rule.links(d, c, crop).tolist() == [True, False, False, True]
+    assert rule.needs_crops and not LinkRule.of([(3, None), (12, 0.8)]).needs_crops
+    assert "crop distance <= 6" in rule.describe()
+    assert rule.with_radii([3, 12, -1]).needs_crops is False  # a region turned off reads no crops
+    with pytest.raises(ValueError, match="crop distances"):
+        rule.links(d, c)
+    with pytest.raises(ValueError, match="min_cosine"):
+        Region(5, None, True)
+    with pytest.raises(ValueError, match="set min_cosine"):
+        LinkRegionSettings(phash_radius=5, crops=True)
+    assert DedupSettings().rule().needs_crops

@@ -37,6 +37,7 @@ def write_survivors(out: Path, uid: np.ndarray, phash: np.ndarray, valid: np.nda
                 "source": pa.array([f"img-{u & 0xFFFFFFFF}" for u in uid[idx].tolist()], pa.string()),
                 "key": pa.array([f"key-{u}" for u in uid[idx].tolist()], pa.string()),
                 "phash": pa.array(phash[idx], pa.uint64(), mask=~valid[idx]),
+                "phash_crops": pa.nulls(n, pa.list_(pa.uint64())),
                 "score": pa.array(np.full(n, np.nan)),
                 "width": pa.array(np.full(n, 512, np.int32)),
                 "height": pa.array(np.full(n, 512, np.int32)),

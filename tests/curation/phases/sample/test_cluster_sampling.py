@@ -67,6 +67,7 @@ def write_survivors(
                 "source": [f"pool/{j:07d}.jpg" for j in rows],
                 "key": [f"k{j}" for j in rows],
                 "phash": pa.nulls(rows.size, pa.uint64()),
+                "phash_crops": pa.nulls(rows.size, pa.list_(pa.uint64())),
                 "score": np.full(rows.size, np.nan),
                 "width": np.full(rows.size, 512, np.int32),
                 "height": np.full(rows.size, 512, np.int32),
