@@ -10,13 +10,15 @@ Photos: the ones that ship in installed packages (``generators.sample_pool.load_
 Copies of one picture inside those packages (the same test image in several docs pages) are folded into one
 original first (``_distinct``). Each original gets ``--variants`` copies of every kind in ``VARIANT_KINDS``: a
 JPEG re-encode, a resize, a light crop, a watermark, a colour shift, a tone change and a combination, with
-seeded parameters. The signals are the pipeline's own: the pHash stage's draft decode and hash, the lite
-embedding stage's decode and descriptor.
+seeded parameters. The signals are the pipeline's own: the pHash stage's draft decode, hash and sub-crop hashes
+(the crop distance of ``link_rule.crop_distances``), the lite embedding stage's decode and descriptor.
 
 Printed: per copy kind, the share of (original, copy) pairs each signal and the rule links (recall); over every
 pair of different originals, how many each links (chance links on unrelated photos) and the precision of each
-over all pairs; and the rule's tail estimate (``curation.phases.dedup.chance``) from the unrelated pairs.
-``--json`` writes the figures for RESULTS.md.
+over all pairs; the rule's tail estimate (``curation.phases.dedup.chance``) from the unrelated pairs; and the
+assumption behind a crop region's estimate (``crop_assumption``: sub-crop hashes spread like whole-image hashes
+over unrelated pairs, so the crop distance links by chance at most ``comparisons(K)`` times as often as the pHash).
+``--json`` writes the figures for RESULTS.md; ``--calibration`` what ``bench_scale.py`` plants copies from.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.imageio import decode, open_reduced  # noqa: E402
-from curation.phases.dedup.link_rule import LinkRule  # noqa: E402
+from curation.phases.dedup.link_rule import LinkRule, Region, comparisons, crop_distances  # noqa: E402
 from curation.stages.embedding import embed  # noqa: E402
-from curation.stages.phash import phash_of  # noqa: E402
+from curation.stages.phash import CROP_COUNT, phash_and_crops  # noqa: E402
 
 DEBIAN_PACKAGES = ("opencv-doc", "darknet")
 # folders of those packages that hold photographs (the docs pages' figures are mostly screenshots and plots)
@@ -125,9 +127,11 @@ def variant(img: Image.Image, kind: str, rng: np.random.Generator) -> bytes:
     raise ValueError(f"unknown copy kind {kind!r}")
 
 
-def signals(data: bytes) -> tuple[int, np.ndarray]:
-    """The pHash and the lite embedding exactly as the pipeline's stages compute them."""
-    return phash_of(open_reduced(data, max_side=DRAFT_SIDE, mode="L")), embed(decode(data, max_side=EMBED_SIDE))
+def signals(data: bytes) -> tuple[int, np.ndarray, np.ndarray]:
+    """The pHash, the sub-crop pHashes (``CROP_COUNT`` uint64) and the lite embedding exactly as the pipeline's
+    stages compute them."""
+    full, crops = phash_and_crops(open_reduced(data, max_side=DRAFT_SIDE, mode="L"))
+    return full, np.asarray(crops, np.uint64), embed(decode(data, max_side=EMBED_SIDE))
 
 
 # --- photos -----------------------------------------------------------------------------------------------------------
@@ -169,6 +173,7 @@ class Photos:
     names: list[str]
     images: list[Image.Image]
     phash: np.ndarray  # uint64
+    crops: np.ndarray  # N x CROP_COUNT uint64: the sub-crop pHashes
     embedding: np.ndarray  # N x D
 
 
@@ -177,14 +182,14 @@ def _distinct(named: list[tuple[str, bytes]]) -> Photos:
     same test image in several pages: pHash within 4 bits and cosine >= 0.98, well inside what any copy kind
     here reaches) folded into the first."""
     seen: set[str] = set()
-    names, images, hashes, embs = [], [], [], []
+    names, images, hashes, crops, embs = [], [], [], [], []
     for name, data in named:
         digest = hashlib.sha256(data).hexdigest()
         if digest in seen:
             continue
         seen.add(digest)
         img = Image.open(io.BytesIO(data)).convert("RGB")
-        h, e = signals(_jpeg(img, 95))
+        h, hc, e = signals(_jpeg(img, 95))
         if hashes:
             d = np.bitwise_count(np.asarray(hashes, np.uint64) ^ np.uint64(h))
             if np.any((d <= 4) & (np.asarray(embs) @ e >= 0.98)):
@@ -192,8 +197,15 @@ def _distinct(named: list[tuple[str, bytes]]) -> Photos:
         names.append(name)
         images.append(img)
         hashes.append(h)
+        crops.append(hc)
         embs.append(e)
-    return Photos(names, images, np.asarray(hashes, np.uint64), np.asarray(embs, np.float32))
+    return Photos(
+        names,
+        images,
+        np.asarray(hashes, np.uint64),
+        np.asarray(crops, np.uint64).reshape(-1, CROP_COUNT),
+        np.asarray(embs, np.float32),
+    )
 
 
 # --- evaluation -------------------------------------------------------------------------------------------------------
@@ -201,12 +213,13 @@ def _distinct(named: list[tuple[str, bytes]]) -> Photos:
 
 @dataclass
 class Copies:
-    """Each copy's original, kind, and its pHash distance and cosine to the original."""
+    """Each copy's original, kind, and its pHash distance, cosine and crop distance to the original."""
 
     original: np.ndarray
     kind: np.ndarray
     distance: np.ndarray
     cosine: np.ndarray
+    crop: np.ndarray  # ``link_rule.crop_distances`` of the copy and its original
 
 
 def make_copies(photos: Photos, n_variants: int, seed: int) -> Copies:
@@ -215,29 +228,30 @@ def make_copies(photos: Photos, n_variants: int, seed: int) -> Copies:
     for k, img in enumerate(photos.images):
         for kind in VARIANT_KINDS:
             for _ in range(n_variants):
-                h, e = signals(variant(img, kind, rng))
-                rows.append(
-                    (k, kind, int(np.bitwise_count(np.uint64(h) ^ photos.phash[k])), float(e @ photos.embedding[k]))
-                )
-    k, kind, d, c = zip(*rows)
-    return Copies(np.asarray(k), np.asarray(kind), np.asarray(d), np.asarray(c))
+                h, hc, e = signals(variant(img, kind, rng))
+                crop = crop_distances([h], hc[None], photos.phash[k : k + 1], photos.crops[k : k + 1])[0]
+                d = int(np.bitwise_count(np.uint64(h) ^ photos.phash[k]))
+                rows.append((k, kind, d, float(e @ photos.embedding[k]), int(crop)))
+    k, kind, d, c, crop = zip(*rows)
+    return Copies(np.asarray(k), np.asarray(kind), np.asarray(d), np.asarray(c), np.asarray(crop))
 
 
-def unrelated_pairs(photos: Photos) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Every pair of different originals: indices, pHash distance, cosine."""
+def unrelated_pairs(photos: Photos) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every pair of different originals: indices, pHash distance, cosine, crop distance."""
     i, j = np.triu_indices(len(photos.names), 1)
     d = np.bitwise_count(photos.phash[i] ^ photos.phash[j]).astype(np.int64)
-    return i, j, d, np.einsum("ij,ij->i", photos.embedding[i], photos.embedding[j])
+    crop = crop_distances(photos.phash[i], photos.crops[i], photos.phash[j], photos.crops[j]).astype(np.int64)
+    return i, j, d, np.einsum("ij,ij->i", photos.embedding[i], photos.embedding[j]), crop
 
 
 def evaluate(photos: Photos, copies: Copies, rules: dict[str, LinkRule]) -> dict:
     """Per rule: recall per copy kind, links among different originals (chance links, and derived pictures the
     packages hold: a filter's result beside its input), precision over every pair of the set."""
-    i, _, d_u, c_u = unrelated_pairs(photos)
+    i, _, d_u, c_u, crop_u = unrelated_pairs(photos)
     out: dict = {"originals": len(photos.names), "copies": int(copies.kind.size), "unrelated_pairs": int(i.size)}
     for label, rule in rules.items():
-        found = rule.links(copies.distance, copies.cosine)
-        chance = rule.links(d_u, c_u)
+        found = rule.links(copies.distance, copies.cosine, copies.crop)
+        chance = rule.links(d_u, c_u, crop_u)
         true_pos, false_pos = int(found.sum()), int(chance.sum())
         out[label] = {
             "rule": rule.describe(),
@@ -249,6 +263,7 @@ def evaluate(photos: Photos, copies: Copies, rules: dict[str, LinkRule]) -> dict
     out["copy_distances"] = {
         kind: {
             "phash_p50_p90_p99": [int(np.percentile(copies.distance[copies.kind == kind], q)) for q in (50, 90, 99)],
+            "crop_p50_p90_p99": [int(np.percentile(copies.crop[copies.kind == kind], q)) for q in (50, 90, 99)],
             "cosine_p1_p10_p50": [
                 round(float(np.percentile(copies.cosine[copies.kind == kind], q)), 3) for q in (1, 10, 50)
             ],
@@ -257,6 +272,7 @@ def evaluate(photos: Photos, copies: Copies, rules: dict[str, LinkRule]) -> dict
     }
     out["between_originals"] = {
         "phash_mean_sd": [round(float(d_u.mean()), 2), round(float(d_u.std()), 2)],
+        "crop_mean_sd": [round(float(crop_u.mean()), 2), round(float(crop_u.std()), 2)],
         "cosine_mean_sd": [round(float(c_u.mean()), 3), round(float(c_u.std()), 3)],
     }
     return out
@@ -271,34 +287,110 @@ def chance_check(photos: Photos, copies: Copies, rule: LinkRule) -> list[dict]:
     n = len(photos.names)
     home = nearest(photos.embedding, kmeans(photos.embedding, max(1, n // default_cluster_size(n)), 0))
     sample = chance.measure(n, photos.phash, np.ones(n, bool), photos.embedding, home, 1.0, 10**6, 0)
-    i, j, d_u, c_u = unrelated_pairs(photos)
+    i, j, d_u, c_u, crop_u = unrelated_pairs(photos)
     same = home[i] == home[j]
     rows = []
     for region in rule.regions:
-        estimate = chance.region_estimate(sample, region)
+        # a crop region: comparisons(CROP_COUNT) times the plain joint region at its cosine and radius (union bound)
+        factor = comparisons(CROP_COUNT) if region.crops else 1
+        estimate = chance.region_estimate(sample, Region(region.phash_radius, region.min_cosine))
         for r in sorted({max(region.phash_radius - 8, 0), max(region.phash_radius - 4, 0), region.phash_radius}):
-            inside = (d_u <= r) & (same if region.min_cosine is not None else True)
+            inside = ((crop_u if region.crops else d_u) <= r) & (same if region.min_cosine is not None else True)
             if region.min_cosine is not None:
                 inside &= c_u >= region.min_cosine
-            rows.append({"region": region.describe(), "radius": r, "estimated": round(estimate.expected(r), 2),
-                         "counted": int(inside.sum())})  # fmt: skip
+            rows.append({"region": region.describe(), "radius": r,
+                         "estimated": round(factor * estimate.expected(r), 2), "counted": int(inside.sum())})  # fmt: skip
     return rows
 
 
+def crop_assumption(photos: Photos, seed: int, sampled_pairs: int | None = None, radii=(6, 8, 10)) -> dict:
+    """The chance estimate of a crop region (``comparisons(CROP_COUNT)`` plain comparisons, a union bound) against the
+    unrelated pairs of originals: the spread of whole-whole distances and of single cross comparisons (one image's
+    pHash against one sub-crop hash of the other, every sub-crop of both sides, on ``sampled_pairs`` random pairs or
+    all), and how many distances are odd (a pHash sets half its bits, so two hashes differ in an even number),
+    and per radius the pairs counted within that crop distance beside ``comparisons(CROP_COUNT)`` x the pairs
+    within that pHash distance (counted, and from the normal fitted beyond the radius as the pHash-alone estimate
+    fits it), over all the pairs and over those at cosine >= 0.85."""
+    from curation.phases.dedup.chance import Tail
+
+    i, j, d_u, c_u, crop_u = unrelated_pairs(photos)
+    rng = np.random.default_rng([seed, 11])
+    pick = rng.choice(i.size, min(sampled_pairs or i.size, i.size), replace=False)
+    a, b = i[pick], j[pick]
+    cross = np.concatenate(
+        [
+            np.bitwise_count(photos.phash[a][:, None] ^ photos.crops[b]).ravel(),
+            np.bitwise_count(photos.phash[b][:, None] ^ photos.crops[a]).ravel(),
+        ]
+    ).astype(np.int64)
+    k = comparisons(CROP_COUNT)
+    hist = np.bincount(d_u, minlength=65)
+    high = c_u >= 0.85
+    rows = []
+    for r in radii:
+        tail = Tail.fit(hist, r, None)
+        p = tail.p_within(r)
+        normal_whole = float((d_u > r).sum()) / max(1 - p, 1e-12) * p
+        rows.append(
+            {
+                "radius": r,
+                "whole_share_within": float(f"{(d_u <= r).mean():.3g}"),
+                "cross_share_within": float(f"{(cross <= r).mean():.3g}"),
+                "crop_counted": int((crop_u <= r).sum()),
+                "whole_counted": int((d_u <= r).sum()),
+                "predicted_from_counted": k * int((d_u <= r).sum()),
+                "predicted_from_normal": round(k * normal_whole, 2),
+                "normal_fit_mean_sd": [round(tail.mean, 2), round(tail.sd, 2)],
+                "at_cosine_0.85": {
+                    "crop_counted": int(((crop_u <= r) & high).sum()),
+                    "whole_counted": int(((d_u <= r) & high).sum()),
+                    "predicted_from_counted": k * int(((d_u <= r) & high).sum()),
+                },
+            }
+        )
+    return {
+        "pairs": int(i.size),
+        "comparisons": k,
+        "whole_mean_sd": [round(float(d_u.mean()), 2), round(float(d_u.std()), 2)],
+        "cross_mean_sd": [round(float(cross.mean()), 2), round(float(cross.std()), 2)],
+        "cross_comparisons": int(cross.size),
+        "cross_sampled_pairs": int(pick.size),
+        "odd_distances": {
+            "whole": int((d_u % 2).sum()),
+            "cross": int((cross % 2).sum()),
+            "crop": int((crop_u % 2).sum()),
+        },
+        "crop_mean_sd": [round(float(crop_u.mean()), 2), round(float(crop_u.std()), 2)],
+        "by_radius": rows,
+    }
+
+
 def calibration(photos: Photos, copies: Copies) -> dict:
-    """What ``bench_scale.py`` plants from: each copy kind's measured (pHash distance, cosine) pairs, and the cosines
-    of pairs of different originals that share a k-means cluster (clusters of ``default_cluster_size``)."""
+    """What ``bench_scale.py`` plants from: each copy kind's measured (pHash distance, cosine) pairs (``copies``), the
+    same copies as (pHash distance, cosine, crop distance) triples in the same order (``copies_crop``), and the
+    cosines of pairs of different originals that share a k-means cluster (clusters of ``default_cluster_size``)."""
     from curation.phases.dedup.embedding_clusters import default_cluster_size, kmeans, nearest
 
     n = len(photos.names)
     home = nearest(photos.embedding, kmeans(photos.embedding, max(1, n // default_cluster_size(n)), 0))
-    i, j, _, c_u = unrelated_pairs(photos)
+    i, j, _, c_u, _ = unrelated_pairs(photos)
     same = home[i] == home[j]
     return {
         "copies": {
             kind: [
                 [int(d), round(float(c), 4)]
                 for d, c in zip(copies.distance[copies.kind == kind], copies.cosine[copies.kind == kind])
+            ]
+            for kind in VARIANT_KINDS
+        },
+        "copies_crop": {
+            kind: [
+                [int(d), round(float(c), 4), int(x)]
+                for d, c, x in zip(
+                    copies.distance[copies.kind == kind],
+                    copies.cosine[copies.kind == kind],
+                    copies.crop[copies.kind == kind],
+                )
             ]
             for kind in VARIANT_KINDS
         },
@@ -312,8 +404,9 @@ def main() -> None:
     ap.add_argument("--work", default="out/dedup_truth", help="where the Debian packages are unpacked")
     ap.add_argument("--no-debian", action="store_true", help="the package photos only")
     ap.add_argument("--variants", type=int, default=2, help="copies of each kind per original")
-    ap.add_argument("--radii", help="also the rule at these radii (comma-separated, one per region; -1: off), e.g. "
-                    "the ones a run at 10^9 fits")  # fmt: skip
+    ap.add_argument("--radii", action="append", default=[],
+                    help="also the rule at these radii (comma-separated, one per region in order; -1: off; regions "
+                    "left out are off), e.g. the ones a run at 10^9 fits; may be given more than once")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--calibration", help="write bench_scale.py's calibration here")
@@ -325,16 +418,23 @@ def main() -> None:
     print(f"{len(named)} photo files, {len(photos.names)} distinct originals", file=sys.stderr)
     copies = make_copies(photos, args.variants, args.seed)
     rule = DedupSettings().rule()
+    if not rule.needs_crops:  # settings without the crop region: the default's regions and the crop region
+        rule = LinkRule((*rule.regions, Region(12, 0.85, crops=True)))
     rules = {
         "pHash <= 8 alone": LinkRule.of([(8, None)]),
         "cosine >= 0.95 alone": LinkRule.of([(64, 0.95)]),
+        "cosine >= 0.85 and crop distance <= 8": LinkRule.of([(8, 0.85, True)]),
         "previous: pHash <= 8 or cosine >= 0.95": LinkRule.of([(8, None), (64, 0.95)]),
         "rule": rule,
     }
-    if args.radii:
-        rules["rule at --radii"] = rule.with_radii([int(r) for r in args.radii.split(",")])
+    for radii in args.radii:
+        values = [int(r) for r in radii.split(",")]
+        if len(values) > len(rule.regions):
+            ap.error(f"--radii {radii}: the rule has {len(rule.regions)} regions")
+        rules[f"rule at --radii {radii}"] = rule.with_radii(values + [-1] * (len(rule.regions) - len(values)))
     result = evaluate(photos, copies, rules)
     result["chance_check"] = chance_check(photos, copies, rule)
+    result["crop_assumption"] = crop_assumption(photos, args.seed)
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
