@@ -50,6 +50,7 @@ from common.layout import GLOBAL_PHASES as PHASES  # noqa: E402
 from common.layout import LAYOUT  # noqa: E402
 from common.storage import join, resolve, write_json_atomic, write_parquet_atomic  # noqa: E402
 from curation.config import CurateConfig  # noqa: E402
+from curation.stages.phash import CROP_COUNT  # noqa: E402
 
 LITE = REPO / "configs/curate/lite.yaml"
 GIB = 2**30
@@ -64,9 +65,12 @@ def config(extra: list[str]) -> CurateConfig:
 # spread by a noise of per-item scale, so that the cosines of unrelated survivors sharing a k-means cluster spread as
 # real photos' do (``MIXTURE`` was chosen by ``--calibrate`` against the quantiles in ``CALIBRATION``, measured by
 # ``benchmarks/dedup_truth.py`` on real photos: not near-orthogonal, with a tail above 0.9); pHashes uniform over
-# ``--phash-bits`` bits spread over the 64 (48 at 200k survivors: the chance density of a ~10^9 pool at 64 bits). Planted copies: each
-# copy takes the (pHash distance, cosine) of a real copy of its kind, drawn from ``CALIBRATION`` (re-encodes and
-# resizes close on both signals, crops close on the embedding only, ...). Image bytes are small real JPEGs, keyed by
+# ``--phash-bits`` bits spread over the 64 (48 at 200k survivors: the chance density of a ~10^9 pool at 64 bits), and
+# each sub-crop's hash its own pHash with 4-16 of those bits flipped (a window of 92% of each side hashes near the
+# whole). Planted copies: each copy takes the (pHash distance, cosine, crop distance) of a real copy of its kind,
+# drawn from ``CALIBRATION`` (re-encodes and resizes close on both signals, crops close on the embedding and the crop
+# distance only, ...): its hashes move from the original's by one mask (its sub-crops with its whole), and where its
+# crop distance is the smaller, one window of the original is set that close to the copy's pHash. Image bytes are small real JPEGs, keyed by
 # their sha256; a resized copy has fewer pixels than its original.
 
 CALIBRATION = REPO / "benchmarks/dedup_calibration.json"
@@ -125,13 +129,13 @@ def _random_hashes(n: int, bits: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def _flip(hashes: np.ndarray, distance: np.ndarray, bits: int, rng: np.random.Generator) -> np.ndarray:
-    """Each hash with ``distance`` of its ``bits`` random bits flipped."""
+    """Each hash with ``distance`` (one per hash, same shape) of its ``bits`` random bits flipped."""
     varying = _varying_bits(bits)
-    out = hashes.copy()
-    for k, d in enumerate(distance):
-        flips = rng.choice(varying, min(int(d), bits), replace=False)
-        out[k] ^= np.uint64(sum(1 << int(b) for b in flips))
-    return out
+    shape, distance = hashes.shape, np.minimum(np.asarray(distance, np.int64).ravel(), bits)
+    rank = rng.random((distance.size, varying.size)).argsort(axis=1).argsort(axis=1)  # a random order of the bits
+    values = np.uint64(1) << varying.astype(np.uint64)
+    masks = np.bitwise_or.reduce(np.where(rank < distance[:, None], values, np.uint64(0)), axis=1)
+    return hashes ^ masks.reshape(shape)
 
 
 def _jpeg(rng: np.random.Generator, width: int, height: int) -> bytes:
@@ -208,7 +212,7 @@ def synthesise(
     processes, each from its own seed, so the output does not depend on how many."""
     rng = np.random.default_rng(seed)
     centres = _mixture_centres(cfg.embedding_dim, rng)
-    copies = load_calibration()["copies"]
+    copies = load_calibration()["copies_crop"]
     n_shards = math.ceil(n / rows_per_shard)
     jobs = [
         (str(out), f"files-{s:06d}", min(rows_per_shard, n - s * rows_per_shard), cfg.model_dump_json(), centres,
@@ -243,6 +247,9 @@ def _synthesise_shard(job: tuple) -> dict[str, int]:
     ledger_schema = schema.with_metadata(schema.ledger_schema(), table="ledger", config_hash=cfg.results_hash())
     emb = _embeddings(rows, rng, centres, mix)
     phash = _random_hashes(rows, phash_bits, rng)
+    crops = _flip(
+        np.repeat(phash[:, None], CROP_COUNT, axis=1), rng.integers(4, 17, (rows, CROP_COUNT)), phash_bits, rng
+    )
     width = rng.integers(64, 97, rows)
     height = rng.integers(48, 97, rows)
     group = np.full(rows, -1, np.int64)
@@ -255,8 +262,12 @@ def _synthesise_shard(job: tuple) -> dict[str, int]:
     kinds = sorted(calibration)
     kind[dst] = np.asarray(kinds, object)[rng.integers(0, len(kinds), m)]
     measured = {k: np.asarray(calibration[k], np.float64) for k in kinds}
-    dc = np.asarray([measured[k][rng.integers(0, len(measured[k]))] for k in kind[dst]]).reshape(m, 2)
+    dc = np.asarray([measured[k][rng.integers(0, len(measured[k]))] for k in kind[dst]]).reshape(m, 3)
     phash[dst] = _flip(phash[src], dc[:, 0].astype(np.int64), phash_bits, rng)
+    crops[dst] = crops[src] ^ (phash[dst] ^ phash[src])[:, None]  # the copy's windows move with its whole
+    closer = dc[:, 2] < dc[:, 0]  # a window of the original frames the copy better than the whole does
+    window = rng.integers(0, CROP_COUNT, m)
+    crops[src[closer], window[closer]] = _flip(phash[dst[closer]], dc[closer, 2].astype(np.int64), phash_bits, rng)
     emb[dst] = _at_cosine(emb[src], np.minimum(dc[:, 1], 1.0), rng)
     resized = kind[dst] == "resize"
     width[dst], height[dst] = width[src], height[src]
@@ -280,6 +291,7 @@ def _synthesise_shard(job: tuple) -> dict[str, int]:
         "quality": pa.array(rng.random(rows).astype(np.float32)),
         "head_yaw_class": pa.array(rng.choice(list(schema.HEAD_YAW_CLASSES), rows).tolist(), pa.string()),
         "phash": pa.array(phash, pa.uint64()),
+        "phash_crops": pa.FixedSizeListArray.from_arrays(pa.array(crops.ravel(), pa.uint64()), CROP_COUNT),
         "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), dim),
     }
     scored = pa.table({f.name: columns.get(f.name, pa.nulls(rows, f.type)) for f in scored_schema}, scored_schema)

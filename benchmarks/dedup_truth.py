@@ -418,8 +418,6 @@ def main() -> None:
     print(f"{len(named)} photo files, {len(photos.names)} distinct originals", file=sys.stderr)
     copies = make_copies(photos, args.variants, args.seed)
     rule = DedupSettings().rule()
-    if not rule.needs_crops:  # settings without the crop region: the default's regions and the crop region
-        rule = LinkRule((*rule.regions, Region(12, 0.85, crops=True)))
     rules = {
         "pHash <= 8 alone": LinkRule.of([(8, None)]),
         "cosine >= 0.95 alone": LinkRule.of([(64, 0.95)]),

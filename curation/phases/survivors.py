@@ -107,7 +107,6 @@ def survey_partition(
     """Write one survivor partition from its input shards' scored files; returns a receipt."""
     import numpy as np
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     from common.schema import scored_schema
     from common.storage import join, resolve, write_parquet_atomic

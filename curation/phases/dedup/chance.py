@@ -12,7 +12,7 @@ from its observable bulk:
   plan predicts; the home-probe comparisons counted as home-home ones);
 - the pHash-alone region: ``pairs x P(d <= r)``; a joint region (``c >= t``, ``d <= r``): ``W(c >= t) x
   P(d <= r | c >= t)``, with ``W`` the unrelated compared pairs at ``c >= t``; a region on the crop distance: that
-  times the hash comparisons one crop distance makes (``link_rule.comparisons``: 33 with 16 sub-crops), a union
+  times the hash comparisons one crop distance makes (``link_rule.comparisons``: 37 with 18 sub-crops), a union
   bound that holds when each sub-crop's hash is spread over unrelated pairs like the whole image's (measured on real
   photos: 31.5 +- 4.2 bits against 31.4 +- 4.2) and errs high where the sub-crops' hashes, which overlap, agree;
 - both from the pairs *beyond* the region's configured radius, where the real copies mostly are not (99% of the copies of
@@ -60,6 +60,7 @@ MIN_BOUND = 0.5  # chance links the bound allows in the whole run, however small
 RANDOM_PAIRS = 4_000_000  # random pairs whose pHash distances are measured (dedup.chance_pairs)
 COSINE_BINS = 200  # histogram bins over [-1, 1]: 0.01 wide
 MAX_PAIRS_PER_CLUSTER = 20_000  # sampled pairs of one cluster's sample rows, at most
+ODD_SHARE = 0.01  # at most this share of sampled distances odd: the hashes are balanced, distances even (``Tail``)
 
 
 class ChanceBoundError(RuntimeError):
@@ -164,13 +165,19 @@ def measure(
 @dataclass(frozen=True)
 class Tail:
     """The normal of the unrelated pairs' pHash distances, fitted to the distances beyond ``above`` (a region's own
-    radius: inside it sit the real copies, outside it nearly only unrelated pairs)."""
+    radius: inside it sit the real copies, outside it nearly only unrelated pairs).
+
+    ``step`` is 2 where the distances are all even: ``imagehash.phash`` sets the bits above the median of its 64
+    coefficients, so every hash has 32 ones and two hashes differ in an even number of bits. Each even distance then
+    takes the normal's mass of two bits, ``[d - 1, d + 1]``; read bit by bit, the estimate at an even radius would
+    be about half the rate (2x at 8 bits on real photos' spread)."""
 
     mean: float
     sd: float
     above: int
     pairs: int  # sampled pairs beyond ``above`` it was fitted on
     min_cosine: float | None  # the population: pairs at >= this cosine (None: every pair)
+    step: int = 1
 
     @classmethod
     def fit(cls, hist: np.ndarray, above: int, min_cosine: float | None) -> Tail:
@@ -179,16 +186,19 @@ class Tail:
         from scipy.special import ndtr
 
         d = np.arange(HASH_BITS + 1, dtype=np.float64)
-        counts = np.where(d > above, np.asarray(hist, np.float64), 0.0)
+        hist = np.asarray(hist, np.float64)
+        step = 2 if hist.sum() > 0 and hist[1::2].sum() <= ODD_SHARE * hist.sum() else 1
+        counts = np.where(d > above, hist, 0.0)
         total = counts.sum()
         if total <= 0:
-            return cls(float(HASH_BITS / 2), float(HASH_BITS), above, 0, min_cosine)
-        lo = (d - 0.5)[counts > 0]
-        hi, n = lo + 1.0, counts[counts > 0]
+            return cls(float(HASH_BITS / 2), float(HASH_BITS), above, 0, min_cosine, step)
+        lo = (d - step / 2)[counts > 0]
+        hi, n = lo + step, counts[counts > 0]
+        edge = _lattice(above, step) + step / 2  # where the kept bins start
 
         def nll(theta: np.ndarray) -> float:
             mean, sd = theta[0], math.exp(theta[1])
-            kept = max(1.0 - float(ndtr((above + 0.5 - mean) / sd)), 1e-300)
+            kept = max(1.0 - float(ndtr((edge - mean) / sd)), 1e-300)
             p = np.maximum(ndtr((hi - mean) / sd) - ndtr((lo - mean) / sd), 1e-300)
             return float(-(n * np.log(p / kept)).sum())
 
@@ -196,13 +206,19 @@ class Tail:
         start_sd = math.sqrt(max(float((counts * (d - start_mean) ** 2).sum() / total), 1.0))
         best = minimize(nll, np.array([start_mean, math.log(start_sd)]), method="Nelder-Mead")
         # the spread may not shrink below one bit (a single bin, or all pairs at one distance)
-        return cls(float(best.x[0]), max(math.exp(float(best.x[1])), 1.0), above, int(total), min_cosine)
+        return cls(float(best.x[0]), max(math.exp(float(best.x[1])), 1.0), above, int(total), min_cosine, step)
 
     def p_within(self, radius: int) -> float:
         """P(d <= radius) under the fitted normal."""
         if radius < 0:
             return 0.0
-        return 0.5 * math.erfc(-((radius + 0.5 - self.mean) / self.sd) / math.sqrt(2))
+        edge = _lattice(radius, self.step) + self.step / 2
+        return 0.5 * math.erfc(-((edge - self.mean) / self.sd) / math.sqrt(2))
+
+
+def _lattice(radius: int, step: int) -> int:
+    """The largest distance ``<= radius`` that occurs: every one, or every even one."""
+    return radius - radius % step
 
 
 @dataclass(frozen=True)
@@ -287,6 +303,7 @@ class ChanceEstimate:
                     "fit": {
                         "mean": round(e.tail.mean, 2),
                         "sd": round(e.tail.sd, 2),
+                        "step": e.tail.step,
                         "beyond": e.tail.above,
                         "sampled_pairs": e.tail.pairs,
                         "min_cosine": e.tail.min_cosine,

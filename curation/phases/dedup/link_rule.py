@@ -79,7 +79,9 @@ class LinkRule:
     @classmethod
     def of(cls, regions: Sequence[tuple]) -> LinkRule:
         """From ``(phash_radius, min_cosine)`` or ``(phash_radius, min_cosine, crops)`` tuples."""
-        return cls(tuple(Region(int(r[0]), None if r[1] is None else float(r[1]), bool(r[2:] and r[2])) for r in regions))
+        return cls(
+            tuple(Region(int(r[0]), None if r[1] is None else float(r[1]), bool(r[2:] and r[2])) for r in regions)
+        )
 
     @property
     def needs_crops(self) -> bool:
@@ -118,9 +120,7 @@ class LinkRule:
         return out
 
     def with_radii(self, radii: Sequence[int]) -> LinkRule:
-        return LinkRule(
-            tuple(Region(int(r), g.min_cosine, g.crops) for g, r in zip(self.regions, radii, strict=True))
-        )
+        return LinkRule(tuple(Region(int(r), g.min_cosine, g.crops) for g, r in zip(self.regions, radii, strict=True)))
 
     def describe(self) -> str:
         return " or ".join(r.describe() for r in self.regions) or "no links"

@@ -23,9 +23,9 @@ from sklearn.datasets import load_sample_image
 from common import schema
 from common.imageio import decode
 from curation.config import CurateConfig
+from curation.phases.dedup.link_rule import crop_distances
 from curation.score.stage import REJECT
 from curation.stages.embedding import LITE_NAME, EmbeddingStage
-from curation.phases.dedup.link_rule import crop_distances
 from curation.stages.phash import CROP_COUNT, PhashStage, crop_boxes, hamming, hash_to_int
 from curation.stages.quality import PARTS, QualityStage
 from generators.sample_pool import ultralytics_assets
@@ -287,7 +287,9 @@ def test_sub_crop_hashes_bring_a_light_crop_close_to_its_original(photos):
     pa.array([u["phash_crops"] for u in orig], stage.columns[1].type)  # the stored type holds them
 
     def signals(updates):
-        return np.array([u["phash"] for u in updates], np.uint64), np.array([u["phash_crops"] for u in updates], np.uint64)
+        return np.array([u["phash"] for u in updates], np.uint64), np.array(
+            [u["phash_crops"] for u in updates], np.uint64
+        )
 
     (h0, c0), (h1, c1) = signals(orig), signals(crop)
     whole = [hamming(int(a), int(b)) for a, b in zip(h0, h1)]

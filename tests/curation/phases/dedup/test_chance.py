@@ -40,6 +40,23 @@ def test_the_estimate_stays_above_the_chance_links_counted_and_near_them(radius)
     assert counted <= estimated <= 8 * counted, (counted, estimated)
 
 
+@pytest.mark.parametrize("radius", [2, 4])
+def test_hashes_with_as_many_ones_as_zeros_are_estimated_on_even_distances(radius):
+    # as imagehash's pHash (32 ones of 64): every distance is even, each takes two bits of the normal's mass
+    rng = np.random.default_rng(4)
+    bits = np.argsort(rng.random((6000, 24)), axis=1) < 12
+    hashes = (bits.astype(np.uint64) << np.arange(24, dtype=np.uint64)).sum(axis=1).astype(np.uint64)
+    _, x, home = _sample(6000, 24)
+    measured = chance.measure(6000, hashes, np.ones(6000, bool), x, home, 1.0, 10**6, seed=0)
+    assert measured.global_hist[1::2].sum() == 0
+    estimate = chance.region_estimate(measured, Region(radius))
+    counted = _count_within(hashes, radius)
+    assert estimate.tail.step == 2 and estimate.expected(radius + 1) == estimate.expected(radius)
+    assert counted > 20 and counted <= estimate.expected(radius) <= 8 * counted, (counted, estimate.expected(radius))
+    random = chance.measure(6000, *[_sample(6000, 24)[0], np.ones(6000, bool)], x, home, 1.0, 10**6, seed=0)
+    assert chance.region_estimate(random, Region(radius)).tail.step == 1
+
+
 @pytest.mark.parametrize("radius", [1, 3])
 def test_the_crop_distance_estimate_stays_above_its_chance_links_counted(radius):
     # 24 random bits, and 8 sub-crop hashes per item a few bits off its own (as a real sub-crop's hash is): the union

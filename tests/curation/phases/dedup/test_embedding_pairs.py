@@ -164,7 +164,9 @@ def test_the_phash_confirms_each_pair_of_a_joint_region(ray_local, tmp_path, emb
     assert set(_read_pairs(tmp_path / "unhashed-all")[0][0].column("distance").to_pylist()) <= {NO_HASH}
 
 
-def test_a_crop_region_links_the_pairs_within_its_crop_distance(ray_local, tmp_path, embedding_mixture, write_survivors):
+def test_a_crop_region_links_the_pairs_within_its_crop_distance(
+    ray_local, tmp_path, embedding_mixture, write_survivors
+):
     x = embedding_mixture(3000, 32, seed=6)
     rng = np.random.default_rng(6)
     hashes = rng.integers(0, 2**63, len(x), dtype=np.int64).astype(np.uint64)
@@ -184,5 +186,7 @@ def test_a_crop_region_links_the_pairs_within_its_crop_distance(ray_local, tmp_p
     plain = dict(zip(sorted(all_pairs), pair_distances(hashes[a], hashes[b]).tolist()))
     assert kept == {p for p in all_pairs if crop[p] <= 6 or plain[p] <= 4} and len(kept) >= len(all_pairs) // 3
     assert result["pairs"] == len(kept)
-    got = {(u, v): c for t in tables for u, v, c in zip(*(t.column(n).to_pylist() for n in ("a", "b", "crop_distance")))}
+    got = {
+        (u, v): c for t in tables for u, v, c in zip(*(t.column(n).to_pylist() for n in ("a", "b", "crop_distance")))
+    }
     assert all(got[p] == crop[p] for p in kept)
