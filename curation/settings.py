@@ -169,7 +169,7 @@ class DedupSettings(Strict):
         LinkRegionSettings(phash_radius=3),  # the pHash alone
         LinkRegionSettings(phash_radius=12, min_cosine=0.80),  # pHash-led, confirmed by the embedding
         LinkRegionSettings(phash_radius=24, min_cosine=0.95),  # embedding-led, confirmed by the pHash
-        LinkRegionSettings(phash_radius=12, min_cosine=0.85, crops=True),  # crop-led, confirmed by the embedding
+        LinkRegionSettings(phash_radius=8, min_cosine=0.85, crops=True),  # crop-led, confirmed by the embedding
     ]
     # Expected chance links (unrelated pairs linked) per survivor at most, estimated from the run's own sample
     # (curation.phases.dedup.chance); at least half a link in the whole run.

@@ -12,7 +12,7 @@ from its observable bulk:
   plan predicts; the home-probe comparisons counted as home-home ones);
 - the pHash-alone region: ``pairs x P(d <= r)``; a joint region (``c >= t``, ``d <= r``): ``W(c >= t) x
   P(d <= r | c >= t)``, with ``W`` the unrelated compared pairs at ``c >= t``; a region on the crop distance: that
-  times the hash comparisons one crop distance makes (``link_rule.comparisons``: 37 with 18 sub-crops), a union
+  times the hash comparisons one crop distance makes (``link_rule.comparisons``: 65 with 32 sub-crops), a union
   bound that holds when each sub-crop's hash is spread over unrelated pairs like the whole image's (measured on real
   photos: 31.5 +- 4.2 bits against 31.4 +- 4.2) and errs high where the sub-crops' hashes, which overlap, agree;
 - both from the pairs *beyond* the region's configured radius, where the real copies mostly are not (99% of the copies of
