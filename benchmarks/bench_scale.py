@@ -64,14 +64,16 @@ def config(extra: list[str]) -> CurateConfig:
 # Unrelated survivors: embeddings from a two-level mixture (concepts, and sub-concepts inside them) whose items are
 # spread by a noise of per-item scale, so that the cosines of unrelated survivors sharing a k-means cluster spread as
 # real photos' do (``MIXTURE`` was chosen by ``--calibrate`` against the quantiles in ``CALIBRATION``, measured by
-# ``benchmarks/dedup_truth.py`` on real photos: not near-orthogonal, with a tail above 0.9); pHashes uniform over
-# ``--phash-bits`` bits spread over the 64 (48 at 200k survivors: the chance density of a ~10^9 pool at 64 bits), and
-# each sub-crop's hash its own pHash with 4-16 of those bits flipped (a window of 92% of each side hashes near the
-# whole). Planted copies: each copy takes the (pHash distance, cosine, crop distance) of a real copy of its kind,
-# drawn from ``CALIBRATION`` (re-encodes and resizes close on both signals, crops close on the embedding and the crop
-# distance only, ...): its hashes move from the original's by one mask (its sub-crops with its whole), and where its
-# crop distance is the smaller, one window of the original is set that close to the copy's pHash. Image bytes are small real JPEGs, keyed by
-# their sha256; a resized copy has fewer pixels than its original.
+# ``benchmarks/dedup_truth.py`` on real photos: not near-orthogonal, with a tail above 0.9). pHashes random over
+# ``--phash-bits`` bits spread over the 64, half of them set as imagehash's pHash sets 32 of 64 (so distances are
+# even; 48 bits at 200k survivors: 0.73 chance neighbours within 8 bits per survivor, as in a 10^9 pool of balanced
+# 64-bit hashes, 0.72); each sub-crop's hash is its own pHash with 4-16 of those bits flipped (a window of 90-95% of
+# each side hashes near the whole). Planted copies: each copy takes the (pHash distance, cosine, crop distance) of a
+# real copy of its kind, drawn from ``CALIBRATION`` (re-encodes and resizes close on both signals, crops close on the
+# embedding and the crop distance only, ...): its hashes move from the original's by one mask (its sub-crops with
+# its whole), and where its crop distance is the smaller, one window of the original is set that close to the
+# copy's pHash. Image bytes are small real JPEGs, keyed by their sha256; a resized copy has fewer pixels than its
+# original.
 
 CALIBRATION = REPO / "benchmarks/dedup_calibration.json"
 CONCEPTS, SUB_CONCEPTS = 256, 16
@@ -122,19 +124,25 @@ def _varying_bits(bits: int) -> np.ndarray:
 
 
 def _random_hashes(n: int, bits: int, rng: np.random.Generator) -> np.ndarray:
-    out = np.zeros(n, np.uint64)
-    for pos in _varying_bits(bits):
-        out |= rng.integers(0, 2, n).astype(np.uint64) << np.uint64(pos)
-    return out
+    """Hashes with half of their ``bits`` random bits set, as imagehash's pHash sets 32 of 64 (distances are even)."""
+    varying = _varying_bits(bits)
+    ones = rng.random((n, varying.size)).argsort(axis=1).argsort(axis=1) < varying.size // 2
+    values = np.uint64(1) << varying.astype(np.uint64)
+    return np.bitwise_or.reduce(np.where(ones, values, np.uint64(0)), axis=1)
 
 
 def _flip(hashes: np.ndarray, distance: np.ndarray, bits: int, rng: np.random.Generator) -> np.ndarray:
-    """Each hash with ``distance`` (one per hash, same shape) of its ``bits`` random bits flipped."""
+    """Each hash (any shape) with ``distance`` (one per hash) of its ``bits`` random bits flipped, half of them set
+    and half unset, so that a balanced hash stays balanced (an odd distance is taken one lower)."""
     varying = _varying_bits(bits)
-    shape, distance = hashes.shape, np.minimum(np.asarray(distance, np.int64).ravel(), bits)
-    rank = rng.random((distance.size, varying.size)).argsort(axis=1).argsort(axis=1)  # a random order of the bits
+    shape, half = hashes.shape, np.minimum(np.asarray(distance, np.int64).ravel(), varying.size) // 2
     values = np.uint64(1) << varying.astype(np.uint64)
-    masks = np.bitwise_or.reduce(np.where(rank < distance[:, None], values, np.uint64(0)), axis=1)
+    is_set = (hashes.reshape(-1, 1) & values) != 0
+    key = rng.random(is_set.shape)
+    rank_set = np.where(is_set, key, 2.0).argsort(axis=1).argsort(axis=1)  # set bits first, in a random order
+    rank_unset = np.where(is_set, 2.0, key).argsort(axis=1).argsort(axis=1)
+    chosen = (is_set & (rank_set < half[:, None])) | (~is_set & (rank_unset < half[:, None]))
+    masks = np.bitwise_or.reduce(np.where(chosen, values, np.uint64(0)), axis=1)
     return hashes ^ masks.reshape(shape)
 
 
@@ -248,7 +256,7 @@ def _synthesise_shard(job: tuple) -> dict[str, int]:
     emb = _embeddings(rows, rng, centres, mix)
     phash = _random_hashes(rows, phash_bits, rng)
     crops = _flip(
-        np.repeat(phash[:, None], CROP_COUNT, axis=1), rng.integers(4, 17, (rows, CROP_COUNT)), phash_bits, rng
+        np.repeat(phash[:, None], CROP_COUNT, axis=1), 2 * rng.integers(2, 9, (rows, CROP_COUNT)), phash_bits, rng
     )
     width = rng.integers(64, 97, rows)
     height = rng.integers(48, 97, rows)

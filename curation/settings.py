@@ -163,7 +163,7 @@ class DedupSettings(Strict):
 
     # A pair is linked when it falls in any region. Measured on real photos and their copies
     # (benchmarks/dedup_truth.py): re-encodes, resizes, tone and colour changes stay within a few pHash bits and above
-    # ~0.85 cosine; light crops move 10-20 bits (4 of crop distance at the median) and stay above ~0.89. An empty
+    # ~0.85 cosine; light crops move 10-20 bits (2 of crop distance at the median) and stay above ~0.89. An empty
     # list turns dedup off.
     links: list[LinkRegionSettings] = [
         LinkRegionSettings(phash_radius=3),  # the pHash alone

@@ -27,11 +27,12 @@ from its observable bulk:
   wide enough to hold nearly its whole population (few pairs beyond it) counts all its pairs, copies included.
 
 Assumptions, and where they are checked. (1) Unrelated pairs' pHash distances, at each cosine, have a lower tail no
-heavier than that normal: counted against brute force where chance links are common (``tests``: 24-bit hashes),
-and on the benchmark at 200k survivors with 48 random pHash bits (the chance density of a ~10^9 pool at 64 bits),
-where the previous rule's chance links at radius 8 are observable (``benchmarks/bench_scale.py --previous-rule``
-prints the estimate beside the pairs counted). Real photos hash alike more often than the normal says where
-pictures are flat or dark (``benchmarks/RESULTS.md``). (2) A sampled pair of a cluster stands for the cluster's
+heavier than that normal: counted against brute force where chance links are common (``tests``: 24-bit hashes,
+random and balanced), and on the benchmark at 200k survivors with 48 random pHash bits, half of them set (the
+chance density of a ~10^9 pool of real 64-bit pHashes), where the previous rule's chance links at radius 8 are
+observable (``benchmarks/bench_scale.py --previous-rule`` prints the estimate beside the pairs counted). Real
+photos hash alike more often than the normal says where pictures are flat or dark (``benchmarks/RESULTS.md``).
+(2) A sampled pair of a cluster stands for the cluster's
 pairs: the sample is uniform.
 
 Sizes at 10^9 survivors: the plan task already holds its sample (500k rows) and the centroids (44,700); the
@@ -236,7 +237,9 @@ class RegionEstimate:
         for r in range(self.region.phash_radius + 1):
             if self.expected(r) <= allowed:
                 best = r
-        return best
+        return (
+            _lattice(best, self.tail.step) if best >= 0 else -1
+        )  # an odd radius of even distances says more than it links
 
 
 def _unrelated(weighted: np.ndarray, above: int, tail: Tail) -> float:
@@ -335,7 +338,8 @@ def _share(estimates: tuple[RegionEstimate, ...], bound: float) -> float:
 def fit_radii_within(estimates: tuple[RegionEstimate, ...], bound: float) -> list[int]:
     """Radii, each at most its region's, whose estimates sum to at most ``bound``: each region first gets the largest
     radius within an even share of the bound (the tails are steep: a shared budget in bits would go to the region
-    whose estimate grows slowest), then what the others left is spent widening them one bit at a time, in turn."""
+    whose estimate grows slowest), then what the others left is spent widening them one distance at a time (two bits
+    where distances are even), in turn."""
     share = _share(estimates, bound)
     radii = [e.fit_radius(share) if e.region.phash_radius >= 0 else -1 for e in estimates]
     total = sum(e.expected(r) for e, r in zip(estimates, radii))
@@ -343,7 +347,7 @@ def fit_radii_within(estimates: tuple[RegionEstimate, ...], bound: float) -> lis
     while grown:
         grown = False
         for k, e in enumerate(estimates):
-            r = radii[k] + 1
+            r = radii[k] + (e.tail.step if radii[k] >= 0 else 1)  # the next distance that occurs
             if r > e.region.phash_radius:
                 continue
             cost = e.expected(r) - e.expected(radii[k])

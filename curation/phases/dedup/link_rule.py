@@ -19,7 +19,7 @@ unrelated pairs. pHash alone at radius 8 does that ~1.4e8 times with uniform bit
 uniform; the lite embedding alone at cosine 0.95 gives ~11 chance neighbours per image inside a cluster. Real copies
 differ by kind (``benchmarks/dedup_truth.py``, measured on real photos): re-encodes, resizes, tone and colour
 changes keep the pHash within a few bits and the embedding above ~0.85; light crops move the pHash by 10-20 bits and
-keep the embedding above ~0.89 (their crop distance: 4 bits at the median). So one region is pHash-led (small
+keep the embedding above ~0.89 (their crop distance: 2 bits at the median). So one region is pHash-led (small
 radius, a loose cosine), one crop-led (the crop distance, a cosine every real crop reaches) and one embedding-led (a
 high cosine, a wide radius). Each region's radius is the most it may be: the dedup phase lowers it to what the
 pool's N allows (``curation.phases.dedup.chance``), since the chance rate of a fixed rule grows with N.

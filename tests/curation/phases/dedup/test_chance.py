@@ -53,6 +53,9 @@ def test_hashes_with_as_many_ones_as_zeros_are_estimated_on_even_distances(radiu
     counted = _count_within(hashes, radius)
     assert estimate.tail.step == 2 and estimate.expected(radius + 1) == estimate.expected(radius)
     assert counted > 20 and counted <= estimate.expected(radius) <= 8 * counted, (counted, estimate.expected(radius))
+    # radii are fitted on the distances that occur: an odd one would read wider than it links
+    fitted = chance.decide(measured, LinkRule.of([(8, None)]), estimate.expected(radius) * 1.5 / 6000).rule
+    assert fitted.regions[0].phash_radius == radius
     random = chance.measure(6000, *[_sample(6000, 24)[0], np.ones(6000, bool)], x, home, 1.0, 10**6, seed=0)
     assert chance.region_estimate(random, Region(radius)).tail.step == 1
 
