@@ -170,6 +170,8 @@ class DedupSettings(Strict):
         LinkRegionSettings(phash_radius=12, min_cosine=0.80),  # pHash-led, confirmed by the embedding
         LinkRegionSettings(phash_radius=24, min_cosine=0.95),  # embedding-led, confirmed by the pHash
         LinkRegionSettings(phash_radius=8, min_cosine=0.85, crops=True),  # crop-led, confirmed by the embedding
+        # the same above 0.95, where fewer unrelated pairs reach: a large pool affords it a wider radius
+        LinkRegionSettings(phash_radius=8, min_cosine=0.95, crops=True),
     ]
     # Expected chance links (unrelated pairs linked) per survivor at most, estimated from the run's own sample
     # (curation.phases.dedup.chance); at least half a link in the whole run.
