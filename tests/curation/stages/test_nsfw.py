@@ -125,3 +125,14 @@ def test_the_threshold_decides(photo_files, scores):
 
 def test_the_column_is_in_the_tables():
     assert schema.working_schema(384).field("nsfw_score").type == pa.float32()
+
+
+def test_the_card_names_the_model_its_licence_the_threshold_and_the_rejections():
+    from curation.phases.write.card import safety_markdown
+
+    funnel = {"score/nsfw/rejected/nsfw": 2, "score/person/rejected/no_person": 3, "write/write/kept/kept": 5}
+    safety = {"stage": "nsfw", "model": "Yahoo open_nsfw", "licence": "BSD-2-Clause", "weights": "w", "max_score": 0.8}
+    text = safety_markdown({"curation": {"safety": safety}, "funnel": funnel})
+    assert "Yahoo open_nsfw" in text and "BSD-2-Clause" in text and "above 0.8" in text
+    assert "2 of 10 inputs (20.0%)" in text
+    assert "No safety" in safety_markdown({"curation": {}, "funnel": funnel})
