@@ -23,6 +23,7 @@ from curation.models.settings import (
     FaultInjectionModelSettings,
     HeadPoseModelSettings,
     ModelStoreSettings,
+    NsfwModelSettings,
     OcrModelSettings,
     PersonModelSettings,
     PhashModelSettings,
@@ -118,6 +119,9 @@ class Filters(Strict):
     person_min_area_frac: float = Field(0.08, ge=0, le=1)
     min_quality: float = Field(0.5, ge=0, le=1)  # see curation/stages/quality.py for the scale
     max_text_area_frac: float = Field(0.03, ge=0, le=1)
+    # open_nsfw's nsfw probability (curation/stages/nsfw.py): above this is rejected. Set for that model: another
+    # classifier's scores are on another scale. Yahoo's guidance: below 0.2 likely safe, above 0.8 likely NSFW.
+    nsfw_max_score: float = Field(0.8, ge=0, le=1)
     # Full profile (curation/stages/clip.py); None or empty turns a filter off.
     min_aesthetic: float | None = None  # LAION aesthetic predictor scale, about 1..10
     min_realism: float | None = Field(None, ge=0, le=1)  # probability of the photo prompts
@@ -131,6 +135,7 @@ class ModelSettings(Strict):
     head_pose: HeadPoseModelSettings = HeadPoseModelSettings()
     quality: QualityModelSettings = QualityModelSettings()
     ocr: OcrModelSettings = OcrModelSettings()
+    nsfw: NsfwModelSettings = NsfwModelSettings()
     embedding: EmbeddingModelSettings = EmbeddingModelSettings()
     phash: PhashModelSettings = PhashModelSettings()
     store: ModelStoreSettings = ModelStoreSettings()

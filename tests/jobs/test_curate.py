@@ -167,7 +167,9 @@ def test_parquet_and_webdataset_pools_give_the_same_decode_fates(fmt, ray_local,
     pool = tmp_path / fmt
     assert make_sample_pool.main(["--out", str(pool), "--seed", "0", "--format", fmt]) == 0
     out = tmp_path / "out"
-    only_cheap = [f"stages.{s}.enabled=false" for s in ("person", "head_pose", "quality", "text_overlay", "embedding")]
+    only_cheap = [
+        f"stages.{s}.enabled=false" for s in ("person", "head_pose", "quality", "text_overlay", "nsfw", "embedding")
+    ]
     args = [
         "--config",
         str(repo_root / LITE),

@@ -126,6 +126,27 @@ At N = {chance["survivors"]} survivors: {chance["expected_chance_links"]:.3g} ch
 {components.get("dropped", 0)}{f" ({by_signal})" if by_signal else ""}."""
 
 
+def safety_markdown(manifest: dict) -> str:
+    """The safety filter: its model, licence and threshold, and how many inputs it rejected."""
+    safety = manifest["curation"].get("safety")
+    if not safety:
+        return "No safety (NSFW) filter ran in this curation."
+    stage = safety["stage"]
+    rejected = sum(
+        n
+        for name, n in manifest["funnel"].items()
+        if name.split("/")[1] == stage and name.split("/")[2] == schema.REJECTED
+    )
+    total = sum(manifest["funnel"].values())
+    return (
+        f"Stage `{stage}` scored each input that reached it with {safety['model']} (licence {safety['licence']}; "
+        f"weights `{safety['weights']}`, pinned by sha256) and rejected those whose NSFW probability is above "
+        f"{safety['max_score']:g} (`filters.nsfw_max_score`, on this model's scale): {rejected} of {total} inputs "
+        f"({_pct(rejected, total)}). A classifier misses some images and flags others: the filter lowers the "
+        "chance of explicit content, it does not rule it out."
+    )
+
+
 def card_text(manifest: dict) -> str:
     header = yaml.safe_dump(card_header(manifest), sort_keys=False, allow_unicode=True)
     totals, cfg = manifest["totals"], manifest["curation"]
@@ -158,6 +179,10 @@ curation: person boxes and head pose, technical quality, text coverage, pHash, b
 
 `license: other` is a placeholder. The images keep the licences and terms of their sources (the `source` column
 names each one); set the licence that applies before publishing.
+
+## Safety
+
+{safety_markdown(manifest)}
 
 ## Deduplication
 

@@ -393,6 +393,20 @@ class _Ledger(TaskStep):
         return {"files": [f for r in receipts for f in r["files"]], "funnel": dict(sorted(funnel.items()))}
 
 
+def _safety(cfg: CurateConfig) -> dict | None:
+    """What the dataset card says of the safety filter: its model, licence and threshold (None: it did not run)."""
+    if "nsfw" not in cfg.enabled_stages:
+        return None
+    m = cfg.models.nsfw
+    return {
+        "stage": "nsfw",
+        "model": m.model,
+        "licence": m.licence,
+        "weights": getattr(m.caffemodel, "ref", m.caffemodel),
+        "max_score": cfg.filters.nsfw_max_score,
+    }
+
+
 def _dedup_summary(out) -> dict:
     """The link rule the dedup phase used, its chance estimate and what it dropped (its done record)."""
     if not out.exists(LAYOUT.done("dedup")):
@@ -433,6 +447,7 @@ def write_phase(
             "profile": cfg.profile,
             "min_short_side": cfg.filters.min_short_side,
             "stages": list(cfg.enabled_stages),
+            "safety": _safety(cfg),
         },
         "embedding_dim": cfg.embedding_dim if cfg.write.include_embedding else None,  # in the shards, when there
         "version": 1,  # a takedown publishes the next

@@ -8,17 +8,14 @@ from __future__ import annotations
 import io
 import itertools
 import time
-from pathlib import Path
 
 import cv2
 import imagehash
-import matplotlib
 import numpy as np
 import pyarrow as pa
 import pytest
-import skimage.data
+from package_photos import jpeg, package_photo_files, upscale_to_min_short
 from PIL import Image
-from sklearn.datasets import load_sample_image
 
 from common import schema
 from common.imageio import decode
@@ -28,23 +25,8 @@ from curation.score.stage import REJECT
 from curation.stages.embedding import LITE_NAME, EmbeddingStage
 from curation.stages.phash import CROP_COUNT, PhashStage, crop_boxes, hamming, hash_to_int
 from curation.stages.quality import PARTS, QualityStage
-from generators.sample_pool import ultralytics_assets
 
-MIN_SHORT_SIDE = 384  # rows reaching these stages have passed decode's size gate
-
-
-def _jpeg(rgb: np.ndarray, quality: int = 95) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(rgb).save(buf, "JPEG", quality=quality)
-    return buf.getvalue()
-
-
-def _upscale_to_min_short(img: np.ndarray) -> np.ndarray:
-    h, w = img.shape[:2]
-    if min(h, w) >= MIN_SHORT_SIDE:
-        return img
-    s = MIN_SHORT_SIDE / min(h, w)
-    return cv2.resize(img, (round(w * s), round(h * s)), interpolation=cv2.INTER_CUBIC)
+_jpeg, _upscale_to_min_short = jpeg, upscale_to_min_short
 
 
 def _resize_long(img: np.ndarray, long_side: int) -> np.ndarray:
@@ -56,25 +38,7 @@ def _resize_long(img: np.ndarray, long_side: int) -> np.ndarray:
 @pytest.fixture(scope="module")
 def photo_files() -> dict[str, bytes]:
     """Encoded photos: the JPEG files as shipped where there are files, else arrays encoded at quality 95."""
-    assets = ultralytics_assets()
-    files = {
-        "bus": (assets / "bus.jpg").read_bytes(),
-        "zidane": (assets / "zidane.jpg").read_bytes(),
-        "grace_hopper": (Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg").read_bytes(),
-    }
-    arrays = {
-        "astronaut": skimage.data.astronaut(),
-        "camera": skimage.data.camera(),  # grayscale
-        "chelsea": skimage.data.chelsea(),
-        "coffee": skimage.data.coffee(),
-        "rocket": skimage.data.rocket(),
-        "china": load_sample_image("china.jpg"),
-        "flower": load_sample_image("flower.jpg"),
-        "text": skimage.data.text(),  # grayscale
-        "page": skimage.data.page(),  # grayscale scan
-    }
-    files.update({name: _jpeg(_upscale_to_min_short(img)) for name, img in arrays.items()})
-    return files
+    return package_photo_files()
 
 
 @pytest.fixture(scope="module")
