@@ -85,9 +85,10 @@ def _keep_score(table: pa.Table, columns: list[str]):
     return score
 
 
-def read_scored(fs, path: str, columns: list[str], target: pa.Schema) -> pa.Table:
-    """The ``columns`` of a scored file. A stage's column the file lacks (scored before the stage wrote it, as the
-    ``phash_crops`` of an older output) is read as nulls of its type in ``target``; any other missing column raises."""
+def read_part(fs, path: str, columns: list[str], target: pa.Schema) -> pa.Table:
+    """The ``columns`` of a phase-1 part (scored or ledger). A stage's column the file lacks (written before the stage
+    wrote it, as the ``phash_crops`` or ``nsfw_score`` of an older output) is read as nulls of its type in ``target``;
+    any other missing column raises."""
     import pyarrow.parquet as pq
 
     from common.schema import stage_columns
@@ -120,7 +121,7 @@ def survey_partition(
     scored = scored_schema(dim)
     pieces, missing_embedding = [], 0
     for ordinal, record in shards:
-        parts = [read_scored(fs, join(root, f), columns, scored) for f in record["scored_files"]]
+        parts = [read_part(fs, join(root, f), columns, scored) for f in record["scored_files"]]
         t = pa.concat_tables(parts)
         t = t.take(pc.sort_indices(t, [("source", "ascending")]))
         missing_embedding += t.column("embedding").null_count

@@ -293,17 +293,17 @@ def test_rewriting_gives_byte_identical_shards_and_manifest(curated, sample_pool
     assert {p.name: p.read_bytes() for p in (curated / "shards").iterdir()} == before
 
 
-def test_an_output_scored_before_the_sub_crop_hashes_reruns_its_global_phases(
+def test_an_output_scored_before_a_stage_column_existed_reruns_its_global_phases(
     curated, sample_pool, repo_root, tmp_path
 ):
     """The global phases' settings may change without rescoring (results_hash leaves them out), so an output whose
-    scored files predate ``phash_crops`` must still dedup, sample and write: the column reads as nulls, and the crop
-    distance then links nothing those rows."""
+    scored and ledger parts predate a stage's column (``phash_crops``, ``nsfw_score``) must still dedup, sample and
+    write: the column reads as nulls, and the crop distance then links nothing those rows."""
     out = tmp_path / "out"
     shutil.copytree(curated, out)
-    for path in (out / LAYOUT.scored).rglob("*.parquet"):
+    for path in [*(out / LAYOUT.scored).rglob("*.parquet"), *(out / LAYOUT.ledger).rglob("*.parquet")]:
         table = pq.read_table(path)
-        pq.write_table(table.drop_columns(["phash_crops"]), path)
+        pq.write_table(table.drop_columns(["phash_crops", "nsfw_score"]), path)
     # other dedup settings: the global phases run again, from the scored files
     args = ["--config", str(repo_root / LITE), "--input", str(sample_pool), "--output", str(out), "--phases",
             "dedup,sample,write", "dedup.max_chance_fraction=0.001"]  # fmt: skip
@@ -313,6 +313,8 @@ def test_an_output_scored_before_the_sub_crop_hashes_reruns_its_global_phases(
     )
     assert shards.num_rows > 0 and shards.column("phash_crops").null_count == shards.num_rows
     assert shards.column("phash").null_count == 0
+    final_ledger = pq.read_table(out / LAYOUT.final_ledger, columns=["nsfw_score", "phash_crops"])
+    assert final_ledger.column("phash_crops").null_count == final_ledger.num_rows > 0
 
 
 def test_global_phases_refuse_to_run_out_of_order(tmp_path, sample_pool, repo_root, capsys):

@@ -49,7 +49,7 @@ from common.config import hash_json_each
 from common.layout import LAYOUT
 from common.storage import encode_parquet, exists, join, redact, resolve, write_bytes_atomic
 from curation.config import CurateConfig, config_from_json
-from curation.phases.survivors import read_scored
+from curation.phases.survivors import read_part
 from curation.phases.write.takedown import Takedowns, applied_takedowns
 from curation.records import read_done
 from curation.score.ledger import funnel_of
@@ -152,7 +152,7 @@ def _write_output_shards(
     )
 
     def scored_of(shard_id: str) -> pa.Table:
-        return pa.concat_tables([read_scored(fs, join(root, f), columns, target) for f in scored_files[shard_id]])
+        return pa.concat_tables([read_part(fs, join(root, f), columns, target) for f in scored_files[shard_id]])
 
     # the output shards walk the partitions and input shards in increasing order: each file is read once, one held
     selected, scored = functools.lru_cache(maxsize=1)(selected_of), functools.lru_cache(maxsize=1)(scored_of)
@@ -300,8 +300,9 @@ def _write_ledger_group(
         def of_shard(t: pa.Table | None, shard_id: str = shard_id) -> pa.Table | None:
             return None if t is None else t.filter(pc.equal(t.column("shard_id"), shard_id))
 
-        ledger = pa.concat_tables([pq.read_table(join(root, f), filesystem=fs) for f in ledger_files])
-        table = apply_decisions(ledger.cast(schema.ledger_schema()), of_shard(dups), of_shard(sample))
+        parts = schema.ledger_schema()
+        ledger = pa.concat_tables([read_part(fs, join(root, f), parts.names, parts) for f in ledger_files])
+        table = apply_decisions(ledger.cast(parts), of_shard(dups), of_shard(sample))
         table = takedowns.mark(table).cast(target)
         funnel.update(funnel_of(table))
         files.append(
