@@ -20,8 +20,9 @@ uniform; the lite embedding alone at cosine 0.95 gives ~11 chance neighbours per
 differ by kind (``benchmarks/dedup_truth.py``, measured on real photos): re-encodes, resizes, tone and colour
 changes keep the pHash within a few bits and the embedding above ~0.85; light crops move the pHash by 10-20 bits and
 keep the embedding above ~0.89 (their crop distance: 2 bits at the median). So one region is pHash-led (small
-radius, a loose cosine), one crop-led (the crop distance, a cosine every real crop reaches) and one embedding-led (a
-high cosine, a wide radius). Each region's radius is the most it may be: the dedup phase lowers it to what the
+radius, a loose cosine), one embedding-led (a high cosine, a wide radius) and two crop-led (the crop distance: at a
+cosine every real crop reaches, and above 0.95, where fewer unrelated pairs reach and a large pool affords a wider
+radius). Each region's radius is the most it may be: the dedup phase lowers it to what the
 pool's N allows (``curation.phases.dedup.chance``), since the chance rate of a fixed rule grows with N.
 """
 
@@ -35,6 +36,7 @@ import numpy as np
 from curation.phases.dedup.phash_bands import HASH_BITS, popcount64
 
 NO_HASH = HASH_BITS + 1  # the distance given to a pair where either pHash is missing: never within a radius
+CHUNK_PAIRS = 1 << 18  # pairs whose crop distances are computed at once
 
 
 @dataclass(frozen=True)
@@ -150,8 +152,10 @@ def crop_distances(hashes_a, crops_a, hashes_b, crops_b, valid_a=None, valid_b=N
     ca, cb = np.asarray(crops_a, np.uint64), np.asarray(crops_b, np.uint64)
     d = popcount64(a ^ b).astype(np.int16)
     if d.size and ca.ndim == cb.ndim == 2 and ca.shape[1] and cb.shape[1]:
-        d = np.minimum(d, popcount64(a[:, None] ^ cb).min(axis=1))
-        d = np.minimum(d, popcount64(b[:, None] ^ ca).min(axis=1))
+        for at in range(0, d.size, CHUNK_PAIRS):  # (pairs, K) temporaries: a bucket's millions of pairs in slices
+            s = slice(at, at + CHUNK_PAIRS)
+            d[s] = np.minimum(d[s], popcount64(a[s, None] ^ cb[s]).min(axis=1))
+            d[s] = np.minimum(d[s], popcount64(b[s, None] ^ ca[s]).min(axis=1))
     if valid_a is not None:
         d = np.where(valid_a, d, NO_HASH)
     if valid_b is not None:

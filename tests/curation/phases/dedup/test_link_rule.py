@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from curation.phases.dedup import link_rule
 from curation.phases.dedup.link_rule import NO_HASH, LinkRule, Region, comparisons, crop_distances, pair_distances
 from curation.settings import DedupSettings, LinkRegionSettings
 
@@ -45,7 +46,7 @@ def test_the_settings_give_the_rule_in_order_and_refuse_a_whole_pool_search_too_
         DedupSettings(links=[{"phash_radius": 40}])
 
 
-def test_the_crop_distance_is_the_least_of_its_comparisons():
+def test_the_crop_distance_is_the_least_of_its_comparisons(monkeypatch):
     rng = np.random.default_rng(0)
     n, k = 300, 5
     a, b = rng.integers(0, 2**63, n).astype(np.uint64), rng.integers(0, 2**63, n).astype(np.uint64)
@@ -58,6 +59,8 @@ def test_the_crop_distance_is_the_least_of_its_comparisons():
         want = min(int(x ^ y).bit_count() for x, y in hashes) if valid[p] else NO_HASH
         assert got[p] == want
     assert (got[:100][valid[:100]] <= 2).all() and comparisons(k) == 11
+    monkeypatch.setattr(link_rule, "CHUNK_PAIRS", 7)  # in slices, as a bucket's millions of pairs are
+    assert crop_distances(a, ca, b, cb, valid, None).tolist() == got.tolist()
     # no sub-crop hashes (an output scored before them): the pHash distance
     assert crop_distances(a, np.zeros((n, 0), np.uint64), b, cb).tolist() == pair_distances(a, b).tolist()
 
