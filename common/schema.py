@@ -166,8 +166,14 @@ def scored_schema(embedding_dim: int) -> pa.Schema:
     )
 
 
+# Field metadata of a stage column the ledger leaves out: data the global phases read from the scored parts (the
+# sub-crop hashes), not a score to audit an input's fate by; kept once per survivor, not again per input.
+NOT_IN_LEDGER = {b"humans1b.ledger": b"no"}
+
+
 def ledger_schema() -> pa.Schema:
-    return pa.schema([*_FATE, *_IDENTITY, *stage_columns(), *_GLOBAL])
+    audited = [f for f in stage_columns() if (f.metadata or {}).get(b"humans1b.ledger") != b"no"]
+    return pa.schema([*_FATE, *_IDENTITY, *audited, *_GLOBAL])
 
 
 def curated_schema(embedding_dim: int | None, metadata_fields: dict[str, str] | None = None) -> pa.Schema:

@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image
 
+from common import schema
 from common.imageio import open_reduced
 from curation.score.stage import Row, Stage, StageSettings, Update
 
@@ -74,7 +75,10 @@ class PhashStage(Stage):
     name = "phash"
     reads = ("image",)
     # 64-bit DCT perceptual hash (imagehash bit order, big-endian), and those of the sub-crops (``crop_boxes``)
-    columns = (pa.field("phash", pa.uint64()), pa.field("phash_crops", pa.list_(pa.uint64(), CROP_COUNT)))
+    columns = (
+        pa.field("phash", pa.uint64()),
+        pa.field("phash_crops", pa.list_(pa.uint64(), CROP_COUNT), metadata=schema.NOT_IN_LEDGER),
+    )
     model_section = "phash"
     default_settings = StageSettings(batch_size=32, num_cpus=0.25)
     default_order = 50
