@@ -78,6 +78,7 @@ def curation_config(store: list[str], sz: Sizes, batch: int):
         "models.yolo.max_det=10",
         f"models.yolo.imgsz={sz.imgsz}",
         "stages.text_overlay.enabled=false",
+        "stages.nsfw.enabled=false",
         "input.format=parquet",
         f"input.files_per_shard={sz.receipt_rows}",
         *stage("yolo_person", sz.yolo_actors),

@@ -58,6 +58,7 @@ def curate_for_training(root: Path, sz: Sizes, at_least: int) -> Path:
         str(out),
         "dedup.links=[]",
         "stages.text_overlay.enabled=false",
+        "stages.nsfw.enabled=false",
     ]
     if sz.ray_cpus:
         args.append(f"ray.num_cpus={sz.ray_cpus}")

@@ -40,6 +40,7 @@ FAST = [  # the stages these tests do not need
     "stages.head_pose.enabled=false",
     "stages.quality.enabled=false",
     "stages.text_overlay.enabled=false",
+    "stages.nsfw.enabled=false",
 ]
 SLOW_DOWN = "AWS Error SLOW_DOWN during GetObject operation: Please reduce your request rate."
 

@@ -31,6 +31,7 @@ FAST = [
     "stages.head_pose.enabled=false",
     "stages.quality.enabled=false",
     "stages.text_overlay.enabled=false",
+    "stages.nsfw.enabled=false",
 ]
 MB = 2**20
 

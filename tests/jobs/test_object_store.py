@@ -58,6 +58,7 @@ CURATE = [  # only the stages the global phases need
     "stages.head_pose.enabled=false",
     "stages.quality.enabled=false",
     "stages.text_overlay.enabled=false",
+    "stages.nsfw.enabled=false",
 ]
 
 

@@ -66,6 +66,7 @@ def test_default_stage_order_is_the_lite_profiles():
         "head_pose",
         "quality",
         "text_overlay",
+        "nsfw",
         "phash",
         "embedding",
     ]
@@ -167,7 +168,8 @@ def test_a_stages_own_thresholds_change_the_results_hash_and_its_resources_do_no
 
 
 def test_the_stage_columns_keep_the_tables_column_order():
-    """The order the tables had when the columns were listed by hand: shards written before read the same."""
+    """The order the tables had when the columns were listed by hand (shards written before read the same), with the
+    columns added since where their stages put them (``nsfw_score``, ``phash_crops``)."""
     assert [f.name for f in schema.stage_columns()] == [
         "persons",
         "faces",
@@ -184,7 +186,9 @@ def test_the_stage_columns_keep_the_tables_column_order():
         "realism",
         "text_area_frac",
         "text_boxes",
+        "nsfw_score",
         "phash",
+        "phash_crops",
     ]
 
 
