@@ -148,6 +148,7 @@ def test_a_fused_run_is_one_stage_group_with_its_disabled_stages_left_out(repo_r
     assert cfg.stage_groups == [
         ("decode",),
         ("person", "head_pose", "quality", "text_overlay"),
+        ("nsfw",),
         ("phash",),
         ("embedding",),
     ]

@@ -282,14 +282,15 @@ def test_a_request_the_cluster_cannot_hold_for_every_process_at_once_is_lowered(
     # fused as lite ships it: reader + writer + decode + the fused pool's 2 actors
     phase = ScorePhase(cfg, Output.at(str(tmp_path / "out")), Pool.at(str(tmp_path)))
     assert phase.task_memory() == 4 * 2**30 // 5
-    # unfused: reader + writer + decode, quality, phash, embedding + person's 2 actors, head_pose's and text_overlay's 1
+    # unfused: reader + writer + decode, quality, phash, embedding + person's 2 actors, head_pose's, text_overlay's and
+    # nsfw's 1
     unfused = ScorePhase(cfg.model_copy(update={"fused": []}), Output.at(str(tmp_path / "out")), Pool.at(str(tmp_path)))
-    assert unfused.task_memory() == 4 * 2**30 // 10
+    assert unfused.task_memory() == 4 * 2**30 // 11
     assert caplog.messages == [
         "[score] input.task_memory_mb=1250: the 5 processes the score chain needs at once would not fit in the "
         "cluster's memory (4096 MiB); each requests 819 MiB instead",
-        "[score] input.task_memory_mb=1250: the 10 processes the score chain needs at once would not fit in the "
-        "cluster's memory (4096 MiB); each requests 410 MiB instead",
+        "[score] input.task_memory_mb=1250: the 11 processes the score chain needs at once would not fit in the "
+        "cluster's memory (4096 MiB); each requests 372 MiB instead",
     ]
     node["Resources"]["memory"] = 64 * 2**30
     assert phase.task_memory() == 1250 * 2**20 and len(caplog.messages) == 2
