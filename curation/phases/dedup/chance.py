@@ -237,9 +237,8 @@ class RegionEstimate:
         for r in range(self.region.phash_radius + 1):
             if self.expected(r) <= allowed:
                 best = r
-        return (
-            _lattice(best, self.tail.step) if best >= 0 else -1
-        )  # an odd radius of even distances says more than it links
+        # on even distances an odd radius links no more than the even one below it, and would read wider
+        return _lattice(best, self.tail.step) if best >= 0 else -1
 
 
 def _unrelated(weighted: np.ndarray, above: int, tail: Tail) -> float:
