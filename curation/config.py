@@ -53,6 +53,12 @@ class CurateConfig(CurationSettings):
         return self
 
     @model_validator(mode="after")
+    def _blocklists_hashed(self) -> CurateConfig:
+        if self.filters.blocklists and not (self.stages.get("phash") and self.stages["phash"].enabled):
+            raise ValueError("filters.blocklists are applied by the phash stage: enable stages.phash or drop the lists")
+        return self
+
+    @model_validator(mode="after")
     def _fused_runs_consecutive(self) -> CurateConfig:
         order = list(self.stages)
         seen: set[str] = set()

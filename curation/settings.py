@@ -122,6 +122,11 @@ class Filters(Strict):
     # open_nsfw's nsfw probability (curation/stages/nsfw.py): above this is rejected. Set for that model: another
     # classifier's scores are on another scale. Yahoo's guidance: below 0.2 likely safe, above 0.8 likely NSFW.
     nsfw_max_score: float = Field(0.8, ge=0, le=1)
+    # Lists whose images never enter an output, rejected in phase 1 (reason ``blocklisted``) by the phash stage: list
+    # files in the takedown format (keys, sources, URLs, ``pdq:<64 hex>``), or a curated output, whose recorded
+    # takedowns apply (jobs.curate --against adds the release's). ``blocklist_distance``: for the lists' pdq lines.
+    blocklists: list[str] = []
+    blocklist_distance: int = Field(31, ge=0, le=256)
     # Full profile (curation/stages/clip.py); None or empty turns a filter off.
     min_aesthetic: float | None = None  # LAION aesthetic predictor scale, about 1..10
     min_realism: float | None = Field(None, ge=0, le=1)  # probability of the photo prompts

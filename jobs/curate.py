@@ -26,6 +26,7 @@ from curation.config import CurateConfig
 from curation.phases.dedup.chance import ChanceBoundError
 from curation.phases.pipeline import GlobalPhases, PhaseOrderError, check_order, phase_done
 from curation.phases.release import Release, ReleaseError, open_release
+from curation.phases.write.takedown import TakedownError, blocklist
 from curation.records import commit_files
 from curation.score.chain import io_note
 from curation.score.inputs import InputShard
@@ -95,12 +96,22 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
         pinned = None if args.new_run or pool is None else pinned_listing(out, cfg.input)
         shards = pinned if pinned is not None else list_shards(pool, cfg.input) if pool is not None else []
         release = open_release(args.against, cfg.models.embedding.name) if args.against else None
+        if release is not None:  # the release's takedowns keep their images out of the new crawl too
+            cfg = cfg.model_copy(
+                update={
+                    "filters": cfg.filters.model_copy(update={"blocklists": [*cfg.filters.blocklists, release.uri]})
+                }
+            )
+        for uri in cfg.filters.blocklists:  # before anything is written: a list that cannot be read stops the run
+            blocklist(uri, cfg.filters.blocklist_distance)
         check_order(cfg, out, phases, release)
         lease.acquire(force=args.break_lease)  # before claim_output can delete another run's results
         claim_output(out, cfg.results_hash(), args.input, args.new_run)
         if pinned is None and pool is not None:
             pin_listing(out, shards, cfg.input)
-    except (ConfigError, PoolError, StorageError, RunMismatch, LeaseHeld, ReleaseError, PhaseOrderError) as exc:
+    except (
+        ConfigError, PoolError, StorageError, RunMismatch, LeaseHeld, ReleaseError, PhaseOrderError, TakedownError
+    ) as exc:  # fmt: skip
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

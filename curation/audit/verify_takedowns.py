@@ -7,14 +7,12 @@ import datetime as dt
 from collections import Counter
 from collections.abc import Callable
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from common.layout import LAYOUT
 from common.storage import DamagedRecordError, exists, join
-from curation.phases.write.takedown import Takedowns, listed_rows, record_path, recorded_entries, takedown_records
+from curation.phases.write.takedown import PDQ_DISTANCE, Listing, record_path, recorded_entries, takedown_records
 
 
 class TakedownCheck:
@@ -67,18 +65,28 @@ class TakedownCheck:
         """No image a recorded list names is in a shard the manifest lists."""
         if not self.records:
             return
-        lists = Takedowns(
-            tuple((tuple(recorded_entries(self.fs, self.root, r).to_pylist()), r["id"]) for r in self.records)
-        )
+        lists = [
+            (
+                Listing(tuple(recorded_entries(self.fs, self.root, r).to_pylist()), r.get("distance", PDQ_DISTANCE)),
+                r["id"],
+            )
+            for r in self.records
+        ]
+        hashed = any(listing.hashed for listing, _ in lists)
         for entry in manifest["shards"]:
             rel = f"{LAYOUT.shards}/{entry['file']}"
             path = join(self.root, rel)
             try:
                 names = pq.read_schema(path, filesystem=self.fs).names
-                columns = [c for c in ("key", "source", "metadata", "metadata_json") if c in names]
-                table = pq.read_table(path, columns=columns, filesystem=self.fs)
+                wanted = ["key", "source", "metadata", "metadata_json"]
+                if hashed:
+                    wanted.append("pdq" if "pdq" in names else "image")
+                table = pq.read_table(path, columns=[c for c in wanted if c in names], filesystem=self.fs)
             except Exception:  # noqa: BLE001 - missing or damaged shards are reported by check_shard
                 continue
-            for entries, list_id in lists.lists:
-                for row in pc.indices_nonzero(listed_rows(table, pa.array(entries, pa.string()))).to_pylist():
-                    self.problem(rel, row, f"holds {table.column('source')[row]}, which takedown {list_id} removed")
+            for listing, list_id in lists:
+                for row, named in enumerate(listing.named_by(table)):
+                    if named is not None:
+                        self.problem(
+                            rel, row, f"holds {table.column('source')[row]} ({named}), which takedown {list_id} removed"
+                        )

@@ -45,10 +45,10 @@ from common.storage import (
 )
 from curation.phases.write.card import write_card
 from curation.phases.write.takedown import (
+    Listing,
     TakedownError,
     TakedownList,
     entries_path,
-    listed_rows,
     mark_taken_down,
     record_path,
     takedown_records,
@@ -69,18 +69,19 @@ _SHARDS_PER_SCAN = 64
 
 
 @ray.remote(num_cpus=0.25)
-def _scan(out_uri: str, files: list[str], entries: list[str]) -> dict:
-    """Rows the entries name in each of ``files`` (final shards): file -> row indices, for files with any."""
+def _scan(out_uri: str, files: list[str], listing: Listing) -> dict:
+    """Rows the list names in each of ``files`` (final shards): file -> [row index, entry that names it], for files
+    with any. A shard written before the ``pdq`` column is hashed from its images where the list holds hashes."""
     fs, root = resolve(out_uri)
-    value_set = pa.array(entries, pa.string())
     found = {}
     for name in files:
         path = join(root, LAYOUT.shards, name)
-        columns = [
-            c for c in ("key", "source", "metadata", "metadata_json") if c in pq.read_schema(path, filesystem=fs).names
-        ]
-        table = pq.read_table(path, columns=columns, filesystem=fs)
-        rows = pc.indices_nonzero(listed_rows(table, value_set)).to_pylist()
+        names = pq.read_schema(path, filesystem=fs).names
+        wanted = ["key", "source", "metadata", "metadata_json"]
+        if listing.hashed:
+            wanted.append("pdq" if "pdq" in names else "image")
+        table = pq.read_table(path, columns=[c for c in wanted if c in names], filesystem=fs)
+        rows = [[row, entry] for row, entry in enumerate(listing.named_by(table)) if entry is not None]
         if rows:
             found[name] = rows
     return {"hits": found}
@@ -99,25 +100,30 @@ def _rewrite(fs, root: str, folder: str, name: str, table: pa.Table, like: pq.Pa
 
 
 @ray.remote(num_cpus=0.5)
-def _rewrite_shard(out_uri: str, name: str, drop: list[int]) -> dict:
-    """A final shard without the rows ``drop``: its new entry (None when nothing is left) and what it removed."""
+def _rewrite_shard(out_uri: str, name: str, drop: list[list]) -> dict:
+    """A final shard without the rows ``drop`` ([row, entry] pairs): its new entry (None when nothing is left) and
+    what it removed, each with the entry that named it."""
     fs, root = resolve(out_uri)
     pf = pq.ParquetFile(fs.open_input_file(join(root, LAYOUT.shards, name)))
     table = pf.read()
-    keep = pc.invert(pc.is_in(pa.array(range(table.num_rows), pa.int64()), value_set=pa.array(drop, pa.int64())))
-    removed = table.filter(pc.invert(keep)).select(["key", "source", "shard_id"]).to_pylist()
+    rows = pa.array([row for row, _ in drop], pa.int64())
+    keep = pc.invert(pc.is_in(pa.array(range(table.num_rows), pa.int64()), value_set=rows))
+    removed = table.take(rows).select(["key", "source", "shard_id"]).to_pylist()
+    for row, (_, entry) in zip(removed, drop, strict=True):
+        row["entry"] = entry
     left = table.filter(keep)
     entry = _rewrite(fs, root, LAYOUT.shards, name, left, pf) if left.num_rows else None
     return {"entry": entry, "removed": removed}
 
 
 @ray.remote(num_cpus=0.25)
-def _rewrite_ledger(out_uri: str, entry: dict, sources: list[str], reason: str) -> dict:
-    """An input shard's final-ledger file with ``sources`` taken down: its new entry and the funnel's change."""
+def _rewrite_ledger(out_uri: str, entry: dict, reasons: dict[str, str]) -> dict:
+    """An input shard's final-ledger file with the sources ``reasons`` names taken down: its new entry and the
+    funnel's change."""
     fs, root = resolve(out_uri)
     pf = pq.ParquetFile(fs.open_input_file(join(root, LAYOUT.final_ledger, entry["file"])))
     before = pf.read()
-    after = mark_taken_down(before, pa.array(sources, pa.string()), reason)
+    after = mark_taken_down(before, reasons)
     delta = funnel_of(after)
     delta.subtract(funnel_of(before))
     new = _rewrite(fs, root, LAYOUT.final_ledger, entry["file"], after, pf)
@@ -164,9 +170,9 @@ def run_takedown(
     write_parquet_atomic(fs, join(root, entries_path(lst.id)), entries, row_group_size=100_000)
     # the steps' receipts hold for this list against this manifest: a rerun after a kill keeps them
     runner = StepRunner(Output.at(out_uri), TAKEDOWN, hash_json([lst.id, _digest(manifest)]), task_window())
-    files, entries_ref = [s["file"] for s in manifest["shards"]], ray.put(list(lst.entries))
+    files, listing = [s["file"] for s in manifest["shards"]], ray.put(lst.listing)
     scans = {
-        f"scan-{i:07d}": (out_uri, files[i : i + _SHARDS_PER_SCAN], entries_ref)
+        f"scan-{i:07d}": (out_uri, files[i : i + _SHARDS_PER_SCAN], listing)
         for i in range(0, len(files), _SHARDS_PER_SCAN)
     }
     hits = {name: rows for r in runner.run(_Scan(scans))["receipts"] for name, rows in r["hits"].items()}
@@ -183,6 +189,7 @@ def run_takedown(
         "list": lst.name,
         "list_sha256": lst.sha256,
         "entries": len(lst.entries),
+        "distance": lst.distance,
         "by": by,
         "at": at,
         "status": "pending",
@@ -218,14 +225,12 @@ def _rewrite_listed(
     rewritten = runner.run(_RewriteShards(shard_calls))["receipts"]
     new_entry = dict(zip(names, (r["entry"] for r in rewritten)))
     removed = [row for r in rewritten for row in r["removed"]]
-    by_shard: dict[str, list[str]] = {}
-    for row in removed:
-        by_shard.setdefault(row["shard_id"], []).append(row["source"])
     reason = taken_down_reason(lst.name, lst.id, at)
+    by_shard: dict[str, dict[str, str]] = {}
+    for row in removed:
+        by_shard.setdefault(row["shard_id"], {})[row["source"]] = f"{reason}: {row['entry']}"
     ledger_entries = [e for e in manifest["final_ledger"] if e["shard_id"] in by_shard]
-    calls = {
-        f"file-{k:06d}": (runner.output.uri, e, by_shard[e["shard_id"]], reason) for k, e in enumerate(ledger_entries)
-    }
+    calls = {f"file-{k:06d}": (runner.output.uri, e, by_shard[e["shard_id"]]) for k, e in enumerate(ledger_entries)}
     new_ledger = {e["file"]: r for e, r in zip(ledger_entries, runner.run(_RewriteLedger(calls, reason))["receipts"])}
     funnel = Counter(manifest["funnel"])
     for r in new_ledger.values():
