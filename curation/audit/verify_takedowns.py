@@ -12,7 +12,14 @@ import pyarrow.parquet as pq
 
 from common.layout import LAYOUT
 from common.storage import DamagedRecordError, exists, join
-from curation.phases.write.takedown import PDQ_DISTANCE, Listing, record_path, recorded_entries, takedown_records
+from curation.phases.write.takedown import (
+    PDQ_DISTANCE,
+    PDQ_PREFIX,
+    Listing,
+    record_path,
+    recorded_entries,
+    takedown_records,
+)
 
 
 class TakedownCheck:
@@ -87,6 +94,6 @@ class TakedownCheck:
             for listing, list_id in lists:
                 for row, named in enumerate(listing.named_by(table)):
                     if named is not None:
-                        self.problem(
-                            rel, row, f"holds {table.column('source')[row]} ({named}), which takedown {list_id} removed"
-                        )
+                        source = table.column("source")[row].as_py()
+                        via = f" ({named})" if named.startswith(PDQ_PREFIX) else ""  # a copy: the hash it is near
+                        self.problem(rel, row, f"holds {source}{via}, which takedown {list_id} removed")

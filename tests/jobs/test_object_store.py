@@ -27,7 +27,9 @@ from PIL import Image
 from common import storage
 from common.console import INTERRUPTED
 from common.layout import LAYOUT
+from common.storage import redact
 from curation.phases.write import shards as ws
+from curation.score.ledger import read_ledger
 from finetune.train import load_finetuned
 from jobs import audit as audit_job
 from jobs import curate, make_synthetic, probe
@@ -321,9 +323,14 @@ def test_an_object_store_output_keeps_each_images_bytes_once_through_rewrites_ta
     manifest = json.loads(fs.open_input_stream(f"runs/curated/{LAYOUT.manifest}").read())
     assert len(manifest["shards"]) == manifest["totals"]["rows"] >= 2
     first = pq.read_table(f"runs/curated/shards/{manifest['shards'][0]['file']}", filesystem=fs)
-    listed = tmp_path / "takedown.txt"
-    listed.write_text(first.column("key")[0].as_py() + "\n")
-    assert takedown_job.main(["--output", curated, "--list", str(listed), "--grace-minutes", "0"]) == 0
+    # a report's picture on the store: its copies go, by their PDQ hashes; the list is saved on the store too
+    reported = first.column("source")[0].as_py()
+    with fs.open_output_stream("data/report/reported.jpg") as f:
+        f.write(first.column("image")[0].as_py()["bytes"])
+    report, saved = s3(store, "data/report"), s3(store, "data/lists/report.txt")
+    argv = ["--output", curated, "--images", report, "--save-list", saved, "--grace-minutes", "0"]
+    assert takedown_job.main(argv) == 0
+    assert fs.open_input_stream("data/lists/report.txt").read().decode().count("pdq:") > 1
     assert audit_job.main([curated]) == 0
 
     # the same pool against the release (whose takedown made it version 2): its next version, the driver killed
@@ -337,6 +344,9 @@ def test_an_object_store_output_keeps_each_images_bytes_once_through_rewrites_ta
     assert curate.main(against) == 0
     assert audit_job.main([s3(store, "runs/next")]) == 0
     assert json.loads(fs.open_input_stream(f"runs/next/{LAYOUT.manifest}").read())["version"] == 3
+    # the release's takedown applied to the new crawl as a blocklist: the reported image never entered it
+    fates = {r["source"]: r["reason"] for r in read_ledger(s3(store, "runs/next"), ["source", "reason"]).to_pylist()}
+    assert fates[reported].startswith(f"blocklisted: {redact(curated)} takedown ")
     scored = pq.read_table("runs/next/scored", filesystem=fs, columns=["image"]).column("image")
     assert scored.combine_chunks().field("bytes").null_count == len(scored)
 
