@@ -166,14 +166,19 @@ def scored_schema(embedding_dim: int) -> pa.Schema:
     )
 
 
-# Field metadata of a stage column the ledger leaves out: data the global phases read from the scored parts (the
-# sub-crop hashes), not a score to audit an input's fate by; kept once per survivor, not again per input.
-NOT_IN_LEDGER = {b"humans1b.ledger": b"no"}
+# Field metadata of a working stage column: data the global phases read from the scored parts (the sub-crop hashes),
+# neither a score to audit an input's fate by nor a column of the dataset; kept once per survivor, in the scored
+# parts only (not in the ledgers, not in the final shards: 256 GB less in each at 10^9).
+WORKING_ONLY = {b"humans1b.working": b"only"}
+
+
+def published_stage_columns() -> list[pa.Field]:
+    """The stage columns the ledgers and the final shards hold (all but the working ones)."""
+    return [f for f in stage_columns() if (f.metadata or {}).get(b"humans1b.working") != b"only"]
 
 
 def ledger_schema() -> pa.Schema:
-    audited = [f for f in stage_columns() if (f.metadata or {}).get(b"humans1b.ledger") != b"no"]
-    return pa.schema([*_FATE, *_IDENTITY, *audited, *_GLOBAL])
+    return pa.schema([*_FATE, *_IDENTITY, *published_stage_columns(), *_GLOBAL])
 
 
 def curated_schema(embedding_dim: int | None, metadata_fields: dict[str, str] | None = None) -> pa.Schema:
@@ -182,7 +187,7 @@ def curated_schema(embedding_dim: int | None, metadata_fields: dict[str, str] | 
     none: no such column); the embedding only when asked for."""
     typed = [pa.field("metadata", metadata_struct(metadata_fields))] if metadata_fields else []
     embedding = [pa.field("embedding", embedding_type(embedding_dim))] if embedding_dim else []
-    return pa.schema([*_IDENTITY, *typed, image_field(), *stage_columns(), _GLOBAL[2], *embedding])
+    return pa.schema([*_IDENTITY, *typed, image_field(), *published_stage_columns(), _GLOBAL[2], *embedding])
 
 
 # --- the pool's metadata --------------------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ class PhashStage(Stage):
     # 64-bit DCT perceptual hash (imagehash bit order, big-endian), those of the sub-crops (``crop_boxes``), and PDQ
     columns = (
         pa.field("phash", pa.uint64()),
-        pa.field("phash_crops", pa.list_(pa.uint64(), CROP_COUNT), metadata=schema.NOT_IN_LEDGER),
+        pa.field("phash_crops", pa.list_(pa.uint64(), CROP_COUNT), metadata=schema.WORKING_ONLY),
         pa.field("pdq", pa.binary(PDQ_BYTES)),  # in the ledger too: a takedown marks rejected-or-kept rows by it
     )
     model_section = "phash"

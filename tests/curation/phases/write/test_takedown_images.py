@@ -134,3 +134,20 @@ def test_an_images_takedown_removes_a_kept_image_and_its_list_keeps_it_out_of_a_
     photo = row["source"].split("#")[1].split("-", 1)[1].split("_")[0].split(".")[0]
     assert len(blocked) > 1 and all(s.split("#")[1].split("-", 1)[1].startswith(photo) for s in blocked), blocked
     assert f"blocklisted: {saved}: pdq:" in fates[row["source"]]["reason"]
+
+
+def test_shards_written_before_the_pdq_column_are_hashed_from_their_images(tmp_path, caplog):
+    photos = package_photo_files()
+    (tmp_path / "bus.jpg").write_bytes(photos["bus"])
+    listing = td.make_list("report", td.picture_lines([str(tmp_path / "bus.jpg")])).listing
+    older = pa.table(  # a shard of an output curated before the column: the image bytes, no pdq
+        {
+            "source": list(photos),
+            "image": [{"bytes": copies(d)["half"], "path": None} for d in photos.values()],
+        }
+    )
+    with caplog.at_level("INFO"):
+        named = listing.named_by(older)
+    assert [s for s, e in zip(photos, named, strict=True) if e is not None] == ["bus"]
+    assert f"{len(photos)} images stored before the pdq column: hashing them" in caplog.text
+    assert td.pdq_column(older.drop_columns(["image"])) is None  # neither: nothing to match by hash
