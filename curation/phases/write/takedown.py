@@ -5,14 +5,17 @@ A list names images by key (the sha256 of their bytes), ledger source, or the po
 line; or by what they look like: ``pdq:<64 hex>`` names every image whose PDQ hash (``stages.phash``: the ``pdq``
 column) is within the list's ``distance`` of it, so re-encoded, resized, lightly cropped and watermarked copies of a
 reported picture go with it. The distance is part of the list's identity. Chance matches: PDQ distances between
-unrelated real photos are ~128 +- 10 bits (``benchmarks/bench_pdq.py``); the normal fitted to them puts an unrelated
-image within 31 bits at ~1e-22, ~1e-13 expected unrelated matches per listed picture at 10^9 images (far below the
-1e-3 a list can afford). Shards written before the ``pdq`` column are hashed from their image bytes where a list
-holds hashes (``pdq_column``: a one-off cost of ~10 ms per image, said in the log). A takedown (``curation.phases.write.takedown_run``) records each list it ran, with the list's entries beside
-it: ``_state/takedown/<list id>.json``. From those records a later write phase (``--phases write`` with other
+unrelated real photos are 127.9 +- 8.2 bits (``benchmarks/bench_pdq.py``, 530 photos); the normal fitted to them puts
+one comparison within 31 bits at ~2e-32, so the 395 lines ``--images`` writes per picture name ~7e-21 unrelated
+images at 10^9 (the pairs of those photos that do come within 31 bits are pictures derived from one another: a
+filter's result beside its input, keypoints drawn on it). Shards written before the ``pdq`` column are hashed from
+their image bytes where a list holds hashes (``pdq_column``: a one-off cost of ~10 ms per image, said in the log).
+
+A takedown (``curation.phases.write.takedown_run``) records each list it ran, with the list's entries and distance
+beside it: ``_state/takedown/<list id>.json``. From those records a later write phase (``--phases write`` with other
 settings) leaves the listed images out (``Takedowns``), and the audit checks every recorded list against the current
 shards. A taken-down image's ledger row says so: status ``taken_down``, stage ``takedown``, the reason naming the
-list and the date.
+list, the date and the entry that named it.
 """
 
 from __future__ import annotations
