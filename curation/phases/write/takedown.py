@@ -6,7 +6,7 @@ line; or by what they look like: ``pdq:<64 hex>`` names every image whose PDQ ha
 column) is within the list's ``distance`` of it, so re-encoded, resized, lightly cropped and watermarked copies of a
 reported picture go with it. The distance is part of the list's identity. Chance matches: PDQ distances between
 unrelated real photos are 127.9 +- 8.2 bits (``benchmarks/bench_pdq.py``, 530 photos); the normal fitted to them puts
-one comparison within 31 bits at ~2e-32, so the 395 lines ``--images`` writes per picture name ~7e-21 unrelated
+one comparison within 31 bits at ~2e-32, so the 398 lines ``--images`` writes per picture name ~7e-21 unrelated
 images at 10^9 (the pairs of those photos that do come within 31 bits are pictures derived from one another: a
 filter's result beside its input, keypoints drawn on it). Shards written before the ``pdq`` column are hashed from
 their image bytes where a list holds hashes (``pdq_column``: a one-off cost of ~10 ms per image, said in the log).
