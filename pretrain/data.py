@@ -11,8 +11,9 @@ The tail of an epoch shorter than one global batch is skipped (drop-last).
 The index of row groups is made once per run (Parquet footers read on the driver) from the files the data
 folder's ``manifest.json`` lists, and nothing else there: the curate job switches that manifest atomically, so a run
 starting during a rewrite indexes the complete old set or the complete new one. The index is stored in the run
-directory, so the order of a run cannot change when the data folder changes later. It holds file names relative to
-the data folder; files are opened through the filesystem of the data URI as given (its query, e.g.
+directory, so the order of a run cannot change when the data folder changes later, but for takedowns
+(``pretrain.takedowns``): the images they remove leave the order, the others keep theirs. It holds file names
+relative to the data folder; files are opened through the filesystem of the data URI as given (its query, e.g.
 ``?endpoint_override=...``, kept), never through a URI rebuilt from a path.
 
 Each worker streams its plan through Ray Data: plan segments (runs of rows of one row group) -> read + decode +

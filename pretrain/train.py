@@ -58,8 +58,12 @@ from training.sharding import optimizer_step, shard, sum_over_shards
 from training.worker import Worker, log_line
 
 # TensorBoard / MLflow / W&B groups of the pretraining scalars beyond the shared ones (training.metrics_sinks.GROUPS)
-SCALAR_GROUPS = {**dict.fromkeys(DIAGNOSTICS, "contrastive"), "samples_seen": "progress", "read_amplification": "perf",
-                 "taken_down_skipped": "progress"}  # fmt: skip
+SCALAR_GROUPS = {
+    **dict.fromkeys(DIAGNOSTICS, "contrastive"),
+    "samples_seen": "progress",
+    "read_amplification": "perf",
+    "taken_down_skipped": "progress",
+}
 # bf16 dense peak per GPU, for MFU when log.peak_tflops is not set (matched against the device name).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 
@@ -451,19 +455,34 @@ class PretrainWorker(Worker[PretrainConfig]):
         )  # fmt: skip
 
     def check_takedowns(self, force: bool = False) -> None:
-        """Every rank at the same step: rank 0 reads the data's takedown records when due and all take its answer,
-        so every rank leaves out the same rows."""
-        found: list[takedowns.Takedowns | None] = [None]
+        """Every rank at the same step: rank 0 reads the data's takedown records when due, and every rank takes its
+        takedowns and position (a rank that met a deleted shard took the records on its own, maybe at another step),
+        so all leave out the same rows."""
         due = time.monotonic() - self.takedowns_checked >= self.cfg.data.takedown_check_minutes * 60
         if self.rank == 0 and (force or due):
             self.takedowns_checked = time.monotonic()
             try:
-                found[0] = takedowns.update(self.takedowns, self.index)
+                new = takedowns.update(self.takedowns, self.index)
             except Exception as exc:  # noqa: BLE001 - an unreadable record waits for the next check, training goes on
                 log_line(f"[pretrain] takedown records unreadable, checked again later: {exc}")
-        dist.broadcast_object_list(found, src=0, device=self.device if self.device.type == "cuda" else None)
-        if found[0] is not None and found[0] != self.takedowns:
-            self._apply(found[0])
+                new = self.takedowns
+            if new != self.takedowns:
+                self._apply(new)
+        # the small summary each time; the takedowns themselves only where a rank's differ
+        device = self.device if self.device.type == "cuda" else None
+        mine = (self.takedowns.seen, self.takedowns.removed, self.position)
+        summary = [mine]
+        dist.broadcast_object_list(summary, src=0, device=device)
+        differs = torch.tensor([float(summary[0] != mine)], device=self.device)
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+        if not differs.item():
+            return
+        state = [self.takedowns]
+        dist.broadcast_object_list(state, src=0, device=device)
+        if self.rank != 0 and (state[0], summary[0][2]) != (self.takedowns, self.position):
+            self.takedowns, self.removals = state[0], takedowns.Removals(self.index, state[0])
+            self.position = summary[0][2]
+            self.batches = self._stream()
 
     def _apply(self, new: takedowns.Takedowns) -> None:
         """Leave out the rows ``new`` removes from the step being taken on: the position moves past none of the
