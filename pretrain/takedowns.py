@@ -6,20 +6,21 @@ digest>``: the other rows in order, the same row group size), switches the manif
 its files a takedown replaced, the file holding its remaining rows and which of its rows (file-wide numbers) are
 gone. Those rows leave the epoch order (``data.EpochOrder``): the order of the others is unchanged and a removed
 image's place goes to the next one. The removed rows are found by key in the replaced file while it is still there
-(``--grace-minutes``); once it is gone (``0``) its last rows count as removed instead, so the file's remaining
-images keep one place each in the order, none is read twice and none that is removed is read.
+(``--grace-minutes`` at least ``data.takedown_check_minutes``); once it is gone (``0``) its last rows count as
+removed instead: none that is removed is read and the file's remaining images keep one place each in every later
+epoch, but in the epoch the takedown lands in a few of them may come twice or not at all.
 
 Sizes at 1B images: one listing of the records per check, and state per replaced file and removed image.
 """
 
 from __future__ import annotations
 
-import logging
 import posixpath
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow.fs as pafs
 
 from common import storage
 from common.layout import LAYOUT
@@ -27,8 +28,6 @@ from curation.phases.write.takedown import takedown_records
 
 if TYPE_CHECKING:
     from pretrain.data import DataIndex
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class Takedowns:
         return cls({k: Replaced(f, tuple(rows)) for k, (f, rows) in d["files"].items()}, tuple(d["seen"]))
 
 
-def _output_root(data_uri: str) -> tuple[object, str] | None:
+def _output_root(data_uri: str) -> tuple[pafs.FileSystem, str] | None:
     """The curated output whose shards folder ``data_uri`` is (None for a folder of shards of its own)."""
     fs, root = storage.resolve(data_uri)
     root = posixpath.normpath(root)
@@ -109,9 +108,6 @@ def update(state: Takedowns, index: DataIndex) -> Takedowns:
         left = int(file_rows[i]) - len(known.removed)  # rows ``current`` holds
         gone = _removed_rows(index, current, left, listed[new] if new else 0, removed_keys)
         files[name] = Replaced(new, _compose(known.removed, gone, int(file_rows[i])))
-    added = sum(len(r.removed) for r in files.values()) - state.removed
-    if added:
-        log.info(f"[pretrain] takedowns: {added} more images of this run's data removed; they are skipped from now on")
     return Takedowns(files, seen)
 
 
