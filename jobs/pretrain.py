@@ -42,6 +42,7 @@ from pretrain.backbone import count_params
 from pretrain.config import PretrainConfig
 from pretrain.data import DataError, DataIndex, find_index, save_index
 from pretrain.export import EXPORT_FILES, EXPORTS, export_backbone
+from pretrain.takedowns import replaced_files
 from pretrain.train import fit
 from training import checkpoint
 from training.failures import Exhausted, Permanent
@@ -108,7 +109,7 @@ def _pretrain(args: argparse.Namespace) -> int:
         check_run(run_uri, identity, cfg.result_settings(), args.allow_change)
         index, scanned = find_index(data_uri, run_uri, verify_sha256=cfg.data.verify_sha256)
         if not scanned:
-            index.check_present()
+            index.check_present(replaced_files(data_uri))
         check_free_space(run_uri, checkpoint_bytes(cfg), cfg.checkpoint.keep)
         cfg.split(cfg.ray.workers)  # a global batch that does not divide among the workers is refused here
         lease = Lease(run_uri, holder="jobs.pretrain", on_lost=interrupt_main).acquire(force=args.break_lease)

@@ -81,6 +81,9 @@ class DataSettings(Strict):
     plan_steps: int = Field(1000, ge=1)  # optimiser steps per Ray Data dataset; the next one starts when reached
     # check every shard's sha256 against the manifest's at each start (reads all the data once)
     verify_sha256: bool = False
+    # minutes between reads of the data's takedown records (jobs.takedown): a removed image is skipped from at most
+    # this long (and the next metrics step, log.every) after its takedown on. 0: at every metrics step
+    takedown_check_minutes: float = Field(10.0, ge=0)
 
 
 class PretrainOptim(OptimSettings):
@@ -133,7 +136,7 @@ class FaultSettings(Strict):
 class PretrainConfig(TrainingConfig):
     operational = (
         *TrainingConfig.operational, "fault", "objective.check_finite", "model.compile", "model.activation_checkpointing", "data.read_segments",
-        "data.read_cpus", "data.prefetch_batches", "data.plan_steps", "data.verify_sha256", "probe",
+        "data.read_cpus", "data.prefetch_batches", "data.plan_steps", "data.verify_sha256", "data.takedown_check_minutes", "probe",
     )  # fmt: skip
 
     model: ModelSettings = ModelSettings()

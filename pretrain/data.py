@@ -11,8 +11,9 @@ The tail of an epoch shorter than one global batch is skipped (drop-last).
 The index of row groups is made once per run (Parquet footers read on the driver) from the files the data
 folder's ``manifest.json`` lists, and nothing else there: the curate job switches that manifest atomically, so a run
 starting during a rewrite indexes the complete old set or the complete new one. The index is stored in the run
-directory, so the order of a run cannot change when the data folder changes later. It holds file names relative to
-the data folder; files are opened through the filesystem of the data URI as given (its query, e.g.
+directory, so the order of a run cannot change when the data folder changes later, but for takedowns
+(``pretrain.takedowns``): the images they remove leave the order, the others keep theirs. It holds file names
+relative to the data folder; files are opened through the filesystem of the data URI as given (its query, e.g.
 ``?endpoint_override=...``, kept), never through a URI rebuilt from a path.
 
 Each worker streams its plan through Ray Data: plan segments (runs of rows of one row group) -> read + decode +
@@ -66,6 +67,7 @@ if TYPE_CHECKING:  # not imported at run time: Ray Data's decode tasks import th
     import torch
 
     from pretrain.config import PretrainConfig
+    from pretrain.takedowns import Removals
 
 INDEX_FILE = "data_index.parquet"
 # 1: "file" held absolute paths or URIs; 2: names relative to the data folder, their sha256, the folder's name;
@@ -77,6 +79,20 @@ READ_COLUMNS = ("key", "image", "width", "height", "persons")
 
 class DataError(Permanent, ValueError):
     """The data folder or index cannot be used; the message says what to do."""
+
+
+class ShardGone(DataError):
+    """A shard of the run's index is no longer there (a takedown may have replaced it: ``pretrain.takedowns``)."""
+
+
+def shard_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` (as a Ray Data read task's failure reaches the worker: wrapped) is a ``ShardGone``."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ShardGone) or "ShardGone" in type(seen).__name__:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "ShardGone" in str(exc)
 
 
 # --- the index of row groups ------------------------------------------------------------------------------------
@@ -116,12 +132,15 @@ class DataIndex:
     def open(self, name: str) -> pq.ParquetFile:
         return open_shard(self.root, name)
 
-    def check_present(self) -> None:
+    def check_present(self, replaced: set[str] | frozenset[str] = frozenset()) -> None:
         """Raise ``DataError`` naming the index's files that are gone, from one listing per folder they are in (a run's
-        start; at 1B images ~10^5 shards in a few folders)."""
+        start; at 1B images ~10^5 shards in a few folders); ``replaced``: files a takedown replaced, whose rows the
+        run reads from their replacements (``pretrain.takedowns``)."""
         fs, root = storage.resolve(self.root)
         folders: dict[str, set[str]] = {}
         for name in self.files:
+            if name in replaced:
+                continue
             path = posixpath.normpath(storage.join(root, name))
             folders.setdefault(posixpath.dirname(path), set()).add(path)
         gone: list[str] = []
@@ -283,7 +302,7 @@ def open_shard(data_uri: str, name: str, metadata: pq.FileMetaData | None = None
     try:
         return pq.ParquetFile(fs.open_input_file(posixpath.normpath(storage.join(root, name))), metadata=metadata)
     except FileNotFoundError:
-        raise DataError(
+        raise ShardGone(
             f"{name} under {storage.redact(data_uri)} is gone: the data was rewritten or removed after this run indexed "
             "it. Restore it, or start a new run (--name) on the current data"
         ) from None
@@ -348,17 +367,40 @@ class DataPosition:
 
 class EpochOrder:
     """The sample sequence of one epoch: row groups permuted, the full ones first (``DataIndex.full_first``), rows
-    permuted inside each (both seeded)."""
+    permuted inside each (both seeded); the rows takedowns removed (``removals``) left out, the others in the same
+    order."""
 
-    def __init__(self, index: DataIndex, seed: int, epoch: int, shuffle: bool = True) -> None:
+    def __init__(
+        self, index: DataIndex, seed: int, epoch: int, shuffle: bool = True, removals: Removals | None = None
+    ) -> None:
         self.index, self.seed, self.epoch, self.shuffle = index, seed, epoch, shuffle
+        self.removals = removals
         n = index.num_units
         units = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
         if index.full_first:  # a stable split: the full ones keep their drawn order, so do the others
             full = index.rows[units] == index.full_rows
             units = np.concatenate([units[full], units[~full]])
         self.units = units
-        self.starts = np.concatenate([[0], np.cumsum(index.rows[self.units])])
+        rows = index.rows[self.units].copy()
+        for unit, removed in (removals.rows if removals else {}).items():
+            rows[self._place(unit)] -= len(removed)
+        self.starts = np.concatenate([[0], np.cumsum(rows)])
+
+    def _place(self, unit: int) -> int:
+        if not hasattr(self, "_places"):  # the inverse permutation: where each unit is in the order
+            self._places = np.empty_like(self.units)
+            self._places[self.units] = np.arange(len(self.units))
+        return int(self._places[unit])
+
+    def kept_rows(self, unit: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The unit's rows in order without the removed ones, and where each kept one is in ``rows_of`` (None:
+        none removed)."""
+        rows = self.rows_of(unit)
+        removed = self.removals.rows.get(unit) if self.removals else None
+        if removed is None:
+            return rows, None
+        at = np.flatnonzero(~np.isin(rows, removed))
+        return rows[at], at
 
     def rows_of(self, unit: int) -> np.ndarray:
         rows = int(self.index.rows[unit])
@@ -367,7 +409,8 @@ class EpochOrder:
         return np.random.default_rng([self.seed, self.epoch, unit]).permutation(rows)
 
     def segments(self, lo: int, hi: int) -> list[dict]:
-        """Positions [lo, hi) of the sequence as runs of rows of one row group each, in order."""
+        """Positions [lo, hi) of the sequence as runs of rows of one row group each, in order, where they are read
+        (a replaced file's rows in its replacement), each run with the removed images whose places it took."""
         out = []
         first = int(np.searchsorted(self.starts, lo, side="right")) - 1
         for k in range(first, len(self.units)):
@@ -376,13 +419,21 @@ class EpochOrder:
                 break
             unit = int(self.units[k])
             a, b = max(lo, start) - start, min(hi, int(self.starts[k + 1])) - start
-            out.append(
-                {
-                    "file": self.index.files[self.index.file[unit]],
-                    "row_group": int(self.index.row_group[unit]),
-                    "rows": self.rows_of(unit)[a:b].tolist(),
-                }
+            if a >= b:  # every row of it taken down
+                continue
+            rows, at = self.kept_rows(unit)
+            skipped = 0
+            if at is not None:  # the removed rows before each kept one (and after the last) count where they went
+                since = int(at[a - 1]) + 1 if a else 0
+                until = int(at[b - 1]) + 1 if b < len(at) else int(self.index.rows[unit])
+                skipped = (until - since) - (b - a)
+            where = (
+                self.removals.locate(unit, rows[a:b].tolist())
+                if self.removals
+                else [(self.index.files[self.index.file[unit]], int(self.index.row_group[unit]), rows[a:b].tolist())]
             )
+            for i, (name, group, part) in enumerate(where):
+                out.append({"file": name, "row_group": group, "rows": part, "skipped": 0 if i else skipped})
         return out
 
 
@@ -395,6 +446,29 @@ def read_alignment(index: DataIndex, per_worker: int) -> str | None:
         f"the shards' row groups hold {rows} images, which do not divide the {per_worker} each worker takes per step: "
         "a row group split over workers or steps is read once per piece (metrics: read_amplification). Shards "
         "written with output.shard_row_group_size dividing it are read once (jobs.curate --phases write)"
+    )
+
+
+def kept_samples(index: DataIndex, removals: Removals | None) -> int:
+    """The samples of an epoch: the index's without those takedowns removed."""
+    return index.num_samples - (removals.count if removals else 0)
+
+
+def rebase(
+    position: DataPosition, index: DataIndex, seed: int, shuffle: bool, old: Removals | None, new: Removals
+) -> DataPosition:
+    """``position`` (a prefix of its epoch's order without ``old``'s rows) in the order without ``new``'s: the same
+    next sample (or the next kept one, where ``new`` removes it); the rows removed since in the prefix leave it."""
+    before, after = (EpochOrder(index, seed, position.epoch, shuffle, r) for r in (old, new))
+    if position.consumed >= before.starts[-1]:
+        return DataPosition(position.epoch, int(after.starts[-1]))
+    k = int(np.searchsorted(before.starts, position.consumed, side="right")) - 1  # the next sample's row group
+    unit, within = int(before.units[k]), position.consumed - int(before.starts[k])
+    at = before.kept_rows(unit)[1]
+    place = int(at[within]) if at is not None else within  # its place among all the row group's rows
+    kept = after.kept_rows(unit)[1]
+    return DataPosition(
+        position.epoch, int(after.starts[k]) + (int(np.searchsorted(kept, place)) if kept is not None else place)
     )
 
 
@@ -416,17 +490,19 @@ def worker_plan(
     per_worker: int,
     world: int,
     rank: int,
+    removals: Removals | None = None,
 ) -> tuple[list[dict], DataPosition]:
     """Segments this worker reads for the next ``steps`` global batches, and the position after them."""
     per_step = per_worker * world
-    if per_step > index.num_samples:
-        raise DataError(f"a global batch of {per_step} samples exceeds the {index.num_samples} in the data")
+    samples = kept_samples(index, removals)
+    if per_step > samples:
+        raise DataError(f"a global batch of {per_step} samples exceeds the {samples} in the data")
     segments: list[dict] = []
     order: EpochOrder | None = None
     for _ in range(steps):
-        nxt = advance(position, per_step, index.num_samples)
+        nxt = advance(position, per_step, samples)
         if order is None or order.epoch != nxt.epoch:
-            order = EpochOrder(index, seed, nxt.epoch, shuffle)
+            order = EpochOrder(index, seed, nxt.epoch, shuffle, removals)
         lo = nxt.consumed - per_step + rank * per_worker
         segments += order.segments(lo, lo + per_worker)
         position = nxt
@@ -512,11 +588,13 @@ def read_segments(
     footers: dict[str, pq.FileMetaData] | None = None,
 ) -> dict[str, np.ndarray]:
     """A Ray Data map_batches function: plan segments (files relative to ``data_uri``) -> decoded images and keys,
-    in plan order, with the bytes read for each segment (on its first row) and each image's encoded bytes.
-    ``footers``: shards' footers the caller fetched (and counted) already."""
+    in plan order, with the bytes read for each segment and the images taken down in its place (on its first row)
+    and each image's encoded bytes. ``footers``: shards' footers the caller fetched (and counted) already."""
     files: dict[str, pq.ParquetFile] = {}
-    images, keys, read_bytes, image_bytes = [], [], [], []
-    held: tuple[tuple[str, int], pa.Table] | None = None  # the last row group read: its next segment reads nothing
+    images, keys, read_bytes, image_bytes, skipped = [], [], [], [], []
+    # the row groups read: a later segment of one reads nothing (a replaced file's rows, ``pretrain.takedowns``,
+    # alternate between two row groups); a task holds at most ``data.read_segments`` of them
+    held: dict[tuple[str, int], pa.Table] = {}
     for seg in batch.to_pylist():
         pf, fetched = files.get(seg["file"]), 0
         if pf is None:
@@ -526,12 +604,13 @@ def read_segments(
             )
             files[seg["file"]] = pf
         unit = (seg["file"], seg["row_group"])
-        if held is None or held[0] != unit:
+        if unit not in held:
             columns = [c for c in READ_COLUMNS if c in pf.schema_arrow.names]
-            held = unit, pf.read_row_group(seg["row_group"], columns=columns)
+            held[unit] = pf.read_row_group(seg["row_group"], columns=columns)
             fetched += chunk_bytes(pf.metadata, seg["row_group"], columns)
-        table = held[1].take(seg["rows"])
+        table = held[unit].take(seg["rows"])
         read_bytes += [fetched] + [0] * (table.num_rows - 1)
+        skipped += [seg.get("skipped") or 0] + [0] * (table.num_rows - 1)
         image_bytes += pc.binary_length(pc.struct_field(table.column("image"), "bytes")).to_pylist()
         for row in table.to_pylist():
             try:
@@ -545,6 +624,7 @@ def read_segments(
         "key": np.array(keys, dtype=object),
         "read_bytes": np.array(read_bytes, np.int64),
         "image_bytes": np.array(image_bytes, np.int64),
+        "skipped": np.array(skipped, np.int64),
     }
 
 
@@ -557,6 +637,7 @@ class Batch:
     keys: list[str]
     read_bytes: int = 0  # bytes read from the shards for these images (read_segments)
     image_bytes: int = 0  # their encoded bytes
+    taken_down_skipped: int = 0  # images a takedown removed whose places these took
 
 
 def read_amplification(read_bytes: int, image_bytes: int) -> float | None:
@@ -572,9 +653,17 @@ def to_device(images: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def stream(
-    index: DataIndex, cfg: PretrainConfig, *, position: DataPosition, steps: int, world: int, rank: int
+    index: DataIndex,
+    cfg: PretrainConfig,
+    *,
+    position: DataPosition,
+    steps: int,
+    world: int,
+    rank: int,
+    removals: Removals | None = None,
 ) -> Iterator[Batch]:
-    """``steps * grad_accum`` micro-batches of ``data.batch_size`` images for this worker, from ``position`` on.
+    """``steps * grad_accum`` micro-batches of ``data.batch_size`` images for this worker, from ``position`` on
+    (without the rows ``removals`` says takedowns removed).
 
     One Ray Data dataset per ``plan_steps`` optimiser steps; order is preserved end to end, so micro-batch ``k``
     holds exactly the samples the plan assigns to it.
@@ -599,6 +688,7 @@ def stream(
             per_worker=d.batch_size * cfg.optim.grad_accum,
             world=world,
             rank=rank,
+            removals=removals,
         )
         # A chunk over a few shards: their footers fetched once here and handed to every read task, which Ray Data
         # may run in several processes (each would fetch them again); over many, each process keeps its own.
@@ -634,6 +724,7 @@ def stream(
                 keys=list(batch["key"]),
                 read_bytes=int(batch["read_bytes"].sum()) + fetched,
                 image_bytes=int(batch["image_bytes"].sum()),
+                taken_down_skipped=int(batch["skipped"].sum()),
             )
             fetched = 0  # counted with the chunk's first batch
         done += chunk

@@ -46,7 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from common import storage
-from pretrain import data
+from pretrain import data, takedowns
 from pretrain.backbone import Sapiens2Backbone, build, flops, step_part
 from pretrain.config import PretrainConfig, PretrainOptim, PretrainProbe
 from pretrain.masking import num_masked
@@ -58,7 +58,12 @@ from training.sharding import optimizer_step, shard, sum_over_shards
 from training.worker import Worker, log_line
 
 # TensorBoard / MLflow / W&B groups of the pretraining scalars beyond the shared ones (training.metrics_sinks.GROUPS)
-SCALAR_GROUPS = {**dict.fromkeys(DIAGNOSTICS, "contrastive"), "samples_seen": "progress", "read_amplification": "perf"}
+SCALAR_GROUPS = {
+    **dict.fromkeys(DIAGNOSTICS, "contrastive"),
+    "samples_seen": "progress",
+    "read_amplification": "perf",
+    "taken_down_skipped": "progress",
+}
 # bf16 dense peak per GPU, for MFU when log.peak_tflops is not set (matched against the device name).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 
@@ -249,15 +254,17 @@ class Window:
     data_wait: float = 0.0
     read_bytes: int = 0  # this rank's bytes read for its batches and their images' bytes (data.Batch)
     image_bytes: int = 0
+    taken_down_skipped: int = 0  # images a takedown removed whose places this rank's batches took
     started: float = field(default_factory=time.perf_counter)
 
-    def add(self, terms: Tensor, grad_norm: Tensor, data_wait: float, reads: list[tuple[int, int]]) -> None:
+    def add(self, terms: Tensor, grad_norm: Tensor, data_wait: float, reads: list[tuple[int, int, int]]) -> None:
         self.steps += 1
         self.terms = terms if self.terms is None else self.terms + terms
         self.grad_norm = grad_norm if self.grad_norm is None else self.grad_norm + grad_norm
         self.data_wait += data_wait
-        self.read_bytes += sum(r for r, _ in reads)
-        self.image_bytes += sum(i for _, i in reads)
+        self.read_bytes += sum(r[0] for r in reads)
+        self.image_bytes += sum(r[1] for r in reads)
+        self.taken_down_skipped += sum(r[2] for r in reads)
 
 
 # --- the worker loop ------------------------------------------------------------------------------------------------
@@ -323,6 +330,9 @@ class PretrainWorker(Worker[PretrainConfig]):
         if misaligned and self.rank == 0:
             log_line(f"[pretrain] note: {misaligned}")
         self.position, self.samples_seen = data.DataPosition(), 0
+        # the takedowns honoured (pretrain.takedowns), checked every data.takedown_check_minutes at metrics steps
+        self.takedowns, self.removals = takedowns.Takedowns(), takedowns.Removals(self.index, None)
+        self.takedowns_checked = -math.inf
         self.flops_per_image, self.tokens_per_image = train_flops_per_image(cfg)
         self.peak = peak_flops(cfg, self.device)
         self.evaluator = self._evaluator(evaluator)
@@ -337,6 +347,7 @@ class PretrainWorker(Worker[PretrainConfig]):
         return {
             "data_position": self.position.to_dict(),
             "samples_seen": self.samples_seen,
+            "takedowns": self.takedowns.to_dict(),  # the position counts in the order without their rows
         }
 
     def summary(self, state: dict, group: dist.ProcessGroup | None) -> dict:
@@ -345,6 +356,8 @@ class PretrainWorker(Worker[PretrainConfig]):
     def restore_state(self, commit: dict) -> dict:
         self.position = data.DataPosition(**commit["data_position"])
         self.samples_seen = commit["samples_seen"]
+        self.takedowns = takedowns.Takedowns.from_dict(commit.get("takedowns"))
+        self.removals = takedowns.Removals(self.index, self.takedowns)
         return {
             "saved_fingerprint": commit["fingerprint"],
             "fingerprint": fingerprint(checkpoint.checkpointed(self.model, self.optimizer)),
@@ -358,9 +371,8 @@ class PretrainWorker(Worker[PretrainConfig]):
 
         c = self.cfg
         per_step = c.samples_per_step(self.world)
-        batches = data.stream(
-            self.index, c, position=self.position, steps=c.steps - self.step, world=self.world, rank=self.rank
-        )
+        self.check_takedowns(force=True)  # a resume too: the lists recorded since its checkpoint
+        self.batches = self._stream()
         window = Window()
         self.collapse = CollapseMonitor(c.log.collapse_patience)
         preemption_saved = False
@@ -368,10 +380,10 @@ class PretrainWorker(Worker[PretrainConfig]):
             waits: list[float] = []
             keys: list[str] = []
             reads: list[tuple[int, int]] = []
-            terms, update = self.trainer.train_step(self.step, self._micro_batches(batches, waits, keys, reads))
+            terms, update = self.trainer.train_step(self.step, self._micro_batches(waits, keys, reads))
             self.take_host_peak()
             self.step += 1
-            self.position = data.advance(self.position, per_step, self.index.num_samples)
+            self.position = data.advance(self.position, per_step, data.kept_samples(self.index, self.removals))
             self.samples_seen += per_step
             window.add(terms, cast(Tensor, update["grad_norm"]), sum(waits, 0.0), reads)
             self._fault_drill()
@@ -381,6 +393,8 @@ class PretrainWorker(Worker[PretrainConfig]):
                 schedule = {k: float(update[k]) for k in ("lr", "wd", "momentum")}
                 self._log_window(window, **schedule)
                 window = Window()
+                if self.step < c.steps:
+                    self.check_takedowns()
             self.poll_save()  # after the step's metrics: a commit rolls the metrics log to the next step
             if self.evaluator and (self.step % c.probe.every == 0 or self.step == c.steps):
                 self._evaluate()
@@ -431,19 +445,87 @@ class PretrainWorker(Worker[PretrainConfig]):
             shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if k.endswith(("miou", "acc")))
             log_line(f"[pretrain] step {self.step} probe (EMA teacher): {shown}")
 
+    # --- takedowns ---
+
+    def _stream(self) -> Iterator[data.Batch]:
+        c = self.cfg
+        return data.stream(
+            self.index, c, position=self.position, steps=c.steps - self.step, world=self.world, rank=self.rank,
+            removals=self.removals,
+        )  # fmt: skip
+
+    def check_takedowns(self, force: bool = False) -> None:
+        """Every rank at the same step: rank 0 reads the data's takedown records when due, and every rank takes its
+        takedowns and position (a rank that met a deleted shard took the records on its own, maybe at another step),
+        so all leave out the same rows."""
+        due = time.monotonic() - self.takedowns_checked >= self.cfg.data.takedown_check_minutes * 60
+        if self.rank == 0 and (force or due):
+            self.takedowns_checked = time.monotonic()
+            try:
+                new = takedowns.update(self.takedowns, self.index)
+            except Exception as exc:  # noqa: BLE001 - an unreadable record waits for the next check, training goes on
+                log_line(f"[pretrain] takedown records unreadable, checked again later: {exc}")
+                new = self.takedowns
+            if new != self.takedowns:
+                self._apply(new)
+        # the small summary each time; the takedowns themselves only where a rank's differ
+        device = self.device if self.device.type == "cuda" else None
+        mine = (self.takedowns.seen, self.takedowns.removed, self.position)
+        summary = [mine]
+        dist.broadcast_object_list(summary, src=0, device=device)
+        differs = torch.tensor([float(summary[0] != mine)], device=self.device)
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+        if not differs.item():
+            return
+        state = [self.takedowns]
+        dist.broadcast_object_list(state, src=0, device=device)
+        if self.rank != 0 and (state[0], summary[0][2]) != (self.takedowns, self.position):
+            self.takedowns, self.removals = state[0], takedowns.Removals(self.index, state[0])
+            self.position = summary[0][2]
+            self.batches = self._stream()
+
+    def _apply(self, new: takedowns.Takedowns) -> None:
+        """Leave out the rows ``new`` removes from the step being taken on: the position moves past none of the
+        others, and the stream starts again from it."""
+        removals = takedowns.Removals(self.index, new)
+        c = self.cfg
+        self.position = data.rebase(self.position, self.index, c.seed, c.data.shuffle, self.removals, removals)
+        if self.rank == 0:
+            log_line(
+                f"[pretrain] takedowns: {new.removed - self.takedowns.removed} more images of the data removed, "
+                f"skipped from step {self.step + 1} on ({new.removed} in all)"
+            )
+        self.takedowns, self.removals = new, removals
+        self.batches = self._stream()
+
     # --- pieces of a step ---
 
     def _micro_batches(
-        self, batches: Iterator[data.Batch], waits: list[float], keys: list[str], reads: list[tuple[int, int]]
+        self, waits: list[float], keys: list[str], reads: list[tuple[int, int, int]]
     ) -> Iterator[Tensor]:
         """A step's micro-batches on the device, each read from the stream when the step takes it; the wait for
-        each goes to ``waits``, its sample keys to ``keys``, its bytes read and images' bytes to ``reads``."""
-        for _ in range(self.cfg.optim.grad_accum):
+        each goes to ``waits``, its sample keys to ``keys``, its bytes read, images' bytes and the images taken down
+        in their places to ``reads``. A shard a takedown replaced and deleted (``--grace-minutes 0``) before the
+        next check: this rank reads the records now and reads the step's other micro-batches from the new shards."""
+        micro = 0
+        while micro < self.cfg.optim.grad_accum:
             t = time.perf_counter()
-            batch = next(batches)
+            try:
+                batch = next(self.batches)
+            except Exception as exc:
+                if not data.shard_gone(exc):
+                    raise
+                new = takedowns.update(self.takedowns, self.index)
+                if new == self.takedowns:
+                    raise  # gone, and no takedown says why: open_shard's message
+                self._apply(new)
+                for _ in range(micro):  # this step's micro-batches already trained on
+                    next(self.batches)
+                continue
             waits.append(time.perf_counter() - t)
             keys += batch.keys
-            reads.append((batch.read_bytes, batch.image_bytes))
+            reads.append((batch.read_bytes, batch.image_bytes, batch.taken_down_skipped))
+            micro += 1
             yield data.to_device(batch.images, self.device)
 
     def _record_keys(self, keys: list[str]) -> None:
@@ -464,9 +546,11 @@ class PretrainWorker(Worker[PretrainConfig]):
         dist.all_reduce(wait[0:1])
         dist.all_reduce(wait[1:2], op=dist.ReduceOp.MAX)
         # float64 counts: exact up to 2^53 bytes per window
-        read = torch.tensor([window.read_bytes, window.image_bytes], dtype=torch.float64, device=self.device)
+        read = torch.tensor(
+            [window.read_bytes, window.image_bytes, window.taken_down_skipped], dtype=torch.float64, device=self.device
+        )
         dist.all_reduce(read)
-        means, waits = stats.tolist(), wait.tolist()
+        means, waits, reads = stats.tolist(), wait.tolist(), [int(b) for b in read.tolist()]
         step_s = (time.perf_counter() - window.started) / window.steps
         images_per_s = c.samples_per_step(self.world) / step_s
         wait_mean, wait_max = waits[0] / self.world, waits[1]
@@ -487,7 +571,8 @@ class PretrainWorker(Worker[PretrainConfig]):
             "data_wait_max_s": wait_max,
             "compute_s": step_s - wait_mean,
             "data_wait_frac": wait_mean / step_s,
-            "read_amplification": data.read_amplification(*(int(b) for b in read.tolist())),
+            "read_amplification": data.read_amplification(reads[0], reads[1]),
+            "taken_down_skipped": reads[2],
         }
         if self.peak:
             record["mfu"] = images_per_s * self.flops_per_image / (self.world * self.peak)
