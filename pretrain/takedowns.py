@@ -5,10 +5,11 @@ digest>``: the other rows in order, the same row group size), switches the manif
 (``_state/takedown/<list id>.json``). A run keeps its own index (``pretrain.data``); ``Takedowns`` says, for each of
 its files a takedown replaced, the file holding its remaining rows and which of its rows (file-wide numbers) are
 gone. Those rows leave the epoch order (``data.EpochOrder``): the order of the others is unchanged and a removed
-image's place goes to the next one. The removed rows are found by key in the replaced file while it is still there
-(``--grace-minutes`` at least ``data.takedown_check_minutes``); once it is gone (``0``) its last rows count as
-removed instead: none that is removed is read and the file's remaining images keep one place each in every later
-epoch, but in the epoch the takedown lands in a few of them may come twice or not at all.
+image's place goes to the next one. The removed rows are the record's own (``removed_rows``: per replaced file, the
+rows the takedown took out), so a file deleted at once (``--grace-minutes 0``) is never needed. A record written
+before them is read by key in the replaced file while it is still there; once that is gone its last rows count as
+removed instead: none that is removed is read, but in the epoch the takedown lands in a few of the file's other
+images may come twice or not at all.
 
 Sizes at 1B images: one listing of the records per check, and state per replaced file and removed image.
 """
@@ -92,6 +93,7 @@ def update(state: Takedowns, index: DataIndex) -> Takedowns:
     prefix = f"{LAYOUT.shards}/"
     superseded = {rel[len(prefix) :] for r in records for rel in r["superseded"] if rel.startswith(prefix)}
     removed_keys = {row["key"] for r in records for row in r["removed"]}
+    removed_rows = {name: rows for r in records for name, rows in r.get("removed_rows", {}).items()}
     data_fs, data_root = storage.resolve(index.root)
     manifest = storage.read_json(data_fs, storage.join(data_root, LAYOUT.manifest_name))
     listed = {s["file"]: s["rows"] for s in manifest["shards"]}
@@ -106,7 +108,10 @@ def update(state: Takedowns, index: DataIndex) -> Takedowns:
             continue
         new = by_part.get(_part(current))
         left = int(file_rows[i]) - len(known.removed)  # rows ``current`` holds
-        gone = _removed_rows(index, current, left, listed[new] if new else 0, removed_keys)
+        kept = listed[new] if new else 0
+        recorded = removed_rows.get(current)  # the takedown's own record of the rows it took out
+        gone = recorded if recorded is not None and len(recorded) == left - kept else None
+        gone = gone if gone is not None else _removed_rows(index, current, left, kept, removed_keys)
         files[name] = Replaced(new, _compose(known.removed, gone, int(file_rows[i])))
     return Takedowns(files, seen)
 
@@ -116,8 +121,9 @@ def _part(name: str) -> str:
 
 
 def _removed_rows(index: DataIndex, name: str, rows: int, kept: int, removed_keys: set[str]) -> list[int]:
-    """Rows of ``name`` (``rows`` of them) not in its replacement (``kept`` rows): those whose key a record removed,
-    read while the file is there; else its last ``rows - kept`` rows."""
+    """Rows of ``name`` (``rows`` of them) not in its replacement (``kept`` rows), for a record without
+    ``removed_rows`` (a takedown run before them): those whose key a record removed, read while the file is there;
+    else its last ``rows - kept`` rows."""
     try:
         keys = index.open(name).read(columns=["key"]).column("key").to_pylist()
     except (OSError, ValueError):  # gone (--grace-minutes 0): DataError is a ValueError

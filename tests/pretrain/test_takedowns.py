@@ -38,9 +38,12 @@ def curated_like(tmp_path: Path) -> data.DataIndex:
     return data.DataIndex.scan(str(folder))
 
 
-def take_down(index: data.DataIndex, name: str, rows: list[int], *, delete: bool) -> list[str]:
+def take_down(
+    index: data.DataIndex, name: str, rows: list[int], *, delete: bool, rows_recorded: bool = True
+) -> list[str]:
     """What jobs.takedown does to the shard ``name``: ``rows`` out, the rest rewritten under a new name, the manifest
-    switched, the record written; the old file deleted when ``delete`` (--grace-minutes 0). Returns the keys."""
+    switched, the record written (with the rows it took out, unless ``rows_recorded`` is false: a takedown run before
+    it recorded them); the old file deleted when ``delete`` (--grace-minutes 0). Returns the keys."""
     folder = Path(index.root)
     table = pq.read_table(folder / name)
     keep = np.setdiff1d(np.arange(table.num_rows), rows)
@@ -52,6 +55,8 @@ def take_down(index: data.DataIndex, name: str, rows: list[int], *, delete: bool
     keys = table.column("key").take(pa.array(rows)).to_pylist()
     record = {"id": "abc", "at": "2026-01-01T00:00:00+00:00", "status": "done", "version": 2, "list": "l"}
     record |= {"removed": [{"key": k, "source": k} for k in keys], "superseded": [f"shards/{name}"]}
+    if rows_recorded:
+        record["removed_rows"] = {name: sorted(rows)}
     (folder.parent / "_state" / "takedown").mkdir(parents=True)
     (folder.parent / "_state" / "takedown" / "abc.json").write_text(json.dumps(record))
     if delete:
@@ -69,7 +74,7 @@ def sequence(order: data.EpochOrder, lo: int, hi: int) -> tuple[list[str], int]:
 def test_removed_images_leave_the_order_and_the_rest_keep_theirs(tmp_path):
     index = curated_like(tmp_path)
     before, _ = sequence(data.EpochOrder(index, 0, 1), 0, index.num_samples)
-    gone = take_down(index, index.files[1], [3, 9, 17, 30], delete=False)
+    gone = take_down(index, index.files[1], [3, 9, 17, 30], delete=False, rows_recorded=False)
     state = takedowns.update(takedowns.Takedowns(), index)
     assert state.files[index.files[1]].removed == (3, 9, 17, 30)  # found by key: the old file is still there
     removals = takedowns.Removals(index, state)
@@ -90,7 +95,7 @@ def test_a_deleted_shard_is_read_from_its_replacement_and_the_position_moves_pas
     index = curated_like(tmp_path)
     order = data.EpochOrder(index, 0, 0)
     before, _ = sequence(order, 0, index.num_samples)
-    gone = take_down(index, index.files[0], [0, 5, 31], delete=True)  # --grace-minutes 0
+    gone = take_down(index, index.files[0], [0, 5, 31], delete=True, rows_recorded=False)  # --grace-minutes 0
     try:
         sequence(order, 0, index.num_samples)
         raise AssertionError("the deleted shard was read")
@@ -110,6 +115,16 @@ def test_a_deleted_shard_is_read_from_its_replacement_and_the_position_moves_pas
     assert after[moved.consumed] == nxt and moved.consumed == 40 - sum(k not in after for k in before[:40])
     # the run's start does not refuse the deleted file a takedown replaced
     index.check_present(takedowns.replaced_files(index.root))
+
+
+def test_a_deleted_shard_is_placed_exactly_by_the_rows_its_takedown_recorded(tmp_path):
+    index = curated_like(tmp_path)
+    before, _ = sequence(data.EpochOrder(index, 0, 0), 0, index.num_samples)
+    gone = take_down(index, index.files[0], [0, 5, 31], delete=True)  # --grace-minutes 0: only the record says
+    state = takedowns.update(takedowns.Takedowns(), index)
+    assert state.files[index.files[0]].removed == (0, 5, 31)
+    after, skipped = sequence(data.EpochOrder(index, 0, 0, removals=takedowns.Removals(index, state)), 0, 93)
+    assert skipped == 3 and after == [k for k in before if k not in gone]  # every other image keeps its place
 
 
 def test_a_deleted_shard_is_recognised_through_a_ray_data_read_task(tmp_path, ray_local):

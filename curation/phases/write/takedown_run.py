@@ -196,6 +196,9 @@ def run_takedown(
         "from_version": manifest.get("version", 1),
         "version": manifest.get("version", 1) + (1 if hits else 0),
         "removed": earlier.get("removed", []),
+        # per shard file replaced, the rows taken out of it: a reader that indexed it finds its other rows in the
+        # replacement without reading it (gone after the grace)
+        "removed_rows": earlier.get("removed_rows", {}),
         "superseded": earlier.get("superseded", []),
         "delete_after": (dt.datetime.fromisoformat(at) + dt.timedelta(minutes=grace_minutes)).isoformat(),
         "purged": False,
@@ -203,6 +206,7 @@ def run_takedown(
     if hits:
         manifest, removed, superseded = _rewrite_listed(runner, manifest, hits, lst, at)
         record["removed"] = [*record["removed"], *removed]
+        record["removed_rows"] = {**record["removed_rows"], **{n: sorted(r for r, _ in hits[n]) for n in hits}}
         record["superseded"] = [*record["superseded"], *superseded]
     write_json_atomic(fs, path, {**record, "manifest_sha256": _digest(manifest)})
     guard()

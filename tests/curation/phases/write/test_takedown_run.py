@@ -39,6 +39,9 @@ def test_listed_images_by_key_source_and_url_are_taken_down(
     (record,) = td.takedown_records(*resolve(str(out)))
     assert record["by"] == "legal@example.org" and record["status"] == "done" and record["purged"]
     assert {r["source"] for r in record["removed"]} == sources
+    # the rows taken out of each replaced shard, for a trainer that indexed it (gone at once with no grace)
+    assert sum(map(len, record["removed_rows"].values())) == 3
+    assert {f"shards/{name}" for name in record["removed_rows"]} <= set(record["superseded"])
     # only the shards that held them were rewritten; the replaced files are gone (no grace)
     unchanged = {s["file"] for s in before["shards"]} & {s["file"] for s in manifest["shards"]}
     assert len(unchanged) >= len(before["shards"]) - 3
@@ -101,6 +104,9 @@ def test_a_takedown_killed_midway_and_rerun_removes_exactly_the_listed(
             monkeypatch.setattr(step, "task", CountedTask(task, kill_at=0))
     record = takedown_run.run_takedown(str(out), lst, by="t", grace_minutes=0)
     assert {r["source"] for r in record["removed"]} == sources
+    # the rows taken out of each replaced shard, for a trainer that indexed it (gone at once with no grace)
+    assert sum(map(len, record["removed_rows"].values())) == 3
+    assert {f"shards/{name}" for name in record["removed_rows"]} <= set(record["superseded"])
     assert {r["source"] for r in rows_of(out)} == kept_before - sources
     assert manifest_of(out)["version"] == 2
     result = audit(str(out))
