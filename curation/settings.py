@@ -130,6 +130,8 @@ class Filters(Strict):
     # Full profile (curation/stages/clip.py); None or empty turns a filter off.
     min_aesthetic: float | None = None  # LAION aesthetic predictor scale, about 1..10
     min_realism: float | None = Field(None, ge=0, le=1)  # probability of the photo prompts
+    # LAION's CLIP NSFW head (models.clip.nsfw_head): P(NSFW) on its own scale, not open_nsfw's; above is rejected
+    clip_nsfw_max_score: float | None = Field(None, ge=0, le=1)
     prompt_filters: dict[str, PromptFilter] = {}  # name -> filter; rejects with reason code prompt_<name>
 
 

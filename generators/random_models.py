@@ -2,7 +2,8 @@
 
 Offline machines cannot fetch YOLO or OpenCLIP weights, yet the full profile's loading, batching and wiring must
 run there: tests and the CPU benchmark build the same architectures with random weights, save them in the
-formats the real files use (safetensors for YOLO and OpenCLIP, a torch state dict for LAION's aesthetic head) and
+formats the real files use (safetensors for YOLO and OpenCLIP, a torch state dict for LAION's aesthetic head, the
+keys of LAION's CLIP NSFW head) and
 load them back through ``curation.models``. Their scores mean nothing; their cost and shapes are real, and so is
 how many candidate boxes their detectors hand to NMS (``calibrate_detector``).
 """
@@ -39,8 +40,8 @@ def build_random_store(
 ) -> list[str]:
     """Save a YOLO detector and pose model (``yolo``: an ultralytics model name such as yolo11n or yolo11m,
     calibrated for ``imgsz``-pixel inputs), an OpenCLIP model (``clip_arch``, with ``clip_cfg`` overriding its
-    architecture; ``TINY_CLIP`` by default) and an aesthetic MLP head under ``out``; returns the config overrides
-    that point the full profile at them."""
+    architecture; ``TINY_CLIP`` by default), an aesthetic MLP head and an NSFW head under ``out``; returns the config
+    overrides that point the full profile at them."""
     import open_clip
     from safetensors.torch import save_file
 
@@ -75,7 +76,20 @@ def build_random_store(
         mlp[f"layers.{index}.weight"] = torch.randn(o, i) * 0.3
         mlp[f"layers.{index}.bias"] = torch.full((o,), 5.0 if o == 1 else 0.0)
     torch.save(mlp, out / "aesthetic-mlp.pth")
+    save_file(random_nsfw_head(dim, final_bias=-8.0), str(out / "nsfw-head.safetensors"))
     return store_overrides(out, dim)
+
+
+def random_nsfw_head(dim: int, final_bias: float = 0.0) -> dict[str, torch.Tensor]:
+    """A state dict in the layout of LAION's CLIP NSFW head (curation.models.NSFW_HEAD_KEYS) on ``dim``-dimensional
+    embeddings; ``final_bias`` shifts the logit (-8 keeps every probability far below a 0.5 threshold)."""
+    sizes = [(dim, 64), (64, 512), (512, 256), (256, 1)]
+    # about the spread of a unit-norm embedding's coordinates, so the normalised inputs are of order one
+    sd = {"norm.mean": torch.randn(dim) / dim, "norm.variance": (torch.rand(dim) + 0.5) / dim}
+    for i, (n_in, n_out) in enumerate(sizes, 1):
+        sd[f"linear_{i}.weight"] = torch.randn(n_out, n_in) / math.sqrt(n_in)
+        sd[f"linear_{i}.bias"] = torch.full((n_out,), final_bias) if n_out == 1 else torch.randn(n_out) * 0.1
+    return sd
 
 
 # How many boxes a random detector scores above the stage's confidence threshold on the median calibration photo:
@@ -144,6 +158,7 @@ def store_overrides(out: Path, embedding_dim: int) -> list[str]:
         f"models.yolo.pose={out / 'yolo-pose.safetensors'}",
         f"models.clip.checkpoint={out / 'clip'}",
         f"models.clip.aesthetic_head={out / 'aesthetic-mlp.pth'}",
+        f"models.clip.nsfw_head={out / 'nsfw-head.safetensors'}",
         f"models.embedding.dim={embedding_dim}",
         f"models.store.cache_dir={out / 'cache'}",
     ]

@@ -5,7 +5,14 @@
 model family. The names below are the public surface the stages and tools use.
 """
 
-from curation.models.clip import LoadedClip, aesthetic_head_from_state_dict, head_input_dim, load_clip
+from curation.models.clip import (
+    NSFW_HEAD_KEYS,
+    LoadedClip,
+    aesthetic_head_from_state_dict,
+    head_input_dim,
+    load_clip,
+    nsfw_head_from_state_dict,
+)
 from curation.models.errors import ModelIntegrityError, ModelNotFoundError
 from curation.models.packages import parse_package_ref, project_of
 from curation.models.store import ModelStore
@@ -13,6 +20,7 @@ from curation.models.weights import device_and_dtype, load_state_dict
 from curation.models.yolo import YOLO_FORMAT, import_ultralytics, load_yolo, save_yolo
 
 __all__ = [
+    "NSFW_HEAD_KEYS",
     "YOLO_FORMAT",
     "LoadedClip",
     "ModelIntegrityError",
@@ -25,6 +33,7 @@ __all__ = [
     "load_clip",
     "load_state_dict",
     "load_yolo",
+    "nsfw_head_from_state_dict",
     "parse_package_ref",
     "project_of",
     "save_yolo",

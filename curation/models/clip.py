@@ -1,4 +1,5 @@
-"""OpenCLIP image-text models from the model store, and the LAION-style aesthetic MLP head on their embeddings."""
+"""OpenCLIP image-text models from the model store, and LAION's heads on their embeddings: the aesthetic predictor
+and the CLIP-based NSFW detector."""
 
 from __future__ import annotations
 
@@ -88,6 +89,63 @@ def aesthetic_head_from_state_dict(sd: dict[str, torch.Tensor]) -> nn.Module:
     out = next(m for m in reversed(list(head.modules())) if isinstance(m, nn.Linear)).out_features
     if out != 1:
         raise ValueError(f"aesthetic head outputs {out} values; expected one score")
+    return head.eval()
+
+
+# LAION's CLIP-based NSFW detector for ViT-L/14 (github.com/LAION-AI/CLIP-based-NSFW-Detector, MIT), in the layout of
+# its PyTorch port (clip_autokeras_binary_nsfw.pth, which NeMo Curator loads): the Keras model's Normalization layer
+# as buffers, then four Linear layers.
+NSFW_HEAD_KEYS = (
+    "norm.mean",
+    "norm.variance",
+    *(f"linear_{i}.{p}" for i in range(1, 5) for p in ("weight", "bias")),
+)
+
+
+def nsfw_head_from_state_dict(sd: dict[str, torch.Tensor]) -> nn.Module:
+    """LAION's NSFW head: (x - mean) / sqrt(variance), then Linear+ReLU x3 and Linear+Sigmoid: P(NSFW) of an
+    L2-normalised CLIP image embedding. Layer sizes come from the weights (768 -> 64 -> 512 -> 256 -> 1 for L/14)."""
+    import torch
+    from torch import nn
+
+    if set(sd) != set(NSFW_HEAD_KEYS):
+        raise ValueError(
+            f"unknown NSFW head layout (keys {sorted(sd)[:6]}...): expected LAION's CLIP NSFW head "
+            f"({', '.join(NSFW_HEAD_KEYS)})"
+        )
+
+    def linear(i: int) -> nn.Linear:
+        out_features, in_features = sd[f"linear_{i}.weight"].shape
+        return nn.Linear(in_features, out_features)
+
+    class Normalization(nn.Module):
+        mean: torch.Tensor
+        variance: torch.Tensor
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mean", torch.zeros_like(sd["norm.mean"]))
+            self.register_buffer("variance", torch.ones_like(sd["norm.variance"]))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x - self.mean) / self.variance.sqrt()  # as NeMo Curator's port: no epsilon
+
+    class NsfwHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = Normalization()
+            self.linear_1, self.linear_2, self.linear_3, self.linear_4 = (linear(i) for i in range(1, 5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.norm(x)
+            for layer in (self.linear_1, self.linear_2, self.linear_3):
+                x = torch.relu(layer(x))
+            return torch.sigmoid(self.linear_4(x))
+
+    head = NsfwHead()
+    head.load_state_dict(sd, strict=True)
+    if head.linear_4.out_features != 1:
+        raise ValueError(f"NSFW head outputs {head.linear_4.out_features} values; expected one probability")
     return head.eval()
 
 

@@ -218,12 +218,18 @@ class ClipModelSettings(Strict):
     see curation/stages/clip.py. ``checkpoint``: a weights file (with ``arch`` an open_clip config name) or a folder
     holding ``open_clip_config.json`` and its weights (the hub layout; ``arch`` is then ignored)."""
 
+    nsfw_model: ClassVar[str] = "LAION's CLIP-based NSFW Detector for ViT-L/14"  # what the dataset card names
+    nsfw_licence: ClassVar[str] = "MIT"
+
     arch: str = "ViT-L-14"
     checkpoint: ModelRef = "hf-hub:timm/vit_large_patch14_clip_224.openai"
     precision: Precision = "auto"
     # LAION's improved aesthetic predictor (MLP or linear head on the L2-normalised embedding); it was trained on
     # OpenAI's ViT-L/14 embeddings, so it is only meaningful with that checkpoint. None: no aesthetic score.
     aesthetic_head: ModelRef | None = "sac+logos+ava1-l14-linearMSE.pth"
+    # LAION's CLIP-based NSFW detector (curation.models.clip.nsfw_head_from_state_dict): P(NSFW) of the same
+    # normalised embedding, trained on OpenAI's ViT-L/14 too. None: not run (no clip_nsfw_score).
+    nsfw_head: ModelRef | None = None
     prompt_sets: dict[str, list[str]] = Field(default_factory=_default_prompt_sets)
     realism: RealismSettings = RealismSettings()
 

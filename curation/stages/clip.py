@@ -1,8 +1,11 @@
-"""Full profile OpenCLIP image embedding, computed once per image and shared by three scorers:
+"""Full profile OpenCLIP image embedding, computed once per image and shared by its scorers:
 
 - ``embedding``: the L2-normalised image embedding (``models.embedding.dim`` values; dedup and sampling read it);
 - ``aesthetic``: LAION's aesthetic predictor, a small head on the normalised embedding (about 1..10; rejects below
   ``filters.min_aesthetic`` with ``low_aesthetic``);
+- ``clip_nsfw_score``: LAION's CLIP-based NSFW detector, a small head on the same normalised embedding (P(NSFW);
+  rejects above ``filters.clip_nsfw_max_score`` with ``nsfw``, before the other filters: safety is the reason
+  recorded);
 - ``realism``: zero-shot probability that the image is a photograph: a softmax (with the model's logit scale) over
   the prompts of ``models.clip.realism.photo`` and ``.not_photo`` (paintings, cartoons, 3D renders, screenshots...),
   summed over the photo prompts (rejects below ``filters.min_realism`` with ``low_realism``);
@@ -17,7 +20,9 @@ batch per call, normalised on the device; fp16 on a GPU (``models.clip.precision
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +31,9 @@ from PIL import Image
 
 from common.imageio import open_reduced
 from curation.score.stage import Row, Stage, Update, reject
+from curation.stages.nsfw import nsfw_detail
+
+NSFW_MODEL_NAME = "laion_clip_nsfw"  # in rejection details: whose scale the score is on
 
 _INTERPOLATION = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
 
@@ -62,11 +70,12 @@ class ClipStage(Stage):
     columns = (
         pa.field("aesthetic", pa.float32()),  # learned aesthetic predictor
         pa.field("realism", pa.float32()),  # zero-shot photo-vs-rendering score
+        pa.field("clip_nsfw_score", pa.float32()),  # LAION's CLIP NSFW head
     )
     column_order = 35  # after the lite profile's quality columns
-    writes = ("embedding", "aesthetic", "realism")
+    writes = ("embedding", "aesthetic", "realism", "clip_nsfw_score")
     model_section = "clip"
-    thresholds = ("min_aesthetic", "min_realism", "prompt_filters")
+    thresholds = ("min_aesthetic", "min_realism", "prompt_filters", "clip_nsfw_max_score")
     uses_actors = True
 
     def setup(self) -> None:
@@ -80,7 +89,11 @@ class ClipStage(Stage):
         self.device, self.dtype = models.device_and_dtype(c.precision)
         if f.min_aesthetic is not None and c.aesthetic_head is None:
             raise ValueError("filters.min_aesthetic is set but models.clip.aesthetic_head is null")
+        if f.clip_nsfw_max_score is not None and c.nsfw_head is None:
+            raise ValueError("filters.clip_nsfw_max_score is set but models.clip.nsfw_head is null")
+        # Both heads are fetched before the CLIP model loads: a missing file fails the actor fast.
         head_path = store.fetch(c.aesthetic_head, "models.clip.aesthetic_head") if c.aesthetic_head else None
+        nsfw_path = store.fetch(c.nsfw_head, "models.clip.nsfw_head") if c.nsfw_head else None
         self.clip = models.load_clip(store, c, self.device, self.dtype)
         model = self.clip.model
         pre = self.clip.preprocess
@@ -97,14 +110,8 @@ class ClipStage(Stage):
                 f"models.embedding.dim is {want} but the CLIP model {self.clip.source} gives {dim}-dimensional "
                 f"embeddings; set models.embedding.dim: {dim} (dedup and sampling size their arrays by it)"
             )
-        self.head = None
-        if head_path is not None:
-            self.head = models.aesthetic_head_from_state_dict(models.load_state_dict(head_path)).to(self.device)
-            if models.head_input_dim(self.head) != dim:
-                raise ValueError(
-                    f"models.clip.aesthetic_head {c.aesthetic_head!r} takes {models.head_input_dim(self.head)}-"
-                    f"dimensional embeddings but the CLIP model gives {dim}; pair the head with its CLIP model"
-                )
+        self.head = self._head(head_path, models.aesthetic_head_from_state_dict, "aesthetic_head", dim)
+        self.nsfw_head = self._head(nsfw_path, models.nsfw_head_from_state_dict, "nsfw_head", dim)
         # Every prompt set in use, embedded once in one batch.
         used = [c.realism.photo, c.realism.not_photo] + [
             s for pf in f.prompt_filters.values() for s in (pf.keep, pf.reject)
@@ -120,6 +127,24 @@ class ClipStage(Stage):
             self.text = torch.nn.functional.normalize(text, dim=-1)
             self.logit_scale = float(model.logit_scale.exp().clamp(max=100))
         self._decoder = ThreadPoolExecutor(self.threads)  # PIL releases the GIL while decoding and resizing
+
+    def _head(self, path: Path | None, build: Callable[[dict], Any], key: str, dim: int) -> Any:
+        """A head on the embedding from its state dict (loaded safely), on the device; None without a file."""
+        from curation import models
+
+        if path is None:
+            return None
+        ref = getattr(self.cfg.models.clip, key)
+        try:
+            head = build(models.load_state_dict(path)).to(self.device)
+        except ValueError as exc:
+            raise ValueError(f"models.clip.{key} {ref!r}: {exc}") from None
+        if models.head_input_dim(head) != dim:
+            raise ValueError(
+                f"models.clip.{key} {ref!r} takes {models.head_input_dim(head)}-dimensional embeddings but the CLIP "
+                f"model gives {dim}; pair the head with its CLIP model"
+            )
+        return head
 
     def _encode(self, batch: Any) -> Any:
         """(B, H, W, 3) uint8 tensor -> L2-normalised float32 embeddings (B, dim), one forward pass."""
@@ -160,6 +185,7 @@ class ClipStage(Stage):
         with torch.inference_mode():
             emb = self._encode(torch.from_numpy(np.stack(arrays)))
             aesthetic = self.head(emb).float().squeeze(-1).cpu().numpy() if self.head is not None else None
+            nsfw = self.nsfw_head(emb).float().squeeze(-1).cpu().numpy() if self.nsfw_head is not None else None
             realism, realism_top = self._set_probability(emb, c.realism.photo, c.realism.not_photo)
             filters = {name: self._set_probability(emb, pf.reject, pf.keep) for name, pf in f.prompt_filters.items()}
         emb_np = emb.cpu().numpy()
@@ -169,8 +195,11 @@ class ClipStage(Stage):
                 "embedding": emb_np[i].tolist(),
                 "aesthetic": float(aesthetic[i]) if aesthetic is not None else None,
                 "realism": float(realism[i]),
+                "clip_nsfw_score": float(nsfw[i]) if nsfw is not None else None,
             }
-            if aesthetic is not None and f.min_aesthetic is not None and aesthetic[i] < f.min_aesthetic:
+            if nsfw is not None and f.clip_nsfw_max_score is not None and nsfw[i] > f.clip_nsfw_max_score:
+                update.update(reject("nsfw", nsfw_detail(float(nsfw[i]), f.clip_nsfw_max_score, NSFW_MODEL_NAME)))
+            elif aesthetic is not None and f.min_aesthetic is not None and aesthetic[i] < f.min_aesthetic:
                 update.update(reject("low_aesthetic", f"aesthetic {aesthetic[i]:.2f} < {f.min_aesthetic}"))
             elif f.min_realism is not None and realism[i] < f.min_realism:
                 top = self.prompts[realism_top[i]]

@@ -53,8 +53,9 @@ def _fmt(x: float) -> str:
     return f"{x:.2f}" if x == 0 or abs(x) >= 0.01 else f"{x:.2g}"
 
 
-def nsfw_detail(score: float, limit: float) -> str:
-    return f"score {_fmt(score)} > {_fmt(limit)} ({MODEL_NAME})"
+def nsfw_detail(score: float, limit: float, model: str = MODEL_NAME) -> str:
+    """The detail of an ``nsfw`` rejection; ``model`` names whose scale the score is on."""
+    return f"score {_fmt(score)} > {_fmt(limit)} ({model})"
 
 
 class NsfwStage(Stage):

@@ -127,23 +127,37 @@ At N = {chance["survivors"]} survivors: {chance["expected_chance_links"]:.3g} ch
 
 
 def safety_markdown(manifest: dict) -> str:
-    """The safety filter: its model, licence and threshold, and how many inputs it rejected."""
+    """Each safety filter that ran: its model, licence and threshold, and how many inputs it rejected."""
     safety = manifest["curation"].get("safety")
     if not safety:
         return "No safety (NSFW) filter ran in this curation."
-    stage = safety["stage"]
+    entries = [safety] if isinstance(safety, dict) else safety  # manifests before the CLIP head held one filter
+    total = sum(manifest["funnel"].values())
+    return "\n\n".join([*(_safety_entry(e, manifest["funnel"], total) for e in entries), _SAFETY_CAVEAT])
+
+
+_SAFETY_CAVEAT = (
+    "A classifier misses some images and flags others: the filter lowers the chance of explicit content, "
+    "it does not rule it out."
+)
+
+
+def _safety_entry(entry: dict, funnel: dict[str, int], total: int) -> str:
+    stage, reason = entry["stage"], entry.get("reason")  # no reason: every rejection of its stage (open_nsfw's own)
     rejected = sum(
         n
-        for name, n in manifest["funnel"].items()
-        if name.split("/")[1] == stage and name.split("/")[2] == schema.REJECTED
+        for name, n in funnel.items()
+        if name.split("/")[1:3] == [stage, schema.REJECTED] and reason in (None, name.split("/")[3])
     )
-    total = sum(manifest["funnel"].values())
+    pinned = ", pinned by sha256" if entry.get("pinned", True) else ""
+    setting = entry.get("setting", "filters.nsfw_max_score")
+    scored = f"Stage `{stage}` scored each input that reached it with {entry['model']} (licence {entry['licence']}; "
+    scored += f"weights `{entry['weights']}`{pinned})"
+    if entry["max_score"] is None:
+        return f"{scored}, kept as a score without a threshold (`{setting}` unset): it rejected none."
     return (
-        f"Stage `{stage}` scored each input that reached it with {safety['model']} (licence {safety['licence']}; "
-        f"weights `{safety['weights']}`, pinned by sha256) and rejected those whose NSFW probability is above "
-        f"{safety['max_score']:g} (`filters.nsfw_max_score`, on this model's scale): {rejected} of {total} inputs "
-        f"({_pct(rejected, total)}). A classifier misses some images and flags others: the filter lowers the "
-        "chance of explicit content, it does not rule it out."
+        f"{scored} and rejected those whose NSFW probability is above {entry['max_score']:g} (`{setting}`, on this "
+        f"model's scale): {rejected} of {total} inputs ({_pct(rejected, total)})."
     )
 
 

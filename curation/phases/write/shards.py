@@ -49,6 +49,7 @@ from common.config import hash_json_each
 from common.layout import LAYOUT
 from common.storage import encode_parquet, exists, join, redact, resolve, write_bytes_atomic
 from curation.config import CurateConfig, config_from_json
+from curation.models.settings import ModelRef
 from curation.phases.survivors import read_part
 from curation.phases.write.takedown import Takedowns, applied_takedowns
 from curation.records import read_done
@@ -394,18 +395,41 @@ class _Ledger(TaskStep):
         return {"files": [f for r in receipts for f in r["files"]], "funnel": dict(sorted(funnel.items()))}
 
 
-def _safety(cfg: CurateConfig) -> dict | None:
-    """What the dataset card says of the safety filter: its model, licence and threshold (None: it did not run)."""
-    if "nsfw" not in cfg.enabled_stages:
-        return None
-    m = cfg.models.nsfw
-    return {
-        "stage": "nsfw",
-        "model": m.model,
-        "licence": m.licence,
-        "weights": getattr(m.caffemodel, "ref", m.caffemodel),
-        "max_score": cfg.filters.nsfw_max_score,
-    }
+def _safety(cfg: CurateConfig) -> list[dict]:
+    """What the dataset card says of each safety filter that ran: the stage, the reason code it rejects with, its
+    model, licence, weights and threshold (the ``filters`` key and its value; None: scored without rejecting)."""
+
+    def weights(ref: ModelRef) -> dict:
+        return {"weights": getattr(ref, "ref", ref), "pinned": bool(getattr(ref, "sha256", None))}
+
+    entries = []
+    if "nsfw" in cfg.enabled_stages:
+        m = cfg.models.nsfw
+        entries.append(
+            {
+                "stage": "nsfw",
+                "reason": "nsfw",
+                "model": m.model,
+                "licence": m.licence,
+                **weights(m.caffemodel),
+                "setting": "filters.nsfw_max_score",
+                "max_score": cfg.filters.nsfw_max_score,
+            }
+        )
+    c = cfg.models.clip
+    if "clip" in cfg.enabled_stages and c.nsfw_head is not None:
+        entries.append(
+            {
+                "stage": "clip",
+                "reason": "nsfw",
+                "model": c.nsfw_model,
+                "licence": c.nsfw_licence,
+                **weights(c.nsfw_head),
+                "setting": "filters.clip_nsfw_max_score",
+                "max_score": cfg.filters.clip_nsfw_max_score,
+            }
+        )
+    return entries
 
 
 def _dedup_summary(out) -> dict:

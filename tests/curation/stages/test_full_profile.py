@@ -1,4 +1,4 @@
-"""Full profile (YOLO person + head pose, OpenCLIP embedding + aesthetic + realism + prompt filters) and the model
+"""Full profile (YOLO person + head pose, OpenCLIP embedding + aesthetic + NSFW + realism + prompt filters) and the model
 store, on CPU and offline: the models are built with random weights from their own configs, saved into a temporary
 store and loaded back through the store's real loading code. Scores of random models mean nothing; the tests check
 shapes, types, thresholds and the wiring into the curate job, and the head-pose geometry on synthetic keypoints."""
@@ -25,7 +25,8 @@ from curation.config import CurateConfig
 from curation.score.chain import stage_runner
 from curation.score.ledger import committed_files, read_ledger, reason_code
 from curation.score.stage import REJECT
-from curation.stages.clip import ClipStage
+from curation.stages.clip import NSFW_MODEL_NAME, ClipStage
+from curation.stages.nsfw import nsfw_detail
 from curation.stages.yolo import (
     HEAD_MODEL,
     LEFT_EAR,
@@ -39,7 +40,7 @@ from curation.stages.yolo import (
     project_head,
     yaw_class,
 )
-from generators.random_models import TINY_CLIP, build_random_store, store_overrides
+from generators.random_models import TINY_CLIP, build_random_store, random_nsfw_head, store_overrides
 
 FULL = Path(__file__).resolve().parents[3] / "configs" / "curate" / "full.yaml"
 CLIP_DIM = TINY_CLIP["embed_dim"]
@@ -449,6 +450,7 @@ def test_clip_stage_embeds_once_per_batch_and_scores_each_image(clip_scores):
     assert len({round(float(e), 6) for e in emb[:, 0]}) == len(rows)  # different photos, different embeddings
     for u in updates:
         assert REJECT not in u and 0.0 <= u["realism"] <= 1.0 and math.isfinite(u["aesthetic"])
+        assert 0.0 <= u["clip_nsfw_score"] < 0.5  # the random store's head sits far below full.yaml's threshold
 
 
 def test_aesthetic_head_scores_the_normalised_embedding(store_dir, clip_scores, tmp_path):
@@ -469,6 +471,121 @@ def test_aesthetic_head_scores_the_normalised_embedding(store_dir, clip_scores, 
     stage.setup()
     for u in stage.process_batch(rows):
         assert u["aesthetic"] == pytest.approx(float(np.dot(u["embedding"], w[0].numpy())) + 5.0, abs=1e-4)
+
+
+def _nsfw_stage(store_dir: Path, head: Path, *overrides: str) -> ClipStage:
+    """The CLIP stage with LAION's NSFW head from ``head`` (a bare name under a store root) and the other filters
+    open."""
+    stage = ClipStage(
+        _full_cfg(
+            store_dir,
+            f"models.store.roots=[{head.parent}]",
+            f"models.clip.nsfw_head={head.name}",
+            "filters.min_aesthetic=null",
+            "filters.min_realism=null",
+            "filters.prompt_filters={}",
+            *overrides,
+        )
+    )
+    stage.setup()
+    return stage
+
+
+@pytest.fixture()
+def nsfw_head_file(tmp_path) -> Path:
+    """A random head in LAION's layout, saved as safetensors with NeMo Curator's keys; its scores are not saturated."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    path = tmp_path / "heads" / "clip_nsfw.safetensors"
+    path.parent.mkdir()
+    save_file(random_nsfw_head(CLIP_DIM), str(path))
+    return path
+
+
+def test_nsfw_head_loads_nemo_keys_and_computes_laions_layers(store_dir, clip_scores, nsfw_head_file):
+    from safetensors.numpy import load_file
+
+    _, rows, _, _ = clip_scores
+    stage = _nsfw_stage(store_dir, nsfw_head_file, "filters.clip_nsfw_max_score=null")
+    assert set(stage.nsfw_head.state_dict()) == set(models.NSFW_HEAD_KEYS)
+    w = {k: v.astype(np.float64) for k, v in load_file(str(nsfw_head_file)).items()}
+    updates = stage.process_batch(rows)
+    x = np.array([u["embedding"] for u in updates], np.float64)
+    assert np.allclose(np.linalg.norm(x, axis=1), 1.0, atol=1e-5)  # the head sees the L2-normalised embedding
+    x = (x - w["norm.mean"]) / np.sqrt(w["norm.variance"])
+    for i in (1, 2, 3):
+        x = np.maximum(x @ w[f"linear_{i}.weight"].T + w[f"linear_{i}.bias"], 0)
+    want = 1 / (1 + np.exp(-(x @ w["linear_4.weight"].T + w["linear_4.bias"])[:, 0]))
+    got = np.array([u["clip_nsfw_score"] for u in updates])
+    assert got == pytest.approx(want, abs=1e-5)
+    assert 0.01 < got.min() and got.max() < 0.99 and np.ptp(got) > 1e-3  # not saturated, and per image
+    _check_types(updates, stage.cfg)
+    assert all(REJECT not in u for u in updates)  # scored, no threshold
+
+
+def test_nsfw_threshold_rejects_above_with_the_open_nsfw_reason_form(store_dir, clip_scores, nsfw_head_file):
+    _, rows, _, _ = clip_scores
+    open_stage = _nsfw_stage(store_dir, nsfw_head_file, "filters.clip_nsfw_max_score=null")
+    scores = [u["clip_nsfw_score"] for u in open_stage.process_batch(rows)]
+    cut = float(np.median(scores))
+    updates = _nsfw_stage(store_dir, nsfw_head_file, f"filters.clip_nsfw_max_score={cut}").process_batch(rows)
+    for score, u in zip(scores, updates, strict=True):
+        assert u["clip_nsfw_score"] == pytest.approx(score, abs=1e-6)
+        if score > cut:
+            assert reason_code(u[REJECT]) == "nsfw"
+            assert u[REJECT] == f"nsfw: {nsfw_detail(u['clip_nsfw_score'], cut, NSFW_MODEL_NAME)}"
+            assert u[REJECT].startswith("nsfw: score ") and u[REJECT].endswith(" (laion_clip_nsfw)")
+        else:
+            assert REJECT not in u
+    assert 0 < sum(REJECT in u for u in updates) < len(rows)
+
+
+def test_nsfw_threshold_without_the_head_is_a_setup_error_naming_both(store_dir):
+    cfg = _full_cfg(store_dir, "models.clip.nsfw_head=null")
+    assert cfg.filters.clip_nsfw_max_score == 0.5  # full.yaml's
+    with pytest.raises(ValueError, match=r"filters\.clip_nsfw_max_score is set but models\.clip\.nsfw_head is null"):
+        ClipStage(cfg).setup()
+
+
+def test_nsfw_head_of_another_layout_or_size_fails_at_start(store_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    save_file(random_nsfw_head(768), str(tmp_path / "l14.safetensors"))
+    with pytest.raises(ValueError, match=r"models\.clip\.nsfw_head .* takes 768-dimensional embeddings .* gives 32"):
+        ClipStage(_full_cfg(store_dir, f"models.clip.nsfw_head={tmp_path / 'l14.safetensors'}")).setup()
+    aesthetic = store_dir / "aesthetic-mlp.pth"
+    with pytest.raises(
+        ValueError, match=r"models\.clip\.nsfw_head .*: unknown NSFW head layout .*\(norm\.mean, norm\.var"
+    ):
+        ClipStage(_full_cfg(store_dir, f"models.clip.nsfw_head={aesthetic}")).setup()
+
+
+def test_the_card_lists_the_clip_nsfw_head_with_its_threshold_and_rejections(store_dir):
+    from curation.phases.write.card import safety_markdown
+    from curation.phases.write.shards import _safety
+
+    safety = _safety(_full_cfg(store_dir))
+    assert [(e["stage"], e["setting"], e["max_score"]) for e in safety] == [
+        ("nsfw", "filters.nsfw_max_score", 0.8),
+        ("clip", "filters.clip_nsfw_max_score", 0.5),
+    ]
+    assert safety[1]["licence"] == "MIT" and safety[1]["weights"].endswith("nsfw-head.safetensors")
+    funnel = {
+        "score/nsfw/rejected/nsfw": 1,
+        "score/clip/rejected/nsfw": 2,
+        "score/clip/rejected/low_aesthetic": 3,
+        "write/write/kept/kept": 4,
+    }
+    text = safety_markdown({"curation": {"safety": safety}, "funnel": funnel})
+    assert "with LAION's CLIP-based NSFW Detector for ViT-L/14 (licence MIT;" in text
+    assert "above 0.5 (`filters.clip_nsfw_max_score`, on this model's scale): 2 of 10 inputs (20.0%)" in text
+    assert "above 0.8 (`filters.nsfw_max_score`, on this model's scale): 1 of 10 inputs (10.0%)" in text
+    assert text.count("it does not rule it out") == 1
+    unset = _safety(_full_cfg(store_dir, "filters.clip_nsfw_max_score=null"))[1]
+    assert "without a threshold" in safety_markdown({"curation": {"safety": [unset]}, "funnel": funnel})
+    assert [e["stage"] for e in _safety(_full_cfg(store_dir, "models.clip.nsfw_head=null"))] == ["nsfw"]
 
 
 def test_aesthetic_realism_and_prompt_thresholds_reject_with_reason_codes(store_dir, clip_scores):
@@ -626,6 +743,7 @@ def test_full_profile_curate_job_end_to_end(store_dir, ray_local, tmp_path):
         "models.yolo.min_candidate_score=0.00001",
         f"models.clip.checkpoint={store_dir / 'clip'}",
         f"models.clip.aesthetic_head={store_dir / 'aesthetic-mlp.pth'}",
+        "models.clip.nsfw_head=nsfw-head.safetensors",
         f"models.embedding.dim={CLIP_DIM}",
         "models.embedding.name=test-tiny-clip",
         # random weights: open every model threshold; decode and the OCR stage still decide for real
@@ -676,6 +794,7 @@ def test_full_profile_curate_job_end_to_end(store_dir, ray_local, tmp_path):
                 assert table.schema.field(field.name).equals(field)
         for row in table.to_pylist():
             assert len(row["embedding"]) == CLIP_DIM and row["aesthetic"] is not None and row["realism"] is not None
+            assert row["clip_nsfw_score"] is not None
     assert cfg.embedding_dim == CLIP_DIM
     final = list((out / "shards").glob("*.parquet"))
     kept = [r for r in ledger.values() if r["status"] == schema.KEPT]
