@@ -128,12 +128,21 @@ At N = {chance["survivors"]} survivors: {chance["expected_chance_links"]:.3g} ch
 
 def safety_markdown(manifest: dict) -> str:
     """Each safety filter that ran: its model, licence and threshold, and how many inputs it rejected."""
-    safety = manifest["curation"].get("safety")
-    if not safety:
-        return "No safety (NSFW) filter ran in this curation."
+    safety = manifest["curation"].get("safety") or []
     entries = [safety] if isinstance(safety, dict) else safety  # manifests before the CLIP head held one filter
     total = sum(manifest["funnel"].values())
-    return "\n\n".join([*(_safety_entry(e, manifest["funnel"], total) for e in entries), _SAFETY_CAVEAT])
+    paragraphs = [_safety_entry(e, manifest["funnel"], total) for e in entries]
+    paragraphs.append(_SAFETY_CAVEAT if entries else "No safety (NSFW) filter ran in this curation.")
+    if blocklists := manifest["curation"].get("blocklists"):
+        blocked = sum(
+            n for name, n in manifest["funnel"].items() if name.split("/")[2:4] == [schema.REJECTED, "blocklisted"]
+        )
+        named = ", ".join(f"`{b}`" for b in blocklists)
+        paragraphs.append(
+            f"Blocklists (`filters.blocklists`: {named}; keys, sources, URLs and PDQ hashes) kept {blocked} of "
+            f"{total} inputs out ({_pct(blocked, total)})."
+        )
+    return "\n\n".join(paragraphs)
 
 
 _SAFETY_CAVEAT = (

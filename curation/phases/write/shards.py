@@ -473,6 +473,7 @@ def write_phase(
             "min_short_side": cfg.filters.min_short_side,
             "stages": list(cfg.enabled_stages),
             "safety": _safety(cfg),
+            "blocklists": [redact(uri) for uri in cfg.filters.blocklists],
         },
         "embedding_dim": cfg.embedding_dim if cfg.write.include_embedding else None,  # in the shards, when there
         "version": 1,  # a takedown publishes the next

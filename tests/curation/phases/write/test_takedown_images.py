@@ -151,3 +151,11 @@ def test_shards_written_before_the_pdq_column_are_hashed_from_their_images(tmp_p
     assert [s for s, e in zip(photos, named, strict=True) if e is not None] == ["bus"]
     assert f"{len(photos)} images stored before the pdq column: hashing them" in caplog.text
     assert td.pdq_column(older.drop_columns(["image"])) is None  # neither: nothing to match by hash
+
+
+def test_the_card_counts_what_the_blocklists_kept_out():
+    from curation.phases.write.card import safety_markdown
+
+    funnel = {"score/phash/rejected/blocklisted": 3, "score/phash/kept/": 5, "score/decode/rejected/too_small": 2}
+    text = safety_markdown({"curation": {"safety": [], "blocklists": ["s3://lists/report.txt"]}, "funnel": funnel})
+    assert "`s3://lists/report.txt`" in text and "kept 3 of 10 inputs out (30" in text
