@@ -379,7 +379,7 @@ class PretrainWorker(Worker[PretrainConfig]):
         while self.step < c.steps:
             waits: list[float] = []
             keys: list[str] = []
-            reads: list[tuple[int, int]] = []
+            reads: list[tuple[int, int, int]] = []
             terms, update = self.trainer.train_step(self.step, self._micro_batches(waits, keys, reads))
             self.take_host_peak()
             self.step += 1
