@@ -86,6 +86,11 @@ def tar_name(index: int) -> str:
     return f"part-{index:06d}.tar"
 
 
+def _json_value(value: object) -> str:
+    """A column value JSON has no type for: bytes (a PDQ hash) as hex, anything else as text."""
+    return value.hex() if isinstance(value, bytes) else str(value)
+
+
 def wds_key(text: str | None, image: bytes) -> str:
     """A WebDataset sample key: a dot would split it from the extension and a '/' make it a path, so anything
     other than letters, digits, '_' and '-' is replaced and a hash of the original keeps it unique. A missing key
@@ -167,7 +172,7 @@ def _write_tar(shards_uri: str, files: list[str], pieces: list[tuple[int, int, i
                             key = f"{key}-dup{samples}"
                         seen.add(key)
                         pool_metadata = merged_metadata(row.pop("metadata", None), row.pop("metadata_json", None))
-                        meta = json.dumps({**row, "metadata": pool_metadata}, default=str).encode()
+                        meta = json.dumps({**row, "metadata": pool_metadata}, default=_json_value).encode()
                         sidecars = [(f"{key}.{ext}", data) for ext, data in sidecars_of(pool_metadata).items()]
                         for member, data in (
                             (f"{key}.{image_extension(row.get('format'), image)}", image),

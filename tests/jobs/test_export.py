@@ -44,9 +44,11 @@ def _shard_rows(out: Path) -> dict[str, dict]:
 
 
 def exported_json(row: dict) -> dict:
-    """What a sample's .json holds: the shard row's columns but the image, the pool's metadata as one object."""
+    """What a sample's .json holds: the shard row's columns but the image (bytes, such as the PDQ hash, as hex), the
+    pool's metadata as one object."""
     meta = export.merged_metadata(row.get("metadata"), row.get("metadata_json"))
-    return {**{k: v for k, v in row.items() if k not in ("image", "metadata", "metadata_json")}, "metadata": meta}
+    columns = {k: v for k, v in row.items() if k not in ("image", "metadata", "metadata_json")}
+    return {**{k: v.hex() if isinstance(v, bytes) else v for k, v in columns.items()}, "metadata": meta}
 
 
 def _card(out: Path) -> tuple[dict, str]:
