@@ -5,7 +5,7 @@ come, the chance that a listed picture names an unrelated image of a 10^9 pool, 
 
 The photos are those of ``benchmarks/dedup_truth.py`` (the package photos, and the JPEGs of Debian's ``opencv-doc``
 and ``darknet``), byte-identical files and pictures within 16 PDQ bits of an earlier one folded. Each is reported as
-``jobs.takedown --images`` lists it (``stages.phash.pdq_report``: its hash and its light-crop windows), and its
+``jobs.takedown --images`` lists it (``common.pdq.pdq_report``: its hash and its light-crop windows), and its
 copies (``dedup_truth.variant``: re-encode, resize, crop of 88-97% of each side, watermark, colour, tone, repost; and
 the acceptance's four: quality 40, half size, 2.5% off each side, a corner watermark) are matched against every
 list at ``--distance``. Chance: a normal fitted to the PDQ distances of unrelated pairs (the listed hashes of one
@@ -28,8 +28,9 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.dedup_truth import VARIANT_KINDS, debian_photos, package_photos, variant
-from curation.phases.write.takedown import PDQ_DISTANCE
-from curation.stages.phash import pdq_of, pdq_report, phash_and_crops
+from common.pdq import pdq_of, pdq_report
+from common.takedown_lists import PDQ_DISTANCE
+from curation.stages.phash import phash_and_crops
 from tests.curation.phases.write.test_takedown_images import copies as acceptance_copies
 
 POOL = 10**9

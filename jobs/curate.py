@@ -21,12 +21,12 @@ from common.layout import GLOBAL_PHASES, LAYOUT, PHASES
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import DamagedRecordError, StorageError, join, redact
+from common.takedown_lists import TakedownError, blocklist
 from common.watchdog import Watchdog
 from curation.config import CurateConfig
 from curation.phases.dedup.chance import ChanceBoundError
 from curation.phases.pipeline import GlobalPhases, PhaseOrderError, check_order, phase_done
 from curation.phases.release import Release, ReleaseError, open_release
-from curation.phases.write.takedown import TakedownError, blocklist
 from curation.records import commit_files
 from curation.score.chain import io_note
 from curation.score.inputs import InputShard

@@ -26,8 +26,7 @@ from common.console import configure_console, exit_code_interruptible
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
 from common.storage import DamagedRecordError, StorageError, redact
-from common.watchdog import Watchdog, WatchdogSettings
-from curation.phases.write.takedown import (
+from common.takedown_lists import (
     PDQ_DISTANCE,
     TakedownError,
     TakedownList,
@@ -36,6 +35,7 @@ from curation.phases.write.takedown import (
     read_list,
     save_list,
 )
+from common.watchdog import Watchdog, WatchdogSettings
 from curation.phases.write.takedown_run import run_takedown
 
 

@@ -49,7 +49,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 import pyarrow as pa
@@ -67,7 +67,17 @@ if TYPE_CHECKING:  # not imported at run time: Ray Data's decode tasks import th
     import torch
 
     from pretrain.config import PretrainConfig
-    from pretrain.takedowns import Removals
+
+
+class RowRemovals(Protocol):
+    """What the epoch order needs of the rows takedowns removed (``pretrain.takedowns.Removals``, which reads them
+    from this module's index: a protocol here keeps the two modules from importing each other)."""
+
+    rows: dict[int, np.ndarray]  # unit -> its removed rows, sorted
+    count: int
+
+    def locate(self, unit: int, rows: list[int]) -> list[tuple[str, int, list[int]]]: ...
+
 
 INDEX_FILE = "data_index.parquet"
 # 1: "file" held absolute paths or URIs; 2: names relative to the data folder, their sha256, the folder's name;
@@ -371,7 +381,7 @@ class EpochOrder:
     order."""
 
     def __init__(
-        self, index: DataIndex, seed: int, epoch: int, shuffle: bool = True, removals: Removals | None = None
+        self, index: DataIndex, seed: int, epoch: int, shuffle: bool = True, removals: RowRemovals | None = None
     ) -> None:
         self.index, self.seed, self.epoch, self.shuffle = index, seed, epoch, shuffle
         self.removals = removals
@@ -449,13 +459,13 @@ def read_alignment(index: DataIndex, per_worker: int) -> str | None:
     )
 
 
-def kept_samples(index: DataIndex, removals: Removals | None) -> int:
+def kept_samples(index: DataIndex, removals: RowRemovals | None) -> int:
     """The samples of an epoch: the index's without those takedowns removed."""
     return index.num_samples - (removals.count if removals else 0)
 
 
 def rebase(
-    position: DataPosition, index: DataIndex, seed: int, shuffle: bool, old: Removals | None, new: Removals
+    position: DataPosition, index: DataIndex, seed: int, shuffle: bool, old: RowRemovals | None, new: RowRemovals
 ) -> DataPosition:
     """``position`` (a prefix of its epoch's order without ``old``'s rows) in the order without ``new``'s: the same
     next sample (or the next kept one, where ``new`` removes it); the rows removed since in the prefix leave it."""
@@ -490,7 +500,7 @@ def worker_plan(
     per_worker: int,
     world: int,
     rank: int,
-    removals: Removals | None = None,
+    removals: RowRemovals | None = None,
 ) -> tuple[list[dict], DataPosition]:
     """Segments this worker reads for the next ``steps`` global batches, and the position after them."""
     per_step = per_worker * world
@@ -660,7 +670,7 @@ def stream(
     steps: int,
     world: int,
     rank: int,
-    removals: Removals | None = None,
+    removals: RowRemovals | None = None,
 ) -> Iterator[Batch]:
     """``steps * grad_accum`` micro-batches of ``data.batch_size`` images for this worker, from ``position`` on
     (without the rows ``removals`` says takedowns removed).

@@ -25,7 +25,7 @@ import pyarrow.fs as pafs
 
 from common import storage
 from common.layout import LAYOUT
-from curation.phases.write.takedown import takedown_records
+from common.takedown_lists import takedown_records
 
 if TYPE_CHECKING:
     from pretrain.data import DataIndex

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 
 from common.layout import LAYOUT
 from common.storage import DamagedRecordError, exists, join
-from curation.phases.write.takedown import (
+from common.takedown_lists import (
     PDQ_DISTANCE,
     PDQ_PREFIX,
     Listing,

@@ -49,7 +49,6 @@ from common.config import hash_json_each
 from common.layout import LAYOUT
 from common.storage import encode_parquet, exists, join, redact, resolve, write_bytes_atomic
 from curation.config import CurateConfig, config_from_json
-from curation.models.settings import ModelRef
 from curation.phases.survivors import read_part
 from curation.phases.write.takedown import Takedowns, applied_takedowns
 from curation.records import read_done
@@ -399,7 +398,7 @@ def _safety(cfg: CurateConfig) -> list[dict]:
     """What the dataset card says of each safety filter that ran: the stage, the reason code it rejects with, its
     model, licence, weights and threshold (the ``filters`` key and its value; None: scored without rejecting)."""
 
-    def weights(ref: ModelRef) -> dict:
+    def weights(ref: object) -> dict:  # a models.* reference: a ModelRef or a bare name
         return {"weights": getattr(ref, "ref", ref), "pinned": bool(getattr(ref, "sha256", None))}
 
     entries = []

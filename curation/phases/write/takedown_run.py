@@ -43,17 +43,16 @@ from common.storage import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from curation.phases.write.card import write_card
-from curation.phases.write.takedown import (
+from common.takedown_lists import (
     Listing,
     TakedownError,
     TakedownList,
     entries_path,
-    mark_taken_down,
     record_path,
     takedown_records,
-    taken_down_reason,
 )
+from curation.phases.write.card import write_card
+from curation.phases.write.takedown import mark_taken_down, taken_down_reason
 from curation.records import read_manifest
 from curation.score.ledger import funnel_of
 from curation.steps.output import Output

@@ -11,10 +11,10 @@ import pytest
 from PIL import Image, ImageDraw, ImageFont
 
 from common import schema
+from common import takedown_lists as td
+from common.pdq import pdq_of
 from curation.audit.verify import audit
-from curation.phases.write import takedown as td
 from curation.score.ledger import read_ledger
-from curation.stages.phash import pdq_of
 from generators.sample_pool import _font_path
 from jobs import takedown as job
 from tests.package_photos import package_photo_files

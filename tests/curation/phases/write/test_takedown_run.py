@@ -10,10 +10,10 @@ import pytest
 from conftest import CountedTask
 
 from common import schema
+from common import takedown_lists as td
 from common.layout import LAYOUT, TAKEDOWN
 from common.storage import resolve
 from curation.audit.verify import audit
-from curation.phases.write import takedown as td
 from curation.phases.write import takedown_run
 from jobs import takedown as job
 
