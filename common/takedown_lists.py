@@ -11,6 +11,10 @@ images at 10^9 (the pairs of those photos that do come within 31 bits are pictur
 filter's result beside its input, keypoints drawn on it). Shards written before the ``pdq`` column are hashed from
 their image bytes where a list holds hashes (``pdq_column``: a one-off cost of ~10 ms per image, said in the log).
 
+Sizes: matching a row against a list's L hashes is one search of faiss's flat binary index (~1 ns a hash); the ~400
+lines a reported picture lists cost ~0.4 us an image, 1,000 reported pictures ~0.4 ms an image (at 10^9 images ~110
+core-hours, in the phash stage for blocklists or the takedown's scan); exact entries are a hash-set lookup.
+
 A takedown (``curation.phases.write.takedown_run``) records each list it ran, with the list's entries and distance
 beside it: ``_state/takedown/<list id>.json``; ``takedown_records`` and ``recorded_entries`` read them back.
 """

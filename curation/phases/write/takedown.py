@@ -36,9 +36,12 @@ class Takedowns:
 
 
 def applied_takedowns(fs, root: str) -> Takedowns:
+    """The recorded lists, each with the keys it removed: an image a ``pdq:`` line named when the takedown ran stays
+    out of a rewrite even where the rows carry no hash to match (an output scored before the ``pdq`` column)."""
     lists = []
     for record in takedown_records(fs, root):
-        listing = Listing(tuple(recorded_entries(fs, root, record).to_pylist()), record.get("distance", PDQ_DISTANCE))
+        entries = recorded_entries(fs, root, record).to_pylist() + [r["key"] for r in record["removed"] if r["key"]]
+        listing = Listing(tuple(sorted(set(entries))), record.get("distance", PDQ_DISTANCE))
         lists.append((listing, taken_down_reason(record["list"], record["id"], record["at"])))
     return Takedowns(tuple(lists))
 
