@@ -94,19 +94,13 @@ class Listing:
     def named_by(self, table: pa.Table) -> list[str | None]:
         """Per row, the entry that names it (None: none): its key, source or url, or the listed PDQ hash within the
         distance of its ``pdq`` (``pdq_column``)."""
-        hit = listed_rows(table, self.exact)
         out: list[str | None] = [None] * table.num_rows
-        exact = pc.indices_nonzero(hit).to_pylist()
-        if exact:
-            values = {e for e in self.exact.to_pylist()}
-            candidates = [table.column("source")]
-            if "key" in table.column_names:
-                candidates.append(table.column("key"))
-            urls = _urls(table)
-            if urls is not None:
-                candidates.append(urls)
-            for row in exact:
-                out[row] = next(v for c in candidates if (v := c[row].as_py()) in values)
+        if len(self.exact):  # the first of source, key and url that a line names (the urls parsed only then)
+            for column in _identities(table):
+                hit = pc.fill_null(pc.is_in(column, value_set=self.exact), False)
+                for row in pc.indices_nonzero(hit).to_pylist():
+                    if out[row] is None:
+                        out[row] = column[row].as_py()
         if self.hashed:
             pdq = pdq_column(table)
             if pdq is not None:
@@ -254,15 +248,11 @@ def check_list_uri(uri: str) -> None:
         raise TakedownError(str(exc)) from None
 
 
-def listed_rows(table: pa.Table, entries: pa.Array) -> pa.ChunkedArray:
-    """Which rows of a shard or ledger table exact entries name: by key, source, or the metadata's url."""
-    hit = pc.is_in(table.column("source"), value_set=entries)
-    if "key" in table.column_names:
-        hit = pc.or_(hit, pc.fill_null(pc.is_in(table.column("key"), value_set=entries), False))
+def _identities(table: pa.Table) -> list:
+    """The columns an exact entry may name a row by: its source, key, and the pool's url (where the table has them)."""
+    columns = [table.column("source")] + ([table.column("key")] if "key" in table.column_names else [])
     urls = _urls(table)
-    if urls is not None:
-        hit = pc.or_(hit, pc.fill_null(pc.is_in(urls, value_set=entries), False))
-    return hit
+    return columns + ([urls] if urls is not None else [])
 
 
 def _urls(table: pa.Table) -> pa.Array | None:
