@@ -34,6 +34,7 @@ from curation.score.ledger import CAUSE_COLUMNS, likely_causes, read_ledger, sum
 from curation.score.originals import OriginalsMissing
 from curation.score.phase import ScorePhase
 from curation.score.pool import Pool, PoolError, list_shards, pin_listing, pinned_listing
+from curation.score.redecide import NeedsNewRun, output_what_if
 from curation.steps.output import Output, RunMismatch, claim_output
 
 
@@ -55,6 +56,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "this output becomes its next version",
     )
     p.add_argument("--new-run", action="store_true", help="discard results of a different earlier run in --output")
+    p.add_argument(
+        "--what-if",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a threshold to try on --output's stored scores (repeatable), e.g. filters.min_short_side=512: prints "
+        "phase 1's funnel before and after and the inputs that would need model work; writes nothing",
+    )
     p.add_argument(
         "--break-lease", action="store_true", help="take --output over from another run that holds its lease"
     )
@@ -90,18 +99,17 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
             raise ConfigError(f"--phases: unknown phase(s) {unknown}; choose from {list(PHASES)}")
         # before anything is written: the lease's record would be the first curation file in a foreign folder
         folders.refuse_other_kind(args.output, folders.CURATED, "--output")
+        release = open_release(args.against, cfg.models.embedding.name) if args.against else None
+        cfg = _with_release(cfg, release)
+        if args.what_if:
+            new = _with_release(load_config(CurateConfig, args.config, [*args.overrides, *args.what_if]), release)
+            print("\n".join(f"[what-if] {line}" for line in output_what_if(args.output, cfg, new)))
+            return 0
         # the output's and the pool's filesystem and root, resolved once for the whole run
         out, pool = Output.at(args.output), Pool.at(args.input) if "score" in phases else None
         # A resumed run works on the listing pinned by its first run, so the pool changing cannot remap shards.
         pinned = None if args.new_run or pool is None else pinned_listing(out, cfg.input)
         shards = pinned if pinned is not None else list_shards(pool, cfg.input) if pool is not None else []
-        release = open_release(args.against, cfg.models.embedding.name) if args.against else None
-        if release is not None:  # the release's takedowns keep their images out of the new crawl too
-            cfg = cfg.model_copy(
-                update={
-                    "filters": cfg.filters.model_copy(update={"blocklists": [*cfg.filters.blocklists, release.uri]})
-                }
-            )
         for uri in cfg.filters.blocklists:  # before anything is written: a list that cannot be read stops the run
             blocklist(uri, cfg.filters.blocklist_distance)
         check_order(cfg, out, phases, release)
@@ -110,7 +118,8 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
         if pinned is None and pool is not None:
             pin_listing(out, shards, cfg.input)
     except (
-        ConfigError, PoolError, StorageError, RunMismatch, LeaseHeld, ReleaseError, PhaseOrderError, TakedownError
+        ConfigError, PoolError, StorageError, RunMismatch, LeaseHeld, ReleaseError, PhaseOrderError, TakedownError,
+        NeedsNewRun,
     ) as exc:  # fmt: skip
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -123,6 +132,14 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
     except (PhaseOrderError, DamagedRecordError, OriginalsMissing, ChanceBoundError) as exc:  # each says what to do
         print(f"error: {getattr(exc, 'cause', exc)}", file=sys.stderr)  # a Ray task's error: its own message
         return 2
+
+
+def _with_release(cfg: CurateConfig, release: Release | None) -> CurateConfig:
+    """The config with the release's takedowns among its blocklists: they keep their images out of the new crawl."""
+    if release is None:
+        return cfg
+    blocklists = [*cfg.filters.blocklists, release.uri]
+    return cfg.model_copy(update={"filters": cfg.filters.model_copy(update={"blocklists": blocklists})})
 
 
 def _run_phases(

@@ -3,7 +3,9 @@
 A stage declares its name, the columns it reads and writes, its default resources and its place in the default
 stage list; defining it in a module of curation/stages/ registers it. ``setup()`` loads models once per Ray actor
 (or once per worker process for task stages) and ``process_batch()`` scores a batch of rows, one update per row (its
-new column values; ``reject(...)`` to reject it). The runner around it (``curation.score.stage_runner``) is what Ray
+new column values; ``reject(...)`` to reject it for what the image is: unreadable, no person found). A threshold on a
+score is applied apart, by ``decide()`` on the stored values, so that it can be changed later without the models. The
+runner around it (``curation.score.stage_runner``) is what Ray
 Data calls.
 """
 
@@ -47,6 +49,11 @@ class Stage:
     # the stages that predate that, its model family under ``models`` and the ``filters`` deciding its rejections.
     model_section: ClassVar[str | None] = None
     thresholds: ClassVar[tuple[str, ...]] = ()
+    # The thresholds ``decide`` reads, and the reason codes it gives: a decision over the row's stored columns, re-taken
+    # from stored scores with no model call (``curation.score.redecide``). The stage's other thresholds change what it
+    # computes (which persons are prominent, which frames are read): changing one means running the stage again.
+    decided: ClassVar[tuple[str, ...]] = ()
+    decision_codes: ClassVar[tuple[str, ...]] = ()
     # Every named stage class by name, filled as their modules are imported; curation.stages imports them all.
     registry: ClassVar[dict[str, type[Stage]]] = {}
 
@@ -61,6 +68,8 @@ class Stage:
             raise TypeError(f"{where}: model_section {cls.model_section!r} is no section of models")
         if unknown := [t for t in cls.thresholds if t not in Filters.model_fields]:
             raise TypeError(f"{where}: thresholds {unknown} are no fields of filters")
+        if undeclared := [t for t in cls.decided if t not in cls.thresholds]:
+            raise TypeError(f"{where}: decided {undeclared} are not among its thresholds")
         known = Stage.registry.get(cls.name)
         if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
             raise TypeError(
@@ -79,6 +88,18 @@ class Stage:
         models = [f"models.{cls.model_section}"] if cls.model_section else []
         return [f"stages.{cls.name}", *models, *(f"filters.{t}" for t in cls.thresholds)]
 
+    @classmethod
+    def decide(cls, row: Row, filters: Filters) -> str | None:
+        """The rejection (``"reason_code: detail"``) of a row the stage scored and let pass, from its stored columns
+        and the ``decided`` thresholds alone; None: it passes. A run and a re-decide both call it on the values as
+        stored (cast to their columns' types), so the two agree to the bit."""
+        return None
+
+    @classmethod
+    def computed_settings(cls, filters: Filters) -> dict[str, Any]:
+        """What of ``filters`` changes what the stage computes, not only what it decides: a change reruns it."""
+        return {t: _plain(getattr(filters, t)) for t in cls.thresholds if t not in cls.decided}
+
     def setup(self) -> None:
         """Load models and other per-process state. Called once before the first batch."""
 
@@ -90,6 +111,13 @@ class Stage:
     def threads(self) -> int:
         """Threads a stage's native libraries may use: its CPU share, at least one."""
         return max(1, round(self.settings.num_cpus))
+
+
+def _plain(value: Any) -> Any:
+    """A settings value as plain data (a submodel as its dict), for comparing two configs."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
 
 
 def reject(code: str, detail: str = "") -> Update:

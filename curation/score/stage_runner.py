@@ -194,6 +194,28 @@ def _record_funnel(stage: str, updates: list[Update], seconds: float) -> None:
         pass
 
 
+def with_decisions(stage: Stage, rows: list[Row], updates: list[Update]) -> list[Update]:
+    """The updates of ``stage.process_batch(rows)`` with the stage's decision (``Stage.decide``) on each row that
+    passed, taken on its values as the tables store them (a float64 score as its float32), as a re-decide from stored
+    scores takes it (``curation.score.redecide``)."""
+    kind = type(stage)
+    passing = [j for j, update in enumerate(updates) if _fate(update) is None] if kind.decided else []
+    if not passing:
+        return updates
+    types = schema.working_schema(stage.cfg.embedding_dim)
+    stored = {c: pa.array([updates[j].get(c) for j in passing], types.field(c).type).to_pylist() for c in kind.writes}
+    out = list(updates)
+    for i, j in enumerate(passing):
+        try:
+            reason = kind.decide({**rows[j], **{c: values[i] for c, values in stored.items()}}, stage.cfg.filters)
+        except Exception as exc:  # noqa: BLE001 - recorded in the ledger like a fault of the stage's own code
+            out[j] = {_FAULT: f"stage_error: {_describe(exc)}"}
+            continue
+        if reason is not None:
+            out[j] = {**updates[j], REJECT: reason}
+    return out
+
+
 class StageRunner:
     """Ray Data callable around one stage: ``pa.Table -> pa.Table`` over the working schema."""
 
@@ -224,7 +246,7 @@ class StageRunner:
         rows = [dict(zip(columns, values)) for values in zip(*columns.values())] if columns else [{}] * len(pending)
         tokens = [_row_token(self.stage.name, source) for source in picked.column("source").to_pylist()]
         start = time.perf_counter()
-        updates = self._process_skipping_stuck_rows(rows, tokens)
+        updates = with_decisions(self.stage, rows, self._process_skipping_stuck_rows(rows, tokens))
         _record_funnel(self.stage.name, updates, time.perf_counter() - start)
         return self._merge(table, pending, updates)
 

@@ -12,6 +12,10 @@
 - prompt filters (``filters.prompt_filters``): the same softmax over a keep set and a reject set; an image whose
   reject probability exceeds the filter's ``max_reject`` is rejected with ``prompt_<name>``.
 
+The thresholds are decided on the stored values (``decide``): the probabilities and closest prompts of realism and of
+each prompt filter are columns (``realism_prompt``, ``prompt_scores``), so a threshold changes without the model; a
+change of a filter's prompt sets needs the model again.
+
 Prompt texts are embedded once at setup. Images are decoded at the size the model needs (JPEG draft mode, then
 open_clip's own resize rule: bicubic to the model's size on the shortest side and a centre crop, by default), one
 batch per call, normalised on the device; fp16 on a GPU (``models.clip.precision``), fp32 on CPU.
@@ -30,9 +34,13 @@ import pyarrow as pa
 from PIL import Image
 
 from common.imageio import open_reduced
-from curation.score.stage import Row, Stage, Update, reject
+from curation.score.stage import Row, Stage, Update
+from curation.settings import Filters
 from curation.stages.nsfw import nsfw_detail
 
+PROMPT_SCORES_TYPE = pa.list_(
+    pa.struct([("name", pa.string()), ("p_reject", pa.float32()), ("closest_prompt", pa.string())])
+)
 NSFW_MODEL_NAME = "laion_clip_nsfw"  # in rejection details: whose scale the score is on
 
 _INTERPOLATION = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
@@ -71,11 +79,15 @@ class ClipStage(Stage):
         pa.field("aesthetic", pa.float32()),  # learned aesthetic predictor
         pa.field("realism", pa.float32()),  # zero-shot photo-vs-rendering score
         pa.field("clip_nsfw_score", pa.float32()),  # LAION's CLIP NSFW head
+        pa.field("realism_prompt", pa.string()),  # the most probable prompt of the realism softmax
+        # per prompt filter, in the config's order: P(reject set) and the most probable prompt of its softmax
+        pa.field("prompt_scores", PROMPT_SCORES_TYPE),
     )
     column_order = 35  # after the lite profile's quality columns
-    writes = ("embedding", "aesthetic", "realism", "clip_nsfw_score")
+    writes = ("embedding", "aesthetic", "realism", "clip_nsfw_score", "realism_prompt", "prompt_scores")
     model_section = "clip"
-    thresholds = ("min_aesthetic", "min_realism", "prompt_filters", "clip_nsfw_max_score")
+    thresholds = decided = ("min_aesthetic", "min_realism", "prompt_filters", "clip_nsfw_max_score")
+    decision_codes = ("nsfw", "low_aesthetic", "low_realism", "prompt_*")
     uses_actors = True
 
     def setup(self) -> None:
@@ -189,32 +201,38 @@ class ClipStage(Stage):
             realism, realism_top = self._set_probability(emb, c.realism.photo, c.realism.not_photo)
             filters = {name: self._set_probability(emb, pf.reject, pf.keep) for name, pf in f.prompt_filters.items()}
         emb_np = emb.cpu().numpy()
-        updates = []
-        for i in range(len(rows)):
-            update: Update = {
+        return [
+            {
                 "embedding": emb_np[i].tolist(),
                 "aesthetic": float(aesthetic[i]) if aesthetic is not None else None,
                 "realism": float(realism[i]),
                 "clip_nsfw_score": float(nsfw[i]) if nsfw is not None else None,
+                "realism_prompt": self.prompts[realism_top[i]],
+                "prompt_scores": [
+                    {"name": name, "p_reject": float(p_reject[i]), "closest_prompt": self.prompts[top[i]]}
+                    for name, (p_reject, top) in filters.items()
+                ],
             }
-            if nsfw is not None and f.clip_nsfw_max_score is not None and nsfw[i] > f.clip_nsfw_max_score:
-                update.update(reject("nsfw", nsfw_detail(float(nsfw[i]), f.clip_nsfw_max_score, NSFW_MODEL_NAME)))
-            elif aesthetic is not None and f.min_aesthetic is not None and aesthetic[i] < f.min_aesthetic:
-                update.update(reject("low_aesthetic", f"aesthetic {aesthetic[i]:.2f} < {f.min_aesthetic}"))
-            elif f.min_realism is not None and realism[i] < f.min_realism:
-                top = self.prompts[realism_top[i]]
-                update.update(
-                    reject("low_realism", f"realism {realism[i]:.2f} < {f.min_realism} (closest prompt {top!r})")
-                )
-            else:
-                for name, (p_reject, top) in filters.items():
-                    pf = f.prompt_filters[name]
-                    if p_reject[i] > pf.max_reject:
-                        detail = (
-                            f"p({pf.reject}) {p_reject[i]:.2f} > {pf.max_reject} against {pf.keep} "
-                            f"(closest prompt {self.prompts[top[i]]!r})"
-                        )
-                        update.update(reject(f"prompt_{name}", detail))
-                        break
-            updates.append(update)
-        return updates
+            for i in range(len(rows))
+        ]
+
+    @classmethod
+    def decide(cls, row: Row, filters: Filters) -> str | None:
+        f, nsfw, aesthetic, realism = filters, row["clip_nsfw_score"], row["aesthetic"], row["realism"]
+        if nsfw is not None and f.clip_nsfw_max_score is not None and nsfw > f.clip_nsfw_max_score:
+            return f"nsfw: {nsfw_detail(nsfw, f.clip_nsfw_max_score, NSFW_MODEL_NAME)}"  # safety is the reason kept
+        if aesthetic is not None and f.min_aesthetic is not None and aesthetic < f.min_aesthetic:
+            return f"low_aesthetic: aesthetic {aesthetic:.2f} < {f.min_aesthetic}"
+        if f.min_realism is not None and realism < f.min_realism:
+            return f"low_realism: realism {realism:.2f} < {f.min_realism} (closest prompt {row['realism_prompt']!r})"
+        scores = {s["name"]: s for s in row["prompt_scores"] or ()}
+        for name, pf in f.prompt_filters.items():
+            p_reject, top = scores[name]["p_reject"], scores[name]["closest_prompt"]
+            if p_reject > pf.max_reject:
+                return f"prompt_{name}: p({pf.reject}) {p_reject:.2f} > {pf.max_reject} against {pf.keep} (closest prompt {top!r})"
+        return None
+
+    @classmethod
+    def computed_settings(cls, filters: Filters) -> dict[str, Any]:
+        """Which prompt sets each filter compares: a filter added, or another set, needs the model."""
+        return {"prompt_filters": {name: [pf.keep, pf.reject] for name, pf in filters.prompt_filters.items()}}

@@ -1,12 +1,14 @@
 """Decode and validate: the cheap gate every input passes first.
 
-Size checks use the header alone (declared size, EXIF orientation), so tiny images and decompression bombs are
-rejected before any pixel is decoded. Survivors are then decoded once at reduced (draft) scale, which reads the
+Size checks use the header alone (declared size, EXIF orientation), so decompression bombs are rejected before any
+pixel is decoded. Survivors are then decoded once at reduced (draft) scale, which reads the
 whole compressed stream and so catches truncated and corrupt files at a fraction of a full decode's cost.
 
 Headers lie, so the decode runs under ``filters.max_pixels`` (every picture and frame PIL opens inside the file is
 sized against it first: a PNG inside an ICNS or ICO, a GIF frame past its canvas, each TIFF page) and must yield the
-picture declared, at the size recorded. Reason details never quote the input (``safe_error``).
+picture declared, at the size recorded. Reason details never quote the input (``safe_error``). The size thresholds
+(``filters.min_short_side``, ``max_aspect_ratio``) are decided on the recorded size after that (``decide``), so a
+change of them is re-decided from the ledger; a small image is decoded at its draft scale first (a few ms).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from common.imageio import (
 )
 from curation.score.inputs import split_read_reason
 from curation.score.stage import Row, Stage, StageSettings, Update, reject
+from curation.settings import Filters
 
 _DRAFT_SCALES = (1, 2, 4, 8)  # libjpeg's draft reductions; other formats decode at scale 1
 
@@ -39,6 +42,8 @@ class DecodeStage(Stage):
     reads = ("image", "reason")
     writes = ("key", "file_size", "format", "mode", "encoding_quality", "width", "height", "orientation")  # identity
     thresholds = ("min_short_side", "max_pixels", "max_aspect_ratio", "max_file_bytes", "reject_animated")
+    decided = ("min_short_side", "max_aspect_ratio")
+    decision_codes = ("too_small", "extreme_aspect")
     default_settings = StageSettings(batch_size=32, num_cpus=0.5)
     default_order = 0
 
@@ -94,11 +99,6 @@ class DecodeStage(Stage):
                 return {**update, **reject("decompression_bomb", f"{bomb}: frame {k} declares {fw}x{fh}")}
         if f.reject_animated and frames > 1:
             return {**update, **reject("animated", f"{img.format} with {frames} frames")}
-        if min(w, h) < f.min_short_side:
-            return {**update, **reject("too_small", f"short side {min(w, h)} px < {f.min_short_side}")}
-        if max(w, h) / min(w, h) > f.max_aspect_ratio:
-            ratio = max(w, h) / min(w, h)
-            return {**update, **reject("extreme_aspect", f"{w}x{h}, ratio {ratio:.2f} > {f.max_aspect_ratio}")}
         try:
             decoded = open_reduced(data, max_side=max(64, max(w, h) // 8), max_pixels=f.max_pixels).size
         except BOMB_ERRORS:
@@ -111,6 +111,15 @@ class DecodeStage(Stage):
         if decoded not in [(-(-w // s), -(-h // s)) for s in _DRAFT_SCALES]:
             return {**update, **reject("corrupt", f"decoded {decoded[0]}x{decoded[1]}, declared {w}x{h}")}
         return update
+
+    @classmethod
+    def decide(cls, row: Row, filters: Filters) -> str | None:
+        w, h = row["width"], row["height"]
+        if min(w, h) < filters.min_short_side:
+            return f"too_small: short side {min(w, h)} px < {filters.min_short_side}"
+        if max(w, h) / min(w, h) > filters.max_aspect_ratio:
+            return f"extreme_aspect: {w}x{h}, ratio {max(w, h) / min(w, h):.2f} > {filters.max_aspect_ratio}"
+        return None
 
 
 _SIGNATURES = (

@@ -18,7 +18,8 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image
 
-from curation.score.stage import Row, Stage, StageSettings, Update, reject
+from curation.score.stage import Row, Stage, StageSettings, Update
+from curation.settings import Filters
 
 MODEL_NAME = "open_nsfw"
 LICENCE = "BSD-2-Clause"
@@ -65,7 +66,8 @@ class NsfwStage(Stage):
     reads = ("image",)
     columns = (pa.field("nsfw_score", pa.float32()),)
     model_section = "nsfw"
-    thresholds = ("nsfw_max_score",)
+    thresholds = decided = ("nsfw_max_score",)
+    decision_codes = ("nsfw",)
     uses_actors = True
     default_settings = StageSettings(batch_size=16, num_cpus=0.5, actors=(1, 2))
     default_order = 45  # after the person, quality and text rejections; before the pHash and the embedding
@@ -95,11 +97,9 @@ class NsfwStage(Stage):
         if not rows:
             return []
         blob = np.stack([network_input(row["image"]["bytes"]) for row in rows])
-        limit = self.cfg.filters.nsfw_max_score
-        updates: list[Update] = []
-        for score in self.scores(blob).tolist():
-            update: Update = {"nsfw_score": score}
-            if score > limit:
-                update.update(reject("nsfw", nsfw_detail(score, limit)))
-            updates.append(update)
-        return updates
+        return [{"nsfw_score": score} for score in self.scores(blob).tolist()]
+
+    @classmethod
+    def decide(cls, row: Row, filters: Filters) -> str | None:
+        score, limit = row["nsfw_score"], filters.nsfw_max_score
+        return f"nsfw: {nsfw_detail(score, limit)}" if score > limit else None

@@ -33,7 +33,8 @@ import pyarrow as pa
 
 from common.imageio import decode
 from common.schema import QUALITY_PARTS_TYPE
-from curation.score.stage import Row, Stage, StageSettings, Update, reject
+from curation.score.stage import Row, Stage, StageSettings, Update
+from curation.settings import Filters
 
 PARTS = tuple(field.name for field in QUALITY_PARTS_TYPE)
 _FLOOR = 0.01
@@ -136,7 +137,8 @@ class QualityStage(Stage):
     reads = ("image",)
     columns = (pa.field("quality", pa.float32()), pa.field("quality_parts", QUALITY_PARTS_TYPE))
     model_section = "quality"
-    thresholds = ("min_quality",)
+    thresholds = decided = ("min_quality",)
+    decision_codes = ("low_quality",)
     default_settings = StageSettings(batch_size=16, num_cpus=0.5)
     default_order = 30
 
@@ -152,8 +154,11 @@ class QualityStage(Stage):
         settings = self.cfg.models.quality
         rgb = decode(data, max_side=settings.max_side, mode="RGB")
         quality, parts = quality_of(rgb, settings.max_side, settings.weights)
-        update: Update = {"quality": quality, "quality_parts": parts}
-        threshold = self.cfg.filters.min_quality
+        return {"quality": quality, "quality_parts": parts}
+
+    @classmethod
+    def decide(cls, row: Row, filters: Filters) -> str | None:
+        quality, threshold = row["quality"], filters.min_quality
         if quality < threshold:
-            update.update(reject("low_quality", f"quality {quality:.3f} < {threshold}; weakest: {weakest(parts)}"))
-        return update
+            return f"low_quality: quality {quality:.3f} < {threshold}; weakest: {weakest(row['quality_parts'])}"
+        return None

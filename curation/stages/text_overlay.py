@@ -26,7 +26,8 @@ import pyarrow as pa
 
 from common.imageio import decode
 from curation.models.runtimes import OpenVinoNetwork, choose_runtime
-from curation.score.stage import Row, Stage, StageSettings, Update, reject
+from curation.score.stage import Row, Stage, StageSettings, Update
+from curation.settings import Filters
 
 
 def text_area_fraction(boxes: list[np.ndarray], height: int, width: int) -> float:
@@ -75,7 +76,8 @@ class TextOverlayStage(Stage):
     reads = ("image",)
     columns = (pa.field("text_area_frac", pa.float32()), pa.field("text_boxes", pa.int16()))
     model_section = "ocr"
-    thresholds = ("max_text_area_frac",)
+    thresholds = decided = ("max_text_area_frac",)
+    decision_codes = ("text_overlay",)
     uses_actors = True
     default_settings = StageSettings(batch_size=8, num_cpus=0.5, actors=(1, 2))
     default_order = 40
@@ -163,10 +165,12 @@ class TextOverlayStage(Stage):
             if is_text_line(b, height, width, settings.thick_box_side_frac, settings.thick_box_min_aspect)
         ]
         frac = text_area_fraction(lines, height, width)
-        update: Update = {"text_area_frac": frac, "text_boxes": min(len(lines), np.iinfo(np.int16).max)}
-        limit = self.cfg.filters.max_text_area_frac
+        return {"text_area_frac": frac, "text_boxes": min(len(lines), np.iinfo(np.int16).max)}
+
+    @classmethod
+    def decide(cls, row: Row, filters: Filters) -> str | None:
+        frac, count, limit = row["text_area_frac"], row["text_boxes"], filters.max_text_area_frac
         if frac > limit:
-            boxes = f"{len(lines)} box" if len(lines) == 1 else f"{len(lines)} boxes"
-            detail = f"text covers {frac:.1%} of the image in {boxes} (max {limit:.1%})"
-            return {**update, **reject("text_overlay", detail)}
-        return update
+            boxes = f"{count} box" if count == 1 else f"{count} boxes"
+            return f"text_overlay: text covers {frac:.1%} of the image in {boxes} (max {limit:.1%})"
+        return None

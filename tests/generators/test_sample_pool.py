@@ -28,6 +28,7 @@ from curation.settings import InputSettings
 from curation.stages.decode import DecodeStage
 from generators import sample_pool as sp
 from jobs import make_sample_pool as cli
+from tests.stage_calls import decided
 
 DECODE_REASONS = {
     "unreadable",
@@ -304,7 +305,7 @@ def test_reader_and_decode_stage_agree_with_the_manifest(pools, rows, decode_sta
     assert all(row["source"].startswith(f"{root}/") for row in read)
     by_path = {row["source"][len(str(root)) + 1 :]: row for row in read}
     assert by_path.keys() == manifest.keys()
-    updates = decode_stage.process_batch([{"image": r["image"], "reason": r["reason"]} for r in by_path.values()])
+    updates = decided(decode_stage, [{"image": r["image"], "reason": r["reason"]} for r in by_path.values()])
     for (path, row), update in zip(by_path.items(), updates):
         m = manifest[path]
         assert rows[m["name"]]["sha256"] == m["sha256"]

@@ -21,6 +21,7 @@ from curation.config import CurateConfig
 from curation.score.stage import REJECT
 from curation.score.stage_runner import StageRunner
 from curation.stages.decode import DecodeStage
+from tests.stage_calls import decided
 
 MAX_PIXELS = 2_000_000  # small, so that the pictures over it stay cheap to build
 MARKER = b"SECRET-7f3a"
@@ -31,7 +32,7 @@ def _stage(**filters) -> DecodeStage:
 
 
 def _decode_row(data: bytes, **filters) -> dict:
-    return _stage(**filters).process_batch([{"image": {"bytes": data, "path": "x"}, "reason": None}])[0]
+    return decided(_stage(**filters), [{"image": {"bytes": data, "path": "x"}, "reason": None}])[0]
 
 
 def _code(update: dict) -> str | None:

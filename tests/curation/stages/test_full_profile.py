@@ -41,6 +41,7 @@ from curation.stages.yolo import (
     yaw_class,
 )
 from generators.random_models import TINY_CLIP, build_random_store, random_nsfw_head, store_overrides
+from tests.stage_calls import decided
 
 FULL = Path(__file__).resolve().parents[3] / "configs" / "curate" / "full.yaml"
 CLIP_DIM = TINY_CLIP["embed_dim"]
@@ -511,7 +512,7 @@ def test_nsfw_head_loads_nemo_keys_and_computes_laions_layers(store_dir, clip_sc
     stage = _nsfw_stage(store_dir, nsfw_head_file, "filters.clip_nsfw_max_score=null")
     assert set(stage.nsfw_head.state_dict()) == set(models.NSFW_HEAD_KEYS)
     w = {k: v.astype(np.float64) for k, v in load_file(str(nsfw_head_file)).items()}
-    updates = stage.process_batch(rows)
+    updates = decided(stage, rows)
     x = np.array([u["embedding"] for u in updates], np.float64)
     assert np.allclose(np.linalg.norm(x, axis=1), 1.0, atol=1e-5)  # the head sees the L2-normalised embedding
     x = (x - w["norm.mean"]) / np.sqrt(w["norm.variance"])
@@ -528,9 +529,9 @@ def test_nsfw_head_loads_nemo_keys_and_computes_laions_layers(store_dir, clip_sc
 def test_nsfw_threshold_rejects_above_with_the_open_nsfw_reason_form(store_dir, clip_scores, nsfw_head_file):
     _, rows, _, _ = clip_scores
     open_stage = _nsfw_stage(store_dir, nsfw_head_file, "filters.clip_nsfw_max_score=null")
-    scores = [u["clip_nsfw_score"] for u in open_stage.process_batch(rows)]
+    scores = [u["clip_nsfw_score"] for u in decided(open_stage, rows)]
     cut = float(np.median(scores))
-    updates = _nsfw_stage(store_dir, nsfw_head_file, f"filters.clip_nsfw_max_score={cut}").process_batch(rows)
+    updates = decided(_nsfw_stage(store_dir, nsfw_head_file, f"filters.clip_nsfw_max_score={cut}"), rows)
     for score, u in zip(scores, updates, strict=True):
         assert u["clip_nsfw_score"] == pytest.approx(score, abs=1e-6)
         if score > cut:
@@ -596,7 +597,7 @@ def test_aesthetic_realism_and_prompt_thresholds_reject_with_reason_codes(store_
         _full_cfg(store_dir, f"filters.min_aesthetic={cut}", "filters.min_realism=null", "filters.prompt_filters={}")
     )
     stage.setup()
-    updates = stage.process_batch(rows)
+    updates = decided(stage, rows)
     for score, u in zip(aesthetic, updates):
         assert (REJECT in u) == (score < cut)
         if score < cut:
@@ -609,7 +610,7 @@ def test_aesthetic_realism_and_prompt_thresholds_reject_with_reason_codes(store_
         _full_cfg(store_dir, "filters.min_aesthetic=null", f"filters.min_realism={cut}", "filters.prompt_filters={}")
     )
     stage.setup()
-    for score, u in zip(realism, stage.process_batch(rows)):
+    for score, u in zip(realism, decided(stage, rows)):
         assert (REJECT in u) == (score < cut)
         if REJECT in u:
             assert reason_code(u[REJECT]) == "low_realism" and "closest prompt" in u[REJECT]
@@ -633,7 +634,7 @@ def test_aesthetic_realism_and_prompt_thresholds_reject_with_reason_codes(store_
         )
     )
     stage.setup()
-    for p, u in zip(p_reject, stage.process_batch(rows)):
+    for p, u in zip(p_reject, decided(stage, rows)):
         assert (REJECT in u) == (p > cut)
         if REJECT in u:
             assert reason_code(u[REJECT]) == "prompt_not_a_person"
@@ -651,7 +652,7 @@ def test_realism_is_one_half_when_both_prompt_sets_are_the_same(store_dir, clip_
         )
     )
     stage.setup()
-    assert [u["realism"] for u in stage.process_batch(rows)] == pytest.approx([0.5] * len(rows))
+    assert [u["realism"] for u in decided(stage, rows)] == pytest.approx([0.5] * len(rows))
 
 
 def test_single_file_checkpoint_with_an_open_clip_arch(store_dir, photos, tmp_path):
@@ -670,7 +671,7 @@ def test_single_file_checkpoint_with_an_open_clip_arch(store_dir, photos, tmp_pa
     )
     stage = ClipStage(cfg)
     stage.setup()
-    assert len(stage.process_batch(_rows(photos, ["bus"]))[0]["embedding"]) == CLIP_DIM
+    assert len(decided(stage, _rows(photos, ["bus"]))[0]["embedding"]) == CLIP_DIM
 
 
 def test_mis_sized_embedding_fails_at_actor_start(store_dir):
@@ -825,7 +826,7 @@ def test_the_full_profile_links_copies_by_the_same_rule_and_chance_estimate(clip
             img.resize((round(img.width * scale), round(img.height * scale))).save(buf, "JPEG", quality=q)
             copies.append({"image": {"bytes": buf.getvalue(), "path": "copy.jpg"}, "width": 1, "height": 1})
             of.append(k)
-    x = np.array([u["embedding"] for u in updates + stage.process_batch(copies)], np.float32)
+    x = np.array([u["embedding"] for u in updates + decided(stage, copies)], np.float32)
     signals = [phash_and_crops(Image.fromarray(decode(r["image"]["bytes"]))) for r in rows + copies]
     hashes = np.array([h for h, _ in signals], np.uint64)
     crops = np.array([c for _, c in signals], np.uint64)

@@ -24,6 +24,7 @@ from curation.models.packages import sha256_of
 from curation.score.ledger import reason_code
 from curation.score.stage import REJECT
 from curation.stages.nsfw import NsfwStage, network_input, nsfw_detail
+from tests.stage_calls import decided
 
 
 def _classify_nsfw_input(data: bytes) -> np.ndarray:
@@ -66,7 +67,7 @@ def stage() -> NsfwStage:
 
 @pytest.fixture(scope="module")
 def scores(stage, photo_files) -> dict[str, float]:
-    updates = stage.process_batch(_rows(photo_files))
+    updates = decided(stage, _rows(photo_files))
     return {name: u["nsfw_score"] for name, u in zip(photo_files, updates, strict=True)}
 
 
@@ -101,10 +102,10 @@ def test_a_batch_of_16_matches_images_one_at_a_time(stage, photo_files):
     batch = (files * 2)[:16]
     rows = [{"image": {"bytes": b}} for b in batch]
     t0 = time.perf_counter()
-    together = [u["nsfw_score"] for u in stage.process_batch(rows)]
+    together = [u["nsfw_score"] for u in decided(stage, rows)]
     ms = (time.perf_counter() - t0) / len(rows) * 1000
     print(f"nsfw stage: {ms:.1f} ms per image in a batch of {len(rows)}")
-    alone = [stage.process_batch([r])[0]["nsfw_score"] for r in rows[: len(files)]]
+    alone = [decided(stage, [r])[0]["nsfw_score"] for r in rows[: len(files)]]
     np.testing.assert_allclose(together[: len(files)], alone, rtol=1e-3, atol=1e-6)
 
 
@@ -113,7 +114,7 @@ def test_the_threshold_decides(photo_files, scores):
     limit = scores[top] / 2
     st = NsfwStage(CurateConfig.model_validate({"filters": {"nsfw_max_score": limit}}))
     st.setup()
-    updates = dict(zip(photo_files, st.process_batch(_rows(photo_files)), strict=True))
+    updates = dict(zip(photo_files, decided(st, _rows(photo_files)), strict=True))
     rejected = updates[top]
     assert reason_code(rejected[REJECT]) == "nsfw"
     assert rejected[REJECT] == f"nsfw: {nsfw_detail(rejected['nsfw_score'], limit)}"

@@ -25,6 +25,7 @@ from curation.score.stage import REJECT
 from curation.stages.embedding import LITE_NAME, EmbeddingStage
 from curation.stages.phash import CROP_COUNT, PhashStage, crop_boxes, hamming, hash_to_int
 from curation.stages.quality import PARTS, QualityStage
+from tests.stage_calls import decided
 
 _jpeg, _upscale_to_min_short = jpeg, upscale_to_min_short
 
@@ -52,7 +53,7 @@ def _rows(encoded: list[bytes]) -> list[dict]:
 
 def _timed_batch(stage, encoded: list[bytes]) -> tuple[list[dict], float]:
     t0 = time.perf_counter()
-    updates = stage.process_batch(_rows(encoded))
+    updates = decided(stage, _rows(encoded))
     return updates, (time.perf_counter() - t0) / len(encoded) * 1000
 
 
@@ -145,7 +146,7 @@ def test_quality_rejects_degraded_copies(photos, kind):
         assert DEGRADATIONS[kind] in detail.split("weakest: ")[1], f"{kind} copy of {name}: {detail}"
     # The rejection comes from the configured threshold, not from the stage itself.
     lenient = _stage(QualityStage, filters={"min_quality": 0.0})
-    assert not any(REJECT in u for u in lenient.process_batch(_rows(encoded)))
+    assert not any(REJECT in u for u in decided(lenient, _rows(encoded)))
 
 
 def test_quality_parts_fall_monotonically_with_blur_and_noise(photos):
@@ -169,8 +170,8 @@ def test_quality_grayscale_photo_not_rejected_for_lacking_colour(photos):
     stage = _stage(QualityStage)
     names = ("bus", "china", "flower")
     gray = [cv2.cvtColor(photos[n], cv2.COLOR_RGB2GRAY) for n in names]
-    colour = stage.process_batch(_rows([_jpeg(photos[n]) for n in names]))
-    mono = stage.process_batch(_rows([_jpeg(g) for g in gray]))
+    colour = decided(stage, _rows([_jpeg(photos[n]) for n in names]))
+    mono = decided(stage, _rows([_jpeg(g) for g in gray]))
     for name, c, m in zip(names, colour, mono):
         assert m["quality_parts"]["colourfulness"] == 0.0
         assert c["quality_parts"]["colourfulness"] > 0.5

@@ -21,6 +21,7 @@ from curation.models import ModelNotFoundError
 from curation.models.packages import sha256_of
 from curation.models.settings import PinnedModel
 from curation.stages.text_overlay import TextOverlayStage, is_text_line, text_area_fraction
+from tests.stage_calls import decided
 
 ULTRALYTICS_ASSETS = Path(importlib.util.find_spec("ultralytics").submodule_search_locations[0]) / "assets"
 MPL_DATA = Path(matplotlib.get_data_path())
@@ -69,7 +70,7 @@ def caption(
 
 
 def run(stage: TextOverlayStage, data: bytes, name: str = "img") -> dict:
-    (update,) = stage.process_batch([{"image": {"bytes": data, "path": name}}])
+    (update,) = decided(stage, [{"image": {"bytes": data, "path": name}}])
     return update
 
 
@@ -247,7 +248,7 @@ def test_threshold_comes_from_config() -> None:
 
 def test_batch_gives_one_schema_typed_update_per_row(stage: TextOverlayStage) -> None:
     datas = [PHOTOS["zidane"](), caption(PHOTOS["zidane"]()), PHOTOS["bus"]()]
-    updates = stage.process_batch([{"image": {"bytes": d, "path": str(i)}} for i, d in enumerate(datas)])
+    updates = decided(stage, [{"image": {"bytes": d, "path": str(i)}} for i, d in enumerate(datas)])
     assert len(updates) == 3
     assert ["reject" in u for u in updates] == [False, True, False]
     working = schema.working_schema(CurateConfig().embedding_dim)
