@@ -2,6 +2,7 @@
 
     python -m jobs.audit <out>                                   # exit 0 if sound, 1 with the list of problems
     python -m jobs.audit <out> --report [--config configs/curate/lite.yaml] [key=value ...]
+    python -m jobs.audit <out> --config configs/curate/lite.yaml --what-if filters.min_quality=0.6   # writes nothing
     ray job submit --working-dir . -- python -m jobs.audit s3://bucket/curated --report
 
 The report lands in <out>/report/index.html (a self-contained folder). Its thresholds and config section come from
@@ -23,6 +24,7 @@ from common.watchdog import Watchdog
 from curation.audit.report import ReportOptions, write_report
 from curation.audit.verify import audit
 from curation.config import CurateConfig
+from curation.score.redecide import NeedsNewRun, output_what_if
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,6 +43,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0, help="which random images the report's contact sheets show")
     p.add_argument("--per-sheet", type=int, default=ReportOptions.per_sheet, help="thumbnails per contact sheet")
+    p.add_argument(
+        "--what-if",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="instead of auditing: a threshold to try on the output's stored scores (repeatable), as jobs.curate "
+        "--what-if takes it (--config and overrides: the ones the output was curated with)",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as given to jobs.curate")
     return p.parse_intermixed_args(argv)  # overrides after the options, as jobs.curate takes them
 
@@ -57,9 +67,13 @@ def _audit(args: argparse.Namespace) -> int:
         cfg = load_config(CurateConfig, args.config, args.overrides)  # watchdog.minutes too, with --report or not
         folders.require_folder(args.output)
         folders.refuse_other_kind(args.output, folders.CURATED, "the output")
+        if args.what_if:
+            new = load_config(CurateConfig, args.config, [*args.overrides, *args.what_if])
+            print("\n".join(f"[what-if] {line}" for line in output_what_if(args.output, cfg, new)))
+            return 0
         with Watchdog("jobs.audit", cfg.watchdog.minutes):
             result = audit(args.output, decode=not args.no_decode, workers=args.workers)
-    except (ConfigError, StorageError) as exc:
+    except (ConfigError, StorageError, NeedsNewRun) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(result.summary())

@@ -114,7 +114,7 @@ class Decider:
             if w.status == NEEDS:
                 continue
             r["status"], r["stage"], r["reason"] = w.status, w.stage, w.reason
-            for c in self.columns_after.get(self.order.get(w.stage, -1), ()):
+            for c in self.columns_after.get(self.order.get(w.stage or "", -1), ()):
                 if c in r:
                     r[c] = None
         return pa.Table.from_pylist(rows, schema=table.schema), walks
