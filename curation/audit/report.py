@@ -5,8 +5,8 @@ are relative, there is no script and nothing is fetched from the network, so the
 a copy of an object-store prefix) in any browser.
 
 The report's numbers and picks come from ``report_data`` (read a file at a time), its thumbnails from
-``thumbnails``, its charts from ``charts``; this module turns them into the page's sections and renders
-``templates/report.html``.
+``thumbnails``, its charts from ``charts``, the threshold tables under the score histograms from ``explorer``; this
+module turns them into the page's sections and renders ``templates/report.html``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from common import schema
 from common.layout import DOWNLOAD, GLOBAL_PHASES, LAYOUT
 from common.storage import StorageError, join, redact, resolve, write_bytes_atomic
 from curation.audit import charts
+from curation.audit.explorer import Exploration, explore
 from curation.audit.report_data import (
     SCALE_COLUMNS,
     SCALE_EDGES,
@@ -206,6 +207,7 @@ class _Report:
         }
 
     def scores(self, data: ReportData) -> dict[str, Any]:
+        explored, why_not = self.explore(data)
         figs, missing = [], []
         for spec in SCORES:
             got = data.scores[spec.column]
@@ -215,7 +217,7 @@ class _Report:
             values, rejected = got.arrays()
             threshold = getattr(self.cfg.filters, spec.threshold) if spec.threshold else None
             passes = "pass ≥" if spec.keep == "min" else "pass ≤"
-            label = f"filters.{spec.threshold} = {threshold:g} ({passes})" if spec.threshold else ""
+            label = f"filters.{spec.threshold} = {threshold:g} ({passes})" if threshold is not None else ""
             sampled = f"; bars of a sample of {len(values)}" if len(values) < got.n else ""
             fig = charts.score_histogram(
                 values,
@@ -225,8 +227,62 @@ class _Report:
                 threshold_label=label,
             )
             chart = self.chart(f"hist_{spec.column}", fig)
-            figs.append({"chart": chart, "column": spec.column, "threshold": spec.threshold})
-        return {"figs": figs, "missing": missing}
+            figs.append(
+                {
+                    "chart": chart,
+                    "column": spec.column,
+                    "threshold": spec.threshold,
+                    "explorer": self._explorer_table(explored, spec.column),
+                    "computed": self._computed_note(explored, spec.column),
+                }
+            )
+        return {"figs": figs, "missing": missing, "explorer_off": why_not, "inputs": explored.inputs if explored else 0}
+
+    def explore(self, data: ReportData) -> tuple[Exploration | None, str]:
+        """The threshold explorer's counts, or None and why not: they hold only for the config the output was
+        scored with."""
+        run = data.state.get("run")
+        if run is None:
+            return None, "No run record: the threshold explorer needs phase 1's ledger."
+        if run["results_hash"] != self.cfg.results_hash():
+            return None, (
+                "The config shown is not the one phase 1 scored with (its results hash differs): no threshold explorer."
+            )
+        specs = [s for s in SCORES if data.scores[s.column].n]
+        return explore(self.out_uri, self.cfg, specs, data.scores), ""
+
+    @staticmethod
+    def _explorer_table(explored: Exploration | None, column: str) -> dict[str, Any] | None:
+        if explored is None or (t := explored.tables.get(column)) is None:
+            return None
+        rows = [
+            {
+                "value": "off" if c.value is None else f"{c.value:g}",
+                "current": c.current,
+                "kept": c.kept,
+                "of_inputs": _pct(c.kept, explored.inputs),
+                "needs": c.needs,
+            }
+            for c in t.candidates
+        ]
+        return {
+            "id": f"explore-{column}",
+            "threshold": t.threshold,
+            "stage": t.stage,
+            "passes": "≥" if t.keep == "min" else "≤",
+            "rows": rows,
+            "missing": t.missing,
+            "example": next((r["value"] for r in rows if not r["current"] and r["value"] != "off"), None),
+        }
+
+    @staticmethod
+    def _computed_note(explored: Exploration | None, column: str) -> str:
+        if explored is None or (p := explored.computed.get(column)) is None:
+            return ""
+        return (
+            f"filters.{p.threshold} is computed with, not decided on stored scores: changing it runs stage {p.stage} "
+            f"again (model work) for every input that reached it ({p.reached} of {explored.inputs})."
+        )
 
     def rejected(self, data: ReportData) -> dict[str, Any]:
         order = {s: i for i, s in enumerate([DOWNLOAD, *self.cfg.enabled_stages])}  # in the funnel's order

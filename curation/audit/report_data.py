@@ -47,6 +47,8 @@ LEDGER_COLUMNS = [
     "aesthetic",
     "realism",
     "text_area_frac",
+    "nsfw_score",
+    "clip_nsfw_score",
     "duplicate_of",
     "duplicate_signal",
 ]
@@ -84,7 +86,7 @@ class ReportOptions:
 class ScoreSpec:
     column: str  # ledger column, or "short_side" / "aspect_ratio" (derived from width and height)
     stage: str  # the stage that computes it and rejects on it
-    threshold: str | None  # field of CurateConfig.filters, None when nothing filters on it
+    threshold: str | None  # field of CurateConfig.filters (its value may be None: off), None when nothing filters on it
     keep: str  # "min": values at or above the threshold pass; "max": at or below
 
 
@@ -96,9 +98,11 @@ SCORES = (
     ScoreSpec("main_person_area_frac", "person", "person_min_area_frac", "min"),
     ScoreSpec("head_confidence", "head_pose", None, "min"),
     ScoreSpec("quality", "quality", "min_quality", "min"),
-    ScoreSpec("aesthetic", "aesthetic", None, "min"),
-    ScoreSpec("realism", "realism", None, "min"),
+    ScoreSpec("aesthetic", "clip", "min_aesthetic", "min"),
+    ScoreSpec("realism", "clip", "min_realism", "min"),
     ScoreSpec("text_area_frac", "text_overlay", "max_text_area_frac", "max"),
+    ScoreSpec("nsfw_score", "nsfw", "nsfw_max_score", "max"),
+    ScoreSpec("clip_nsfw_score", "clip", "clip_nsfw_max_score", "max"),
 )
 
 

@@ -33,7 +33,7 @@ from curation.audit.thumbnails import Thumbnails, Tile
 from curation.audit.verify import audit, funnel_key
 from curation.audit.verify_shards import Problem
 from curation.config import CurateConfig
-from curation.score.ledger import read_ledger, reason_code
+from curation.score.ledger import committed_files, read_ledger, reason_code
 from jobs import audit as audit_job
 
 LITE = "configs/curate/lite.yaml"
@@ -368,6 +368,63 @@ def test_report_is_self_contained_and_shows_every_section(reported, lite):
     assert lite.results_hash() in html_text and "match" in html_text
 
 
+_EXPLORER_ROW = re.compile(
+    r'<tr(?: class="current")?><td class="n">([^<]*)</td><td class="n">(\d+)</td><td class="n">[^<]*</td>'
+    r'<td class="n">(\d+)</td></tr>'
+)
+
+
+def _explorer_tables(html_text: str) -> dict[str, list[tuple[str, int, int]]]:
+    """Score column -> the explorer's rows: (value as shown, kept, need model work)."""
+    return {
+        column: [(v, int(kept), int(needs)) for v, kept, needs in _EXPLORER_ROW.findall(body)]
+        for column, body in re.findall(r'<table class="explorer" id="explore-(\w+)">(.*?)</table>', html_text, re.S)
+    }
+
+
+def test_threshold_explorer_counts_phase_one(reported, lite):
+    html_text = (reported / "report" / "index.html").read_text()
+    tables = _explorer_tables(html_text)
+    # every decided threshold of the lite stages has a table; the person thresholds a note instead
+    assert set(tables) == {"short_side", "aspect_ratio", "quality", "text_area_frac", "nsfw_score"}
+    assert "person_min_height_frac is computed with, not decided" in html_text
+    ledger = pa.concat_tables(
+        pq.read_table(reported / f) for f in committed_files(str(reported), LAYOUT.ledger)
+    ).to_pylist()
+    kept = [r for r in ledger if r["status"] == schema.KEPT]
+    for column, rows in tables.items():
+        assert 2 <= len(rows) <= 7, (column, rows)
+        values = [float(v.split()[0]) for v, *_ in rows]
+        assert values == sorted(values) and len(set(values)) == len(values), column
+        current = [r for r in rows if r[0].endswith("(configured)")]
+        assert len(current) == 1 and current[0][1] == len(kept) and current[0][2] == 0, (column, current)
+    # quality: at any value phase 1 keeps the kept inputs scoring at or above it; a lower one sends the inputs it no
+    # longer rejects on to the later stages (model work)
+    low = [r for r in ledger if r["stage"] == "quality" and reason_code(r["reason"]) == "low_quality"]
+    assert low and any(r[0].split()[0] != f"{lite.filters.min_quality:g}" for r in tables["quality"])
+    for shown, n_kept, needs in tables["quality"]:
+        v = float(shown.split()[0])
+        assert n_kept == sum(r["quality"] >= v for r in kept), shown
+        assert needs == sum(r["quality"] >= v for r in low), shown
+    # the inputs without a quality score: stopped (rejected or failed) before the quality stage
+    order = {name: i for i, name in enumerate(lite.enabled_stages)}
+    before = sum(
+        r["quality"] is None and r["status"] != schema.KEPT and order.get(r["stage"], -1) < order["quality"]
+        for r in ledger
+    )
+    assert before and f"{before} inputs have no quality: the cascade stopped them before stage quality." in html_text
+    assert "--what-if filters.min_quality=" in html_text
+
+
+def test_threshold_explorer_needs_the_config_phase_one_scored_with(reported, lite, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(reported, out)
+    other = lite.model_copy(update={"filters": lite.filters.model_copy(update={"min_quality": 0.6})})
+    html_text = (out / "report" / "index.html").read_text() if write_report(str(out), other) else ""
+    assert not _explorer_tables(html_text)
+    assert "The config shown is not the one phase 1 scored with" in html_text
+
+
 def test_histogram_draws_the_configured_threshold(curated_run, lite):
     ledger = read_ledger(str(curated_run), ["quality", "status", "stage"]).to_pylist()
     got = [r for r in ledger if r["quality"] is not None]
@@ -541,6 +598,10 @@ def test_report_renders_in_headless_chromium(reported, tmp_path):
             " r.selectNodeContents(h); const b = r.getBoundingClientRect();"
             " return [h.parentElement.id, h.textContent, b.left + scrollX, b.top + scrollY, b.width, b.height]; })"
         )
+        explorer = browser.evaluate(
+            "[...document.querySelectorAll('table.explorer')].map(t => [t.id, t.caption && t.caption.textContent,"
+            " t.rows.length, t.getBoundingClientRect().height])"
+        )
         shot = browser.screenshot()
     finally:
         browser.close()
@@ -562,6 +623,11 @@ def test_report_renders_in_headless_chromium(reported, tmp_path):
     assert all(u.startswith(report_dir + "/") for u in urls), [u for u in urls if not u.startswith(report_dir)]
     assert images and all(width > 0 for _, width in images), [src for src, w in images if not w]
     assert len({u for u in urls if u.endswith((".png", ".jpg"))}) == len({src for src, _ in images})
+    # the threshold explorer's tables are laid out under their histograms
+    shown = {tid: (caption, n, height) for tid, caption, n, height in explorer}
+    assert "explore-quality" in shown, explorer
+    caption, n, height = shown["explore-quality"]
+    assert caption.startswith("filters.min_quality") and n >= 3 and height > 0
     # the screenshot shows every section: read each heading back from the pixels
     assert [h[0] for h in headings] == list(SECTIONS)
     from rapidocr import RapidOCR

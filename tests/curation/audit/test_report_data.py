@@ -7,6 +7,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from curation.audit.explorer import CANDIDATES, candidates
 from curation.audit.report_data import Picks, ReportOptions, ScoreValues, _clusters, _duplicates
 
 
@@ -81,3 +82,17 @@ def test_cluster_sizes_and_grids_selected_first(tmp_path):
         0: ["s2", "s0"],
         1: ["s1", "s4"],
     }
+
+
+def test_explorer_candidates_are_the_configured_value_and_rounded_quantiles():
+    rng = np.random.default_rng(0)
+    got = candidates(rng.random(1000), 0.5, integer=False)
+    assert 0.5 in got and got == sorted(got) and len(set(got)) == len(got) == CANDIDATES
+    assert all(v == float(f"{v:.2g}") for v in got)
+    # quantiles crowded near one value get a third digit rather than collapsing
+    crowded = candidates(0.975 + 0.025 * rng.random(1000), 0.5, integer=False)
+    assert len(crowded) == CANDIDATES
+    sides = candidates(rng.integers(100, 2000, 1000).astype(float), 384, integer=True)
+    assert 384 in sides and all(isinstance(v, int) and v >= 1 for v in sides)
+    assert candidates(np.full(10, 4 / 3), 3.0, integer=False) == [1.3, 3.0]
+    assert candidates(np.empty(0), None, integer=False) == [None]  # an unset threshold: off, first
