@@ -100,7 +100,10 @@ class Decider:
                 return Walk(NEEDS, stage.name, None)
             if i == reached and row["status"] != schema.KEPT and not _is_decision(stage, row["reason"]):
                 return Walk(row["status"], stage.name, row["reason"])  # what the image is, not a threshold
-            reason = stage.decide(row, self.new.filters)
+            try:
+                reason = stage.decide(row, self.new.filters)
+            except KeyError:  # a score this output's tables do not hold (scored before its column existed)
+                return Walk(NEEDS, stage.name, None)
             if reason is not None:
                 return Walk(schema.REJECTED, stage.name, reason)
         return Walk(schema.KEPT, self.stages[-1].name, None)
