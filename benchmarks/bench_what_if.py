@@ -1,0 +1,70 @@
+"""Another threshold tried on stored scores against scoring the pool again: wall time side by side, and the inputs
+each direction leaves needing model work.
+
+    python benchmarks/bench_what_if.py [--sizes 60,2000] [--work out/bench_what_if]
+
+For each size: the sample pool of that many inputs (``jobs.make_sample_pool --n``), phase 1 on it with the lite
+profile (``jobs.curate --phases score``: every model call of a run, what ``--new-run`` pays again), then
+``--what-if`` of a tightened and a relaxed ``filters.min_quality`` and ``filters.min_short_side`` on its ledger. The
+what-if calls no model: its walk re-decides every input from the ledger's stored scores and counts the inputs a
+relaxed threshold lets reach a stage the cascade stopped them before (the model work a re-decide would do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.timing import timed
+from jobs import curate, make_sample_pool
+
+REPO = Path(__file__).resolve().parents[1]
+CHANGES = {
+    "tighten": ["filters.min_quality=0.6", "filters.min_short_side=448"],
+    "relax": ["filters.min_quality=0.4", "filters.min_short_side=320"],
+}
+
+
+def _quiet(fn, *args):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = fn(*args)
+    if code != 0:
+        raise SystemExit(f"{fn.__module__} exited {code}:\n{out.getvalue()[-2000:]}")
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="60,2000")
+    p.add_argument("--work", default="out/bench_what_if")
+    args = p.parse_args(argv)
+    work = Path(args.work)
+    for n in [int(s) for s in args.sizes.split(",")]:
+        pool, out = work / f"pool_{n}", work / f"curated_{n}"
+        shutil.rmtree(out, ignore_errors=True)
+        if not (pool / "_manifest.jsonl").exists():
+            _quiet(make_sample_pool.main, ["--out", str(pool), "--n", str(n)])
+        run = ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(pool), "--output", str(out)]
+        score_s, _ = timed(lambda: _quiet(curate.main, [*run, "--phases", "score"]))  # noqa: B023
+        print(f"{n} inputs: phase 1 (every model call) {score_s:.1f} s")
+        for name, changes in CHANGES.items():
+            what_if = [a for change in changes for a in ("--what-if", change)]
+            seconds, text = timed(lambda: _quiet(curate.main, [*run, "--phases", "score", *what_if]))  # noqa: B023
+            lines = [line.removeprefix("[what-if] ") for line in text.splitlines() if line.startswith("[what-if]")]
+            kept = next(line for line in lines if line.startswith("kept"))
+            work_line = next(line for line in lines if line.startswith("need model work"))
+            print(
+                f"  {name}: what-if {seconds:.2f} s ({score_s / seconds:.0f}x less than phase 1); {kept}; {work_line}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
