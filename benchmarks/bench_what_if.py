@@ -27,7 +27,7 @@ from jobs import curate, make_sample_pool
 REPO = Path(__file__).resolve().parents[1]
 CHANGES = {
     "tighten": ["filters.min_quality=0.6", "filters.min_short_side=448"],
-    "relax": ["filters.min_quality=0.4", "filters.min_short_side=320"],
+    "relax": ["filters.min_quality=0.25", "filters.min_short_side=160"],
 }
 
 

@@ -57,7 +57,8 @@ def claim_output(out: Output, results_hash: str, input_uri: str, new_run: bool) 
             raise RunMismatch(
                 f"{out.uri} holds a run of input {run['input']} with config hash {run['results_hash']}; this command "
                 f"has input {input_uri} and config hash {results_hash}. Rerun with the same input and settings to "
-                "resume, choose another --output, or pass --new-run to discard the old results."
+                "resume, choose another --output, or pass --new-run to discard the old results (where only thresholds "
+                "changed, the same settings with --what-if filters.<name>=<value> show what they do, writing nothing)."
             )
         if run.get("schema_version") != record["schema_version"]:
             # Its scored files lack columns the later phases read (encoding_quality since version 3).
