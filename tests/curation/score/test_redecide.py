@@ -4,7 +4,6 @@ writing anything, and says which inputs need model work."""
 from __future__ import annotations
 
 import io
-import os
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pyarrow.compute as pc
 import pytest
 
 from common import schema
+from common.config import load_config
 from curation.config import CurateConfig
 from curation.score.chain import score_in_process
 from curation.score.pool import Pool, list_shards
@@ -118,4 +118,16 @@ def test_what_if_prints_the_funnel_before_and_after_and_writes_nothing(curated_r
     code, _ = _curate(*args, "--what-if", "models.quality.max_side=256")
     assert code == 2 and "--new-run" in capsys.readouterr().err
     assert _tree(curated_run) == before
-    assert os.environ.get("RAY_ADDRESS") is None or True  # the what-if starts no Ray work of its own
+
+
+@pytest.mark.slow
+def test_a_large_ledger_is_walked_in_ray_tasks_to_the_same_funnel(curated_run, ray_local, monkeypatch):
+    from curation.score import redecide
+
+    cfg = load_config(CurateConfig, REPO / "configs/curate/lite.yaml", ["write.rows_per_shard=4"])
+    new = cfg.model_copy(update={"filters": cfg.filters.model_copy(update={"min_quality": 0.7, "min_short_side": 160})})
+    here = redecide.output_what_if(str(curated_run), cfg, new)
+    monkeypatch.setattr(redecide, "FILES_PER_TASK", 2)  # several tasks, and more of them than the window
+    in_tasks = redecide.output_what_if(str(curated_run), cfg, new, tasks_from_files=0)
+    assert in_tasks == here
+    assert "need model work: none" not in here[-1]  # the relaxed side counts inputs too
