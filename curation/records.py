@@ -87,16 +87,18 @@ def input_name(input_uri: str) -> str:
     return redact(input_uri) if "://" in input_uri else resolve(input_uri)[1]
 
 
-def run_record(results_hash: str, input_uri: str) -> dict:
+def run_record(results_hash: str, input_uri: str, scoring: dict | None = None) -> dict:
     """The run record of curating ``input_uri`` with settings of ``results_hash``. ``input`` is what a resume must
     match; ``input_store`` reaches the pool again (the URI's query kept: endpoint, region, scheme; credentials
-    dropped), so that the report can read rejected inputs back from their store."""
+    dropped), so that the report can read rejected inputs back from their store. ``scoring``: what phase 1 scored
+    with, kept while thresholds change (``curation.score.redecide.scoring_record``)."""
     name = input_name(input_uri)
     return {
         "results_hash": results_hash,
         "input": name,
         "input_store": without_credentials(input_uri) if "://" in input_uri else name,
         "schema_version": SCHEMA_VERSION,  # of the scored and ledger tables the run writes
+        **({"scoring": scoring} if scoring is not None else {}),
     }
 
 

@@ -27,14 +27,23 @@ from curation.config import CurateConfig
 from curation.phases.dedup.chance import ChanceBoundError
 from curation.phases.pipeline import GlobalPhases, PhaseOrderError, check_order, phase_done
 from curation.phases.release import Release, ReleaseError, open_release
-from curation.records import commit_files
+from curation.records import commit_files, read_run_record
 from curation.score.chain import io_note
 from curation.score.inputs import InputShard
 from curation.score.ledger import CAUSE_COLUMNS, likely_causes, read_ledger, summary_table
 from curation.score.originals import OriginalsMissing
 from curation.score.phase import ScorePhase
 from curation.score.pool import Pool, PoolError, list_shards, pin_listing, pinned_listing
-from curation.score.redecide import NeedsNewRun, output_what_if
+from curation.score.redecide import (
+    NeedsNewRun,
+    apply_thresholds,
+    decided_config,
+    output_what_if,
+    plan_thresholds,
+    scored_config,
+    scoring_record,
+    threshold_changes,
+)
 from curation.steps.output import Output, RunMismatch, claim_output
 
 
@@ -114,7 +123,8 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
             blocklist(uri, cfg.filters.blocklist_distance)
         check_order(cfg, out, phases, release)
         lease.acquire(force=args.break_lease)  # before claim_output can delete another run's results
-        claim_output(out, cfg.results_hash(), args.input, args.new_run)
+        claimed = claim_output(out, cfg.results_hash(), args.input, args.new_run, scoring_record(cfg))
+        redecide = _plan_redecide(args.output, cfg, claimed) if claimed is not None else None
         if pinned is None and pool is not None:
             pin_listing(out, shards, cfg.input)
     except (
@@ -128,10 +138,19 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
     print(f"[curate] profile={cfg.profile} stages={','.join(cfg.enabled_stages)} config_hash={cfg.results_hash()}")
     try:
         with Watchdog("jobs.curate", cfg.watchdog.minutes):
-            return _run_phases(cfg, args, out, pool, lease, phases, shards, pinned is not None, release)
+            return _run_phases(cfg, args, out, pool, lease, phases, shards, pinned is not None, release, redecide)
     except (PhaseOrderError, DamagedRecordError, OriginalsMissing, ChanceBoundError) as exc:  # each says what to do
         print(f"error: {getattr(exc, 'cause', exc)}", file=sys.stderr)  # a Ray task's error: its own message
         return 2
+
+
+def _plan_redecide(output: str, cfg: CurateConfig, run: dict) -> tuple[dict, CurateConfig]:
+    """An output scored alike with other thresholds: what re-deciding it to ``cfg``'s does, in words, before anything
+    is written (``NeedsModelWork`` where some input would need a model)."""
+    funnel = plan_thresholds(output, run, cfg)
+    for line in funnel.lines(cfg.enabled_stages, threshold_changes(decided_config(run, cfg), cfg)):
+        print(f"[re-decide] {line}")
+    return run, scored_config(run, cfg)
 
 
 def _with_release(cfg: CurateConfig, release: Release | None) -> CurateConfig:
@@ -152,15 +171,17 @@ def _run_phases(
     shards: list[InputShard],
     resumed: bool,
     release: Release | None,
+    redecide: tuple[dict, CurateConfig] | None,
 ) -> int:
     start = time.monotonic()
+    scored_hash = (read_run_record(out.fs, out.root).get("scoring") or {}).get("results_hash")
     if pool is not None:
         if resumed:
             print(
                 f"[score] resuming on the input listing pinned by the first run ({len(shards)} shards); "
                 "files added to the pool since are not part of this run"
             )
-        summary = ScorePhase(cfg, out, pool).run(shards, guard=lease.check)
+        summary = ScorePhase(cfg, out, pool, scored_hash).run(shards, guard=lease.check)
         rate = summary["inputs_this_run"] / max(summary["seconds"], 1e-9)
         peak = summary["peak_task_memory_mb"]
         memory = f"; peak task memory {peak} MiB of the {summary['task_memory_mb']} MiB each requests" if peak else ""
@@ -168,6 +189,10 @@ def _run_phases(
             f"[score] done: {summary['inputs_this_run']} inputs scored this run in {summary['seconds']} s "
             f"({rate:.2f} img/s){memory}{io_note(summary)}"
         )
+    if redecide is not None:
+        began = time.monotonic()
+        n = apply_thresholds(out, *redecide, cfg)
+        print(f"[re-decide] done: {n} input shards re-decided from stored scores in {time.monotonic() - began:.1f} s")
     for phase in (p for p in GLOBAL_PHASES if p in phases):
         GlobalPhases(cfg, out, guard=lease.check, against=release, pool=args.input).run(phase)
     ledger = read_ledger(args.output, CAUSE_COLUMNS)

@@ -21,12 +21,10 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from common import schema
-from common.layout import LAYOUT
 from common.storage import join, resolve
 from curation.audit.report_data import ScoreSpec, ScoreValues
 from curation.config import CurateConfig
-from curation.score.ledger import committed_files
-from curation.score.redecide import NEEDS, Decider
+from curation.score.redecide import NEEDS, Decider, scores_files
 from curation.score.stage import Stage
 from curation.stages import stage_classes
 
@@ -144,13 +142,13 @@ def explore(
     for name in cfg.enabled_stages:
         needed |= set(stage_classes()[name].writes)
     fs, root = resolve(out_uri)
-    for path in committed_files(out_uri, LAYOUT.ledger):
+    for path in scores_files(out_uri):
         f = join(root, path)
         names = pq.read_schema(f, filesystem=fs).names
         ledger = pq.read_table(f, columns=[c for c in names if c in needed], filesystem=fs).to_pylist()
         out.inputs += len(ledger)
         for r in ledger:
-            if r["status"] == schema.KEPT:
+            if same.walk(r).status == schema.KEPT:  # the scores' fate under the thresholds it is decided with now
                 out.kept += 1
             _count(r, same, current_rows)
             for decider, c in deciders:

@@ -85,23 +85,6 @@ def _keep_score(table: pa.Table, columns: list[str]):
     return score
 
 
-def read_part(fs, path: str, columns: list[str], target: pa.Schema) -> pa.Table:
-    """The ``columns`` of a phase-1 part (scored or ledger). A stage's column the file lacks (written before the stage
-    wrote it, as the ``phash_crops`` or ``nsfw_score`` of an older output) is read as nulls of its type in ``target``;
-    any other missing column raises."""
-    import pyarrow.parquet as pq
-
-    from common.schema import stage_columns
-
-    with pq.ParquetFile(path, filesystem=fs) as f:
-        have = set(f.schema_arrow.names)
-        added = {c.name for c in stage_columns()} & (set(columns) - have)
-        t = f.read(columns=[c for c in columns if c not in added])
-    for name in sorted(added):
-        t = t.append_column(target.field(name), pa.nulls(t.num_rows, target.field(name).type))
-    return t.select(columns)
-
-
 def survey_partition(
     out_uri: str, shards: list[tuple[int, dict]], path: str, keep_score: list[str], balance_key: str | None, dim: int
 ) -> dict:
@@ -111,6 +94,7 @@ def survey_partition(
 
     from common.schema import scored_schema
     from common.storage import join, resolve, write_parquet_atomic
+    from curation.score.ledger import kept_sources, read_part
 
     fs, root = resolve(out_uri)
     columns = sorted(
@@ -123,6 +107,8 @@ def survey_partition(
     for ordinal, record in shards:
         parts = [read_part(fs, join(root, f), columns, scored) for f in record["scored_files"]]
         t = pa.concat_tables(parts)
+        if "scores_files" in record:  # re-decided: its scored files hold the survivors of the thresholds it scored with
+            t = t.filter(pc.is_in(t.column("source"), value_set=kept_sources(fs, root, record)))
         t = t.take(pc.sort_indices(t, [("source", "ascending")]))
         missing_embedding += t.column("embedding").null_count
         balance = pc.cast(t.column(balance_key), pa.string()) if balance_key else pa.nulls(t.num_rows, pa.string())

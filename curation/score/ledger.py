@@ -210,3 +210,23 @@ def funnel_of(ledger: pa.Table) -> Counter:
     stages = ledger.column("stage").to_pylist()
     statuses = ledger.column("status").to_pylist()
     return Counter(f"{funnel_phase(s)}/{s}/{st}/{c}" for s, st, c in zip(stages, statuses, codes))
+
+
+def read_part(fs, path: str, columns: list[str], target: pa.Schema) -> pa.Table:
+    """The ``columns`` of a phase-1 part (scored or ledger). A stage's column the file lacks (written before the stage
+    wrote it, as the ``phash_crops`` or ``nsfw_score`` of an older output) is read as nulls of its type in ``target``;
+    any other missing column raises."""
+    with pq.ParquetFile(path, filesystem=fs) as f:
+        have = set(f.schema_arrow.names)
+        added = {c.name for c in schema.stage_columns()} & (set(columns) - have)
+        t = f.read(columns=[c for c in columns if c not in added])
+    for name in sorted(added):
+        t = t.append_column(target.field(name), pa.nulls(t.num_rows, target.field(name).type))
+    return t.select(columns)
+
+
+def kept_sources(fs, root: str, record: dict) -> pa.Array:
+    """The sources an input shard's commit record keeps: the kept rows of its ledger files."""
+    tables = [pq.read_table(join(root, f), columns=["source", "status"], filesystem=fs) for f in record["ledger_files"]]
+    ledger = pa.concat_tables(tables)
+    return ledger.filter(pc.equal(ledger.column("status"), schema.KEPT)).column("source").combine_chunks()

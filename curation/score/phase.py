@@ -85,9 +85,12 @@ class ScorePhase(Step):
     name = "shards"  # so the commit records are LAYOUT.score_commits
     unit_name = "input shards"
 
-    def __init__(self, cfg: CurateConfig, out: Output, pool: Pool):
+    def __init__(self, cfg: CurateConfig, out: Output, pool: Pool, scored_hash: str | None = None):
         self.cfg, self.out, self.pool = cfg, out, pool
         self.results_hash = cfg.results_hash()
+        # the step's fingerprint: the settings phase 1 first scored the output with, which a change of thresholds
+        # keeps (its committed shards are re-decided, not scored again: curation.score.redecide)
+        self.scored_hash = scored_hash or self.results_hash
         self.shards: dict[str, InputShard] = {}
         self.this_run: dict[str, dict] = {}  # the commit records of the shards scored by this run
         self.memory = cfg.task_memory_mb * 2**20  # what each of the chain's processes requests (task_memory())
@@ -195,7 +198,7 @@ class ScorePhase(Step):
         """Score every shard of ``shards`` not committed yet; the phase's summary, also its done record. ``guard``
         raises when this run may no longer write the output (``common.lease.Lease.check``)."""
         self.shards, self.this_run = {s.shard_id: s for s in shards}, {}
-        runner = StepRunner(self.out, "score", self.results_hash, window=1, guard=guard)
+        runner = StepRunner(self.out, "score", self.scored_hash, window=1, guard=guard)
         adopt_previous_commits(self.out, runner.fingerprint(self))
         start, self.started = time.monotonic(), False
         totals = runner.run(self)

@@ -17,23 +17,30 @@ give what a fresh run with the new thresholds gives, to the bit: a run decides o
 from __future__ import annotations
 
 import fnmatch
+import posixpath
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, TypeVar
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from common import schema
 from common.layout import LAYOUT
 from common.progress import Progress
-from common.storage import join, redact, resolve
+from common.storage import delete_quietly, join, read_json, redact, resolve, write_json_atomic, write_parquet_atomic
 from curation.config import CurateConfig, config_from_json
-from curation.records import read_run_record
-from curation.score.ledger import committed_files, reason_code
+from curation.records import read_commits, read_run_record
+from curation.score.ledger import read_part, reason_code
+from curation.score.metadata import merge_all, metadata_types
 from curation.score.stage import Stage
+from curation.settings import Filters
 from curation.stages import stage_classes
+from curation.steps.output import Output
+
+T = TypeVar("T")
 
 # The walk's end for an input: ("kept", None), ("rejected"/"error", stage) or ("needs", the stage to run again from).
 NEEDS = "needs"
@@ -145,10 +152,10 @@ class Funnel:
         for mine, theirs in ((self.before, other.before), (self.after, other.after), (self.needs, other.needs)):
             mine.update(theirs)
 
-    def add(self, rows: Iterable[dict], walks: Iterable[Walk]) -> None:
-        for r, w in zip(rows, walks):
+    def add(self, before: Iterable[Walk], after: Iterable[Walk]) -> None:
+        for b, w in zip(before, after):
             self.inputs += 1
-            self.before[(r["status"], r["stage"], reason_code(r["reason"]))] += 1
+            self.before[(b.status, b.stage, reason_code(b.reason))] += 1
             if w.status == NEEDS:
                 self.needs[w.stage] += 1
             else:
@@ -181,81 +188,223 @@ class Funnel:
         return out
 
 
-def what_if(scored: CurateConfig, new: CurateConfig, ledgers: Iterable[pa.Table]) -> tuple[Funnel, Decider]:
-    """The phase-1 funnel of ``ledgers`` (phase 1's committed ledger files, one table at a time) under ``new``."""
-    decider = Decider(scored, new)
-    funnel = Funnel()
-    for table in ledgers:
-        rows = table.to_pylist()
-        funnel.add(rows, [decider.walk(r) for r in rows])
-    return funnel, decider
-
-
 # Ledger files one what-if task walks, and the count past which a what-if walks them in Ray tasks (a Humans-1B ledger
 # of ~4·10^9 rows walks at ~3,000 rows/s in one process: 16 days; in tasks, that over the cluster's CPUs).
 FILES_PER_TASK = 64
 TASKS_FROM_FILES = 256
 
 
-def _walk_files(out_uri: str, paths: list[str], scored_json: str, new_json: str) -> Funnel:
-    """The funnel of the ledger files ``paths`` (relative to the output root) under the new config."""
+def _walk_files(out_uri: str, paths: list[str], scored_json: str, current_json: str, new_json: str) -> Funnel:
+    """The funnel of the scores files ``paths`` (relative to the output root) from the current thresholds to the
+    new ones."""
     fs, root = resolve(out_uri)
-    decider = Decider(config_from_json(scored_json), config_from_json(new_json))
+    scored = config_from_json(scored_json)
+    now, then = Decider(scored, config_from_json(current_json)), Decider(scored, config_from_json(new_json))
     funnel = Funnel()
     for path in paths:
         rows = pq.read_table(join(root, path), filesystem=fs).to_pylist()
-        funnel.add(rows, [decider.walk(r) for r in rows])
+        funnel.add([now.walk(r) for r in rows], [then.walk(r) for r in rows])
         funnel.files += 1
     return funnel
 
 
+def output_funnel(
+    out_uri: str, scored: CurateConfig, current: CurateConfig, new: CurateConfig, tasks_from_files: int
+) -> Funnel:
+    """Phase 1's funnel of the output, scored with ``scored`` and decided with ``current``, under ``new``: its
+    committed shards' scores walked here up to ``tasks_from_files`` files, else in Ray tasks of ``FILES_PER_TASK``
+    (on the cluster ``current.ray`` names), a bounded number in flight, their counts summed as they finish."""
+    Decider(scored, new)  # here first: a change that needs --new-run stops before any task
+    files = scores_files(out_uri)
+    args = (scored.model_dump_json(), current.model_dump_json(), new.model_dump_json())
+    if len(files) <= tasks_from_files:
+        return _walk_files(out_uri, files, *args)
+    return _walk_in_tasks(out_uri, files, current, *args)
+
+
 def output_what_if(
-    out_uri: str, scored: CurateConfig, new: CurateConfig, tasks_from_files: int = TASKS_FROM_FILES
+    out_uri: str, cfg: CurateConfig, new: CurateConfig, tasks_from_files: int = TASKS_FROM_FILES
 ) -> list[str]:
-    """The what-if of an output's phase-1 ledger under ``new``, in words; ``scored`` must be the config the output was
-    scored with (its run record's hash says so). Writes nothing. Up to ``tasks_from_files`` committed ledger files
-    are walked here one at a time; more, in Ray tasks of ``FILES_PER_TASK`` (``scored.ray`` says which cluster), a
-    bounded number in flight, their counts summed as they finish."""
+    """The what-if of an output under ``new``, in words; ``cfg`` must be the config the output was curated with (its
+    run record's hash says so). Writes nothing."""
     fs, root = resolve(out_uri)
     run = read_run_record(fs, root)
-    if run["results_hash"] != scored.results_hash():
+    if run["results_hash"] != cfg.results_hash():
         raise NeedsNewRun(
-            f"{redact(out_uri)} was scored with config hash {run['results_hash']}, and the config given (less the "
-            f"--what-if changes) has {scored.results_hash()}: pass the config and overrides it was curated with"
+            f"{redact(out_uri)} was curated with config hash {run['results_hash']}, and the config given (less the "
+            f"--what-if changes) has {cfg.results_hash()}: pass the config and overrides it was curated with"
         )
-    files = committed_files(out_uri, LAYOUT.ledger)
-    decider = Decider(scored, new)  # here first: a change that needs --new-run stops before any task
-    args = (scored.model_dump_json(), new.model_dump_json())
-    if len(files) <= tasks_from_files:
-        funnel = _walk_files(out_uri, files, *args)
-    else:
-        funnel = _walk_in_tasks(out_uri, files, scored, *args)
-    return funnel.lines(new.enabled_stages, decider.changes)
+    funnel = output_funnel(out_uri, scored_config(run, cfg), cfg, new, tasks_from_files)
+    return funnel.lines(new.enabled_stages, threshold_changes(cfg, new))
 
 
 def _walk_in_tasks(out_uri: str, files: list[str], scored: CurateConfig, *args: str) -> Funnel:
+    groups = [files[i : i + FILES_PER_TASK] for i in range(0, len(files), FILES_PER_TASK)]
+    funnel = Funnel()
+    bar = Progress("what-if", len(files), unit="ledger files")
+
+    def count(part: Funnel) -> None:
+        funnel.merge(part)
+        bar.update(part.files)
+
+    in_tasks(scored, _walk_files, [(out_uri, group, *args) for group in groups], count)
+    return funnel
+
+
+def in_tasks(cfg: CurateConfig, fn: Callable[..., T], calls: list[tuple], each: Callable[[T], None]) -> None:
+    """``fn(*call)`` for each call in Ray tasks of one CPU on the cluster ``cfg.ray`` names, at most two per CPU in
+    flight, ``each`` called on every result as it comes (so the driver holds counts, not results)."""
     import ray
 
     from common.ray_utils import init_ray
 
-    init_ray(scored.ray.address, scored.ray.num_cpus)
-    walk = ray.remote(num_cpus=1)(_walk_files)
-    groups = [files[i : i + FILES_PER_TASK] for i in range(0, len(files), FILES_PER_TASK)]
+    init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    remote: Any = ray.remote(num_cpus=1)(fn)
     window = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
-    funnel, pending = Funnel(), cast(list[ray.ObjectRef], [])
-    bar = Progress("what-if", len(files), unit="ledger files")
+    pending: list[ray.ObjectRef] = []
 
-    def count_one() -> None:
+    def take_one() -> None:
         nonlocal pending
         done, pending = ray.wait(pending, num_returns=1)
-        part: Funnel = ray.get(done[0])
-        funnel.merge(part)
-        bar.update(part.files)
+        each(ray.get(done[0]))
 
-    for group in groups:
-        pending.append(walk.remote(out_uri, group, *args))
+    for call in calls:
+        pending.append(remote.remote(*call))
         if len(pending) >= window:
-            count_one()
+            take_one()
     while pending:
-        count_one()
+        take_one()
+
+
+# --- applying new thresholds to an output -----------------------------------------------------------------------------
+
+
+def scoring_record(cfg: CurateConfig) -> dict:
+    """What an output's run record keeps of the settings phase 1 scores it with, while its thresholds change: their
+    ``scoring_hash``, the results hash that fingerprints the score step, and the thresholds."""
+    return {
+        "hash": scoring_hash(cfg),
+        "results_hash": cfg.results_hash(),
+        "filters": cfg.filters.model_dump(mode="json"),
+    }
+
+
+def scored_config(run: dict, cfg: CurateConfig) -> CurateConfig:
+    """``cfg`` with the thresholds phase 1 scored the output with (its run record's ``scoring``; ``cfg`` itself for
+    an output whose record predates it, which was never re-decided)."""
+    if "scoring" not in run:
+        return cfg
+    return cfg.model_copy(update={"filters": Filters.model_validate(run["scoring"]["filters"])})
+
+
+def decided_config(run: dict, cfg: CurateConfig) -> CurateConfig:
+    """``cfg`` with the thresholds the output is decided with now (the run record's ``filters`` after a re-decide)."""
+    if "filters" not in run:
+        return scored_config(run, cfg)
+    return cfg.model_copy(update={"filters": Filters.model_validate(run["filters"])})
+
+
+class NeedsModelWork(NeedsNewRun):
+    """New thresholds that some inputs need a stage run again for (a relaxed threshold past what was scored, a
+    threshold a stage computes with)."""
+
+
+def plan_thresholds(out_uri: str, run: dict, new: CurateConfig) -> Funnel:
+    """The funnel of re-deciding the output of run record ``run`` to ``new``: raises ``NeedsModelWork`` (one line,
+    with the counts) before anything is written when an input would need a stage run again."""
+    scored, current = scored_config(run, new), decided_config(run, new)
+    funnel = output_funnel(out_uri, scored, current, new, TASKS_FROM_FILES)
+    if funnel.needs:
+        runs = ", ".join(f"{n} from stage {s}" for s, n in funnel.needs.items())
+        raise NeedsModelWork(
+            f"the new thresholds need model work for {sum(funnel.needs.values())} inputs ({runs}): an output is "
+            "re-decided in place only where every input's stored scores decide it (thresholds within what was scored "
+            "and decided on stored values); --what-if shows the change, --new-run scores the pool again"
+        )
     return funnel
+
+
+def apply_thresholds(out: Output, run: dict, scored: CurateConfig, new: CurateConfig) -> int:
+    """Re-decide every committed input shard of ``out`` to ``new``'s thresholds from its stored scores (after
+    ``plan_thresholds``), a shard at a time, each committed by rewriting its commit record; then record ``new`` in the
+    run record. A shard already decided to ``new`` is skipped, so a rerun after a kill goes on. Returns the shards
+    re-decided. The scoring run's ledger files stay as the shard's scores (``scores_files``) and its scored files as
+    they are: the dedup survey reads the kept ones from them (``curation.score.ledger.kept_sources``)."""
+    results_hash = new.results_hash()
+    commits = _commits(out.uri)
+    todo = sorted(s for s, record in commits.items() if record["results_hash"] != results_hash)
+    calls = [(out.uri, shard_id, scored.model_dump_json(), new.model_dump_json()) for shard_id in todo]
+    bar = Progress("re-decide", len(todo), unit="input shards")
+    if len(todo) <= TASKS_FROM_FILES:
+        for call in calls:
+            redecide_shard(*call)
+            bar.update()
+    else:
+        in_tasks(new, redecide_shard, calls, lambda _: bar.update())
+    record = {**run, "results_hash": results_hash, "filters": new.filters.model_dump(mode="json")}
+    write_json_atomic(out.fs, out.path(LAYOUT.run_record), record)
+    return len(todo)
+
+
+def redecide_shard(out_uri: str, shard_id: str, scored_json: str, new_json: str) -> dict:
+    """Re-decide one committed input shard from its scores and commit it: new ledger files (one per scores file, its
+    rows in its order), its kept count and metadata types, in its commit record; returns that record."""
+    fs, root = resolve(out_uri)
+    path = join(root, LAYOUT.score_commit(shard_id))
+    unit = read_json(fs, path, fields={"fingerprint": str, "receipt": dict})
+    record, new = unit["receipt"], config_from_json(new_json)
+    results_hash = new.results_hash()
+    if record["results_hash"] == results_hash:
+        return record
+    decider = Decider(config_from_json(scored_json), new)
+    target = schema.with_metadata(schema.ledger_schema(), table="ledger", config_hash=results_hash)
+    scores, ledger_files, kept = _scores_files(record), [], []
+    for f in scores:
+        decided, walks = decider.ledger(read_part(fs, join(root, f), target.names, target))
+        if any(w.status == NEEDS for w in walks):  # plan_thresholds saw none: the output changed under this run
+            raise NeedsModelWork(f"input shard {shard_id}: {f} holds inputs that need model work; rerun the command")
+        name = f"{posixpath.splitext(f)[0]}-{results_hash[:16]}.parquet"
+        write_parquet_atomic(
+            fs,
+            join(root, name),
+            decided.cast(target),
+            row_group_size=new.output.ledger_row_group_size,
+            compression=new.output.compression,
+        )
+        ledger_files.append(name)
+        kept += decided.filter(pc.equal(decided.column("status"), schema.KEPT)).column("source").to_pylist()
+    texts = []
+    for f in record["scored_files"]:  # the kept rows' pool metadata types, as a run's writer records them
+        t = pq.read_table(join(root, f), columns=["source", "metadata_json"], filesystem=fs)
+        texts += t.filter(pc.is_in(t.column("source"), value_set=pa.array(kept, pa.string())))[
+            "metadata_json"
+        ].to_pylist()
+    updated = {
+        **record,
+        "ledger_files": ledger_files,
+        "scores_files": scores,
+        "kept": len(kept),
+        "results_hash": results_hash,
+        "metadata_types": merge_all([metadata_types(texts)]),
+    }
+    write_json_atomic(fs, path, {**unit, "receipt": updated})
+    for f in record["ledger_files"]:  # an earlier re-decide's, never the scores
+        if f not in scores and f not in ledger_files:
+            delete_quietly(fs, join(root, f))
+    return updated
+
+
+def scores_files(out_uri: str) -> list[str]:
+    """Every committed input shard's scores files (relative to the output root): phase 1's ledger files as the run
+    that scored them wrote them, with every score it computed."""
+    return sorted(f for record in _commits(out_uri).values() for f in _scores_files(record))
+
+
+def _commits(out_uri: str) -> dict[str, dict]:
+    fs, root = resolve(out_uri)
+    return read_commits(fs, root)
+
+
+def _scores_files(record: dict) -> list[str]:
+    """A committed shard's scores: the ledger files of the run that scored it (its ledger files until re-decided)."""
+    return list(record.get("scores_files") or record["ledger_files"])

@@ -44,15 +44,22 @@ class RunMismatch(RuntimeError):
     """The output folder holds a run made with different settings."""
 
 
-def claim_output(out: Output, results_hash: str, input_uri: str, new_run: bool) -> None:
-    """Record which run owns ``out``; refuse to mix results of different settings in one output.
+def claim_output(
+    out: Output, results_hash: str, input_uri: str, new_run: bool, scoring: dict | None = None
+) -> dict | None:
+    """Record which run owns ``out``; refuse to mix results of different settings in one output. ``scoring``: what
+    phase 1 scores with (``curation.score.redecide.scoring_record``); an output scored alike whose thresholds differ
+    is kept, and its run record returned: the caller re-decides it (``curation.score.redecide.apply_thresholds``).
 
     Deletes the results of an earlier run: call it holding the output's lease (``common.lease``)."""
     path = out.path(LAYOUT.run_record)
-    record = run_record(results_hash, input_uri)  # no credentials in _state
+    record = run_record(results_hash, input_uri, scoring)  # no credentials in _state
     input_uri = record["input"]
     if exists(out.fs, path) and not new_run:
         run = read_run_record(out.fs, out.root, expected=record)
+        alike = scoring is not None and (run.get("scoring") or {}).get("hash") == scoring["hash"]
+        if run["results_hash"] != results_hash and alike and run["input"] == input_uri:
+            return run
         if run["results_hash"] != results_hash or run["input"] != input_uri:
             raise RunMismatch(
                 f"{out.uri} holds a run of input {run['input']} with config hash {run['results_hash']}; this command "
@@ -69,7 +76,7 @@ def claim_output(out: Output, results_hash: str, input_uri: str, new_run: bool) 
             )
         if run.get("input_store") != record["input_store"]:  # the same pool reached anew (another endpoint)
             write_json_atomic(out.fs, path, {**run, "input_store": record["input_store"]})
-        return
+        return None
     for top in (LAYOUT.scored, LAYOUT.ledger):
         delete_quietly(out.fs, out.path(top))
     state = out.path(LAYOUT.state)
@@ -79,3 +86,4 @@ def claim_output(out: Output, results_hash: str, input_uri: str, new_run: bool) 
             if info.path not in keep:
                 delete_quietly(out.fs, info.path)
     write_json_atomic(out.fs, path, record)
+    return None

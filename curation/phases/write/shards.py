@@ -49,10 +49,9 @@ from common.config import hash_json_each
 from common.layout import LAYOUT
 from common.storage import encode_parquet, exists, join, redact, resolve, write_bytes_atomic
 from curation.config import CurateConfig, config_from_json
-from curation.phases.survivors import read_part
 from curation.phases.write.takedown import Takedowns, applied_takedowns
 from curation.records import read_done
-from curation.score.ledger import funnel_of
+from curation.score.ledger import funnel_of, read_part
 from curation.score.metadata import merge_all, split_metadata
 from curation.score.originals import OriginalsMissing, SourceReader
 from curation.steps.runner import StepRunner, TaskStep

@@ -4,11 +4,14 @@ writing anything, and says which inputs need model work."""
 from __future__ import annotations
 
 import io
+import json
+import shutil
 from contextlib import redirect_stdout
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 
 from common import schema
@@ -104,7 +107,7 @@ def test_what_if_prints_the_funnel_before_and_after_and_writes_nothing(curated_r
     assert _tree(curated_run) == before
     lines = [line for line in text.splitlines() if line.startswith("[what-if]")]
     assert "filters.min_short_side 384 -> 512" in lines[0] and "filters.min_quality 0.5 -> 0.7" in lines[0]
-    ledger = pa.concat_tables(pa.parquet.read_table(p) for p in (curated_run / "ledger").rglob("*.parquet")).to_pylist()
+    ledger = pa.concat_tables(pq.read_table(p) for p in (curated_run / "ledger").rglob("*.parquet")).to_pylist()
     kept = [r for r in ledger if r["status"] == schema.KEPT]
     still = [r for r in kept if min(r["width"], r["height"]) >= 512 and r["quality"] >= 0.7]
     assert 0 < len(still) < len(kept)
@@ -131,3 +134,84 @@ def test_a_large_ledger_is_walked_in_ray_tasks_to_the_same_funnel(curated_run, r
     in_tasks = redecide.output_what_if(str(curated_run), cfg, new, tasks_from_files=0)
     assert in_tasks == here
     assert "need model work: none" not in here[-1]  # the relaxed side counts inputs too
+
+
+def _final(out: Path) -> dict:
+    """What a curated output publishes: each final shard's and final-ledger file's table (by content), the manifest's
+    funnel and counts."""
+    manifest = json.loads((out / "shards" / "manifest.json").read_text())
+    shards = pa.concat_tables(pq.read_table(out / "shards" / s["file"]) for s in manifest["shards"])
+    ledger = pa.concat_tables(pq.read_table(out / "final_ledger" / e["file"]) for e in manifest["final_ledger"])
+    return {
+        "shards": shards.sort_by("source"),
+        "ledger": ledger.sort_by("source"),
+        "shard_bytes": sorted(s["sha256"] for s in manifest["shards"]),
+        "funnel": manifest["funnel"],
+        "config_hash": manifest["config_hash"],
+    }
+
+
+def _assert_same_output(a: Path, b: Path) -> None:
+    fa, fb = _final(a), _final(b)
+    for name in ("funnel", "config_hash", "shard_bytes"):
+        assert fa[name] == fb[name], name
+    _same_rows(fa["shards"], fb["shards"])
+    _same_rows(fa["ledger"], fb["ledger"])
+
+
+@pytest.mark.slow
+def test_changed_thresholds_are_applied_in_place_and_equal_a_fresh_run(curated_run, sample_pool, tmp_path, capsys):
+    redecided, fresh = tmp_path / "redecided", tmp_path / "fresh"
+    shutil.copytree(curated_run, redecided)
+    config = ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(sample_pool)]
+    tight = ["write.rows_per_shard=4", "filters.min_quality=0.7", "filters.min_short_side=512"]
+    code, text = _curate(*config, "--output", str(redecided), *tight)
+    assert code == 0, capsys.readouterr().err
+    assert "[re-decide] need model work: none" in text and "0 inputs scored this run" in text  # no model call
+    assert _curate(*config, "--output", str(fresh), *tight)[0] == 0
+    assert _final(fresh)["funnel"] != _final(curated_run)["funnel"]  # the thresholds moved images
+    _assert_same_output(redecided, fresh)
+    from jobs import audit
+
+    assert audit.main([str(redecided)]) == 0, capsys.readouterr().out
+    # and back: the first thresholds, from the scores kept, equal the first run
+    code, text = _curate(*config, "--output", str(redecided), "write.rows_per_shard=4")
+    assert code == 0 and "0 inputs scored this run" in text
+    _assert_same_output(redecided, curated_run)
+    # past what was scored: refused before anything is written, naming the model work
+    before = _tree(redecided)
+    code, _ = _curate(*config, "--output", str(redecided), "write.rows_per_shard=4", "filters.min_quality=0.1")
+    assert code == 2 and "need model work for" in capsys.readouterr().err
+    assert _tree(redecided) == before
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_a_re_decide_killed_half_way_goes_on_to_the_same_output(sample_pool, ray_local, tmp_path, monkeypatch, capsys):
+    from curation.score import redecide
+
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
+    config = ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(sample_pool)]
+    tight = ["input.files_per_shard=8", "filters.min_quality=0.7"]
+    assert _curate(*config, "--output", str(out), "input.files_per_shard=8")[0] == 0
+    real, calls = redecide.redecide_shard, []
+
+    def killed_after_two(*args):
+        if len(calls) == 2:
+            raise Killed  # as a kill lands: between two shards' commits
+        calls.append(args[1])
+        return real(*args)
+
+    monkeypatch.setattr(redecide, "redecide_shard", killed_after_two)
+    with pytest.raises(Killed):
+        _curate(*config, "--output", str(out), *tight)
+    monkeypatch.setattr(redecide, "redecide_shard", real)
+    code, text = _curate(*config, "--output", str(out), *tight)
+    assert code == 0, capsys.readouterr().err
+    shards = len(list((out / "_state" / "steps" / "score" / "shards").glob("*.json")))
+    assert f"[re-decide] done: {shards - 2} input shards" in text  # the two committed before the kill are kept
+    assert _curate(*config, "--output", str(fresh), *tight)[0] == 0
+    _assert_same_output(out, fresh)
