@@ -368,6 +368,33 @@ def test_an_object_store_output_keeps_each_images_bytes_once_through_rewrites_ta
     assert rewrite(2) == 0 and audit_job.main([curated]) == 0
 
 
+@pytest.mark.slow  # three curation runs on the store
+def test_thresholds_changed_on_an_object_store_output_are_re_decided_as_a_fresh_run_decides(store, ray_local, capsys):
+    fs, _ = store
+    for i, size in enumerate([(480, 400), (640, 520), (800, 600), (200, 150)]):
+        with fs.open_output_stream(f"data/pool_rd/img-{i}.jpg") as f:
+            f.write(_photo(20 + i, size))
+    lite = ["--config", str(REPO / "configs/curate/lite.yaml")]
+    run = [*lite, "--input", s3(store, "data/pool_rd"), "--output"]
+    out, fresh, tight = s3(store, "runs/rd"), s3(store, "runs/rd_fresh"), "filters.min_short_side=450"
+    assert curate.main([*run, out, *CURATE]) == 0
+    capsys.readouterr()
+    assert audit_job.main([out, *lite, *CURATE, "--what-if", tight]) == 0
+    assert "[what-if] kept after scoring: 3 of 4 inputs -> 2" in capsys.readouterr().out
+    assert curate.main([*run, out, *CURATE, tight]) == 0
+    said = capsys.readouterr().out
+    assert "[re-decide] need model work: none" in said and "0 inputs scored this run" in said
+    assert curate.main([*run, fresh, *CURATE, tight]) == 0
+
+    def published(root: str) -> tuple:
+        manifest = json.loads(fs.open_input_stream(f"{root}/{LAYOUT.manifest}").read())
+        return manifest["funnel"], manifest["config_hash"], sorted(s["sha256"] for s in manifest["shards"])
+
+    assert published("runs/rd") == published("runs/rd_fresh")
+    assert audit_job.main([out]) == 0
+    _no_secrets(fs, "runs/rd", store_records=(f"runs/rd/{LAYOUT.run_record}",))
+
+
 @pytest.fixture(scope="module")
 def shards_on_store(store, curated_run) -> str:
     """The session's curated shards (their manifest with them) copied into a folder on the store."""
