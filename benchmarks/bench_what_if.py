@@ -1,13 +1,14 @@
-"""Another threshold tried on stored scores against scoring the pool again: wall time side by side, and the inputs
-each direction leaves needing model work.
+"""Other thresholds on stored scores against scoring the pool again: wall time side by side, and the inputs each
+direction leaves needing model work.
 
     python benchmarks/bench_what_if.py [--sizes 60,2000] [--work out/bench_what_if]
 
-For each size: the sample pool of that many inputs (``jobs.make_sample_pool --n``), phase 1 on it with the lite
-profile (``jobs.curate --phases score``: every model call of a run, what ``--new-run`` pays again), then
-``--what-if`` of a tightened and a relaxed ``filters.min_quality`` and ``filters.min_short_side`` on its ledger. The
-what-if calls no model: its walk re-decides every input from the ledger's stored scores and counts the inputs a
-relaxed threshold lets reach a stage the cascade stopped them before (the model work a re-decide would do).
+For each size: the sample pool of that many inputs (``jobs.make_sample_pool --n``) curated with the lite profile
+(every phase: what ``--new-run`` with other thresholds costs), then ``--what-if`` of a tightened and a relaxed
+``filters.min_quality`` and ``filters.min_short_side`` (no model: each input walked from its stored scores; the
+relaxed one counts the inputs that would need model work), then the tightened thresholds applied in place (the
+same command with them: every shard re-decided from its scores, the global phases run again) and the first ones
+applied back (a relaxation within what was scored).
 """
 
 from __future__ import annotations
@@ -52,17 +53,19 @@ def main(argv: list[str] | None = None) -> int:
         if not (pool / "_manifest.jsonl").exists():
             _quiet(make_sample_pool.main, ["--out", str(pool), "--n", str(n)])
         run = ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(pool), "--output", str(out)]
-        score_s, _ = timed(lambda: _quiet(curate.main, [*run, "--phases", "score"]))  # noqa: B023
-        print(f"{n} inputs: phase 1 (every model call) {score_s:.1f} s")
+        full_s, _ = timed(lambda: _quiet(curate.main, run))  # noqa: B023
+        print(f"{n} inputs: a full run (every model call) {full_s:.1f} s")
         for name, changes in CHANGES.items():
             what_if = [a for change in changes for a in ("--what-if", change)]
             seconds, text = timed(lambda: _quiet(curate.main, [*run, "--phases", "score", *what_if]))  # noqa: B023
             lines = [line.removeprefix("[what-if] ") for line in text.splitlines() if line.startswith("[what-if]")]
             kept = next(line for line in lines if line.startswith("kept"))
             work_line = next(line for line in lines if line.startswith("need model work"))
-            print(
-                f"  {name}: what-if {seconds:.2f} s ({score_s / seconds:.0f}x less than phase 1); {kept}; {work_line}"
-            )
+            print(f"  {name}: what-if {seconds:.2f} s ({full_s / seconds:.0f}x less than a run); {kept}; {work_line}")
+        for name, changes in (("tightened", CHANGES["tighten"]), ("back to the first", [])):
+            seconds, text = timed(lambda: _quiet(curate.main, [*run, *changes]))  # noqa: B023
+            scored = next(line for line in text.splitlines() if line.startswith("[score] done"))
+            print(f"  applied in place, {name}: {seconds:.1f} s ({full_s / seconds:.1f}x less than a run); {scored}")
     return 0
 
 

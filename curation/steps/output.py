@@ -64,8 +64,8 @@ def claim_output(
             raise RunMismatch(
                 f"{out.uri} holds a run of input {run['input']} with config hash {run['results_hash']}; this command "
                 f"has input {input_uri} and config hash {results_hash}. Rerun with the same input and settings to "
-                "resume, choose another --output, or pass --new-run to discard the old results (where only thresholds "
-                "changed, the same settings with --what-if filters.<name>=<value> show what they do, writing nothing)."
+                "resume, choose another --output, or pass --new-run to discard the old results (a change of thresholds "
+                "alone, filters.*, is re-decided in place; this one changes more, or the output predates that)."
             )
         if run.get("schema_version") != record["schema_version"]:
             # Its scored files lack columns the later phases read (encoding_quality since version 3).
