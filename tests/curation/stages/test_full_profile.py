@@ -640,6 +640,38 @@ def test_aesthetic_realism_and_prompt_thresholds_reject_with_reason_codes(store_
             assert reason_code(u[REJECT]) == "prompt_not_a_person"
 
 
+def test_a_prompt_filters_threshold_is_decided_again_from_the_stored_scores(store_dir, clip_scores):
+    """What the stage stores at one ``max_reject`` decides another exactly as the stage run at it does."""
+    _, rows, _, _ = clip_scores
+
+    def at(max_reject: float) -> ClipStage:
+        stage = ClipStage(
+            _full_cfg(
+                store_dir,
+                "filters.min_aesthetic=null",
+                "filters.min_realism=null",
+                "filters.prompt_filters.collage.max_reject=1",
+                f"filters.prompt_filters.not_a_person.max_reject={max_reject}",
+            )
+        )
+        stage.setup()
+        return stage
+
+    loose = decided(at(1.0), rows)
+    assert not any(REJECT in u for u in loose)
+    stored = (
+        pa.Table.from_pylist(loose)
+        .select(list(ClipStage.writes))
+        .cast(pa.schema([schema.working_schema(CLIP_DIM).field(c) for c in ClipStage.writes]))
+        .to_pylist()
+    )
+    p_reject = [next(s["p_reject"] for s in r["prompt_scores"] if s["name"] == "not_a_person") for r in stored]
+    strict = at(float(np.median(p_reject)))
+    again = [ClipStage.decide({**row, **values}, strict.cfg.filters) for row, values in zip(rows, stored)]
+    assert again == [u.get(REJECT) for u in decided(strict, rows)]
+    assert any(again) and not all(again)
+
+
 def test_realism_is_one_half_when_both_prompt_sets_are_the_same(store_dir, clip_scores):
     _, rows, _, _ = clip_scores
     stage = ClipStage(
