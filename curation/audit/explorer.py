@@ -24,9 +24,8 @@ from common import schema
 from common.storage import join, resolve
 from curation.audit.report_data import ScoreSpec, ScoreValues
 from curation.config import CurateConfig
-from curation.score.redecide import NEEDS, Decider, scores_files
+from curation.score.redecide import NEEDS, Decider, enabled_stages, scores_files
 from curation.score.stage import Stage
-from curation.stages import stage_classes
 
 CANDIDATES = 7  # rows of a table: the configured value and quantiles of the sampled scores
 _FATE = ("status", "stage", "reason")
@@ -72,8 +71,7 @@ class Exploration:
 
 def stage_of(threshold: str, cfg: CurateConfig) -> type[Stage] | None:
     """The enabled stage whose thresholds include ``threshold`` (the first in the stage list)."""
-    classes = stage_classes()
-    return next((classes[n] for n in cfg.enabled_stages if threshold in classes[n].thresholds), None)
+    return next((stage for stage in enabled_stages(cfg) if threshold in stage.thresholds), None)
 
 
 def candidates(values: np.ndarray, current: float | int | None, integer: bool, n: int = CANDIDATES) -> list:
@@ -139,8 +137,8 @@ def explore(
     if not out.tables and not out.computed:
         return out
     needed = {*_FATE, "width", "height"}
-    for name in cfg.enabled_stages:
-        needed |= set(stage_classes()[name].writes)
+    for stage in enabled_stages(cfg):
+        needed |= set(stage.writes)
     fs, root = resolve(out_uri)
     for path in scores_files(out_uri):
         f = join(root, path)

@@ -50,6 +50,12 @@ class NeedsNewRun(ValueError):
     """The configs differ in more than thresholds: phase 1 must score the pool again."""
 
 
+def enabled_stages(cfg: CurateConfig) -> list[type[Stage]]:
+    """The classes of the config's enabled stages, in their order."""
+    classes = stage_classes()
+    return [classes[name] for name in cfg.enabled_stages]
+
+
 def scoring_hash(cfg: CurateConfig) -> str:
     """The hash of what phase 1 computes, less the enabled stages' thresholds: two configs of one scoring hash differ
     only in what a re-decide (and a rerun of the stages a changed threshold computes with) takes care of."""
@@ -82,7 +88,7 @@ class Decider:
                 "settings or the stage list changed; score the pool again with --new-run"
             )
         self.new = new
-        self.stages: list[type[Stage]] = [stage_classes()[n] for n in new.enabled_stages]
+        self.stages = enabled_stages(new)
         self.order = {s.name: i for i, s in enumerate(self.stages)}
         # the first stage whose computation changed: every input that reached it runs it again
         changed = [
