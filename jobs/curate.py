@@ -27,7 +27,7 @@ from curation.config import CurateConfig
 from curation.phases.dedup.chance import ChanceBoundError
 from curation.phases.pipeline import GlobalPhases, PhaseOrderError, check_order, phase_done
 from curation.phases.release import Release, ReleaseError, open_release
-from curation.records import commit_files, read_run_record
+from curation.records import commit_files, read_commits, read_run_record
 from curation.score.chain import io_note
 from curation.score.inputs import InputShard
 from curation.score.ledger import CAUSE_COLUMNS, likely_causes, read_ledger, summary_table
@@ -124,7 +124,7 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
         check_order(cfg, out, phases, release)
         lease.acquire(force=args.break_lease)  # before claim_output can delete another run's results
         claimed = claim_output(out, cfg.results_hash(), args.input, args.new_run, scoring_record(cfg))
-        redecide = _plan_redecide(args.output, cfg, claimed) if claimed is not None else None
+        redecide = _plan_redecide(out, cfg, claimed) if claimed is not None else None
         if pinned is None and pool is not None:
             pin_listing(out, shards, cfg.input)
     except (
@@ -144,13 +144,15 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
         return 2
 
 
-def _plan_redecide(output: str, cfg: CurateConfig, run: dict) -> tuple[dict, CurateConfig]:
+def _plan_redecide(out: Output, cfg: CurateConfig, run: dict) -> tuple[dict, CurateConfig, dict[str, dict]]:
     """An output scored alike with other thresholds: what re-deciding it to ``cfg``'s does, in words, before anything
-    is written (``NeedsModelWork`` where some input would need a model)."""
-    funnel = plan_thresholds(output, run, cfg)
+    is written (``NeedsModelWork`` where some input would need a model); the run record, the scored config and the
+    commit records (read once) ``apply_thresholds`` takes."""
+    commits = read_commits(out.fs, out.root)
+    funnel = plan_thresholds(out.uri, run, cfg, commits)
     for line in funnel.lines(cfg.enabled_stages, threshold_changes(decided_config(run, cfg), cfg)):
         print(f"[re-decide] {line}")
-    return run, scored_config(run, cfg)
+    return run, scored_config(run, cfg), commits
 
 
 def _with_release(cfg: CurateConfig, release: Release | None) -> CurateConfig:
@@ -171,7 +173,7 @@ def _run_phases(
     shards: list[InputShard],
     resumed: bool,
     release: Release | None,
-    redecide: tuple[dict, CurateConfig] | None,
+    redecide: tuple[dict, CurateConfig, dict[str, dict]] | None,
 ) -> int:
     start = time.monotonic()
     scored_hash = (read_run_record(out.fs, out.root).get("scoring") or {}).get("results_hash")
@@ -191,7 +193,8 @@ def _run_phases(
         )
     if redecide is not None:
         began = time.monotonic()
-        n = apply_thresholds(out, *redecide, cfg)
+        run, scored, commits = redecide
+        n = apply_thresholds(out, run, scored, cfg, commits)
         print(f"[re-decide] done: {n} input shards re-decided from stored scores in {time.monotonic() - began:.1f} s")
     for phase in (p for p in GLOBAL_PHASES if p in phases):
         GlobalPhases(cfg, out, guard=lease.check, against=release, pool=args.input).run(phase)

@@ -215,13 +215,19 @@ def _walk_files(out_uri: str, paths: list[str], scored_json: str, current_json: 
 
 
 def output_funnel(
-    out_uri: str, scored: CurateConfig, current: CurateConfig, new: CurateConfig, tasks_from_files: int
+    out_uri: str,
+    scored: CurateConfig,
+    current: CurateConfig,
+    new: CurateConfig,
+    tasks_from_files: int,
+    commits: dict[str, dict] | None = None,
 ) -> Funnel:
     """Phase 1's funnel of the output, scored with ``scored`` and decided with ``current``, under ``new``: its
-    committed shards' scores walked here up to ``tasks_from_files`` files, else in Ray tasks of ``FILES_PER_TASK``
-    (on the cluster ``current.ray`` names), a bounded number in flight, their counts summed as they finish."""
+    committed shards' scores (``commits``: their records, read here when not given) walked here up to
+    ``tasks_from_files`` files, else in Ray tasks of ``FILES_PER_TASK`` (on the cluster ``current.ray`` names), a
+    bounded number in flight, their counts summed as they finish."""
     Decider(scored, new)  # here first: a change that needs --new-run stops before any task
-    files = scores_files(out_uri)
+    files = scores_files(out_uri, commits)
     args = (scored.model_dump_json(), current.model_dump_json(), new.model_dump_json())
     if len(files) <= tasks_from_files:
         return _walk_files(out_uri, files, *args)
@@ -315,11 +321,12 @@ class NeedsModelWork(NeedsNewRun):
     threshold a stage computes with)."""
 
 
-def plan_thresholds(out_uri: str, run: dict, new: CurateConfig) -> Funnel:
-    """The funnel of re-deciding the output of run record ``run`` to ``new``: raises ``NeedsModelWork`` (one line,
-    with the counts) before anything is written when an input would need a stage run again."""
+def plan_thresholds(out_uri: str, run: dict, new: CurateConfig, commits: dict[str, dict]) -> Funnel:
+    """The funnel of re-deciding the output of run record ``run`` and commit records ``commits`` to ``new``: raises
+    ``NeedsModelWork`` (one line, with the counts) before anything is written when an input would need a stage run
+    again."""
     scored, current = scored_config(run, new), decided_config(run, new)
-    funnel = output_funnel(out_uri, scored, current, new, TASKS_FROM_FILES)
+    funnel = output_funnel(out_uri, scored, current, new, TASKS_FROM_FILES, commits)
     if funnel.needs:
         runs = ", ".join(f"{n} from stage {s}" for s, n in funnel.needs.items())
         raise NeedsModelWork(
@@ -330,14 +337,14 @@ def plan_thresholds(out_uri: str, run: dict, new: CurateConfig) -> Funnel:
     return funnel
 
 
-def apply_thresholds(out: Output, run: dict, scored: CurateConfig, new: CurateConfig) -> int:
-    """Re-decide every committed input shard of ``out`` to ``new``'s thresholds from its stored scores (after
-    ``plan_thresholds``), a shard at a time, each committed by rewriting its commit record; then record ``new`` in the
-    run record. A shard already decided to ``new`` is skipped, so a rerun after a kill goes on. Returns the shards
-    re-decided. The scoring run's ledger files stay as the shard's scores (``scores_files``) and its scored files as
-    they are: the dedup survey reads the kept ones from them (``curation.score.ledger.kept_sources``)."""
+def apply_thresholds(out: Output, run: dict, scored: CurateConfig, new: CurateConfig, commits: dict[str, dict]) -> int:
+    """Re-decide every input shard of ``commits`` (the commit records ``plan_thresholds`` walked) to ``new``'s
+    thresholds from its stored scores, a shard at a time, each committed by rewriting its commit record; then record
+    ``new`` in the run record. A shard already decided to ``new`` is skipped (so a rerun after a kill goes on), as is
+    one committed since ``commits`` were read (scored with ``new``). Returns the shards re-decided. The scoring run's
+    ledger files stay as the shard's scores (``scores_files``) and its scored files as they are: the dedup survey
+    reads the kept ones from them (``curation.score.ledger.kept_sources``)."""
     results_hash = new.results_hash()
-    commits = _commits(out.uri)
     todo = sorted(s for s, record in commits.items() if record["results_hash"] != results_hash)
     calls = [(out.uri, shard_id, scored.model_dump_json(), new.model_dump_json()) for shard_id in todo]
     bar = Progress("re-decide", len(todo), unit="input shards")
@@ -400,15 +407,13 @@ def redecide_shard(out_uri: str, shard_id: str, scored_json: str, new_json: str)
     return updated
 
 
-def scores_files(out_uri: str) -> list[str]:
+def scores_files(out_uri: str, commits: dict[str, dict] | None = None) -> list[str]:
     """Every committed input shard's scores files (relative to the output root): phase 1's ledger files as the run
-    that scored them wrote them, with every score it computed."""
-    return sorted(f for record in _commits(out_uri).values() for f in _scores_files(record))
-
-
-def _commits(out_uri: str) -> dict[str, dict]:
-    fs, root = resolve(out_uri)
-    return read_commits(fs, root)
+    that scored them wrote them, with every score it computed. ``commits``: the commit records, read when not given
+    (one small file per input shard: a driver reads them once where it can)."""
+    if commits is None:
+        commits = read_commits(*resolve(out_uri))
+    return sorted(f for record in commits.values() for f in _scores_files(record))
 
 
 def _scores_files(record: dict) -> list[str]:
