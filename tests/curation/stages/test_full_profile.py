@@ -624,40 +624,32 @@ def test_aesthetic_realism_and_prompt_thresholds_reject_with_reason_codes(store_
         emb = torch.tensor([u["embedding"] for u in open_updates])
         p_reject, _ = probe._set_probability(emb, "figure", "person")
     cut = float(np.median(p_reject))
+    for p, u in zip(p_reject, decided(_not_a_person_at(store_dir, cut), rows)):
+        assert (REJECT in u) == (p > cut)
+        if REJECT in u:
+            assert reason_code(u[REJECT]) == "prompt_not_a_person"
+
+
+def _not_a_person_at(store_dir, max_reject: float) -> ClipStage:
+    """The CLIP stage, set up, whose one rejecting rule is the ``not_a_person`` prompt filter at ``max_reject``."""
     stage = ClipStage(
         _full_cfg(
             store_dir,
             "filters.min_aesthetic=null",
             "filters.min_realism=null",
             "filters.prompt_filters.collage.max_reject=1",
-            f"filters.prompt_filters.not_a_person.max_reject={cut}",
+            f"filters.prompt_filters.not_a_person.max_reject={max_reject}",
         )
     )
     stage.setup()
-    for p, u in zip(p_reject, decided(stage, rows)):
-        assert (REJECT in u) == (p > cut)
-        if REJECT in u:
-            assert reason_code(u[REJECT]) == "prompt_not_a_person"
+    return stage
 
 
 def test_a_prompt_filters_threshold_is_decided_again_from_the_stored_scores(store_dir, clip_scores):
     """What the stage stores at one ``max_reject`` decides another exactly as the stage run at it does."""
     _, rows, _, _ = clip_scores
 
-    def at(max_reject: float) -> ClipStage:
-        stage = ClipStage(
-            _full_cfg(
-                store_dir,
-                "filters.min_aesthetic=null",
-                "filters.min_realism=null",
-                "filters.prompt_filters.collage.max_reject=1",
-                f"filters.prompt_filters.not_a_person.max_reject={max_reject}",
-            )
-        )
-        stage.setup()
-        return stage
-
-    loose = decided(at(1.0), rows)
+    loose = decided(_not_a_person_at(store_dir, 1.0), rows)
     assert not any(REJECT in u for u in loose)
     stored = (
         pa.Table.from_pylist(loose)
@@ -666,7 +658,7 @@ def test_a_prompt_filters_threshold_is_decided_again_from_the_stored_scores(stor
         .to_pylist()
     )
     p_reject = [next(s["p_reject"] for s in r["prompt_scores"] if s["name"] == "not_a_person") for r in stored]
-    strict = at(float(np.median(p_reject)))
+    strict = _not_a_person_at(store_dir, float(np.median(p_reject)))
     again = [ClipStage.decide({**row, **values}, strict.cfg.filters) for row, values in zip(rows, stored)]
     assert again == [u.get(REJECT) for u in decided(strict, rows)]
     assert any(again) and not all(again)
