@@ -416,6 +416,19 @@ def test_threshold_explorer_counts_phase_one(reported, lite):
     assert "--what-if filters.min_quality=" in html_text
 
 
+def test_threshold_explorer_counts_the_same_in_ray_tasks(reported, lite, ray_local, monkeypatch):
+    from curation.audit import explorer
+    from curation.audit.report_data import SCORES, ReportOptions, gather
+
+    data = gather(str(reported), lite.filters.min_short_side, ReportOptions())
+    specs = [s for s in SCORES if data.scores[s.column].n]
+    here = explorer.explore(str(reported), lite, specs, data.scores)
+    monkeypatch.setattr(explorer, "TASKS_FROM_FILES", 0)
+    monkeypatch.setattr(explorer, "FILES_PER_TASK", 1)  # a task per file, more of them than the window
+    in_tasks = explorer.explore(str(reported), lite, specs, data.scores)
+    assert in_tasks == here and here.inputs and here.tables["quality"].missing
+
+
 def test_threshold_explorer_needs_the_config_phase_one_scored_with(reported, lite, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(reported, out)
