@@ -436,7 +436,7 @@ def run_phases(out: str, cpus: int, overrides: list[str]) -> dict:
 
 # --- the benchmark ----------------------------------------------------------------------------------------------------
 
-PREVIOUS_RULE = ["dedup.links=[{phash_radius: 8}, {phash_radius: 64, min_cosine: 0.95}]", "dedup.fit_radii=false",
+PREVIOUS_RULE = ["dedup.links=[{radius: 8}, {radius: 64, min_cosine: 0.95}]", "dedup.fit_radii=false",
                  "dedup.allow_chance=true"]  # fmt: skip
 
 

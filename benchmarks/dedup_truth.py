@@ -293,8 +293,8 @@ def chance_check(photos: Photos, copies: Copies, rule: LinkRule) -> list[dict]:
     for region in rule.regions:
         # a crop region: comparisons(CROP_COUNT) times the plain joint region at its cosine and radius (union bound)
         factor = comparisons(CROP_COUNT) if region.crops else 1
-        estimate = chance.region_estimate(sample, Region(region.phash_radius, region.min_cosine))
-        for r in sorted({max(region.phash_radius - 8, 0), max(region.phash_radius - 4, 0), region.phash_radius}):
+        estimate = chance.region_estimate(sample, Region(region.radius, region.min_cosine))
+        for r in sorted({max(region.radius - 8, 0), max(region.radius - 4, 0), region.radius}):
             inside = ((crop_u if region.crops else d_u) <= r) & (same if region.min_cosine is not None else True)
             if region.min_cosine is not None:
                 inside &= c_u >= region.min_cosine

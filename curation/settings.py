@@ -152,21 +152,25 @@ class ModelSettings(Strict):
 
 
 class LinkRegionSettings(Strict):
-    """One region of the link rule (``curation.phases.dedup.link_rule``): a pair within ``phash_radius`` bits of pHash
-    and, when ``min_cosine`` is set, at or above that embedding cosine is linked as a copy."""
+    """One region of the link rule (``curation.phases.dedup.link_rule``): a pair within ``radius`` bits of pHash
+    (of PDQ crop distance with ``crops``) and, when ``min_cosine`` is set, at or above that embedding cosine is linked
+    as a copy."""
 
-    phash_radius: int = Field(ge=0, le=64)  # Hamming distance over 64 bits: the most; the run may lower it (fit_radii)
+    # Hamming distance over the pHash's 64 bits (PDQ's 256 with crops): the most; the run may lower it (fit_radii)
+    radius: int = Field(ge=0, le=256)
     min_cosine: float | None = Field(None, ge=-1, le=1)  # None: the pHash alone, searched over the whole pool
-    # Measure the crop distance instead of the pHash distance: the least distance between either image's pHash and the
-    # other's pHash or the pHashes of its sub-crops (finds light crops; needs min_cosine)
+    # Measure the PDQ crop distance instead of the pHash distance: the least distance between either image's PDQ and
+    # the other's PDQ or the PDQs of its sub-crops (finds light crops; needs min_cosine)
     crops: bool = False
 
     @model_validator(mode="after")
     def _searchable(self) -> LinkRegionSettings:
-        if self.min_cosine is None and self.phash_radius > 32:
-            raise ValueError("a pHash-alone region (no min_cosine) searches the whole pool: phash_radius <= 32")
+        if self.min_cosine is None and self.radius > 32:
+            raise ValueError("a pHash-alone region (no min_cosine) searches the whole pool: radius <= 32")
         if self.crops and self.min_cosine is None:
             raise ValueError("a region with crops: true is searched inside the embedding clusters: set min_cosine")
+        if not self.crops and self.radius > 64:
+            raise ValueError(f"radius {self.radius}: a pHash has 64 bits (only a crops: true region counts PDQ's 256)")
         return self
 
 
@@ -175,15 +179,13 @@ class DedupSettings(Strict):
 
     # A pair is linked when it falls in any region. Measured on real photos and their copies
     # (benchmarks/dedup_truth.py): re-encodes, resizes, tone and colour changes stay within a few pHash bits and above
-    # ~0.85 cosine; light crops move 10-20 bits (2 of crop distance at the median) and stay above ~0.89. An empty
-    # list turns dedup off.
+    # ~0.85 cosine; light crops move 10-20 pHash bits and stay above ~0.89 (of PDQ crop distance, 30 of 256 bits at the
+    # median, 58 at the 99th percentile). An empty list turns dedup off.
     links: list[LinkRegionSettings] = [
-        LinkRegionSettings(phash_radius=3),  # the pHash alone
-        LinkRegionSettings(phash_radius=12, min_cosine=0.80),  # pHash-led, confirmed by the embedding
-        LinkRegionSettings(phash_radius=24, min_cosine=0.95),  # embedding-led, confirmed by the pHash
-        LinkRegionSettings(phash_radius=8, min_cosine=0.85, crops=True),  # crop-led, confirmed by the embedding
-        # the same above 0.95, where fewer unrelated pairs reach: a large pool affords it a wider radius
-        LinkRegionSettings(phash_radius=8, min_cosine=0.95, crops=True),
+        LinkRegionSettings(radius=3),  # the pHash alone
+        LinkRegionSettings(radius=12, min_cosine=0.80),  # pHash-led, confirmed by the embedding
+        LinkRegionSettings(radius=24, min_cosine=0.95),  # embedding-led, confirmed by the pHash
+        LinkRegionSettings(radius=72, min_cosine=0.80, crops=True),  # PDQ crop-led, confirmed by the embedding
     ]
     # Expected chance links (unrelated pairs linked) per survivor at most, estimated from the run's own sample
     # (curation.phases.dedup.chance); at least half a link in the whole run.
@@ -209,7 +211,7 @@ class DedupSettings(Strict):
     probe_z: float = Field(1.0, gt=0)
 
     def rule(self) -> LinkRule:
-        return LinkRule.of([(r.phash_radius, r.min_cosine, r.crops) for r in self.links])
+        return LinkRule.of([(r.radius, r.min_cosine, r.crops) for r in self.links])
 
 
 class SampleSettings(Strict):

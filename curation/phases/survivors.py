@@ -15,6 +15,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from common.layout import LAYOUT
+from common.pdq import PDQ_BYTES
 
 UID_SHIFT = 32
 
@@ -27,8 +28,9 @@ def survivors_schema(embedding_dim: int) -> pa.Schema:
             pa.field("source", pa.string(), nullable=False),
             pa.field("key", pa.string()),
             pa.field("phash", pa.uint64()),  # null when the phash stage did not run
-            # the sub-crops' pHashes (stages.phash.crop_boxes); null where not computed (an output scored before them)
-            pa.field("phash_crops", pa.list_(pa.uint64())),
+            pa.field("pdq", pa.binary(PDQ_BYTES)),
+            # the sub-crops' PDQs (stages.phash.crop_boxes); null where not computed (an output scored before them)
+            pa.field("pdq_crops", pa.binary()),
             pa.field("score", pa.float64()),  # the keep score (dedup.keep_score, first set); NaN when none is set
             pa.field("width", pa.int32()),
             pa.field("height", pa.int32()),
@@ -98,7 +100,7 @@ def survey_partition(
 
     fs, root = resolve(out_uri)
     columns = sorted(
-        {"source", "key", "shard_id", "phash", "phash_crops", "width", "height", "encoding_quality", "embedding"}
+        {"source", "key", "shard_id", "phash", "pdq", "pdq_crops", "width", "height", "encoding_quality", "embedding"}
         | set(keep_score)
         | ({balance_key} if balance_key else set())
     )
@@ -120,7 +122,8 @@ def survey_partition(
                     "source": t.column("source"),
                     "key": t.column("key"),
                     "phash": t.column("phash"),
-                    "phash_crops": t.column("phash_crops").cast(pa.list_(pa.uint64())),
+                    "pdq": t.column("pdq"),
+                    "pdq_crops": t.column("pdq_crops").cast(pa.binary()),
                     "score": pa.array(_keep_score(t, keep_score)),
                     "width": t.column("width"),
                     "height": t.column("height"),

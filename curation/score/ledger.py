@@ -214,7 +214,7 @@ def funnel_of(ledger: pa.Table) -> Counter:
 
 def read_part(fs, path: str, columns: list[str], target: pa.Schema) -> pa.Table:
     """The ``columns`` of a phase-1 part (scored or ledger). A stage's column the file lacks (written before the stage
-    wrote it, as the ``phash_crops`` or ``nsfw_score`` of an older output) is read as nulls of its type in ``target``;
+    wrote it, as the ``pdq_crops`` or ``nsfw_score`` of an older output) is read as nulls of its type in ``target``;
     any other missing column raises."""
     with pq.ParquetFile(path, filesystem=fs) as f:
         have = set(f.schema_arrow.names)

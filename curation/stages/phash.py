@@ -10,15 +10,17 @@ most significant bit first, exactly the order of ``str(imagehash.ImageHash)``. S
 ``imagehash.hex_to_hash(f"{value:016x}")`` gives the ImageHash back, and the Hamming distance of two hashes is
 ``(a ^ b).bit_count()``.
 
-Sub-crop hashes (``phash_crops``): a light crop (keeping ~88-97% of each side) moves the pHash by ~12 bits at the
-median on real photos, as far as unrelated pictures come by chance at 10^9 survivors. So each image also stores the
-pHashes of ``CROP_COUNT`` sub-crops of its draft decode: for each of ``CROP_SCALES`` of each side, a
-``CROP_STEPS`` x ``CROP_STEPS`` grid of windows, corner to corner. A cropped copy's own pHash then lies close to the
-hash of the original's window that frames it most alike (``link_rule.crop_distances``: 2 bits at the median for
-real crops and reposts, against 12 and 6 for the whole-image hashes, ``benchmarks/dedup_truth.py``). Of the grids
-tried on those photos (crops within 4 bits: one scale of 0.92 in 4x4 windows 71%, 5x5 79%; 0.90 and 0.95 in 3x3
-72%, in 4x4 86%; 0.88, 0.92 and 0.96 in 3x3 79%), two scales of 4x4 came closest, for crops and for reposts (a
-crop then a resize). The 32 more hashes cost ~8 ms per image and 256 bytes per row (256 GB at 10^9).
+Sub-crop hashes (``pdq_crops``): a light crop (keeping ~88-97% of each side) moves the pHash by ~12 bits and PDQ by
+~90 at the median on real photos, as far as unrelated pictures come by chance at 10^9 survivors. So each image also
+stores the PDQs of ``CROP_COUNT`` sub-crops of its draft decode: for each of ``CROP_SCALES`` of each side, a
+``CROP_STEPS`` x ``CROP_STEPS`` grid of windows, corner to corner. A cropped copy's own PDQ then lies close to the
+PDQ of the original's window that frames it most alike (``link_rule.crop_distances``: ~30 of 256 bits at the median
+for real crops, 60 at the 99th percentile, against 111 +- 5 for unrelated photos; ``benchmarks/dedup_truth.py``).
+Of the grids tried on those photos with the pHash (crops within 4 bits: one scale of 0.92 in 4x4 windows 71%, 5x5
+79%; 0.90 and 0.95 in 3x3 72%, in 4x4 86%; 0.88, 0.92 and 0.96 in 3x3 79%), two scales of 4x4 came closest, for
+crops and for reposts (a crop then a resize). PDQ rather than the pHash because 64 bits leave no room at 10^9
+(``link_rule``). The 32 more hashes cost ~17 ms per image and 1 KiB per row (1 TB at 10^9), in the scored parts
+only: the shards and the ledgers leave them out.
 
 PDQ (``pdq``, ``common.pdq``): the 256-bit perceptual hash that takedowns and blocklists name copies by
 (``common.takedown_lists``). The same stage rejects inputs ``filters.blocklists`` name (reason ``blocklisted``), so
@@ -33,7 +35,7 @@ from PIL import Image
 
 from common import schema
 from common.imageio import open_reduced
-from common.pdq import PDQ_BYTES, pdq_of
+from common.pdq import PDQ_BYTES, pdq_of, pdq_of_image
 from curation.score.stage import REJECT, Row, Stage, StageSettings, Update, reject
 
 
@@ -66,9 +68,16 @@ def crop_boxes(width: int, height: int) -> list[tuple[int, int, int, int]]:
     return boxes
 
 
-def phash_and_crops(image: Image.Image) -> tuple[int, list[int]]:
-    """The pHash of a decoded image and of its ``CROP_COUNT`` sub-crops (``crop_boxes``)."""
-    return phash_of(image), [phash_of(image.crop(box)) for box in crop_boxes(*image.size)]
+def pdq_crops(image: Image.Image) -> bytes:
+    """The PDQs of a decoded image's ``CROP_COUNT`` sub-crops (``crop_boxes``), one after another."""
+    return b"".join(pdq_of_image(image.crop(box))[0] for box in crop_boxes(*image.size))
+
+
+def hashes_of(data: bytes, draft_side: int) -> dict:
+    """The stage's hash columns of encoded image bytes: ``phash``, ``pdq`` and ``pdq_crops``."""
+    # imagehash resamples to 32x32 itself: hand it the draft decode as is, without a resize in between
+    draft = open_reduced(data, max_side=draft_side, mode="L")
+    return {"phash": phash_of(draft), "pdq": pdq_of(data)[0], "pdq_crops": pdq_crops(draft)}
 
 
 def hamming(a: int, b: int) -> int:
@@ -81,11 +90,11 @@ class PhashStage(Stage):
 
     name = "phash"
     reads = ("image", "key", "source", "metadata_json")  # the identity a blocklist may name
-    # 64-bit DCT perceptual hash (imagehash bit order, big-endian), those of the sub-crops (``crop_boxes``), and PDQ
+    # 64-bit DCT perceptual hash (imagehash bit order, big-endian), PDQ, and the PDQs of the sub-crops
     columns = (
         pa.field("phash", pa.uint64()),
-        pa.field("phash_crops", pa.list_(pa.uint64(), CROP_COUNT), metadata=schema.WORKING_ONLY),
         pa.field("pdq", pa.binary(PDQ_BYTES)),  # in the ledger too: a takedown marks rejected-or-kept rows by it
+        pa.field("pdq_crops", pa.binary(PDQ_BYTES * CROP_COUNT), metadata=schema.WORKING_ONLY),
     )
     model_section = "phash"
     thresholds = ("blocklists", "blocklist_distance")
@@ -104,10 +113,7 @@ class PhashStage(Stage):
         side = self.cfg.models.phash.draft_side
         updates: list[Update] = []
         for row in rows:
-            data = row["image"]["bytes"]
-            # imagehash resamples to 32x32 itself: hand it the draft decode as is, without a resize in between
-            full, crops = phash_and_crops(open_reduced(data, max_side=side, mode="L"))
-            updates.append({"phash": full, "phash_crops": crops, "pdq": pdq_of(data)[0]})
+            updates.append(hashes_of(row["image"]["bytes"], side))
         if self.blocklists:
             table = pa.table(
                 {

@@ -245,10 +245,10 @@ def test_a_rule_over_the_chance_bound_stops_dedup_with_the_setting_to_change(
     out = tmp_path / "out"
     shutil.copytree(curated, out)
     args = ["--config", str(repo_root / LITE), "--input", str(sample_pool), "--output", str(out), "--phases",
-            "dedup,sample,write", "dedup.fit_radii=false", "dedup.links=[{phash_radius: 32}]"]  # fmt: skip
+            "dedup,sample,write", "dedup.fit_radii=false", "dedup.links=[{radius: 32}]"]  # fmt: skip
     assert curate.main(args) == 2
     err = capsys.readouterr().err
-    assert "error: dedup: the link rule is expected to link" in err and "dedup.links[0].phash_radius" in err
+    assert "error: dedup: the link rule is expected to link" in err and "dedup.links[0].radius" in err
     assert "Traceback" not in err and not (out / LAYOUT.done("dedup")).exists()
 
 
@@ -297,13 +297,13 @@ def test_an_output_scored_before_a_stage_column_existed_reruns_its_global_phases
     curated, sample_pool, repo_root, tmp_path
 ):
     """The global phases' settings may change without rescoring (results_hash leaves them out), so an output whose
-    scored and ledger parts predate a stage's column (``phash_crops``, ``nsfw_score``, ``pdq``) must still dedup,
+    scored and ledger parts predate a stage's column (``pdq_crops``, ``nsfw_score``, ``pdq``) must still dedup,
     sample and write: the column reads as nulls, and the crop distance then links nothing those rows."""
     out = tmp_path / "out"
     shutil.copytree(curated, out)
     for path in [*(out / LAYOUT.scored).rglob("*.parquet"), *(out / LAYOUT.ledger).rglob("*.parquet")]:
         table = pq.read_table(path)
-        older = [c for c in ("phash_crops", "nsfw_score", "pdq") if c in table.column_names]
+        older = [c for c in ("pdq_crops", "nsfw_score", "pdq") if c in table.column_names]
         pq.write_table(table.drop_columns(older), path)
     # other dedup settings: the global phases run again, from the scored files
     args = ["--config", str(repo_root / LITE), "--input", str(sample_pool), "--output", str(out), "--phases",
@@ -312,7 +312,7 @@ def test_an_output_scored_before_a_stage_column_existed_reruns_its_global_phases
     shards = pa.concat_tables(pq.read_table(p) for p in sorted((out / "shards").glob("*.parquet")))
     assert shards.num_rows > 0 and shards.column("pdq").null_count == shards.num_rows
     assert shards.column("phash").null_count == 0
-    assert "phash_crops" not in shards.column_names  # a working column: the scored parts hold it, not the dataset
+    assert "pdq_crops" not in shards.column_names  # a working column: the scored parts hold it, not the dataset
     final_ledger = pq.read_table(out / LAYOUT.final_ledger, columns=["nsfw_score"])
     assert final_ledger.column("nsfw_score").null_count == final_ledger.num_rows > 0
 

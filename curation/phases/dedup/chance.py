@@ -12,9 +12,9 @@ from its observable bulk:
   plan predicts; the home-probe comparisons counted as home-home ones);
 - the pHash-alone region: ``pairs x P(d <= r)``; a joint region (``c >= t``, ``d <= r``): ``W(c >= t) x
   P(d <= r | c >= t)``, with ``W`` the unrelated compared pairs at ``c >= t``; a region on the crop distance: that
-  times the hash comparisons one crop distance makes (``link_rule.comparisons``: 65 with 32 sub-crops), a union
+  times the PDQ comparisons one crop distance makes (``link_rule.comparisons``: 65 with 32 sub-crops), a union
   bound that holds when each sub-crop's hash is spread over unrelated pairs like the whole image's (measured on real
-  photos: 31.5 +- 4.2 bits against 31.4 +- 4.2) and errs high where the sub-crops' hashes, which overlap, agree;
+  photos: ``benchmarks/dedup_truth.py`` prints both) and errs high where the sub-crops' hashes, which overlap, agree;
 - both from the pairs *beyond* the region's configured radius, where the real copies mostly are not (99% of the copies of
   each kind measured by ``benchmarks/dedup_truth.py`` sit within 22 bits, crops within 28): a normal fitted by maximum
   likelihood to the distances above the radius (left-truncated, binned) gives ``P(d <= r)``, and the pairs beyond
@@ -23,7 +23,7 @@ from its observable bulk:
   chance. The normal, because its tail is no lighter than the binomial of independent bits of the same spread (on
   uniform 48-bit hashes it overestimates the binomial 2x at 8 bits, 20x at 3). A joint region fits on the pairs at
   ``c >= t``, or, where fewer than ``MIN_FIT_PAIRS`` of them lie beyond its radius, on the highest cosine that has
-  them; one sampled pair's weight is added to ``W``, so that an unseen population never counts as empty. A region
+  them (a crop region on the same pairs' PDQ distances, measured beside); one sampled pair's weight is added to ``W``, so that an unseen population never counts as empty. A region
   wide enough to hold nearly its whole population (few pairs beyond it) counts all its pairs, copies included.
 
 Assumptions, and where they are checked. (1) Unrelated pairs' pHash distances, at each cosine, have a lower tail no
@@ -38,7 +38,7 @@ pairs: the sample is uniform.
 Sizes at 10^9 survivors: the plan task already holds its sample (500k rows) and the centroids (44,700); the
 measure assigns the sample to them (8.6e12 flops at 384-d, a tenth of the k-means it runs), draws ``chance_pairs``
 random pairs and at most ``MAX_PAIRS_PER_CLUSTER`` pairs per cluster (~11 sample rows each: ~2.5M pairs), and writes
-two histograms of 65 x 200 cells; the driver reads them and fits each region in milliseconds.
+histograms of 65 (pHash) and 257 (PDQ) x 200 cells; the driver reads them and fits each region in milliseconds.
 
 ``fit_radii`` (the default) lowers the regions' radii until their estimates sum to at most the bound
 (``fit_radii_within``: each its even share, then what the others left, a bit at a time; a region that cannot take
@@ -53,7 +53,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from curation.phases.dedup.link_rule import HASH_BITS, LinkRule, Region, comparisons, pair_distances
+from curation.phases.dedup.link_rule import (
+    HASH_BITS,
+    NO_PDQ,
+    PDQ_BITS,
+    PDQ_WORDS,
+    LinkRule,
+    Region,
+    comparisons,
+    crop_distances,
+    pair_distances,
+)
 
 MIN_FIT_PAIRS = 50  # sampled pairs a population needs beyond a region before its spread is fitted
 MIN_BEYOND_SHARE = 0.05  # below this share of a population beyond a region, its unrelated pairs are all its pairs
@@ -69,6 +79,19 @@ class ChanceBoundError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class PdqSample:
+    """The sample rows' PDQs as (rows, 4) uint64 words, whether each is set, and the sub-crop PDQs per survivor."""
+
+    words: np.ndarray
+    valid: np.ndarray
+    crop_count: int = 0
+
+    @classmethod
+    def none(cls, rows: int) -> PdqSample:
+        return cls(np.zeros((rows, PDQ_WORDS), np.uint64), np.zeros(rows, bool))
+
+
+@dataclass(frozen=True)
 class ChanceSample:
     """What ``measure`` finds in a sample; small (two histograms), so the driver holds it."""
 
@@ -77,7 +100,10 @@ class ChanceSample:
     global_hist: np.ndarray  # (65,) sampled random pairs by pHash distance
     cluster_raw: np.ndarray  # (COSINE_BINS, 65) sampled same-cluster pairs by cosine bin and distance
     cluster_weighted: np.ndarray  # the same, each pair weighted to the compared pairs it stands for
-    crop_count: int = 0  # sub-crop hashes per survivor (0: none stored)
+    crop_count: int = 0  # sub-crop PDQs per survivor (0: none stored)
+    # the same pairs where both have a PDQ, by cosine bin and PDQ distance (COSINE_BINS, 257): the crop regions'
+    pdq_raw: np.ndarray | None = None
+    pdq_weighted: np.ndarray | None = None
 
     def to_json(self) -> dict:
         return {
@@ -87,6 +113,8 @@ class ChanceSample:
             "global_hist": self.global_hist.tolist(),
             "cluster_raw": self.cluster_raw.tolist(),
             "cluster_weighted": self.cluster_weighted.tolist(),
+            "pdq_raw": None if self.pdq_raw is None else self.pdq_raw.tolist(),
+            "pdq_weighted": None if self.pdq_weighted is None else self.pdq_weighted.tolist(),
         }
 
     @classmethod
@@ -98,6 +126,8 @@ class ChanceSample:
             np.asarray(d["cluster_raw"], np.int64),
             np.asarray(d["cluster_weighted"], np.float64),
             int(d.get("crop_count", 0)),
+            None if d.get("pdq_raw") is None else np.asarray(d["pdq_raw"], np.int64),
+            None if d.get("pdq_weighted") is None else np.asarray(d["pdq_weighted"], np.float64),
         )
 
 
@@ -119,11 +149,11 @@ def measure(
     rows_per_survivor: float,
     pairs: int,
     seed: int,
-    crop_count: int = 0,
+    pdq: PdqSample | None = None,
 ) -> ChanceSample:
     """The sample's histograms: ``hashes`` (uint64) with ``hashed`` (bool: the pHash is set), unit embeddings ``x``
-    and the ``home`` cluster of each of the ``s`` sample rows of a pool of ``n`` survivors, which store
-    ``crop_count`` sub-crop hashes each."""
+    and the ``home`` cluster of each of the ``s`` sample rows of a pool of ``n`` survivors, and their PDQs (``pdq``,
+    none when not given)."""
     rng = np.random.default_rng([seed, 7])
     s = len(hashes)
     global_hist = np.zeros(HASH_BITS + 1, np.int64)
@@ -136,12 +166,14 @@ def measure(
     share = with_hash.size / max(s, 1)
     hashed_pairs = (n * share) * (n * share - 1) / 2
 
+    pdq = pdq if pdq is not None else PdqSample.none(s)
     raw = np.zeros((COSINE_BINS, HASH_BITS + 1), np.int64)
     weighted = np.zeros((COSINE_BINS, HASH_BITS + 1), np.float64)
+    pdq_raw = np.zeros((COSINE_BINS, PDQ_BITS + 1), np.int64)
+    pdq_weighted = np.zeros((COSINE_BINS, PDQ_BITS + 1), np.float64)
     order = np.argsort(home, kind="stable")
     bounds = np.flatnonzero(np.diff(home[order])) + 1
     for members in np.split(order, bounds) if order.size else []:
-        members = members[hashed[members]]  # a pair without a pHash is never linked by a joint region
         k = members.size
         if k < 2:
             continue
@@ -151,16 +183,21 @@ def measure(
             i = rng.integers(0, k, MAX_PAIRS_PER_CLUSTER)
             j = (i + rng.integers(1, k, MAX_PAIRS_PER_CLUSTER)) % k
         a, b = members[i], members[j]
-        cosine = np.einsum("ij,ij->i", x[a], x[b])
-        d = pair_distances(hashes[a], hashes[b])
-        cell = _cosine_bin(cosine) * (HASH_BITS + 1) + d
-        counts = np.bincount(cell, minlength=raw.size).reshape(raw.shape)
+        cosine_bin = _cosine_bin(np.einsum("ij,ij->i", x[a], x[b]))
         # the cluster's members in the pool (its share of the sample, scaled to N) and the pairs compared there
         size = n * k / s
-        compared = size * (size - 1) / 2 * rows_per_survivor
-        raw += counts
-        weighted += counts * (compared / i.size)
-    return ChanceSample(n, float(hashed_pairs), global_hist, raw, weighted, crop_count)
+        weight = size * (size - 1) / 2 * rows_per_survivor / i.size
+        # a pair without the hash a region measures is never linked by it: not counted
+        for into_raw, into_weighted, has, distance in (
+            (raw, weighted, hashed, lambda a, b: pair_distances(hashes[a], hashes[b])),
+            (pdq_raw, pdq_weighted, pdq.valid, lambda a, b: crop_distances(pdq.words[a], [], pdq.words[b], [])),
+        ):
+            both = has[a] & has[b]
+            cell = cosine_bin[both] * into_raw.shape[1] + distance(a[both], b[both])
+            counts = np.bincount(cell, minlength=into_raw.size).reshape(into_raw.shape)
+            into_raw += counts
+            into_weighted += counts * weight
+    return ChanceSample(n, float(hashed_pairs), global_hist, raw, weighted, pdq.crop_count, pdq_raw, pdq_weighted)
 
 
 @dataclass(frozen=True)
@@ -182,17 +219,19 @@ class Tail:
 
     @classmethod
     def fit(cls, hist: np.ndarray, above: int, min_cosine: float | None) -> Tail:
-        """Maximum likelihood of the binned, left-truncated normal (scipy): bins ``above + 1 .. 64`` of ``hist``."""
+        """Maximum likelihood of the binned, left-truncated normal (scipy): bins ``above + 1 ..`` of ``hist`` (one per
+        distance, 0 to the hash's bits)."""
         from scipy.optimize import minimize
         from scipy.special import ndtr
 
-        d = np.arange(HASH_BITS + 1, dtype=np.float64)
         hist = np.asarray(hist, np.float64)
+        d = np.arange(hist.size, dtype=np.float64)
+        bits = hist.size - 1
         step = 2 if hist.sum() > 0 and hist[1::2].sum() <= ODD_SHARE * hist.sum() else 1
         counts = np.where(d > above, hist, 0.0)
         total = counts.sum()
         if total <= 0:
-            return cls(float(HASH_BITS / 2), float(HASH_BITS), above, 0, min_cosine, step)
+            return cls(float(bits / 2), float(bits), above, 0, min_cosine, step)
         lo = (d - step / 2)[counts > 0]
         hi, n = lo + step, counts[counts > 0]
         edge = _lattice(above, step) + step / 2  # where the kept bins start
@@ -234,7 +273,7 @@ class RegionEstimate:
     def fit_radius(self, allowed: float) -> int:
         """The largest radius up to the region's own whose estimate is within ``allowed`` (-1: none)."""
         best = -1
-        for r in range(self.region.phash_radius + 1):
+        for r in range(self.region.radius + 1):
             if self.expected(r) <= allowed:
                 best = r
         # on even distances an odd radius links no more than the even one below it, and would read wider
@@ -254,7 +293,7 @@ def _unrelated(weighted: np.ndarray, above: int, tail: Tail) -> float:
 def region_estimate(sample: ChanceSample, region: Region) -> RegionEstimate:
     """The unrelated pairs of the region's population and their fitted distances; the population's pairs within the
     region's radius are not counted (copies sit there), but inferred from those beyond through the fitted normal."""
-    above = max(region.phash_radius, 0)
+    above = max(region.radius, 0)
     if region.min_cosine is None:
         fit_above = above if sample.global_hist[above + 1 :].sum() >= MIN_FIT_PAIRS else -1
         tail = Tail.fit(sample.global_hist, fit_above, None)
@@ -262,14 +301,18 @@ def region_estimate(sample: ChanceSample, region: Region) -> RegionEstimate:
         pairs = _unrelated(hist, above, tail) / max(hist.sum(), 1) * sample.hashed_pairs
         return RegionEstimate(region, pairs, tail)
     first = _bin_of_threshold(region.min_cosine)
+    raw, weighted_all = sample.cluster_raw, sample.cluster_weighted
+    if region.crops:  # the crop distance's comparisons are PDQ's (an older plan without them: none measured)
+        raw = sample.pdq_raw if sample.pdq_raw is not None else np.zeros((COSINE_BINS, NO_PDQ), np.int64)
+        weighted_all = sample.pdq_weighted if sample.pdq_weighted is not None else raw.astype(np.float64)
     fit_from = first
-    while fit_from > 0 and sample.cluster_raw[fit_from:, above + 1 :].sum() < MIN_FIT_PAIRS:
+    while fit_from > 0 and raw[fit_from:, above + 1 :].sum() < MIN_FIT_PAIRS:
         fit_from -= 1
-    population = sample.cluster_raw[fit_from:].sum(axis=0)
+    population = raw[fit_from:].sum(axis=0)
     fit_above = above if population[above + 1 :].sum() >= MIN_FIT_PAIRS else -1  # too few beyond: fit on them all
     tail = Tail.fit(population, fit_above, round(fit_from * 2 / COSINE_BINS - 1, 2))
     mean_weight = sample.cluster_weighted.sum() / max(sample.cluster_raw.sum(), 1)
-    weighted = sample.cluster_weighted[first:].sum(axis=0)
+    weighted = weighted_all[first:].sum(axis=0)
     # one sampled pair's weight added: an unseen population never counts as empty
     pairs = _unrelated(weighted, above, tail) + mean_weight
     # a crop distance is the least of several hash comparisons per pair: count each (the module's union bound)
@@ -289,7 +332,7 @@ class ChanceEstimate:
 
     @property
     def expected(self) -> float:
-        return float(sum(e.expected(r.phash_radius) for e, r in zip(self.estimates, self.rule.regions)))
+        return float(sum(e.expected(r.radius) for e, r in zip(self.estimates, self.rule.regions)))
 
     def summary(self) -> dict:
         """The record of the phase and the card: the rule, per region the radius and estimate, the total."""
@@ -298,9 +341,9 @@ class ChanceEstimate:
             regions.append(
                 {
                     "region": configured.describe(),
-                    "radius": used.phash_radius,
-                    "configured_radius": configured.phash_radius,
-                    "expected_chance_links": float(f"{e.expected(used.phash_radius):.3g}"),
+                    "radius": used.radius,
+                    "configured_radius": configured.radius,
+                    "expected_chance_links": float(f"{e.expected(used.radius):.3g}"),
                     "population_pairs": float(f"{e.pairs:.3g}"),
                     "fit": {
                         "mean": round(e.tail.mean, 2),
@@ -331,7 +374,7 @@ class ChanceEstimate:
 
 def _share(estimates: tuple[RegionEstimate, ...], bound: float) -> float:
     """The even share of the bound of each region that is on."""
-    return bound / max(sum(e.region.phash_radius >= 0 for e in estimates), 1)
+    return bound / max(sum(e.region.radius >= 0 for e in estimates), 1)
 
 
 def fit_radii_within(estimates: tuple[RegionEstimate, ...], bound: float) -> list[int]:
@@ -340,14 +383,14 @@ def fit_radii_within(estimates: tuple[RegionEstimate, ...], bound: float) -> lis
     whose estimate grows slowest), then what the others left is spent widening them one distance at a time (two bits
     where distances are even), in turn."""
     share = _share(estimates, bound)
-    radii = [e.fit_radius(share) if e.region.phash_radius >= 0 else -1 for e in estimates]
+    radii = [e.fit_radius(share) if e.region.radius >= 0 else -1 for e in estimates]
     total = sum(e.expected(r) for e, r in zip(estimates, radii))
     grown = True
     while grown:
         grown = False
         for k, e in enumerate(estimates):
             r = radii[k] + (e.tail.step if radii[k] >= 0 else 1)  # the next distance that occurs
-            if r > e.region.phash_radius:
+            if r > e.region.radius:
                 continue
             cost = e.expected(r) - e.expected(radii[k])
             if total + cost <= bound:
@@ -371,7 +414,7 @@ def decide(
         return ChanceEstimate(rule, configured, estimates, bound, sample.survivors, allowed=False)
     result = ChanceEstimate(configured, configured, estimates, bound, sample.survivors, allowed=allow)
     if result.expected > bound and not allow:
-        worst = max(range(len(estimates)), key=lambda k: estimates[k].expected(configured.regions[k].phash_radius))
+        worst = max(range(len(estimates)), key=lambda k: estimates[k].expected(configured.regions[k].radius))
         fitted = estimates[worst].fit_radius(_share(estimates, bound))
         change = (
             f"to {fitted}, within its share" if fitted >= 0 else "or remove the region: no radius is within its share"
@@ -379,7 +422,7 @@ def decide(
         raise ChanceBoundError(
             f"dedup: the link rule is expected to link {result.expected:.3g} unrelated pairs by chance at "
             f"N={sample.survivors}, above dedup.max_chance_fraction x N = {bound:.3g}; lower "
-            f"dedup.links[{worst}].phash_radius ({change}), or set dedup.fit_radii: true to size the radii from N, or "
+            f"dedup.links[{worst}].radius ({change}), or set dedup.fit_radii: true to size the radii from N, or "
             "dedup.allow_chance: true to go on (recorded in the dedup summary and the card)"
         )
     return result

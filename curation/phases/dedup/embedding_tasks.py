@@ -38,7 +38,7 @@ from curation.phases.dedup.embedding_clusters import (
     sample_quotas,
     sample_rows,
 )
-from curation.phases.dedup.link_rule import NO_HASH, LinkRule, crop_distances, pair_distances
+from curation.phases.dedup.link_rule import NO_PDQ, PDQ_WORDS, LinkRule, crop_distances, pair_distances, pdq_words
 from curation.steps.window import run_tasks, task_window
 
 PAIRS_DIR, BUCKETS_DIR, PLAN_DIR = LAYOUT.embedding_pairs, LAYOUT.embedding_buckets, LAYOUT.embedding_plan
@@ -50,8 +50,8 @@ PAIRS_SCHEMA = pa.schema(
         pa.field("b", pa.int64(), nullable=False),
         pa.field("similarity", pa.float32(), nullable=False),
         pa.field("distance", pa.uint8(), nullable=False),  # pHash Hamming distance; 65 where a pHash is missing
-        # the crop distance (link_rule.crop_distances); 65 where a hash is missing or no region measures it
-        pa.field("crop_distance", pa.uint8(), nullable=False),
+        # the PDQ crop distance (link_rule.crop_distances); 257 where a hash is missing or no region measures it
+        pa.field("crop_distance", pa.uint16(), nullable=False),
     ]
 )
 
@@ -94,18 +94,20 @@ def _hashes(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     return column.fill_null(0).to_numpy().astype(np.uint64), valid
 
 
-def _crop_hashes(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """A ``phash_crops`` column as a (rows, K) uint64 array (0 where null) and whether each row has them; K is the
-    longest list (0 where none is set)."""
-    column = column.combine_chunks()
-    valid = column.is_valid().to_numpy(zero_copy_only=False)
-    lengths = column.value_lengths().fill_null(0).to_numpy(zero_copy_only=False)
-    k = int(lengths.max()) if lengths.size else 0
-    out = np.zeros((len(column), k), np.uint64)
-    full = valid & (lengths == k)  # a row with fewer crops than the others is not compared on them
+def _crop_hashes(pdq: pa.ChunkedArray, crops: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ``pdq`` and ``pdq_crops`` columns as (rows, 4) and (rows, K, 4) uint64 words, and whether each row has
+    both; K is what the longest value holds (0 where none is set), and a row with fewer is not compared on them."""
+    whole, has_pdq = pdq_words(pdq)
+    crops = crops.combine_chunks()
+    lengths = pc.binary_length(crops).fill_null(0).to_numpy(zero_copy_only=False)
+    width = int(lengths.max()) if lengths.size else 0
+    full = has_pdq & (lengths == width) & (width > 0)
+    k = width // (PDQ_WORDS * 8)
+    sub = np.zeros((len(crops), k, PDQ_WORDS), np.uint64)
     if k and full.any():
-        out[full] = np.asarray(column.filter(pa.array(full)).flatten().to_numpy(), np.uint64).reshape(-1, k)
-    return out, full
+        words, _ = pdq_words(crops.filter(pa.array(full)).cast(pa.binary(width)))
+        sub[full] = words.reshape(-1, k, PDQ_WORDS)
+    return whole, sub, full
 
 
 @ray.remote(num_cpus=1)
@@ -113,23 +115,26 @@ def _sample_file(
     out_uri: str, path: str, file_index: int, quota: int, seed: int
 ) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
     fs, root = resolve(out_uri)
-    table = pq.read_table(join(root, path), columns=["embedding", "phash", "phash_crops"], filesystem=fs)
+    columns = ["embedding", "phash", "pdq", "pdq_crops"]
+    table = pq.read_table(join(root, path), columns=columns, filesystem=fs)
     rows = np.sort(np.random.default_rng([seed, file_index]).choice(table.num_rows, quota, replace=False))
     table = table.take(pa.array(rows, pa.int64()))
-    crops = pc.max(table.column("phash_crops").combine_chunks().value_lengths()).as_py() or 0  # per survivor, at most
-    return file_index, (_matrix(table.column("embedding")), *_hashes(table.column("phash")), crops)
+    whole, sub, with_crops = _crop_hashes(table.column("pdq"), table.column("pdq_crops"))
+    pdq = (whole, pdq_words(table.column("pdq"))[1], sub.shape[1] if with_crops.any() else 0)
+    return file_index, (_matrix(table.column("embedding")), *_hashes(table.column("phash")), pdq)
 
 
 def _draw_sample(
     out_uri: str, files: list[str], counts: np.ndarray, size: int, seed: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """A uniform sample of the survivors: embeddings, pHashes, whether each pHash is set, and the sub-crop hashes
-    per survivor (the most any sampled file holds)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, chance.PdqSample]:
+    """A uniform sample of the survivors: embeddings, pHashes, whether each pHash is set, and their PDQs (with the
+    sub-crop hashes per survivor, the most any sampled file holds)."""
     fs, root = resolve(out_uri)
     quotas = sample_quotas(counts, size)
     dim = pq.read_schema(join(root, files[0]), filesystem=fs).field("embedding").type.list_size
     rows = int(quotas.sum())
     sample, hashes, hashed = np.empty((rows, dim), np.float32), np.zeros(rows, np.uint64), np.zeros(rows, bool)
+    pdq, with_pdq = np.zeros((rows, PDQ_WORDS), np.uint64), np.zeros(rows, bool)
     offsets = np.concatenate([[0], np.cumsum(quotas)])
     calls = [
         (lambda i=i, f=f, q=q: _sample_file.remote(out_uri, f, i, int(q), seed))
@@ -137,11 +142,11 @@ def _draw_sample(
         if q
     ]
     crop_count = 0
-    for i, (x, h, valid, crops) in run_tasks(calls, task_window()):
-        sample[offsets[i] : offsets[i + 1]], hashes[offsets[i] : offsets[i + 1]] = x, h
-        hashed[offsets[i] : offsets[i + 1]] = valid
+    for i, (x, h, valid, (words, has_pdq, crops)) in run_tasks(calls, task_window()):
+        at = slice(offsets[i], offsets[i + 1])
+        sample[at], hashes[at], hashed[at], pdq[at], with_pdq[at] = x, h, valid, words, has_pdq
         crop_count = max(crop_count, crops)
-    return sample, hashes, hashed, crop_count
+    return sample, hashes, hashed, chance.PdqSample(pdq, with_pdq, crop_count)
 
 
 @ray.remote(num_cpus=1)
@@ -157,12 +162,10 @@ def make_plan(
     each cluster written to ``BUCKETS_FILE``), measure the sample's chance histograms (``CHANCE_FILE``); returns the
     plan's stats and log lines. A Ray task, so that the driver never holds the training sample."""
     n = int(counts.sum())
-    sample, hashes, hashed, crop_count = _draw_sample(out_uri, files, counts, sample_rows(n, layout), layout.seed)
+    sample, hashes, hashed, pdq = _draw_sample(out_uri, files, counts, sample_rows(n, layout), layout.seed)
     centroids, bucket_of, stats = plan_clusters(sample, n, len(files), layout, probes)
     home = nearest(sample, centroids)
-    measured = chance.measure(
-        n, hashes, hashed, sample, home, stats["rows_per_survivor"], chance_pairs, layout.seed, crop_count
-    )
+    measured = chance.measure(n, hashes, hashed, sample, home, stats["rows_per_survivor"], chance_pairs, layout.seed, pdq)
     fs, root = resolve(out_uri)
     buf = io.BytesIO()
     np.save(buf, centroids)
@@ -201,7 +204,8 @@ def assign_file(
     if exists(fs, join(root, bucket_path(buckets - 1, file_index))):
         return {"rows": 0, "cpu_s": 0.0}
     start = time.process_time()
-    table = pq.read_table(join(root, path), columns=["uid", "phash", "phash_crops", "embedding"], filesystem=fs)
+    columns = ["uid", "phash", "pdq", "pdq_crops", "embedding"]
+    table = pq.read_table(join(root, path), columns=columns, filesystem=fs)
     uid = table.column("uid").to_numpy()
     ranked = probes.ranked(_matrix(table.column("embedding")), centroids)
     item, rank = np.nonzero(ranked >= 0)  # one row per (survivor, cluster it is searched in)
@@ -216,7 +220,8 @@ def assign_file(
             "home": pa.array(rank == 0),
             "ranked": pa.FixedSizeListArray.from_arrays(pa.array(ranked[item].ravel()), ranked.shape[1]),
             "phash": table.column("phash").take(pa.array(item, pa.int64())),
-            "phash_crops": table.column("phash_crops").take(pa.array(item, pa.int64())),
+            "pdq": table.column("pdq").take(pa.array(item, pa.int64())),
+            "pdq_crops": table.column("pdq_crops").take(pa.array(item, pa.int64())),
             "embedding": table.column("embedding").take(pa.array(item, pa.int64())),
         }
     )
@@ -245,16 +250,16 @@ def _distances(
     rows: pa.Table, uid: np.ndarray, a: np.ndarray, b: np.ndarray, crops: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """The pHash distance and, when ``crops``, the crop distance of each pair (a, b) of uids of ``rows``
-    (``NO_HASH`` where a hash is missing, and for every crop distance when not ``crops``)."""
+    (``NO_HASH`` where a pHash is missing; ``NO_PDQ`` where a PDQ is, and for every crop distance when not
+    ``crops``)."""
     hashes, valid = _hashes(rows.column("phash"))
     order = np.argsort(uid, kind="stable")
     at_a, at_b = order[np.searchsorted(uid[order], a)], order[np.searchsorted(uid[order], b)]
     distance = pair_distances(hashes[at_a], hashes[at_b], valid[at_a], valid[at_b])
     if not crops:
-        return distance, np.full(distance.shape, NO_HASH, np.int16)
-    sub, whole = _crop_hashes(rows.column("phash_crops"))
-    va, vb = valid[at_a] & whole[at_a], valid[at_b] & whole[at_b]
-    return distance, crop_distances(hashes[at_a], sub[at_a], hashes[at_b], sub[at_b], va, vb)
+        return distance, np.full(distance.shape, NO_PDQ, np.int16)
+    whole, sub, full = _crop_hashes(rows.column("pdq"), rows.column("pdq_crops"))
+    return distance, crop_distances(whole[at_a], sub[at_a], whole[at_b], sub[at_b], full[at_a], full[at_b])
 
 
 @ray.remote(num_cpus=1)
@@ -287,7 +292,7 @@ def search_bucket(out_uri: str, bucket: int, n_files: int, s: SearchSettings) ->
             "b": b[order],
             "similarity": sim[order],
             "distance": distance[order].astype(np.uint8),
-            "crop_distance": crop[order].astype(np.uint8),
+            "crop_distance": crop[order].astype(np.uint16),
         },
         schema=PAIRS_SCHEMA,
     )

@@ -170,7 +170,7 @@ def test_a_stages_own_thresholds_change_the_results_hash_and_its_resources_do_no
 def test_the_stage_columns_keep_the_tables_column_order():
     """The order the tables had when the columns were listed by hand (shards written before read the same), with the
     columns added since where their stages put them (``clip_nsfw_score``, ``realism_prompt``, ``prompt_scores``,
-    ``nsfw_score``, ``phash_crops``, ``pdq``)."""
+    ``nsfw_score``, ``pdq``, ``pdq_crops``)."""
     assert [f.name for f in schema.stage_columns()] == [
         "persons",
         "faces",
@@ -192,8 +192,8 @@ def test_the_stage_columns_keep_the_tables_column_order():
         "text_boxes",
         "nsfw_score",
         "phash",
-        "phash_crops",
         "pdq",
+        "pdq_crops",
     ]
 
 

@@ -838,8 +838,8 @@ def test_the_full_profile_links_copies_by_the_same_rule_and_chance_estimate(clip
     """full.yaml's link rule on the random-init CLIP's embeddings of six photos and three copies of each: every copy
     is linked to its photo, no two photos to each other, and the chance estimate sizes the rule from them."""
     from curation.phases.dedup import chance
-    from curation.phases.dedup.link_rule import crop_distances, pair_distances
-    from curation.stages.phash import phash_and_crops
+    from curation.phases.dedup.link_rule import crop_distances, pair_distances, pdq_words
+    from curation.stages.phash import PhashStage, hashes_of
 
     stage, rows, updates, _ = clip_scores
     copies, of = [], []
@@ -851,18 +851,17 @@ def test_the_full_profile_links_copies_by_the_same_rule_and_chance_estimate(clip
             copies.append({"image": {"bytes": buf.getvalue(), "path": "copy.jpg"}, "width": 1, "height": 1})
             of.append(k)
     x = np.array([u["embedding"] for u in updates + decided(stage, copies)], np.float32)
-    signals = [phash_and_crops(Image.fromarray(decode(r["image"]["bytes"]))) for r in rows + copies]
-    hashes = np.array([h for h, _ in signals], np.uint64)
-    crops = np.array([c for _, c in signals], np.uint64)
+    signals = [hashes_of(r["image"]["bytes"], stage.cfg.models.phash.draft_side) for r in rows + copies]
+    hashes = np.array([s["phash"] for s in signals], np.uint64)
+    pdq, crops = (pdq_words(pa.array([s[c.name] for s in signals], c.type))[0] for c in PhashStage.columns[1:])
     i, j = np.triu_indices(len(x), 1)
     group = np.array(list(range(len(rows))) + of)
     rule = stage.cfg.dedup.rule()
     assert rule.needs_crops
-    crop = crop_distances(hashes[i], crops[i], hashes[j], crops[j])
+    crop = crop_distances(pdq[i], crops[i], pdq[j], crops[j])
     linked = rule.links(pair_distances(hashes[i], hashes[j]), np.einsum("ij,ij->i", x[i], x[j]), crop)
     assert linked[group[i] == group[j]].all() and not linked[group[i] != group[j]].any()
-    measured = chance.measure(
-        len(x), hashes, np.ones(len(x), bool), x, group, 1.0, 10**5, seed=0, crop_count=crops.shape[1]
-    )
+    sample = chance.PdqSample(pdq, np.ones(len(x), bool), crops.shape[1])
+    measured = chance.measure(len(x), hashes, np.ones(len(x), bool), x, group, 1.0, 10**5, seed=0, pdq=sample)
     estimate = chance.decide(measured, rule, stage.cfg.dedup.max_chance_fraction)
     assert estimate.expected <= estimate.bound and len(estimate.summary()["regions"]) == len(rule.regions)

@@ -20,7 +20,7 @@ from PIL import Image
 from common import schema
 from common.imageio import decode
 from curation.config import CurateConfig
-from curation.phases.dedup.link_rule import crop_distances
+from curation.phases.dedup.link_rule import crop_distances, pdq_words
 from curation.score.stage import REJECT
 from curation.stages.embedding import LITE_NAME, EmbeddingStage
 from curation.stages.phash import CROP_COUNT, PhashStage, crop_boxes, hamming, hash_to_int
@@ -232,10 +232,10 @@ def test_phash_near_duplicates_close_and_different_photos_far(photos):
 
 
 def test_sub_crop_hashes_bring_a_light_crop_close_to_its_original(photos):
-    """A crop keeping 90-95% of each side, off-centre, moves the whole-image pHash far; one of the original's sub-crop
+    """A crop keeping 90-95% of each side, off-centre, moves the whole-image PDQ far; one of the original's sub-crop
     windows frames it alike, so its crop distance stays small. Unrelated photos stay far on the crop distance."""
     stage = _stage(PhashStage)
-    assert stage.columns[1].type == pa.list_(pa.uint64(), CROP_COUNT)
+    assert stage.columns[2].type == pa.binary(32 * CROP_COUNT)
     assert len(crop_boxes(192, 144)) == CROP_COUNT and crop_boxes(192, 144)[-1][2:] == (192, 144)
     names = list(photos)
     rng = np.random.default_rng(3)
@@ -249,21 +249,17 @@ def test_sub_crop_hashes_bring_a_light_crop_close_to_its_original(photos):
         copies.append(_jpeg(np.ascontiguousarray(img[y : y + ch, x : x + cw]), 90))
     orig = stage.process_batch(_rows([_jpeg(photos[n]) for n in names]))
     crop = stage.process_batch(_rows(copies))
-    pa.array([u["phash_crops"] for u in orig], stage.columns[1].type)  # the stored type holds them
-
-    def signals(updates):
-        return np.array([u["phash"] for u in updates], np.uint64), np.array(
-            [u["phash_crops"] for u in updates], np.uint64
-        )
+    def signals(updates):  # as the stored columns hold them, read back as the dedup search does
+        return tuple(pdq_words(pa.array([u[c.name] for u in updates], c.type))[0] for c in stage.columns[1:])
 
     (h0, c0), (h1, c1) = signals(orig), signals(crop)
-    whole = [hamming(int(a), int(b)) for a, b in zip(h0, h1)]
+    whole = crop_distances(h0, c0[:, :0], h1, c1[:, :0]).tolist()
     cropped = crop_distances(h0, c0, h1, c1).tolist()
     i, j = np.triu_indices(len(names), 1)
     unrelated = crop_distances(h0[i], c0[i], h0[j], c0[j])
-    print(f"\nlight crops: whole-image distance {whole}, crop distance {cropped}; unrelated min {unrelated.min()}")
-    assert np.median(cropped) < np.median(whole) and max(cropped) <= 10
-    assert all(c <= w for c, w in zip(cropped, whole)) and unrelated.min() >= 12
+    print(f"\nlight crops: whole-image PDQ distance {whole}, crop distance {cropped}; unrelated min {unrelated.min()}")
+    assert np.median(cropped) < np.median(whole) / 2 and max(cropped) <= 64
+    assert all(c <= w for c, w in zip(cropped, whole)) and unrelated.min() >= 80
 
 
 # -------------------------------------------------------------------------------------------------- embedding

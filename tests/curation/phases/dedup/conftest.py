@@ -32,11 +32,22 @@ def _mixture(n: int, dim: int, seed: int, copies: float = 0.05, centre_norm: flo
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
+def _binary(words: np.ndarray) -> pa.Array:
+    """Rows of uint64 words as one binary value each, as the phash stage stores hashes."""
+    rows = np.ascontiguousarray(words, np.uint64).reshape(len(words), -1)
+    return pa.array([r.tobytes() for r in rows], pa.binary(rows.shape[1] * 8))
+
+
 def _write_survivors(
-    out, x: np.ndarray, rows_per_file: int, phash: np.ndarray | None = None, crops: np.ndarray | None = None
+    out,
+    x: np.ndarray,
+    rows_per_file: int,
+    phash: np.ndarray | None = None,
+    pdq: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[list[str], np.ndarray]:
-    """Survivor partitions of ``x`` (and ``phash``, uint64 per row, ``crops``, (rows, K) uint64 sub-crop hashes;
-    None: none) in the survivors schema under ``out``; returns their paths and the uid of each row of ``x``."""
+    """Survivor partitions of ``x`` (and ``phash``, uint64 per row, ``pdq``, the PDQs and sub-crop PDQs as (rows, 4)
+    and (rows, K, 4) uint64 words; None: none) in the survivors schema under ``out``; returns their paths and the
+    uid of each row of ``x``."""
     fs, root = resolve(str(out))
     n, dim = x.shape
     files, uids = [], []
@@ -51,9 +62,8 @@ def _write_survivors(
                 "source": [f"s://{i}/{j}" for j in range(m)],
                 "key": [f"{i}-{j}" for j in range(m)],
                 "phash": pa.nulls(m, pa.uint64()) if phash is None else pa.array(phash[start : start + m], pa.uint64()),
-                "phash_crops": pa.nulls(m, pa.list_(pa.uint64()))
-                if crops is None
-                else pa.array(crops[start : start + m].tolist(), pa.list_(pa.uint64())),
+                "pdq": pa.nulls(m, pa.binary(32)) if pdq is None else _binary(pdq[0][start : start + m]),
+                "pdq_crops": pa.nulls(m, pa.binary()) if pdq is None else _binary(pdq[1][start : start + m]),
                 "score": np.full(m, np.nan),
                 "width": np.full(m, 64, np.int32),
                 "height": np.full(m, 64, np.int32),

@@ -55,25 +55,29 @@ def test_hashes_with_as_many_ones_as_zeros_are_estimated_on_even_distances(radiu
     assert counted > 20 and counted <= estimate.expected(radius) <= 8 * counted, (counted, estimate.expected(radius))
     # radii are fitted on the distances that occur: an odd one would read wider than it links
     fitted = chance.decide(measured, LinkRule.of([(8, None)]), estimate.expected(radius) * 1.5 / 6000).rule
-    assert fitted.regions[0].phash_radius == radius
+    assert fitted.regions[0].radius == radius
     random = chance.measure(6000, *[_sample(6000, 24)[0], np.ones(6000, bool)], x, home, 1.0, 10**6, seed=0)
     assert chance.region_estimate(random, Region(radius)).tail.step == 1
 
 
 @pytest.mark.parametrize("radius", [1, 3])
 def test_the_crop_distance_estimate_stays_above_its_chance_links_counted(radius):
-    # 24 random bits, and 8 sub-crop hashes per item a few bits off its own (as a real sub-crop's hash is): the union
-    # bound counts each comparison as independent, so it may only err high
+    # PDQs varying in 24 random bits, and 8 sub-crop PDQs per item a few bits off its own (as a real sub-crop's is):
+    # the union bound counts each comparison as independent, so it may only err high
     hashes, x, home = _sample(3000, 24, clusters=1)
     rng = np.random.default_rng(2)
     flips = np.zeros((3000, 8), np.uint64)
     for _ in range(3):
         flips |= np.uint64(1) << rng.integers(0, 24, (3000, 8)).astype(np.uint64)
-    crops = hashes[:, None] ^ flips
-    measured = chance.measure(3000, hashes, np.ones(3000, bool), x, home, 1.0, 10**6, seed=0, crop_count=8)
+    pdq = np.zeros((3000, 4), np.uint64)
+    pdq[:, 1] = hashes
+    crops = np.repeat(pdq[:, None], 8, axis=1)
+    crops[:, :, 1] ^= flips
+    sample = chance.PdqSample(pdq, np.ones(3000, bool), 8)
+    measured = chance.measure(3000, hashes, np.ones(3000, bool), x, home, 1.0, 10**6, seed=0, pdq=sample)
     assert chance.ChanceSample.from_json(measured.to_json()).crop_count == 8
     i, j = np.triu_indices(3000, 1)
-    counted = int((crop_distances(hashes[i], crops[i], hashes[j], crops[j]) <= radius).sum())
+    counted = int((crop_distances(pdq[i], crops[i], pdq[j], crops[j]) <= radius).sum())
     plain = chance.region_estimate(measured, Region(radius, -1.0)).expected(radius)
     estimated = chance.region_estimate(measured, Region(radius, -1.0, crops=True)).expected(radius)
     assert estimated == pytest.approx(17 * plain)
@@ -95,7 +99,7 @@ def test_copies_inside_a_region_are_not_counted_as_chance():
     for region in (Region(3), Region(12, 0.8), Region(24, 0.95)):
         a, b = chance.region_estimate(before, region), chance.region_estimate(after, region)
         assert abs(a.tail.mean - b.tail.mean) < 1.5, region
-        assert b.expected(region.phash_radius) < 3 * a.expected(region.phash_radius) + 1, region
+        assert b.expected(region.radius) < 3 * a.expected(region.radius) + 1, region
 
 
 def test_radii_shrink_as_the_pool_grows_and_the_estimate_stays_within_the_bound():
@@ -106,7 +110,7 @@ def test_radii_shrink_as_the_pool_grows_and_the_estimate_stays_within_the_bound(
         measured = chance.measure(n, hashes, np.ones(4000, bool), x, home, 3.0, 10**6, seed=0)
         result = chance.decide(measured, rule, 1e-4)
         assert result.expected <= result.bound
-        radii.append([r.phash_radius for r in result.rule.regions])
+        radii.append([r.radius for r in result.rule.regions])
         assert result.summary()["regions"][0]["configured_radius"] == 8
     assert radii[0][:2] == [8, 12]  # a small pool affords those as configured
     for small, large in itertools.pairwise(radii):
@@ -117,7 +121,7 @@ def test_fixed_radii_over_the_bound_stop_with_the_setting_to_change_or_go_on_whe
     hashes, x, home = _sample(4000, 48)
     measured = chance.measure(10**9, hashes, np.ones(4000, bool), x, home, 3.0, 10**6, seed=0)
     rule = LinkRule.of([(8, None), (12, 0.8)])
-    with pytest.raises(chance.ChanceBoundError, match=r"lower dedup\.links\[\d\]\.phash_radius \((to \d+|or remove)"):
+    with pytest.raises(chance.ChanceBoundError, match=r"lower dedup\.links\[\d\]\.radius \((to \d+|or remove)"):
         chance.decide(measured, rule, 1e-4, fit_radii=False)
     allowed = chance.decide(measured, rule, 1e-4, fit_radii=False, allow=True)
     assert allowed.allowed and allowed.expected > allowed.bound and allowed.summary()["allowed_over_bound"]

@@ -170,19 +170,20 @@ def test_a_crop_region_links_the_pairs_within_its_crop_distance(
     x = embedding_mixture(3000, 32, seed=6)
     rng = np.random.default_rng(6)
     hashes = rng.integers(0, 2**63, len(x), dtype=np.int64).astype(np.uint64)
-    crops = rng.integers(0, 2**63, (len(x), 16), dtype=np.int64).astype(np.uint64)
-    files, uid = write_survivors(tmp_path / "all", x, 1000, hashes, crops)
+    pdq = rng.integers(0, 2**63, (len(x), 4), dtype=np.int64).astype(np.uint64)
+    crops = rng.integers(0, 2**63, (len(x), 16, 4), dtype=np.int64).astype(np.uint64)
+    files, uid = write_survivors(tmp_path / "all", x, 1000, hashes, (pdq, crops))
     _run(tmp_path / "all", files)
     _, all_pairs = _read_pairs(tmp_path / "all")
     row = {u: r for r, u in enumerate(uid.tolist())}
-    # half the embedding pairs become crops: b's pHash a few bits off one of a's sub-crop hashes
+    # half the embedding pairs become crops: b's PDQ a few bits off one of a's sub-crop PDQs
     for a, b in sorted(all_pairs)[::2]:
-        crops[row[a], rng.integers(0, 16)] = hashes[row[b]] ^ np.uint64(int(rng.integers(0, 64)))
-    files, _ = write_survivors(tmp_path / "crops", x, 1000, hashes, crops)
+        crops[row[a], rng.integers(0, 16)] = pdq[row[b]] ^ np.array([int(rng.integers(0, 64)), 0, 1, 0], np.uint64)
+    files, _ = write_survivors(tmp_path / "crops", x, 1000, hashes, (pdq, crops))
     result = _run(tmp_path / "crops", files, confirm=(Region(4, 0.0), Region(6, THRESHOLD, crops=True)))
     tables, kept = _read_pairs(tmp_path / "crops")
     a, b = (np.array([row[u] for u, _ in sorted(all_pairs)]), np.array([row[v] for _, v in sorted(all_pairs)]))
-    crop = dict(zip(sorted(all_pairs), crop_distances(hashes[a], crops[a], hashes[b], crops[b]).tolist()))
+    crop = dict(zip(sorted(all_pairs), crop_distances(pdq[a], crops[a], pdq[b], crops[b]).tolist()))
     plain = dict(zip(sorted(all_pairs), pair_distances(hashes[a], hashes[b]).tolist()))
     assert kept == {p for p in all_pairs if crop[p] <= 6 or plain[p] <= 4} and len(kept) >= len(all_pairs) // 3
     assert result["pairs"] == len(kept)
