@@ -50,7 +50,7 @@ from common.layout import GLOBAL_PHASES as PHASES  # noqa: E402
 from common.layout import LAYOUT  # noqa: E402
 from common.storage import join, resolve, write_json_atomic, write_parquet_atomic  # noqa: E402
 from curation.config import CurateConfig  # noqa: E402
-from curation.stages.phash import CROP_COUNT  # noqa: E402
+from curation.stages.phash import CROP_COUNT, PhashStage  # noqa: E402
 
 LITE = REPO / "configs/curate/lite.yaml"
 GIB = 2**30
@@ -67,12 +67,14 @@ def config(extra: list[str]) -> CurateConfig:
 # ``benchmarks/dedup_truth.py`` on real photos: not near-orthogonal, with a tail above 0.9). pHashes random over
 # ``--phash-bits`` bits spread over the 64, half of them set as imagehash's pHash sets 32 of 64 (so distances are
 # even; 48 bits at 200k survivors: 0.73 chance neighbours within 8 bits per survivor, as in a 10^9 pool of balanced
-# 64-bit hashes, 0.72); each sub-crop's hash is its own pHash with 4-16 of those bits flipped (a window of 90-95% of
-# each side hashes near the whole). Planted copies: each copy takes the (pHash distance, cosine, crop distance) of a
-# real copy of its kind, drawn from ``CALIBRATION`` (re-encodes and resizes close on both signals, crops close on the
-# embedding and the crop distance only, ...): its hashes move from the original's by one mask (its sub-crops with
-# its whole), and where its crop distance is the smaller, one window of the original is set that close to the
-# copy's pHash. Image bytes are small real JPEGs, keyed by their sha256; a resized copy has fewer pixels than its
+# 64-bit hashes, 0.72). PDQs random over their 256 bits, 32 of each 64 set (unrelated PDQs 128 +- 8 bits apart, as
+# real photos' are: 127.9 +- 8.5; their chance at 10^9 is the estimator's, from the real photos' spread: it cannot be
+# emulated at 200k by fewer bits, as the copies' distances are on 256); each sub-crop's PDQ is its own with 20-80 bits
+# flipped (a window of 90-95% of each side hashes near the whole). Planted copies: each copy takes the (pHash
+# distance, cosine, PDQ crop distance, PDQ distance) of a real copy of its kind, drawn from ``CALIBRATION``
+# (re-encodes and resizes close on every signal, crops close on the embedding and the crop distance only, ...): its
+# PDQs move from the original's by one mask (its sub-crops with its whole), and where its crop distance is the
+# smaller, one window of the original is set that close to the copy's PDQ. Image bytes are small real JPEGs, keyed by their sha256; a resized copy has fewer pixels than its
 # original.
 
 CALIBRATION = REPO / "benchmarks/dedup_calibration.json"
@@ -144,6 +146,15 @@ def _flip(hashes: np.ndarray, distance: np.ndarray, bits: int, rng: np.random.Ge
     chosen = (is_set & (rank_set < half[:, None])) | (~is_set & (rank_unset < half[:, None]))
     masks = np.bitwise_or.reduce(np.where(chosen, values, np.uint64(0)), axis=1)
     return hashes ^ masks.reshape(shape)
+
+
+def _pdq_flip(words: np.ndarray, distance: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Each PDQ (``words``: (..., 4) uint64, 32 of each word's bits set) with ``distance`` (one per PDQ, even) of its
+    bits flipped, spread over its words at random, each word staying balanced."""
+    half = np.asarray(distance, np.int64).ravel() // 2
+    per_word = 2 * rng.multinomial(half, [0.25] * 4)  # (PDQs, 4), each even
+    flat = words.reshape(-1, 4)
+    return _flip(flat, per_word, 64, rng).reshape(words.shape)
 
 
 def _jpeg(rng: np.random.Generator, width: int, height: int) -> bytes:
@@ -255,9 +266,8 @@ def _synthesise_shard(job: tuple) -> dict[str, int]:
     ledger_schema = schema.with_metadata(schema.ledger_schema(), table="ledger", config_hash=cfg.results_hash())
     emb = _embeddings(rows, rng, centres, mix)
     phash = _random_hashes(rows, phash_bits, rng)
-    crops = _flip(
-        np.repeat(phash[:, None], CROP_COUNT, axis=1), 2 * rng.integers(2, 9, (rows, CROP_COUNT)), phash_bits, rng
-    )
+    pdq = _random_hashes(rows * 4, 64, rng).reshape(rows, 4)
+    crops = _pdq_flip(np.repeat(pdq[:, None], CROP_COUNT, axis=1), 2 * rng.integers(10, 41, (rows, CROP_COUNT)), rng)
     width = rng.integers(64, 97, rows)
     height = rng.integers(48, 97, rows)
     group = np.full(rows, -1, np.int64)
@@ -270,12 +280,13 @@ def _synthesise_shard(job: tuple) -> dict[str, int]:
     kinds = sorted(calibration)
     kind[dst] = np.asarray(kinds, object)[rng.integers(0, len(kinds), m)]
     measured = {k: np.asarray(calibration[k], np.float64) for k in kinds}
-    dc = np.asarray([measured[k][rng.integers(0, len(measured[k]))] for k in kind[dst]]).reshape(m, 3)
+    dc = np.asarray([measured[k][rng.integers(0, len(measured[k]))] for k in kind[dst]]).reshape(m, 4)
     phash[dst] = _flip(phash[src], dc[:, 0].astype(np.int64), phash_bits, rng)
-    crops[dst] = crops[src] ^ (phash[dst] ^ phash[src])[:, None]  # the copy's windows move with its whole
-    closer = dc[:, 2] < dc[:, 0]  # a window of the original frames the copy better than the whole does
+    pdq[dst] = _pdq_flip(pdq[src], dc[:, 3].astype(np.int64), rng)
+    crops[dst] = crops[src] ^ (pdq[dst] ^ pdq[src])[:, None]  # the copy's windows move with its whole
+    closer = dc[:, 2] < dc[:, 3]  # a window of the original frames the copy better than the whole does
     window = rng.integers(0, CROP_COUNT, m)
-    crops[src[closer], window[closer]] = _flip(phash[dst[closer]], dc[closer, 2].astype(np.int64), phash_bits, rng)
+    crops[src[closer], window[closer]] = _pdq_flip(pdq[dst[closer]], dc[closer, 2].astype(np.int64), rng)
     emb[dst] = _at_cosine(emb[src], np.minimum(dc[:, 1], 1.0), rng)
     resized = kind[dst] == "resize"
     width[dst], height[dst] = width[src], height[src]
@@ -299,7 +310,8 @@ def _synthesise_shard(job: tuple) -> dict[str, int]:
         "quality": pa.array(rng.random(rows).astype(np.float32)),
         "head_yaw_class": pa.array(rng.choice(list(schema.HEAD_YAW_CLASSES), rows).tolist(), pa.string()),
         "phash": pa.array(phash, pa.uint64()),
-        "phash_crops": pa.FixedSizeListArray.from_arrays(pa.array(crops.ravel(), pa.uint64()), CROP_COUNT),
+        "pdq": pa.array([r.tobytes() for r in pdq], PhashStage.columns[1].type),
+        "pdq_crops": pa.array([r.tobytes() for r in crops], PhashStage.columns[2].type),
         "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), dim),
     }
     scored = pa.table({f.name: columns.get(f.name, pa.nulls(rows, f.type)) for f in scored_schema}, scored_schema)

@@ -10,14 +10,15 @@ Photos: the ones that ship in installed packages (``generators.sample_pool.load_
 Copies of one picture inside those packages (the same test image in several docs pages) are folded into one
 original first (``_distinct``). Each original gets ``--variants`` copies of every kind in ``VARIANT_KINDS``: a
 JPEG re-encode, a resize, a light crop, a watermark, a colour shift, a tone change and a combination, with
-seeded parameters. The signals are the pipeline's own: the pHash stage's draft decode, hash and sub-crop hashes
-(the crop distance of ``link_rule.crop_distances``), the lite embedding stage's decode and descriptor.
+seeded parameters. The signals are the pipeline's own: the pHash stage's hashes (``stages.phash.hashes_of``: the
+pHash, PDQ and sub-crop PDQs, whose crop distance is ``link_rule.crop_distances``), the lite embedding stage's decode
+and descriptor.
 
 Printed: per copy kind, the share of (original, copy) pairs each signal and the rule links (recall); over every
 pair of different originals, how many each links (chance links on unrelated photos) and the precision of each
 over all pairs; the rule's tail estimate (``curation.phases.dedup.chance``) from the unrelated pairs; and the
-assumption behind a crop region's estimate (``crop_assumption``: sub-crop hashes spread like whole-image hashes
-over unrelated pairs, so the crop distance links by chance at most ``comparisons(K)`` times as often as the pHash).
+assumption behind a crop region's estimate (``crop_assumption``: sub-crop PDQs spread like whole-image PDQs over
+unrelated pairs, so the crop distance links by chance at most ``comparisons(K)`` times as often as the PDQ).
 ``--json`` writes the figures for RESULTS.md; ``--calibration`` what ``bench_scale.py`` plants copies from.
 """
 
@@ -33,15 +34,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 from PIL import Image, ImageDraw, ImageEnhance, ImageFont
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common.imageio import decode, open_reduced  # noqa: E402
-from curation.phases.dedup.link_rule import LinkRule, Region, comparisons, crop_distances  # noqa: E402
+from common.imageio import decode  # noqa: E402
+from curation.phases.dedup.link_rule import LinkRule, comparisons, crop_distances, pdq_words  # noqa: E402
 from curation.stages.embedding import embed  # noqa: E402
-from curation.stages.phash import CROP_COUNT, phash_and_crops  # noqa: E402
+from curation.stages.phash import CROP_COUNT, PhashStage, hashes_of  # noqa: E402
 
 DEBIAN_PACKAGES = ("opencv-doc", "darknet")
 # folders of those packages that hold photographs (the docs pages' figures are mostly screenshots and plots)
@@ -127,11 +129,12 @@ def variant(img: Image.Image, kind: str, rng: np.random.Generator) -> bytes:
     raise ValueError(f"unknown copy kind {kind!r}")
 
 
-def signals(data: bytes) -> tuple[int, np.ndarray, np.ndarray]:
-    """The pHash, the sub-crop pHashes (``CROP_COUNT`` uint64) and the lite embedding exactly as the pipeline's
-    stages compute them."""
-    full, crops = phash_and_crops(open_reduced(data, max_side=DRAFT_SIDE, mode="L"))
-    return full, np.asarray(crops, np.uint64), embed(decode(data, max_side=EMBED_SIDE))
+def signals(data: bytes) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """The pHash, the PDQ (4 uint64 words), the sub-crop PDQs (``CROP_COUNT`` x 4) and the lite embedding exactly as
+    the pipeline's stages compute them."""
+    hashes = hashes_of(data, DRAFT_SIDE)
+    pdq, crops = (pdq_words(pa.array([hashes[c.name]], c.type))[0][0] for c in PhashStage.columns[1:])
+    return hashes["phash"], pdq, crops, embed(decode(data, max_side=EMBED_SIDE))
 
 
 # --- photos -----------------------------------------------------------------------------------------------------------
@@ -173,7 +176,8 @@ class Photos:
     names: list[str]
     images: list[Image.Image]
     phash: np.ndarray  # uint64
-    crops: np.ndarray  # N x CROP_COUNT uint64: the sub-crop pHashes
+    pdq: np.ndarray  # N x 4 uint64 words
+    crops: np.ndarray  # N x CROP_COUNT x 4 uint64: the sub-crop PDQs
     embedding: np.ndarray  # N x D
 
 
@@ -182,14 +186,14 @@ def _distinct(named: list[tuple[str, bytes]]) -> Photos:
     same test image in several pages: pHash within 4 bits and cosine >= 0.98, well inside what any copy kind
     here reaches) folded into the first."""
     seen: set[str] = set()
-    names, images, hashes, crops, embs = [], [], [], [], []
+    names, images, hashes, pdqs, crops, embs = [], [], [], [], [], []
     for name, data in named:
         digest = hashlib.sha256(data).hexdigest()
         if digest in seen:
             continue
         seen.add(digest)
         img = Image.open(io.BytesIO(data)).convert("RGB")
-        h, hc, e = signals(_jpeg(img, 95))
+        h, pdq, hc, e = signals(_jpeg(img, 95))
         if hashes:
             d = np.bitwise_count(np.asarray(hashes, np.uint64) ^ np.uint64(h))
             if np.any((d <= 4) & (np.asarray(embs) @ e >= 0.98)):
@@ -197,13 +201,15 @@ def _distinct(named: list[tuple[str, bytes]]) -> Photos:
         names.append(name)
         images.append(img)
         hashes.append(h)
+        pdqs.append(pdq)
         crops.append(hc)
         embs.append(e)
     return Photos(
         names,
         images,
         np.asarray(hashes, np.uint64),
-        np.asarray(crops, np.uint64).reshape(-1, CROP_COUNT),
+        np.asarray(pdqs, np.uint64).reshape(-1, 4),
+        np.asarray(crops, np.uint64).reshape(-1, CROP_COUNT, 4),
         np.asarray(embs, np.float32),
     )
 
@@ -213,13 +219,14 @@ def _distinct(named: list[tuple[str, bytes]]) -> Photos:
 
 @dataclass
 class Copies:
-    """Each copy's original, kind, and its pHash distance, cosine and crop distance to the original."""
+    """Each copy's original, kind, and its pHash distance, cosine, crop distance and PDQ distance to the original."""
 
     original: np.ndarray
     kind: np.ndarray
     distance: np.ndarray
     cosine: np.ndarray
     crop: np.ndarray  # ``link_rule.crop_distances`` of the copy and its original
+    pdq: np.ndarray  # the whole PDQs' distance
 
 
 def make_copies(photos: Photos, n_variants: int, seed: int) -> Copies:
@@ -228,19 +235,20 @@ def make_copies(photos: Photos, n_variants: int, seed: int) -> Copies:
     for k, img in enumerate(photos.images):
         for kind in VARIANT_KINDS:
             for _ in range(n_variants):
-                h, hc, e = signals(variant(img, kind, rng))
-                crop = crop_distances([h], hc[None], photos.phash[k : k + 1], photos.crops[k : k + 1])[0]
+                h, pdq, hc, e = signals(variant(img, kind, rng))
+                crop = crop_distances(pdq[None], hc[None], photos.pdq[k : k + 1], photos.crops[k : k + 1])[0]
+                whole = crop_distances(pdq[None], [], photos.pdq[k : k + 1], [])[0]
                 d = int(np.bitwise_count(np.uint64(h) ^ photos.phash[k]))
-                rows.append((k, kind, d, float(e @ photos.embedding[k]), int(crop)))
-    k, kind, d, c, crop = zip(*rows)
-    return Copies(np.asarray(k), np.asarray(kind), np.asarray(d), np.asarray(c), np.asarray(crop))
+                rows.append((k, kind, d, float(e @ photos.embedding[k]), int(crop), int(whole)))
+    k, kind, d, c, crop, whole = zip(*rows)
+    return Copies(*(np.asarray(v) for v in (k, kind, d, c, crop, whole)))
 
 
 def unrelated_pairs(photos: Photos) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every pair of different originals: indices, pHash distance, cosine, crop distance."""
     i, j = np.triu_indices(len(photos.names), 1)
     d = np.bitwise_count(photos.phash[i] ^ photos.phash[j]).astype(np.int64)
-    crop = crop_distances(photos.phash[i], photos.crops[i], photos.phash[j], photos.crops[j]).astype(np.int64)
+    crop = crop_distances(photos.pdq[i], photos.crops[i], photos.pdq[j], photos.crops[j]).astype(np.int64)
     return i, j, d, np.einsum("ij,ij->i", photos.embedding[i], photos.embedding[j]), crop
 
 
@@ -264,6 +272,7 @@ def evaluate(photos: Photos, copies: Copies, rules: dict[str, LinkRule]) -> dict
         kind: {
             "phash_p50_p90_p99": [int(np.percentile(copies.distance[copies.kind == kind], q)) for q in (50, 90, 99)],
             "crop_p50_p90_p99": [int(np.percentile(copies.crop[copies.kind == kind], q)) for q in (50, 90, 99)],
+            "pdq_p50_p90_p99": [int(np.percentile(copies.pdq[copies.kind == kind], q)) for q in (50, 90, 99)],
             "cosine_p1_p10_p50": [
                 round(float(np.percentile(copies.cosine[copies.kind == kind], q)), 3) for q in (1, 10, 50)
             ],
@@ -286,45 +295,51 @@ def chance_check(photos: Photos, copies: Copies, rule: LinkRule) -> list[dict]:
 
     n = len(photos.names)
     home = nearest(photos.embedding, kmeans(photos.embedding, max(1, n // default_cluster_size(n)), 0))
-    sample = chance.measure(n, photos.phash, np.ones(n, bool), photos.embedding, home, 1.0, 10**6, 0)
+    pdq = chance.PdqSample(photos.pdq, np.ones(n, bool), CROP_COUNT)
+    sample = chance.measure(n, photos.phash, np.ones(n, bool), photos.embedding, home, 1.0, 10**6, 0, pdq)
     i, j, d_u, c_u, crop_u = unrelated_pairs(photos)
     same = home[i] == home[j]
+    # the same per-pair rates at 10^9 survivors: pairs of the pool, and pairs compared inside clusters of the size a
+    # pool of 10^9 has (one row per survivor)
+    big = 10**9
+    scale_pool = big * (big - 1) / (n * (n - 1))
+    scale_clusters = big * (default_cluster_size(big) - 1) / float((np.bincount(home) * (np.bincount(home) - 1)).sum())
     rows = []
     for region in rule.regions:
-        # a crop region: comparisons(CROP_COUNT) times the plain joint region at its cosine and radius (union bound)
-        factor = comparisons(CROP_COUNT) if region.crops else 1
-        estimate = chance.region_estimate(sample, Region(region.radius, region.min_cosine))
-        for r in sorted({max(region.radius - 8, 0), max(region.radius - 4, 0), region.radius}):
+        estimate = chance.region_estimate(sample, region)  # a crop region's counts its comparisons (union bound)
+        step = 8 if region.crops else 4
+        for r in sorted({max(region.radius - 2 * step, 0), max(region.radius - step, 0), region.radius}):
             inside = ((crop_u if region.crops else d_u) <= r) & (same if region.min_cosine is not None else True)
             if region.min_cosine is not None:
                 inside &= c_u >= region.min_cosine
-            rows.append({"region": region.describe(), "radius": r,
-                         "estimated": round(factor * estimate.expected(r), 2), "counted": int(inside.sum())})  # fmt: skip
+            at_big = estimate.expected(r) * (scale_pool if region.min_cosine is None else scale_clusters)
+            rows.append({"region": region.describe(), "radius": r, "estimated": round(estimate.expected(r), 2),
+                         "counted": int(inside.sum()), "estimated_at_1e9": float(f"{at_big:.3g}")})  # fmt: skip
     return rows
 
 
-def crop_assumption(photos: Photos, seed: int, sampled_pairs: int | None = None, radii=(6, 8, 10)) -> dict:
-    """The chance estimate of a crop region (``comparisons(CROP_COUNT)`` plain comparisons, a union bound) against the
-    unrelated pairs of originals: the spread of whole-whole distances and of single cross comparisons (one image's
-    pHash against one sub-crop hash of the other, every sub-crop of both sides, on ``sampled_pairs`` random pairs or
-    all), and how many distances are odd (a pHash sets half its bits, so two hashes differ in an even number),
-    and per radius the pairs counted within that crop distance beside ``comparisons(CROP_COUNT)`` x the pairs
-    within that pHash distance (counted, and from the normal fitted beyond the radius as the pHash-alone estimate
-    fits it), over all the pairs and over those at cosine >= 0.85."""
+def crop_assumption(photos: Photos, seed: int, sampled_pairs: int | None = None, radii=(48, 56, 64, 72)) -> dict:
+    """The chance estimate of a crop region (``comparisons(CROP_COUNT)`` plain PDQ comparisons, a union bound) against
+    the unrelated pairs of originals: the spread of whole-whole PDQ distances and of single cross comparisons (one
+    image's PDQ against one sub-crop PDQ of the other, every sub-crop of both sides, on ``sampled_pairs`` random pairs
+    or all), and how many distances are odd, and per radius the pairs counted within that crop distance beside
+    ``comparisons(CROP_COUNT)`` x the pairs within that PDQ distance (counted, and from the normal fitted beyond the
+    radius as the estimate fits it), over all the pairs and over those at cosine >= 0.85."""
     from curation.phases.dedup.chance import Tail
 
-    i, j, d_u, c_u, crop_u = unrelated_pairs(photos)
+    i, j, _, c_u, crop_u = unrelated_pairs(photos)
+    d_u = crop_distances(photos.pdq[i], [], photos.pdq[j], []).astype(np.int64)
     rng = np.random.default_rng([seed, 11])
     pick = rng.choice(i.size, min(sampled_pairs or i.size, i.size), replace=False)
     a, b = i[pick], j[pick]
     cross = np.concatenate(
         [
-            np.bitwise_count(photos.phash[a][:, None] ^ photos.crops[b]).ravel(),
-            np.bitwise_count(photos.phash[b][:, None] ^ photos.crops[a]).ravel(),
+            np.bitwise_count(photos.pdq[a][:, None] ^ photos.crops[b]).sum(axis=-1).ravel(),
+            np.bitwise_count(photos.pdq[b][:, None] ^ photos.crops[a]).sum(axis=-1).ravel(),
         ]
     ).astype(np.int64)
     k = comparisons(CROP_COUNT)
-    hist = np.bincount(d_u, minlength=65)
+    hist = np.bincount(d_u, minlength=257)
     high = c_u >= 0.85
     rows = []
     for r in radii:
@@ -367,7 +382,7 @@ def crop_assumption(photos: Photos, seed: int, sampled_pairs: int | None = None,
 
 def calibration(photos: Photos, copies: Copies) -> dict:
     """What ``bench_scale.py`` plants from: each copy kind's measured (pHash distance, cosine) pairs (``copies``), the
-    same copies as (pHash distance, cosine, crop distance) triples in the same order (``copies_crop``), and the
+    same copies as (pHash distance, cosine, PDQ crop distance, PDQ distance) in the same order (``copies_crop``), and the
     cosines of pairs of different originals that share a k-means cluster (clusters of ``default_cluster_size``)."""
     from curation.phases.dedup.embedding_clusters import default_cluster_size, kmeans, nearest
 
@@ -385,11 +400,12 @@ def calibration(photos: Photos, copies: Copies) -> dict:
         },
         "copies_crop": {
             kind: [
-                [int(d), round(float(c), 4), int(x)]
-                for d, c, x in zip(
+                [int(d), round(float(c), 4), int(x), int(w)]
+                for d, c, x, w in zip(
                     copies.distance[copies.kind == kind],
                     copies.cosine[copies.kind == kind],
                     copies.crop[copies.kind == kind],
+                    copies.pdq[copies.kind == kind],
                 )
             ]
             for kind in VARIANT_KINDS
@@ -421,7 +437,7 @@ def main() -> None:
     rules = {
         "pHash <= 8 alone": LinkRule.of([(8, None)]),
         "cosine >= 0.95 alone": LinkRule.of([(64, 0.95)]),
-        "cosine >= 0.85 and crop distance <= 8": LinkRule.of([(8, 0.85, True)]),
+        "cosine >= 0.80 and PDQ crop distance <= 64": LinkRule.of([(64, 0.80, True)]),
         "previous: pHash <= 8 or cosine >= 0.95": LinkRule.of([(8, None), (64, 0.95)]),
         "rule": rule,
     }

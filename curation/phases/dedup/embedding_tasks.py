@@ -113,14 +113,14 @@ def _crop_hashes(pdq: pa.ChunkedArray, crops: pa.ChunkedArray) -> tuple[np.ndarr
 @ray.remote(num_cpus=1)
 def _sample_file(
     out_uri: str, path: str, file_index: int, quota: int, seed: int
-) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, int]]]:
     fs, root = resolve(out_uri)
     columns = ["embedding", "phash", "pdq", "pdq_crops"]
     table = pq.read_table(join(root, path), columns=columns, filesystem=fs)
     rows = np.sort(np.random.default_rng([seed, file_index]).choice(table.num_rows, quota, replace=False))
     table = table.take(pa.array(rows, pa.int64()))
     whole, sub, with_crops = _crop_hashes(table.column("pdq"), table.column("pdq_crops"))
-    pdq = (whole, pdq_words(table.column("pdq"))[1], sub.shape[1] if with_crops.any() else 0)
+    pdq = (whole, pdq_words(table.column("pdq"))[1], int(sub.shape[1]) if with_crops.any() else 0)
     return file_index, (_matrix(table.column("embedding")), *_hashes(table.column("phash")), pdq)
 
 
@@ -165,7 +165,9 @@ def make_plan(
     sample, hashes, hashed, pdq = _draw_sample(out_uri, files, counts, sample_rows(n, layout), layout.seed)
     centroids, bucket_of, stats = plan_clusters(sample, n, len(files), layout, probes)
     home = nearest(sample, centroids)
-    measured = chance.measure(n, hashes, hashed, sample, home, stats["rows_per_survivor"], chance_pairs, layout.seed, pdq)
+    measured = chance.measure(
+        n, hashes, hashed, sample, home, stats["rows_per_survivor"], chance_pairs, layout.seed, pdq
+    )
     fs, root = resolve(out_uri)
     buf = io.BytesIO()
     np.save(buf, centroids)

@@ -166,7 +166,9 @@ def pdq_words(column) -> tuple[np.ndarray, np.ndarray]:
     valid = column.is_valid().to_numpy(zero_copy_only=False)
     data = np.zeros(len(column) * width, np.uint8)
     if len(column):
-        buffer = np.frombuffer(column.buffers()[1], np.uint8)[column.offset * width : (column.offset + len(column)) * width]
+        buffer = np.frombuffer(column.buffers()[1], np.uint8)[
+            column.offset * width : (column.offset + len(column)) * width
+        ]
         data[: buffer.size] = buffer
     words = data.view(np.uint64).reshape(len(column), -1)
     words = np.where(valid[:, None], words, np.uint64(0))

@@ -112,8 +112,8 @@ def dedup_markdown(manifest: dict) -> str:
     by_signal = ", ".join(f"{n} by {s}" for s, n in (components.get("by_signal") or {}).items())
     return f"""Two images are linked as copies of one picture when their pHash distance (of 64 bits) and the cosine of
 their embeddings fall in one of the regions below; of each group of linked images one is kept. A region on the crop
-distance measures, instead of the pHash distance, the least distance between either image's pHash and the other's
-pHash or the pHashes of its sub-crops, so that a lightly cropped copy is found. Each region's
+distance measures, instead of the pHash distance, the least distance between either image's PDQ (256 bits) and the
+other's PDQ or the PDQs of its sub-crops, so that a lightly cropped copy is found. Each region's
 radius is lowered from the configured one to what this pool's size allows, so that the links expected between
 unrelated images by chance, estimated from a sample of this run's own pairs, stay within the bound.
 

@@ -249,6 +249,7 @@ def test_sub_crop_hashes_bring_a_light_crop_close_to_its_original(photos):
         copies.append(_jpeg(np.ascontiguousarray(img[y : y + ch, x : x + cw]), 90))
     orig = stage.process_batch(_rows([_jpeg(photos[n]) for n in names]))
     crop = stage.process_batch(_rows(copies))
+
     def signals(updates):  # as the stored columns hold them, read back as the dedup search does
         return tuple(pdq_words(pa.array([u[c.name] for u in updates], c.type))[0] for c in stage.columns[1:])
 
