@@ -16,15 +16,17 @@ from its observable bulk:
   bound that holds when each sub-crop's hash is spread over unrelated pairs like the whole image's (measured on real
   photos: ``benchmarks/dedup_truth.py`` prints both) and errs high where the sub-crops' hashes, which overlap, agree;
 - both from the pairs *beyond* the region's configured radius, where the real copies mostly are not (99% of the copies of
-  each kind measured by ``benchmarks/dedup_truth.py`` sit within 22 bits, crops within 28): a normal fitted by maximum
-  likelihood to the distances above the radius (left-truncated, binned) gives ``P(d <= r)``, and the pairs beyond
+  each kind measured by ``benchmarks/dedup_truth.py`` sit within 22 pHash bits, crops within 28, and within 58 of PDQ
+  crop distance): a normal fitted by maximum likelihood to the distances above the radius (left-truncated, binned)
+  gives ``P(d <= r)``, and the pairs beyond
   the radius divided by the normal's share there give the unrelated pairs of the population, so the copies inside
   it, a visible share of the pairs at high cosine in small pools or pools with many copies, are never counted as
   chance. The normal, because its tail is no lighter than the binomial of independent bits of the same spread (on
   uniform 48-bit hashes it overestimates the binomial 2x at 8 bits, 20x at 3). A joint region fits on the pairs at
   ``c >= t``, or, where fewer than ``MIN_FIT_PAIRS`` of them lie beyond its radius, on the highest cosine that has
-  them (a crop region on the same pairs' PDQ distances, measured beside); one sampled pair's weight is added to ``W``, so that an unseen population never counts as empty. A region
-  wide enough to hold nearly its whole population (few pairs beyond it) counts all its pairs, copies included.
+  them (a crop region on the same pairs' PDQ distances, measured beside); one sampled pair's weight is added to
+  ``W``, so that an unseen population never counts as empty. A region wide enough to hold nearly its whole
+  population (few pairs beyond it) counts all its pairs, copies included.
 
 Assumptions, and where they are checked. (1) Unrelated pairs' pHash distances, at each cosine, have a lower tail no
 heavier than that normal: counted against brute force where chance links are common (``tests``: 24-bit hashes,
