@@ -38,7 +38,14 @@ from curation.phases.dedup.embedding_clusters import (
     sample_quotas,
     sample_rows,
 )
-from curation.phases.dedup.link_rule import NO_PDQ, PDQ_WORDS, LinkRule, crop_distances, pair_distances, pdq_words
+from curation.phases.dedup.link_rule import (
+    NO_PDQ,
+    PDQ_WORDS,
+    LinkRule,
+    crop_distances_of,
+    pair_distances,
+    pdq_words,
+)
 from curation.steps.window import run_tasks, task_window
 
 PAIRS_DIR, BUCKETS_DIR, PLAN_DIR = LAYOUT.embedding_pairs, LAYOUT.embedding_buckets, LAYOUT.embedding_plan
@@ -105,8 +112,19 @@ def _crop_hashes(pdq: pa.ChunkedArray, crops: pa.ChunkedArray) -> tuple[np.ndarr
     k = width // (PDQ_WORDS * 8)
     sub = np.zeros((len(crops), k, PDQ_WORDS), np.uint64)
     if k and full.any():
-        words, _ = pdq_words(crops.filter(pa.array(full)).cast(pa.binary(width)))
-        sub[full] = words.reshape(-1, k, PDQ_WORDS)
+        set_ = lengths > 0
+        if (lengths[set_] == width).all():  # the set values lie one after another: read in place, not cast
+            wide = np.int64 if pa.types.is_large_binary(crops.type) else np.int32
+            offsets = np.frombuffer(crops.buffers()[1], wide)[crops.offset : crops.offset + len(crops) + 1]
+            data = np.frombuffer(crops.buffers()[2], np.uint8)[offsets[0] : offsets[-1]]
+            block = data.view(np.uint64).reshape(-1, k, PDQ_WORDS)
+            if set_.all():
+                sub = block  # read-only, as the search only reads it
+            else:
+                sub[np.flatnonzero(set_)] = block
+        else:
+            words, _ = pdq_words(crops.filter(pa.array(full)).cast(pa.binary(width)))
+            sub[full] = words.reshape(-1, k, PDQ_WORDS)
     return whole, sub, full
 
 
@@ -115,12 +133,15 @@ def _sample_file(
     out_uri: str, path: str, file_index: int, quota: int, seed: int
 ) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, int]]]:
     fs, root = resolve(out_uri)
-    columns = ["embedding", "phash", "pdq", "pdq_crops"]
-    table = pq.read_table(join(root, path), columns=columns, filesystem=fs)
+    with fs.open_input_file(join(root, path)) as f:
+        survivors = pq.ParquetFile(f)
+        table = survivors.read(columns=["embedding", "phash", "pdq"])
+        # the sub-crop PDQs (1 KiB a row) are only counted, on the first row group: the estimate compares whole PDQs
+        first = survivors.read_row_group(0, columns=["pdq_crops"]).column(0) if survivors.num_row_groups else None
+    crops = (pc.max(pc.binary_length(first)).as_py() or 0) if first is not None else 0
     rows = np.sort(np.random.default_rng([seed, file_index]).choice(table.num_rows, quota, replace=False))
     table = table.take(pa.array(rows, pa.int64()))
-    whole, sub, with_crops = _crop_hashes(table.column("pdq"), table.column("pdq_crops"))
-    pdq = (whole, pdq_words(table.column("pdq"))[1], int(sub.shape[1]) if with_crops.any() else 0)
+    pdq = (*pdq_words(table.column("pdq")), crops // (PDQ_WORDS * 8))
     return file_index, (_matrix(table.column("embedding")), *_hashes(table.column("phash")), pdq)
 
 
@@ -261,7 +282,7 @@ def _distances(
     if not crops:
         return distance, np.full(distance.shape, NO_PDQ, np.int16)
     whole, sub, full = _crop_hashes(rows.column("pdq"), rows.column("pdq_crops"))
-    return distance, crop_distances(whole[at_a], sub[at_a], whole[at_b], sub[at_b], full[at_a], full[at_b])
+    return distance, crop_distances_of(whole, sub, full, at_a, at_b)
 
 
 @ray.remote(num_cpus=1)

@@ -42,7 +42,9 @@ NO_HASH = HASH_BITS + 1  # the distance given to a pair where either pHash is mi
 PDQ_BITS = 256
 PDQ_WORDS = PDQ_BITS // 64  # a PDQ hash as uint64 words (``pdq_words``)
 NO_PDQ = PDQ_BITS + 1  # the crop distance of a pair where either side lacks its PDQ or sub-crop hashes
-CHUNK_PAIRS = 1 << 18  # pairs whose crop distances are computed at once
+# pairs whose crop distances are computed at once: their (pairs, K, 4) temporaries stay in cache (2048: 8x faster
+# than 2^18 on a bucket's million pairs)
+CHUNK_PAIRS = 2048
 
 
 @dataclass(frozen=True)
@@ -164,14 +166,15 @@ def pdq_words(column) -> tuple[np.ndarray, np.ndarray]:
     column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     width = column.type.byte_width
     valid = column.is_valid().to_numpy(zero_copy_only=False)
-    data = np.zeros(len(column) * width, np.uint8)
-    if len(column):
-        buffer = np.frombuffer(column.buffers()[1], np.uint8)[
-            column.offset * width : (column.offset + len(column)) * width
-        ]
-        data[: buffer.size] = buffer
-    words = data.view(np.uint64).reshape(len(column), -1)
-    words = np.where(valid[:, None], words, np.uint64(0))
+    words = np.zeros((len(column), width // 8), np.uint64)
+    if len(column) and column.buffers()[1] is not None:
+        at = column.offset * width
+        words[:] = (
+            np.frombuffer(column.buffers()[1], np.uint8)[at : at + len(column) * width]
+            .view(np.uint64)
+            .reshape(len(column), -1)
+        )
+        words[~valid] = 0
     return (words if width == PDQ_BITS // 8 else words.reshape(len(column), -1, PDQ_WORDS)), valid
 
 
@@ -196,3 +199,16 @@ def crop_distances(pdq_a, crops_a, pdq_b, crops_b, valid_a=None, valid_b=None) -
     if valid_b is not None:
         d = np.where(valid_b, d, NO_PDQ)
     return d
+
+
+def crop_distances_of(
+    pdq: np.ndarray, crops: np.ndarray, valid: np.ndarray, a: np.ndarray, b: np.ndarray
+) -> np.ndarray:
+    """``crop_distances`` of the pairs (``a[i]``, ``b[i]``) of rows of ``pdq`` ((rows, 4) words), ``crops`` ((rows,
+    K, 4)) and ``valid``, gathered a slice of pairs at a time (never a (pairs, K, 4) copy of a bucket's million
+    pairs)."""
+    out = np.empty(len(a), np.int16)
+    for at in range(0, len(a), CHUNK_PAIRS):
+        i, j = a[at : at + CHUNK_PAIRS], b[at : at + CHUNK_PAIRS]
+        out[at : at + CHUNK_PAIRS] = crop_distances(pdq[i], crops[i], pdq[j], crops[j], valid[i], valid[j])
+    return out
