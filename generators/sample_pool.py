@@ -727,8 +727,9 @@ def read_manifest(out: str | Path) -> list[dict[str, Any]]:
 
 LITE_TARGET_FRACTION = 0.8  # configs/curate/lite.yaml's sample.target_fraction (a test holds them equal)
 # Copies the lite signals do not link to their photo (measured): a mirror image moves both the pHash and the
-# colour-gradient layout; the palette PNG's white frame and 255 dithered colours move them as far.
-UNLINKED_VARIANTS = frozenset({"flip", "palette_transparency"})
+# colour-gradient layout. (The palette PNG's white frame and 255 dithered colours move the pHash 14 bits, but its PDQ
+# crop distance is 32 at cosine 0.93: linked.)
+UNLINKED_VARIANTS = frozenset({"flip"})
 
 
 @dataclass(frozen=True)
@@ -792,7 +793,7 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
         "phase 1, as they do with the lite models)",
         f"  phase 1 rejects {sum(e.rejected.values())}: " + ", ".join(f"{s} {n}" for s, n in e.rejected.items()),
         f"  dedup keeps one copy of each of {len(e.kept_copy)} photos, the most pixels then the best encoding "
-        f"({kept_copies}), and drops {e.duplicates} of the {survivors} left; mirrored copies and the palette PNG are "
+        f"({kept_copies}), and drops {e.duplicates} of the {survivors} left; mirrored copies are "
         "not linked to their photo",
         f"  sample selects {e.kept} of the {e.after_dedup} left (sample.target_fraction {LITE_TARGET_FRACTION})",
     ]

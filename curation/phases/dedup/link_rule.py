@@ -55,11 +55,6 @@ class Region:
     min_cosine: float | None = None
     crops: bool = False  # ``d`` is the PDQ crop distance (needs min_cosine: searched inside the embedding clusters)
 
-    @property
-    def bits(self) -> int:
-        """The bits ``d`` counts over: the pHash's, or PDQ's for the crop distance."""
-        return PDQ_BITS if self.crops else HASH_BITS
-
     def __post_init__(self) -> None:
         if self.crops and self.min_cosine is None:
             raise ValueError("a region on the crop distance needs min_cosine (it is searched inside the clusters)")
