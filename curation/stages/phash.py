@@ -15,7 +15,7 @@ Sub-crop hashes (``pdq_crops``): a light crop (keeping ~88-97% of each side) mov
 stores the PDQs of ``CROP_COUNT`` sub-crops of its draft decode: for each of ``CROP_SCALES`` of each side, a
 ``CROP_STEPS`` x ``CROP_STEPS`` grid of windows, corner to corner. A cropped copy's own PDQ then lies close to the
 PDQ of the original's window that frames it most alike (``link_rule.crop_distances``: ~30 of 256 bits at the median
-for real crops, 60 at the 99th percentile, against 111 +- 5 for unrelated photos; ``benchmarks/dedup_truth.py``).
+for real crops, 58 at the 99th percentile, against 111 +- 5 for unrelated photos; ``benchmarks/dedup_truth.py``).
 Of the grids tried on those photos with the pHash (crops within 4 bits: one scale of 0.92 in 4x4 windows 71%, 5x5
 79%; 0.90 and 0.95 in 3x3 72%, in 4x4 86%; 0.88, 0.92 and 0.96 in 3x3 79%), two scales of 4x4 came closest, for
 crops and for reposts (a crop then a resize). PDQ rather than the pHash because 64 bits leave no room at 10^9
