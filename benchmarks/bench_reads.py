@@ -48,7 +48,7 @@ from common import storage  # noqa: E402
 from common.config import load_config  # noqa: E402
 from common.layout import LAYOUT  # noqa: E402
 from curation.config import CurateConfig  # noqa: E402
-from curation.phases.write.shards import final_shard_schema, write_named_by_content  # noqa: E402
+from curation.phases.write.shards import final_shard_schema, shard_encoding, write_named_by_content  # noqa: E402
 from generators.humanoids import RenderConfig, render  # noqa: E402
 from pretrain import data  # noqa: E402
 from pretrain.config import DataSettings, PretrainConfig  # noqa: E402
@@ -106,7 +106,8 @@ def write_shards(rows: list[dict], out: Path, row_group_size: int) -> str:
     for k, lo in enumerate(range(0, len(rows), per)):
         part = rows[lo : lo + per]
         table = pa.table({n: pa.array([r.get(n) for r in part], target.field(n).type) for n in target.names}, target)
-        shards.append(write_named_by_content(fs, root, LAYOUT.shards, f"part-{k:05d}", table, cfg, row_group_size))
+        encoding = {**shard_encoding(cfg), "row_group_size": row_group_size}
+        shards.append(write_named_by_content(fs, root, LAYOUT.shards, f"part-{k:05d}", table, **encoding))
     storage.write_json_atomic(fs, storage.join(root, LAYOUT.shards, LAYOUT.manifest_name), {"shards": shards})
     return str(out / LAYOUT.shards)
 

@@ -466,6 +466,7 @@ def _measure(repo: Path, synthesised: Path, run_dir: Path, cpus: int, overrides:
         report = json.loads(done.stdout.strip().splitlines()[-1])
         report["truth"] = dedup_truth(str(run_dir))
         report["at_rest"] = folder_sizes(run_dir)
+        report["steps"] = step_seconds(run_dir)
         return report
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -478,6 +479,8 @@ def _print_run(label: str, report: dict) -> None:
             f"  {label:<10} {phase:<7} {r['seconds']:8.1f} s   driver peak RSS {r['rss'] / GIB:6.2f} GiB   "
             f"object store peak {r['shm'] / GIB:6.2f} GiB"
         )
+        steps = report["steps"].get(phase, {})
+        print(f"  {label:<10}   steps: " + ", ".join(f"{name} {sec:.1f} s" for name, sec in steps.items()))
     t = report["truth"]
     chance = report["dedup"]["record"].get("chance")
     print(
@@ -496,6 +499,16 @@ def _print_run(label: str, report: dict) -> None:
         + ", ".join(f"{name} {size / GIB:.3f}" for name, size in at_rest.items())
         + f"); {report['write']['record']['rows']:,} images in the shards"
     )
+
+
+def step_seconds(out: Path) -> dict[str, dict[str, float]]:
+    """Each phase's steps and their seconds, from the step runner's done records."""
+    steps: dict[str, dict[str, float]] = {}
+    for done in sorted(out.glob("_state/steps/*/*.done.json"), key=lambda p: p.stat().st_mtime):
+        steps.setdefault(done.parent.name, {})[done.name.removesuffix(".done.json")] = json.loads(done.read_text())[
+            "seconds"
+        ]
+    return steps
 
 
 def folder_sizes(out: Path) -> dict[str, int]:
@@ -519,6 +532,8 @@ def main() -> int:
     p.add_argument("--pairs", type=int, default=1, help="alternating runs of this tree and --baseline")
     p.add_argument("--work", default=None, help="folder for the synthetic outputs (default: a temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the synthetic outputs")
+    p.add_argument("--input", help="a synthetic output an earlier run kept (--keep): the runs use it, nothing is "
+                   "synthesised (--sizes: its one size)")  # fmt: skip
     p.add_argument("--calibrate", action="store_true", help="choose MIXTURE against the real photos' within-cluster "
                    "cosines (benchmarks/dedup_calibration.json) and print it")  # fmt: skip
     p.add_argument("--run-phases", default=None, help=argparse.SUPPRESS)  # internal: measure one output
@@ -534,7 +549,9 @@ def main() -> int:
         print(f"MIXTURE = {calibrate(cfg.embedding_dim, target)}")
         return 0
     sizes = [int(s) for s in args.sizes.split(",")]
-    work = Path(args.work or tempfile.mkdtemp(prefix="bench-scale-"))
+    if args.input and len(sizes) != 1:
+        p.error("--input is one output of one size: give that size in --sizes")
+    work = Path(args.work or (Path(args.input).parent if args.input else tempfile.mkdtemp(prefix="bench-scale-")))
     print(
         f"global phases on synthetic scored outputs; lite profile, {cfg.embedding_dim}-d embeddings, "
         f"{args.phash_bits} random pHash bits, {args.cpus} CPUs for Ray, {os.cpu_count()} on the machine; "
@@ -545,11 +562,15 @@ def main() -> int:
         runs.append(("baseline", Path(args.baseline).resolve(), []))
     results: dict[int, dict] = {}
     for n in sizes:
-        out = work / f"n{n}"
-        shutil.rmtree(out, ignore_errors=True)
-        start = time.monotonic()
-        planted = synthesise(out, n, args.rows_per_shard, cfg, dup_rate=args.dup_rate, phash_bits=args.phash_bits)
-        print(f"\nN = {n:,}: synthesised in {time.monotonic() - start:.0f} s; copies planted {planted}")
+        if args.input:
+            out = Path(args.input)
+            print(f"\nN = {n:,}: the output kept in {out}")
+        else:
+            out = work / f"n{n}"
+            shutil.rmtree(out, ignore_errors=True)
+            start = time.monotonic()
+            planted = synthesise(out, n, args.rows_per_shard, cfg, dup_rate=args.dup_rate, phash_bits=args.phash_bits)
+            print(f"\nN = {n:,}: synthesised in {time.monotonic() - start:.0f} s; copies planted {planted}")
         for k in range(args.pairs):
             for label, repo, overrides in runs:
                 report = _measure(repo, out, work / f"n{n}-{label}", args.cpus, overrides)
@@ -558,7 +579,7 @@ def main() -> int:
         if args.previous_rule:
             report = _measure(REPO, out, work / f"n{n}-previous", args.cpus, [*args.overrides, *PREVIOUS_RULE])
             _print_run("previous", report)
-        if not args.keep:
+        if not (args.keep or args.input):
             shutil.rmtree(out, ignore_errors=True)
     for label, _, _ in runs:
         totals = {n: min(sum(r[p]["seconds"] for p in PHASES) for r in results[n][label]) for n in sizes}

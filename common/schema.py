@@ -34,6 +34,10 @@ HEAD_YAW_CLASSES = ("frontal", "left_profile", "right_profile", "not_visible")
 
 IMAGE_TYPE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 
+# columns whose values differ from row to row: a Parquet dictionary of them only costs (a scored part of 10,000 rows
+# wrote 1.9x as fast and 16% smaller without; benchmarks/RESULTS.md, "Bytes once, and the write phase's encoding")
+DISTINCT_PER_ROW = frozenset({"key", "source", "uid", "image", "embedding", "pdq", "pdq_crops", "phash"})
+
 PERSON_TYPE = pa.struct(
     [
         # box in pixels of the oriented image

@@ -20,12 +20,14 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from hashlib import sha256
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
+from common import schema
 
 T = TypeVar("T")
 
@@ -266,11 +268,60 @@ def file_sha256(fs: pafs.FileSystem, path: str) -> str:
     return digest.hexdigest()
 
 
-def encode_parquet(table: pa.Table, *, row_group_size: int, compression: str = "zstd") -> bytes:
-    """The bytes of ``table`` as one Parquet file (deterministic: the same table gives the same bytes)."""
+def open_parquet(fs: pafs.FileSystem, path: str) -> pq.ParquetFile:
+    """A Parquet file to read from ``fs``: its column chunks pre-buffered (coalesced reads) on an object store, read
+    as needed on a local disk, where pre-buffering a scored part's 7,000 small chunks took 1.8x as long."""
+    return pq.ParquetFile(path, filesystem=fs, pre_buffer=not isinstance(fs, pafs.LocalFileSystem))
+
+
+def encode_parquet(
+    table: pa.Table, *, row_group_size: int, compression: str | dict[str, str] = "zstd", **options: Any
+) -> bytes:
+    """The bytes of ``table`` as one Parquet file (deterministic: the same table gives the same bytes). ``options``:
+    more of ``pq.write_table``'s (``use_dictionary``, ``write_statistics``: all columns, none, or a list of paths);
+    by default every column but ``schema.DISTINCT_PER_ROW`` is dictionary-encoded."""
+    if "use_dictionary" not in options:
+        options["use_dictionary"] = [
+            p for p in _leaf_paths(table.schema) if p.split(".")[0] not in schema.DISTINCT_PER_ROW
+        ]
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, row_group_size=row_group_size, compression=compression)
+    pq.write_table(table, sink, row_group_size=row_group_size, compression=compression, **options)
     return sink.getvalue().to_pybytes()
+
+
+@functools.lru_cache(maxsize=64)
+def _leaf_paths(arrow_schema: pa.Schema) -> list[str]:
+    """The Parquet column paths of ``arrow_schema``'s leaves (``persons.list.element.x0``), as the writer names them."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(arrow_schema.empty_table(), sink)
+    return [column.path for column in pq.ParquetFile(pa.BufferReader(sink.getvalue())).schema]
+
+
+_CODEC_NAMES = {"UNCOMPRESSED": "none"}  # the footer's name of a codec where write_table's differs
+
+
+def parquet_options_like(meta: pq.FileMetaData) -> dict[str, Any]:
+    """``encode_parquet``'s options that write a table as the file ``meta`` describes was written: its rows per row
+    group, and each column's codec, dictionary and statistics as in its first row group."""
+    if not meta.num_row_groups:
+        return {"row_group_size": 1}
+    group = meta.row_group(0)
+    columns = [group.column(i) for i in range(group.num_columns)]
+
+    def each(values: dict[str, Any]) -> Any:  # one value for all columns where they agree, else per column
+        distinct = set(values.values())
+        if len(distinct) == 1:
+            return distinct.pop()
+        return values if not distinct <= {True, False} else [path for path, on in values.items() if on]
+
+    return {
+        "row_group_size": max(1, group.num_rows),
+        "compression": each(
+            {c.path_in_schema: _CODEC_NAMES.get(c.compression, c.compression.lower()) for c in columns}
+        ),
+        "use_dictionary": each({c.path_in_schema: c.has_dictionary_page for c in columns}),
+        "write_statistics": each({c.path_in_schema: c.is_stats_set for c in columns}),
+    }
 
 
 def list_files(fs: pafs.FileSystem, path: str, suffix: str = "") -> list[str]:

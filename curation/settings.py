@@ -93,6 +93,9 @@ class OutputSettings(Strict):
     # final shards' rows per row group, sized for training reads: a row group is read whole, so one that divides
     # the images a training worker takes per step is read once (pretrain/data.py); 16 fits any multiple of 16
     shard_row_group_size: int = Field(16, ge=1)
+    # final shards' codec: at their row groups' size zstd's set-up per page costs more than it saves (JPEG bytes do
+    # not compress); snappy writes them ~3x faster (curation.phases.write.shards.shard_encoding)
+    shard_compression: str = "snappy"
     # ledger rows carry no image (~1 KB each): small row groups would make writing them several times slower
     ledger_row_group_size: int = Field(10_000, ge=1)
     compression: str = "zstd"

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from common import schema
 from common.layout import DOWNLOAD, GLOBAL_PHASES, LAYOUT, TAKEDOWN, funnel_phase
-from common.storage import exists, join, resolve
+from common.storage import exists, join, open_parquet, resolve
 from curation.records import read_commits, read_manifest
 from curation.score.read_parquet import layout_problem
 from curation.score.sources import parse_source
@@ -216,7 +216,7 @@ def read_part(fs, path: str, columns: list[str], target: pa.Schema) -> pa.Table:
     """The ``columns`` of a phase-1 part (scored or ledger). A stage's column the file lacks (written before the stage
     wrote it, as the ``pdq_crops`` or ``nsfw_score`` of an older output) is read as nulls of its type in ``target``;
     any other missing column raises."""
-    with pq.ParquetFile(path, filesystem=fs) as f:
+    with open_parquet(fs, path) as f:
         have = set(f.schema_arrow.names)
         added = {c.name for c in schema.stage_columns()} & (set(columns) - have)
         t = f.read(columns=[c for c in columns if c not in added])

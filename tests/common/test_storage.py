@@ -19,11 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import moto_s3
 from PIL import Image
 
-from common import storage
+from common import schema, storage
 from common.config import load_config
 from common.layout import LAYOUT
 from common.storage import RetriesExhausted, RetryPolicy, io_counts, retry_io, retry_io_stream
@@ -328,3 +329,40 @@ def test_the_score_phase_reports_its_retries_and_throttles(store, proxy_to, ray_
     assert sorted(r["source"] for r in ledger) == ["s3://bkt/pool2/a.jpg", "s3://bkt/pool2/b.jpg"]
     assert not any((r["reason"] or "").startswith("unreadable") for r in ledger), ledger
     assert len(answered) == absorbed + 1
+
+
+def _columns(data: bytes) -> dict[str, object]:
+    group = pq.ParquetFile(pa.BufferReader(data)).metadata.row_group(0)
+    return {group.column(i).path_in_schema: group.column(i) for i in range(group.num_columns)}
+
+
+def test_a_file_rewritten_with_the_options_read_from_it_has_the_same_bytes():
+    rows = 12
+    table = pa.table(
+        {
+            "key": [f"{i:064x}" for i in range(rows)],
+            "source": [f"img-{i}.jpg" for i in range(rows)],
+            "shard_id": ["files-000000"] * rows,
+            "format": ["JPEG", "PNG"] * (rows // 2),
+            "image": pa.array([{"bytes": bytes([i]) * 50, "path": f"{i}.jpg"} for i in range(rows)], schema.IMAGE_TYPE),
+            "persons": pa.array([[{"x0": 0.1 * i, "score": 0.5}] for i in range(rows)]),
+            "embedding": pa.array([[float(i)] * 4 for i in range(rows)], pa.list_(pa.float32(), 4)),
+        }
+    )
+    shard = {"row_group_size": 4, "compression": "snappy", "use_dictionary": False, "write_statistics": ["source"]}
+    for options in ({"row_group_size": 5}, shard):
+        data = storage.encode_parquet(table, **options)
+        again = storage.encode_parquet(
+            table, **storage.parquet_options_like(pq.ParquetFile(pa.BufferReader(data)).metadata)
+        )
+        assert again == data
+
+    columns = _columns(storage.encode_parquet(table, **shard))
+    assert {c.compression for c in columns.values()} == {"SNAPPY"}
+    assert not any(c.has_dictionary_page for c in columns.values())
+    assert [path for path, c in columns.items() if c.is_stats_set] == ["source"]
+    # by default, a dictionary for the columns whose values repeat, none for those distinct in every row
+    columns = _columns(storage.encode_parquet(table, row_group_size=rows))
+    assert {path for path, c in columns.items() if c.has_dictionary_page} == {
+        "shard_id", "format", "persons.list.element.x0", "persons.list.element.score"
+    }  # fmt: skip

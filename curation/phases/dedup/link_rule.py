@@ -174,7 +174,12 @@ def pdq_words(column) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _pdq_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return popcount64(a ^ b).sum(axis=-1, dtype=np.int16)
+    """Hamming distances of PDQs given as (..., 4) words, broadcast; summed a word at a time (numpy's reduction over
+    a last axis of 4 took 2.4x as long)."""
+    d = popcount64(a[..., 0] ^ b[..., 0]).astype(np.int16)
+    for w in range(1, PDQ_WORDS):
+        d += popcount64(a[..., w] ^ b[..., w])
+    return d
 
 
 def crop_distances(pdq_a, crops_a, pdq_b, crops_b, valid_a=None, valid_b=None) -> np.ndarray:

@@ -47,7 +47,7 @@ import ray
 from common import schema
 from common.config import hash_json_each
 from common.layout import LAYOUT
-from common.storage import encode_parquet, exists, join, redact, resolve, write_bytes_atomic
+from common.storage import encode_parquet, exists, join, open_parquet, redact, resolve, write_bytes_atomic
 from curation.config import CurateConfig, config_from_json
 from curation.phases.write.takedown import Takedowns, applied_takedowns
 from curation.records import read_done
@@ -59,11 +59,10 @@ from curation.steps.runner import StepRunner, TaskStep
 log = logging.getLogger(__name__)
 
 
-def write_named_by_content(
-    fs, root: str, folder: str, stem: str, table: pa.Table, cfg: CurateConfig, row_group_size: int
-) -> dict:
-    """Write ``table`` as ``<folder>/<stem>-<sha256 prefix>.parquet``; returns its manifest entry."""
-    data = encode_parquet(table, row_group_size=row_group_size, compression=cfg.output.compression)
+def write_named_by_content(fs, root: str, folder: str, stem: str, table: pa.Table, **encoding: Any) -> dict:
+    """Write ``table`` as ``<folder>/<stem>-<sha256 prefix>.parquet`` (``encoding``: ``encode_parquet``'s options);
+    returns its manifest entry."""
+    data = encode_parquet(table, **encoding)
     digest = sha256(data).hexdigest()
     name = f"{stem}-{digest[:16]}.parquet"
     write_bytes_atomic(fs, join(root, folder, name), data)
@@ -76,6 +75,21 @@ def _read_if_exists(fs, root: str, path: str, columns: list[str] | None = None) 
 
 
 # --- final shards -------------------------------------------------------------------------------------------------------
+
+SHARD_ORDER = ["shard_id", "source"]  # the final shards' row order
+
+
+def shard_encoding(cfg: CurateConfig) -> dict[str, Any]:
+    """How the final shards are encoded. Their row groups are small (``output.shard_row_group_size``, for training
+    reads), and per row group and column, zstd's set-up, a dictionary and statistics cost more than the data they
+    encode: ``output.shard_compression`` (snappy), no dictionaries, and statistics only on the row order, the one
+    thing a reader can skip row groups by (``benchmarks/RESULTS.md``, "Bytes once, and the write phase's encoding")."""
+    return {
+        "row_group_size": cfg.output.shard_row_group_size,
+        "compression": cfg.output.shard_compression,
+        "use_dictionary": False,
+        "write_statistics": SHARD_ORDER,
+    }
 
 
 def plan_output_shards(selected: list[int], rows_per_shard: int) -> list[list[tuple[int, int, int]]]:
@@ -171,11 +185,7 @@ def _write_output_shards(
             picked = takedowns.without(table.take(at).append_column("cluster_ids", mine.column("cluster_ids")))
             rows.append(with_originals(picked, originals, shard_id))  # a taken-down image is never read again
         table = with_typed_metadata(pa.concat_tables(rows), typed).select(target.names).cast(target)
-        shards.append(
-            write_named_by_content(
-                fs, root, LAYOUT.shards, f"part-{k:05d}", table, cfg, cfg.output.shard_row_group_size
-            )
-        )
+        shards.append(write_named_by_content(fs, root, LAYOUT.shards, f"part-{k:05d}", table, **shard_encoding(cfg)))
     return {"shards": shards}
 
 
@@ -307,7 +317,13 @@ def _write_ledger_group(
         files.append(
             {
                 **write_named_by_content(
-                    fs, root, LAYOUT.final_ledger, shard_id, table, cfg, cfg.output.ledger_row_group_size
+                    fs,
+                    root,
+                    LAYOUT.final_ledger,
+                    shard_id,
+                    table,
+                    row_group_size=cfg.output.ledger_row_group_size,
+                    compression=cfg.output.compression,
                 ),
                 "shard_id": shard_id,
             }
@@ -499,11 +515,10 @@ def _drop_scored_bytes(out_uri: str, files: list[str], cfg_json: str) -> dict:
     rewritten = freed = 0
     for rel in files:
         path = join(root, rel)
-        with fs.open_input_file(path) as f:
-            pf = pq.ParquetFile(f)
+        with open_parquet(fs, path) as pf:
             if _without_bytes(pf.metadata):
                 continue
-            size, file_schema = f.size(), pf.schema_arrow
+            size, file_schema = fs.get_file_info(path).size, pf.schema_arrow
             at = file_schema.get_field_index("image")
             table = pf.read(columns=[n for n in file_schema.names if n != "image"])
             paths = pf.read(columns=["image.path"]).column(0).combine_chunks().field("path")  # a struct of it

@@ -36,6 +36,7 @@ from common.storage import (
     encode_parquet,
     exists,
     join,
+    parquet_options_like,
     read_json,
     redact,
     resolve,
@@ -87,11 +88,9 @@ def _scan(out_uri: str, files: list[str], listing: Listing) -> dict:
 
 
 def _rewrite(fs, root: str, folder: str, name: str, table: pa.Table, like: pq.ParquetFile) -> dict:
-    """``table`` written as the file ``name`` was (row groups, compression, metadata), named by its content."""
-    meta = like.metadata
-    group_rows = meta.row_group(0).num_rows if meta.num_row_groups else 1
-    compression = meta.row_group(0).column(0).compression.lower() if meta.num_row_groups else "zstd"
-    data = encode_parquet(table, row_group_size=max(1, group_rows), compression=compression)
+    """``table`` written as the file ``name`` was (row groups, codecs, dictionaries, statistics, metadata), named by
+    its content."""
+    data = encode_parquet(table, **parquet_options_like(like.metadata))
     digest = sha256(data).hexdigest()
     new = f"{name.rsplit('-', 1)[0]}-{digest[:16]}.parquet"
     write_bytes_atomic(fs, join(root, folder, new), data)
