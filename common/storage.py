@@ -155,7 +155,7 @@ def open_output_atomic(fs: pafs.FileSystem, path: str):
     fs.move(tmp, path)
 
 
-def write_bytes_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+def write_bytes_atomic(fs: pafs.FileSystem, path: str, data: bytes | pa.Buffer) -> None:
     with open_output_atomic(fs, path) as out:
         out.write(data)
 
@@ -276,8 +276,8 @@ def open_parquet(fs: pafs.FileSystem, path: str) -> pq.ParquetFile:
 
 def encode_parquet(
     table: pa.Table, *, row_group_size: int, compression: str | dict[str, str] = "zstd", **options: Any
-) -> bytes:
-    """The bytes of ``table`` as one Parquet file (deterministic: the same table gives the same bytes). ``options``:
+) -> pa.Buffer:
+    """The bytes of ``table`` as one Parquet file, in Arrow's buffer (not copied into ``bytes``) (deterministic: the same table gives the same bytes). ``options``:
     more of ``pq.write_table``'s (``use_dictionary``, ``write_statistics``: all columns, none, or a list of paths);
     by default every column but ``schema.DISTINCT_PER_ROW`` is dictionary-encoded."""
     if "use_dictionary" not in options:
@@ -286,7 +286,7 @@ def encode_parquet(
         ]
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, row_group_size=row_group_size, compression=compression, **options)
-    return sink.getvalue().to_pybytes()
+    return sink.getvalue()
 
 
 @functools.lru_cache(maxsize=64)

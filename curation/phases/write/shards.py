@@ -519,11 +519,11 @@ def _drop_scored_bytes(out_uri: str, files: list[str], cfg_json: str) -> dict:
             if _without_bytes(pf.metadata):
                 continue
             size, file_schema = fs.get_file_info(path).size, pf.schema_arrow
-            at = file_schema.get_field_index("image")
-            table = pf.read(columns=[n for n in file_schema.names if n != "image"])
-            paths = pf.read(columns=["image.path"]).column(0).combine_chunks().field("path")  # a struct of it
+            table = pf.read(columns=[n if n != "image" else "image.path" for n in file_schema.names])
+        at = file_schema.get_field_index("image")
+        paths = table.column(at).combine_chunks().field("path")  # read as a struct of the path alone
         image = pa.StructArray.from_arrays([pa.nulls(len(paths), pa.binary()), paths], fields=list(schema.IMAGE_TYPE))
-        table = table.add_column(at, file_schema.field("image"), image).cast(file_schema)
+        table = table.set_column(at, file_schema.field("image"), image).cast(file_schema)
         # no image bytes left: the row groups of a file that carries none (as the ledger's), not of one with images
         data = encode_parquet(
             table, row_group_size=cfg.output.ledger_row_group_size, compression=cfg.output.compression
