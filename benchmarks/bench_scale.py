@@ -11,7 +11,8 @@ with no scoring needed. The global phases then run in a fresh process on a local
 --phases dedup,sample,write`` would run them, on a hard-linked copy of that output, while a sampler thread records
 that driver's RSS and the bytes Ray's object store holds in ``/dev/shm``, and after it the output's size at rest per
 folder. ``--baseline`` runs another checkout's
-global phases on the same inputs, alternating ``--pairs`` times; ``--previous-rule`` this tree's with the link rule
+global phases on the same inputs (their image bytes in the scored parts, as phase 1 wrote them before
+``scored_images/``), alternating ``--pairs`` times; ``--previous-rule`` this tree's with the link rule
 of before (pHash within 8 bits or cosine >= 0.95). Printed per run and phase: wall time, driver peak RSS,
 object-store peak; the survivors dedup dropped as copies of an image outside their planted group (chance links)
 and the planted copies found with their original, per kind; then the time slope between sizes and one closing
@@ -40,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -50,6 +52,7 @@ from common.layout import GLOBAL_PHASES as PHASES  # noqa: E402
 from common.layout import LAYOUT  # noqa: E402
 from common.storage import join, resolve, write_json_atomic, write_parquet_atomic  # noqa: E402
 from curation.config import CurateConfig  # noqa: E402
+from curation.score.chain import split_images  # noqa: E402
 from curation.stages.phash import CROP_COUNT, PhashStage  # noqa: E402
 
 LITE = REPO / "configs/curate/lite.yaml"
@@ -323,7 +326,8 @@ def _synthesise_shard(job: tuple) -> dict[str, int]:
     ledger = pa.table({f.name: ledger_cols.get(f.name, pa.nulls(rows, f.type)) for f in ledger_schema}, ledger_schema)
     part = f"{shard_id}/part-0000000000000000.parquet"
     scored_file, ledger_file = f"{LAYOUT.scored}/{part}", f"{LAYOUT.ledger}/{part}"
-    write_parquet_atomic(fs, join(root, scored_file), scored, row_group_size=cfg.output.row_group_size)
+    for path, table in zip((scored_file, LAYOUT.images_of(scored_file)), split_images(scored), strict=True):
+        write_parquet_atomic(fs, join(root, path), table, row_group_size=cfg.output.row_group_size)
     write_parquet_atomic(fs, join(root, ledger_file), ledger, row_group_size=cfg.output.ledger_row_group_size)
     truth = pa.table({"key": keys, "group": group, "kind": kind.astype(str)})
     write_parquet_atomic(fs, join(root, TRUTH_DIR, f"{shard_id}.parquet"), truth, row_group_size=1 << 20)
@@ -452,6 +456,22 @@ PREVIOUS_RULE = ["dedup.links=[{radius: 8}, {radius: 64, min_cosine: 0.95}]", "d
                  "dedup.allow_chance=true"]  # fmt: skip
 
 
+def inline_images(out: Path, to: Path) -> Path:
+    """A copy of the synthetic output ``out`` (hard links) whose scored parts hold their image bytes themselves, as
+    phase 1 wrote them before the image files (``scored_images/``): what a ``--baseline`` of that time reads."""
+    if not to.exists():
+        shutil.copytree(out, to, copy_function=os.link, ignore=shutil.ignore_patterns(LAYOUT.scored_images))
+        fs, root = resolve(str(to))
+        for images in sorted((out / LAYOUT.scored_images).rglob("*.parquet")):
+            scored_file = f"{LAYOUT.scored}/{images.relative_to(out / LAYOUT.scored_images)}"
+            scored = pq.read_table(out / scored_file)
+            at = scored.schema.get_field_index("image")
+            scored = scored.set_column(at, scored.schema.field(at), pq.read_table(images).column("image"))
+            (to / scored_file).unlink()  # a link to the input's file: replaced, not written through
+            write_parquet_atomic(fs, join(root, scored_file), scored, row_group_size=100)
+    return to
+
+
 def _measure(repo: Path, synthesised: Path, run_dir: Path, cpus: int, overrides: list[str]) -> dict:
     """The global phases of ``repo``'s checkout on a hard-linked copy of ``synthesised`` (the phases write new files
     and never change an input in place), with the dedup truth; the copy is removed after."""
@@ -559,7 +579,7 @@ def main() -> int:
     )
     runs = [("this", REPO, args.overrides)]
     if args.baseline:
-        runs.append(("baseline", Path(args.baseline).resolve(), []))
+        runs.append(("baseline", Path(args.baseline).resolve(), []))  # on the inline_images copy of each input
     results: dict[int, dict] = {}
     for n in sizes:
         if args.input:
@@ -567,20 +587,27 @@ def main() -> int:
             print(f"\nN = {n:,}: the output kept in {out}")
         else:
             out = work / f"n{n}"
-            shutil.rmtree(out, ignore_errors=True)
+            for stale in (out, work / f"n{n}-inline"):
+                shutil.rmtree(stale, ignore_errors=True)
             start = time.monotonic()
             planted = synthesise(out, n, args.rows_per_shard, cfg, dup_rate=args.dup_rate, phash_bits=args.phash_bits)
             print(f"\nN = {n:,}: synthesised in {time.monotonic() - start:.0f} s; copies planted {planted}")
+        inputs = {"this": out}
+        if args.baseline and (out / LAYOUT.scored_images).exists():
+            inputs["baseline"] = inline_images(out, work / f"n{n}-inline")
+        elif args.baseline:
+            inputs["baseline"] = out
         for k in range(args.pairs):
             for label, repo, overrides in runs:
-                report = _measure(repo, out, work / f"n{n}-{label}", args.cpus, overrides)
+                report = _measure(repo, inputs[label], work / f"n{n}-{label}", args.cpus, overrides)
                 results.setdefault(n, {}).setdefault(label, []).append(report)
                 _print_run(f"{label}#{k + 1}", report)
         if args.previous_rule:
             report = _measure(REPO, out, work / f"n{n}-previous", args.cpus, [*args.overrides, *PREVIOUS_RULE])
             _print_run("previous", report)
         if not (args.keep or args.input):
-            shutil.rmtree(out, ignore_errors=True)
+            for done in (out, work / f"n{n}-inline"):
+                shutil.rmtree(done, ignore_errors=True)
     for label, _, _ in runs:
         totals = {n: min(sum(r[p]["seconds"] for p in PHASES) for r in results[n][label]) for n in sizes}
         peaks = {n: max(max(r[p]["rss"] for p in PHASES) for r in results[n][label]) for n in sizes}

@@ -17,8 +17,9 @@ step's scratch files inside its own work folder (``dedup/components/``, ``sample
     _state/steps/<phase>/<step>.done.json      the step's stats, written last
     _state/takedown/<list id>.json          a takedown: the list, who, when, what it removed, the files it replaced
     _state/takedown/<list id>.entries.parquet   the list's entries (keys, sources, URLs), which no version may hold
-    scored/<shard_id>/part-*.parquet        phase 1's kept rows, with scores, hashes and embeddings; their image bytes
-                                            until the write phase has switched to the final shards
+    scored/<shard_id>/part-*.parquet        phase 1's kept rows, with scores, hashes and embeddings (image bytes null)
+    scored_images/<shard_id>/part-*.parquet   their image bytes (``source``, ``image``, row for row), deleted once the
+                                            write phase has switched to the final shards: each image's bytes once
     ledger/<shard_id>/part-*.parquet        phase 1's ledger rows: one per input
     dedup/...                               phase 2's partitions (survivors, pairs, components, decisions)
     sample/...                              phase 3's partitions (work, hierarchy, decisions)
@@ -56,7 +57,16 @@ class OutputLayout:
     takedowns = "_state/takedown"
 
     scored = "scored"
+    scored_images = "scored_images"
     ledger = "ledger"
+
+    def images_of(self, scored_file: str) -> str:
+        """The file of the image bytes of the scored part ``scored_file`` (relative to the output root, or a path
+        under it: the answer is of the same kind)."""
+        parts = scored_file.split("/")
+        if len(parts) < 3 or parts[-3] != self.scored:
+            raise ValueError(f"not a scored part: {scored_file}")
+        return "/".join([*parts[:-3], self.scored_images, *parts[-2:]])
 
     survivors = "dedup/survivors"
     phash_pairs = "dedup/pairs/phash"

@@ -1,8 +1,8 @@
 """Thumbnails of the images a report shows, read from where the output keeps them.
 
-An output keeps each image's bytes once: kept images are read from the final shards (or from the scored files
-while a run has not written them yet), the other survivors of phase 1 (duplicate, unsampled) from the scored files
-while they still hold bytes; the rest, and rejected images, whose bytes are not in the output, are read again from
+An output keeps each image's bytes once: kept images are read from the final shards (or from the scored parts'
+image files while a run has not written them yet), the other survivors of phase 1 (duplicate, unsampled) from
+those image files while they exist; the rest, and rejected images, whose bytes are not in the output, are read again from
 the ledger's ``source`` (``curation.score.originals``) when it is still readable and unchanged, and shown as a
 placeholder that says why otherwise. Thumbnails are small JPEGs named by the image's key: made
 once, shared by every section that shows the image, and reused by later reports of the same output.
@@ -114,8 +114,9 @@ class Thumbnails:
                 t.thumb, t.why = results[t.key]
 
     def _output_bytes(self, tiles: list[Tile]) -> dict[str, bytes]:
-        """The bytes the output holds of ``tiles``, by source: the scored files' (dropped once the final shards are
-        written), then the final shards'."""
+        """The bytes the output holds of ``tiles``, by source: the scored parts' image files (deleted once the final
+        shards are written; in the scored parts themselves for an output scored before them), then the final
+        shards'."""
         by_shard: dict[str, set[str]] = defaultdict(set)
         for t in tiles:
             by_shard[t.shard_id].add(t.source)
@@ -123,8 +124,9 @@ class Thumbnails:
         found: dict[str, bytes] = {}
         for shard_id, sources in by_shard.items():
             for rel in records.get(shard_id, {}).get("scored_files", []):
+                images = LAYOUT.images_of(rel)
                 table = pq.read_table(
-                    join(self.root, rel),
+                    join(self.root, images if exists(self.fs, join(self.root, images)) else rel),
                     columns=["source", "image"],
                     filesystem=self.fs,
                     filters=pc.field("source").isin(sorted(sources)),

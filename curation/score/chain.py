@@ -203,6 +203,18 @@ def write_parts(batch: pa.Table, out_uri: str, cfg_json: str, results_hash: str)
     return receipts
 
 
+def split_images(scored: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """Scored rows as a scored part (its image bytes null, their paths kept) and the part's image file (``source``
+    and ``image``, row for row): the write phase deletes the image files once the final shards hold the kept images,
+    and the scored parts stay as they are (``curation.phases.write.shards.drop_scored_bytes``)."""
+    at = scored.schema.get_field_index("image")
+    image = scored.column(at).combine_chunks()
+    paths = image.field("path")
+    bare = pa.StructArray.from_arrays([pa.nulls(len(paths), pa.binary()), paths], fields=list(schema.IMAGE_TYPE))
+    images = scored.select(["source", "image"]).replace_schema_metadata(None)
+    return scored.set_column(at, scored.schema.field(at), bare), images
+
+
 def _write_parts_once(batch: pa.Table, out_uri: str, cfg: CurateConfig, results_hash: str) -> pa.Table:
     fs, root = resolve(out_uri)
     batch = _finalise(batch)
@@ -231,13 +243,15 @@ def _write_parts_once(batch: pa.Table, out_uri: str, cfg: CurateConfig, results_
         scored_file = None
         if kept.num_rows:
             scored_file = f"{LAYOUT.scored}/{shard_id}/{part}"
-            write_parquet_atomic(
-                fs,
-                join(root, scored_file),
-                kept.select(scored_schema.names).cast(scored_schema),
-                row_group_size=cfg.output.row_group_size,
-                compression=cfg.output.compression,
-            )
+            scored, images = split_images(kept.select(scored_schema.names).cast(scored_schema))
+            for path, table in ((LAYOUT.images_of(scored_file), images), (scored_file, scored)):
+                write_parquet_atomic(
+                    fs,
+                    join(root, path),
+                    table,
+                    row_group_size=cfg.output.row_group_size,
+                    compression=cfg.output.compression,
+                )
         receipts.append(
             {
                 "shard_id": shard_id,

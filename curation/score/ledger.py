@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from common import schema
 from common.layout import DOWNLOAD, GLOBAL_PHASES, LAYOUT, TAKEDOWN, funnel_phase
-from common.storage import exists, join, open_parquet, resolve
+from common.storage import DAMAGED_RECORD_ADVICE, DamagedRecordError, exists, join, open_parquet, resolve
 from curation.records import read_commits, read_manifest
 from curation.score.read_parquet import layout_problem
 from curation.score.sources import parse_source
@@ -215,14 +215,32 @@ def funnel_of(ledger: pa.Table) -> Counter:
 def read_part(fs, path: str, columns: list[str], target: pa.Schema) -> pa.Table:
     """The ``columns`` of a phase-1 part (scored or ledger). A stage's column the file lacks (written before the stage
     wrote it, as the ``pdq_crops`` or ``nsfw_score`` of an older output) is read as nulls of its type in ``target``;
-    any other missing column raises."""
+    any other missing column raises. A scored part's ``image`` holds its bytes while its image file
+    (``LAYOUT.images_of``) does, null once they are dropped (and as stored by outputs that kept them inline)."""
     with open_parquet(fs, path) as f:
         have = set(f.schema_arrow.names)
         added = {c.name for c in schema.stage_columns()} & (set(columns) - have)
         t = f.read(columns=[c for c in columns if c not in added])
     for name in sorted(added):
         t = t.append_column(target.field(name), pa.nulls(t.num_rows, target.field(name).type))
+    if "image" in columns and t.num_rows:  # a scored part: the ledger's have no image
+        t = _with_image_bytes(fs, path, t)
     return t.select(columns)
+
+
+def _with_image_bytes(fs, path: str, t: pa.Table) -> pa.Table:
+    """``t`` (rows of the scored part ``path``, in its order) with the bytes of its image file, when it has one."""
+    images_path = LAYOUT.images_of(path)
+    if not exists(fs, images_path):
+        return t
+    with open_parquet(fs, images_path) as f:
+        images = f.read(columns=["source", "image"])
+    same = len(images) == len(t) and ("source" not in t.column_names or images["source"].equals(t["source"]))
+    if not same:
+        raise DamagedRecordError(
+            images_path, f"its rows are not those of the scored part {path}", DAMAGED_RECORD_ADVICE
+        )
+    return t.set_column(t.schema.get_field_index("image"), t.schema.field("image"), images.column("image"))
 
 
 def kept_sources(fs, root: str, record: dict) -> pa.Array:

@@ -97,7 +97,7 @@ class ScorePhase(Step):
         self.started = False  # whether this run's units ran (the step was not done already)
 
     def outputs(self) -> list[str]:
-        return [LAYOUT.scored, LAYOUT.ledger]
+        return [LAYOUT.scored, LAYOUT.scored_images, LAYOUT.ledger]
 
     def units(self) -> list[str]:
         return list(self.shards)
@@ -230,7 +230,7 @@ class ScorePhase(Step):
         del window, progress
         self.started = True
         for shard_id in todo:  # what an uncommitted shard wrote before a kill: this run holds the lease
-            for top in (LAYOUT.ledger, LAYOUT.scored):
+            for top in (LAYOUT.ledger, LAYOUT.scored, LAYOUT.scored_images):
                 delete_quietly(self.out.fs, self.out.path(f"{top}/{shard_id}"))
         done, total = len(self.shards) - len(todo), len(self.shards)
         log.info(f"[score] {total} input shards, {done} already committed, {len(todo)} to score")

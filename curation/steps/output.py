@@ -77,7 +77,7 @@ def claim_output(
         if run.get("input_store") != record["input_store"]:  # the same pool reached anew (another endpoint)
             write_json_atomic(out.fs, path, {**run, "input_store": record["input_store"]})
         return None
-    for top in (LAYOUT.scored, LAYOUT.ledger):
+    for top in (LAYOUT.scored, LAYOUT.scored_images, LAYOUT.ledger):
         delete_quietly(out.fs, out.path(top))
     state = out.path(LAYOUT.state)
     if exists(out.fs, state):  # all of it but the lease this run holds and the takedowns, which bind every run

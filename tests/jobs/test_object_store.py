@@ -313,6 +313,7 @@ def test_an_object_store_output_keeps_each_images_bytes_once_through_rewrites_ta
     fs, _ = store
     scored = pq.read_table("runs/curated/scored", filesystem=fs, columns=["image"]).column("image")
     assert scored.combine_chunks().field("bytes").null_count == len(scored) > 0  # the shards hold the kept ones'
+    assert fs.get_file_info(f"runs/curated/{LAYOUT.scored_images}").type == pafs.FileType.NotFound
     pool, lite = s3(store, "data/pool"), ["--config", str(REPO / "configs/curate/lite.yaml"), "--input"]
 
     def rewrite(rows_per_shard: int) -> int:  # the write phase again, other settings: the pool read again
@@ -334,12 +335,14 @@ def test_an_object_store_output_keeps_each_images_bytes_once_through_rewrites_ta
     assert audit_job.main([curated]) == 0
 
     # the same pool against the release (whose takedown made it version 2): its next version, the driver killed
-    # after the switch to its shards, before the scored files lose their bytes; the same command finishes the phase
+    # after the switch to its shards, before the scored parts' image files are deleted; the same command finishes
     against = [*lite, pool, "--output", s3(store, "runs/next"), "--against", curated, *CURATE]
     monkeypatch.setattr(ws._DropBytes, "task", CountedTask(ws._drop_scored_bytes, kill_at=0))
     assert curate.main(against) == INTERRUPTED
-    scored = pq.read_table("runs/next/scored", filesystem=fs, columns=["image"]).column("image")
-    assert scored.combine_chunks().field("bytes").null_count == 0
+    scored = pq.read_table("runs/next/scored", filesystem=fs, columns=["source"]).column("source")
+    images = pq.read_table(f"runs/next/{LAYOUT.scored_images}", filesystem=fs, columns=["source", "image"])
+    assert sorted(images["source"].to_pylist()) == sorted(scored.to_pylist())
+    assert images["image"].combine_chunks().field("bytes").null_count == 0
     monkeypatch.undo()
     assert curate.main(against) == 0
     assert audit_job.main([s3(store, "runs/next")]) == 0
@@ -349,6 +352,7 @@ def test_an_object_store_output_keeps_each_images_bytes_once_through_rewrites_ta
     assert fates[reported].startswith(f"blocklisted: {redact(curated)} takedown ")
     scored = pq.read_table("runs/next/scored", filesystem=fs, columns=["image"]).column("image")
     assert scored.combine_chunks().field("bytes").null_count == len(scored)
+    assert fs.get_file_info(f"runs/next/{LAYOUT.scored_images}").type == pafs.FileType.NotFound
 
     # the taken-down image is not read again; another changed in the pool stops the rewrite, saying which
     source = manifest["shards"][1]

@@ -17,9 +17,12 @@ from conftest import REPO, CountedTask
 from common import schema
 from common.config import load_config
 from common.layout import LAYOUT
+from common.storage import DamagedRecordError, join, resolve, write_parquet_atomic
 from curation.config import CurateConfig
 from curation.phases.pipeline import GlobalPhases
 from curation.phases.write import shards as ws
+from curation.records import read_commits
+from curation.score.ledger import read_part
 from curation.score.originals import CHANGED, OriginalsMissing, SourceReader
 from curation.steps.output import Output
 from curation.steps.runner import StepRunner
@@ -82,6 +85,7 @@ def test_a_run_keeps_each_images_bytes_once_and_a_rewrite_reads_them_from_the_po
     shutil.copytree(curated_run, out)
     scored = _images(out / LAYOUT.scored)
     assert scored.num_rows and pc.all(pc.is_null(scored.column("image").combine_chunks().field("bytes"))).as_py()
+    assert not (out / LAYOUT.scored_images).exists()  # deleted after the switch
     published = json.loads((out / LAYOUT.manifest).read_text())
     kept = pa.concat_tables([_images(out / LAYOUT.shards / s["file"]) for s in published["shards"]])
     assert _hashes_are_keys(kept)
@@ -93,6 +97,57 @@ def test_a_run_keeps_each_images_bytes_once_and_a_rewrite_reads_them_from_the_po
     rewritten = pa.concat_tables([_images(out / LAYOUT.shards / s["file"]) for s in manifest["shards"]])
     assert len(manifest["shards"]) > len(published["shards"]) and rewritten.equals(kept)
     assert pc.all(pc.is_null(_images(out / LAYOUT.scored).column("image").combine_chunks().field("bytes"))).as_py()
+
+
+def test_drop_bytes_deletes_the_image_files_or_rewrites_scored_parts_that_hold_their_bytes(curated_run, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(curated_run, out)
+    cfg = load_config(CurateConfig, LITE, CURATED_WITH)
+    files = sorted(f for r in read_commits(*resolve(str(out))).values() for f in r["scored_files"])
+    bare = {f: (out / f).read_bytes() for f in files}  # as phase 1 writes them: no bytes, paths kept
+    fs, root = resolve(str(out))
+    reader = SourceReader(cfg.input, cfg.filters.max_file_bytes)
+
+    def with_bytes(f: str) -> pa.Table:  # the scored part's rows with their bytes, read from the pool
+        table = pq.read_table(out / f)
+        found, problems = reader.read_verified(dict(zip(table["source"].to_pylist(), table["key"].to_pylist())))
+        assert not problems
+        image = pa.array(
+            [
+                {"bytes": found[s], "path": i["path"]}
+                for s, i in zip(table["source"].to_pylist(), table["image"].to_pylist())
+            ],
+            schema.IMAGE_TYPE,
+        )
+        return table.set_column(table.schema.get_field_index("image"), table.schema.field("image"), image)
+
+    # phase 1's image files beside the scored parts: read through them, then deleted; the scored parts untouched
+    for f in files:
+        write_parquet_atomic(
+            fs, join(root, LAYOUT.images_of(f)), with_bytes(f).select(["source", "image"]), row_group_size=100
+        )
+    target = schema.scored_schema(cfg.embedding_dim)
+    assert all(_hashes_are_keys(read_part(fs, join(root, f), ["key", "image"], target)) for f in files)
+    assert ws._drop_scored_bytes._function(str(out), files, cfg.model_dump_json())["files"] == len(files)
+    assert not any((out / LAYOUT.images_of(f)).exists() for f in files)
+    assert {f: (out / f).read_bytes() for f in files} == bare
+
+    # an output scored before the image files: its scored parts lose their bytes and keep every other column
+    for f in files:
+        write_parquet_atomic(fs, join(root, f), with_bytes(f), row_group_size=100)
+    assert ws._drop_scored_bytes._function(str(out), files, cfg.model_dump_json())["files"] == len(files)
+    for f in files:
+        assert pq.read_table(out / f).equals(pq.read_table(pa.BufferReader(bare[f])))
+
+    # an image file whose rows are not its scored part's is named, not read into the wrong rows
+    f = max(files, key=lambda f: pq.read_metadata(out / f).num_rows)
+    table = with_bytes(f).select(["source", "image"])
+    assert table.num_rows > 1
+    write_parquet_atomic(
+        fs, join(root, LAYOUT.images_of(f)), table.take(list(range(table.num_rows))[::-1]), row_group_size=9
+    )
+    with pytest.raises(DamagedRecordError, match=re.escape(LAYOUT.images_of(f))):
+        read_part(fs, join(root, f), ["source", "image"], target)
 
 
 def test_bytes_the_pool_no_longer_holds_as_curated_stop_the_write_naming_them(tmp_path):
