@@ -277,8 +277,8 @@ def open_parquet(fs: pafs.FileSystem, path: str) -> pq.ParquetFile:
 def encode_parquet(
     table: pa.Table, *, row_group_size: int, compression: str | dict[str, str] = "zstd", **options: Any
 ) -> pa.Buffer:
-    """The bytes of ``table`` as one Parquet file, in Arrow's buffer (not copied into ``bytes``) (deterministic: the same table gives the same bytes). ``options``:
-    more of ``pq.write_table``'s (``use_dictionary``, ``write_statistics``: all columns, none, or a list of paths);
+    """The bytes of ``table`` as one Parquet file, in Arrow's buffer, not copied (deterministic: the same table
+    gives the same bytes). ``options``: more of ``pq.write_table``'s (``use_dictionary``, ``write_statistics``: all columns, none, or a list of paths);
     by default every column but ``schema.DISTINCT_PER_ROW`` is dictionary-encoded."""
     if "use_dictionary" not in options:
         options["use_dictionary"] = [
