@@ -531,6 +531,7 @@ def _drop_scored_bytes(out_uri: str, files: list[str], cfg_json: str) -> dict:
         if images.type == pafs.FileType.File:
             delete_quietly(fs, images.path)
             dropped, freed = dropped + 1, freed + images.size
+            continue  # a part written beside an image file never holds bytes itself: no footer to read
         path = join(root, rel)
         with open_parquet(fs, path) as pf:
             if _without_bytes(pf.metadata):
