@@ -106,7 +106,7 @@ def scoring_in_process(cfg, pool: Path) -> dict:
     import pyarrow as pa
 
     chain = _chain()
-    _finalise, _shard_reader = chain._finalise, chain._shard_reader
+    finalise, _shard_reader = chain.finalise, chain._shard_reader
 
     runners = [(name, _runner(name, cfg), cfg.stages[name].batch_size) for name in cfg.enabled_stages]
     reader = _shard_reader(cfg, str(pool))
@@ -121,7 +121,7 @@ def scoring_in_process(cfg, pool: Path) -> dict:
             t0 = time.process_time()
             table = pa.concat_tables([runner(table.slice(i, size)) for i in range(0, table.num_rows, size)])
             cpu[name] += time.process_time() - t0
-        tables.append(_finalise(table))
+        tables.append(finalise(table))
     wall = time.perf_counter() - start
     rows = pa.concat_tables(tables).select(["source", "status", "stage", "reason"]).to_pylist()
     runtimes = {name: _runtime(runner.stage) for name, runner, _ in runners}

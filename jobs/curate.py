@@ -145,9 +145,9 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
 
 
 def _plan_redecide(out: Output, cfg: CurateConfig, run: dict) -> tuple[dict, CurateConfig, dict[str, dict]]:
-    """An output scored alike with other thresholds: what re-deciding it to ``cfg``'s does, in words, before anything
-    is written (``NeedsModelWork`` where some input would need a model); the run record, the scored config and the
-    commit records (read once) ``apply_thresholds`` takes."""
+    """An output scored alike with other thresholds: what re-deciding it to ``cfg``'s does, in words (the inputs that
+    need a stage run again among them), before anything is written; the run record, the scored config and the commit
+    records (read once) ``apply_thresholds`` takes."""
     commits = read_commits(out.fs, out.root)
     funnel = plan_thresholds(out.uri, run, cfg, commits)
     for line in funnel.lines(cfg.enabled_stages, threshold_changes(decided_config(run, cfg), cfg)):
@@ -194,8 +194,11 @@ def _run_phases(
     if redecide is not None:
         began = time.monotonic()
         run, scored, commits = redecide
-        n = apply_thresholds(out, run, scored, cfg, commits)
-        print(f"[re-decide] done: {n} input shards re-decided from stored scores in {time.monotonic() - began:.1f} s")
+        applied = apply_thresholds(out, run, scored, cfg, commits, args.input)
+        print(
+            f"[re-decide] done: {applied.shards} input shards re-decided in {time.monotonic() - began:.1f} s; "
+            f"{applied.words()}"
+        )
     for phase in (p for p in GLOBAL_PHASES if p in phases):
         GlobalPhases(cfg, out, guard=lease.check, against=release, pool=args.input).run(phase)
     ledger = read_ledger(args.output, CAUSE_COLUMNS)

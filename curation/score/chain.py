@@ -49,7 +49,7 @@ def stage_runner(stage_name: str, cfg: CurateConfig) -> StageRunner:
 
 
 @functools.cache
-def _task_runner(stage_name: str, cfg_json: str) -> StageRunner:
+def task_runner(stage_name: str, cfg_json: str) -> StageRunner:
     """Task stages are set up once per worker process, like an actor's setup()."""
     return stage_runner(stage_name, config_from_json(cfg_json))
 
@@ -92,7 +92,7 @@ def named_task(stage_name: str) -> Callable[..., pa.Table]:
 
     def run(table: pa.Table, cfg_json: str) -> pa.Table:
         _reset_peak_rss()
-        return _raise_peak(_task_runner(stage_name, cfg_json)(table))
+        return _raise_peak(task_runner(stage_name, cfg_json)(table))
 
     run.__name__ = run.__qualname__ = stage_name
     return run
@@ -176,7 +176,7 @@ def read_shards(batch: pa.Table, cfg_json: str, input_uri: str) -> Iterator[pa.T
             yield _raise_peak(chunk)
 
 
-def _finalise(table: pa.Table) -> pa.Table:
+def finalise(table: pa.Table) -> pa.Table:
     """Rows still pending after the last stage are kept."""
     status = pc.if_else(pc.equal(table.column("status"), schema.PENDING), schema.KEPT, table.column("status"))
     return table.set_column(table.schema.get_field_index("status"), "status", status)
@@ -215,15 +215,29 @@ def split_images(scored: pa.Table) -> tuple[pa.Table, pa.Table]:
     return scored.set_column(at, scored.schema.field(at), bare), images
 
 
-def _write_parts_once(batch: pa.Table, out_uri: str, cfg: CurateConfig, results_hash: str) -> pa.Table:
-    fs, root = resolve(out_uri)
-    batch = _finalise(batch)
-    scored_schema = schema.with_metadata(
+def scored_target(cfg: CurateConfig, results_hash: str) -> pa.Schema:
+    """The schema scored parts are written with."""
+    return schema.with_metadata(
         schema.scored_schema(cfg.embedding_dim),
         table="scored",
         config_hash=results_hash,
         extra={"embedding_model": cfg.models.embedding.name, "embedding_dim": cfg.embedding_dim},
     )
+
+
+def write_scored(fs, root: str, scored_file: str, rows: pa.Table, cfg: CurateConfig, results_hash: str) -> None:
+    """Kept rows (any superset of the scored columns) as the scored part ``scored_file`` and its image file."""
+    target = scored_target(cfg, results_hash)
+    scored, images = split_images(rows.select(target.names).cast(target))
+    for path, table in ((LAYOUT.images_of(scored_file), images), (scored_file, scored)):
+        write_parquet_atomic(
+            fs, join(root, path), table, row_group_size=cfg.output.row_group_size, compression=cfg.output.compression
+        )
+
+
+def _write_parts_once(batch: pa.Table, out_uri: str, cfg: CurateConfig, results_hash: str) -> pa.Table:
+    fs, root = resolve(out_uri)
+    batch = finalise(batch)
     ledger_schema = schema.with_metadata(schema.ledger_schema(), table="ledger", config_hash=results_hash)
     receipts = []
     peaks = []  # per receipt: the highest peak of the tasks before this one that handled the shard's rows here
@@ -243,15 +257,7 @@ def _write_parts_once(batch: pa.Table, out_uri: str, cfg: CurateConfig, results_
         scored_file = None
         if kept.num_rows:
             scored_file = f"{LAYOUT.scored}/{shard_id}/{part}"
-            scored, images = split_images(kept.select(scored_schema.names).cast(scored_schema))
-            for path, table in ((LAYOUT.images_of(scored_file), images), (scored_file, scored)):
-                write_parquet_atomic(
-                    fs,
-                    join(root, path),
-                    table,
-                    row_group_size=cfg.output.row_group_size,
-                    compression=cfg.output.compression,
-                )
+            write_scored(fs, root, scored_file, kept, cfg, results_hash)
         receipts.append(
             {
                 "shard_id": shard_id,
@@ -287,5 +293,5 @@ def score_in_process(cfg: CurateConfig, shards: list[InputShard], input_uri: str
         table = reader.read_table(shard)
         for runner, size in runners:
             table = pa.concat_tables([runner(table.slice(i, size)) for i in range(0, table.num_rows, size)])
-        tables.append(_finalise(table))
+        tables.append(finalise(table))
     return pa.concat_tables(tables)

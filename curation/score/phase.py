@@ -289,6 +289,8 @@ class ScorePhase(Step):
             "ledger_files": sorted(r["ledger_file"] for r in receipts),
             "scored_files": sorted(r["scored_file"] for r in receipts if r["scored_file"]),
             "results_hash": self.results_hash,
+            # the thresholds its scores were computed with (a re-decide reruns a stage whose computation they change)
+            "scored_filters": self.cfg.filters.model_dump(mode="json"),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in receipts),
             **{key: sum(r[key] for r in receipts) for key in IO_COLUMNS.values()},
             "metadata_types": merge_all(json.loads(r["metadata_types"]) for r in receipts),

@@ -17,12 +17,15 @@ give what a fresh run with the new thresholds gives, to the bit: a run decides o
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import json
 import posixpath
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -33,8 +36,11 @@ from common.progress import Progress
 from common.storage import delete_quietly, join, read_json, redact, resolve, write_json_atomic, write_parquet_atomic
 from curation.config import CurateConfig, config_from_json
 from curation.records import read_commits, read_run_record
+from curation.score.chain import scored_target, write_scored
 from curation.score.ledger import read_part, reason_code
 from curation.score.metadata import merge_all, metadata_types
+from curation.score.originals import SourceReader
+from curation.score.rerun import rerun_rows
 from curation.score.stage import Stage
 from curation.settings import Filters
 from curation.stages import stage_classes
@@ -98,6 +104,20 @@ class Decider:
         ]
         self.recompute_from = changed[0] if changed else len(self.stages)
         self.changes = threshold_changes(scored, new)
+        # where a re-run must start to reach each stage: at an earlier stage whose columns the ledger does not keep
+        # (an embedding, crop hashes: a newly kept input needs them) or a later stage rewrites (the persons)
+        stored = set(schema.ledger_schema().names)
+        self.start_of = [
+            next(
+                (
+                    k
+                    for k, s in enumerate(self.stages[:i])
+                    if set(s.writes) - stored or set(s.writes) & {c for t in self.stages[i:] for c in t.writes}
+                ),
+                i,
+            )
+            for i in range(len(self.stages))
+        ]
         # a stage's columns, blanked when an earlier stage now rejects the input
         self.columns_after = {
             i: sorted({c for s in self.stages[i + 1 :] for c in s.writes} - set(self.stages[i].writes))
@@ -111,16 +131,19 @@ class Decider:
             return Walk(row["status"], row["stage"], row["reason"])
         for i, stage in enumerate(self.stages):
             if i > reached or i >= self.recompute_from:
-                return Walk(NEEDS, stage.name, None)
+                return self._needs(i)
             if i == reached and row["status"] != schema.KEPT and not _is_decision(stage, row["reason"]):
                 return Walk(row["status"], stage.name, row["reason"])  # what the image is, not a threshold
             try:
                 reason = stage.decide(row, self.new.filters)
             except KeyError:  # a score this output's tables do not hold (scored before its column existed)
-                return Walk(NEEDS, stage.name, None)
+                return self._needs(i)
             if reason is not None:
                 return Walk(schema.REJECTED, stage.name, reason)
         return Walk(schema.KEPT, self.stages[-1].name, None)
+
+    def _needs(self, i: int) -> Walk:
+        return Walk(NEEDS, self.stages[self.start_of[i]].name, None)
 
     def ledger(self, table: pa.Table) -> tuple[pa.Table, list[Walk]]:
         """The ledger rows of ``table`` re-decided (later stages' columns blanked where an earlier stage now rejects;
@@ -200,14 +223,21 @@ FILES_PER_TASK = 64
 TASKS_FROM_FILES = 256
 
 
-def _walk_files(out_uri: str, paths: list[str], scored_json: str, current_json: str, new_json: str) -> Funnel:
-    """The funnel of the scores files ``paths`` (relative to the output root) from the current thresholds to the
-    new ones."""
+def _walk_files(
+    out_uri: str, files: list[tuple[str, dict | None]], scored_json: str, current_json: str, new_json: str
+) -> Funnel:
+    """The funnel of the scores files ``files`` (relative to the output root, each with the thresholds its shard was
+    scored with: ``shard_scored``) from the current thresholds to the new ones."""
     fs, root = resolve(out_uri)
-    scored = config_from_json(scored_json)
-    now, then = Decider(scored, config_from_json(current_json)), Decider(scored, config_from_json(new_json))
+    scored, current, new = map(config_from_json, (scored_json, current_json, new_json))
+    deciders: dict[str, tuple[Decider, Decider]] = {}
     funnel = Funnel()
-    for path in paths:
+    for path, filters in files:
+        key = json.dumps(filters, sort_keys=True)
+        if key not in deciders:
+            base = shard_scored(filters, scored)
+            deciders[key] = Decider(base, current), Decider(base, new)
+        now, then = deciders[key]
         rows = pq.read_table(join(root, path), filesystem=fs).to_pylist()
         funnel.add([now.walk(r) for r in rows], [then.walk(r) for r in rows])
         funnel.files += 1
@@ -227,7 +257,9 @@ def output_funnel(
     ``tasks_from_files`` files, else in Ray tasks of ``FILES_PER_TASK`` (on the cluster ``current.ray`` names), a
     bounded number in flight, their counts summed as they finish."""
     Decider(scored, new)  # here first: a change that needs --new-run stops before any task
-    files = scores_files(out_uri, commits)
+    if commits is None:
+        commits = read_commits(*resolve(out_uri))
+    files = sorted((f, record.get("scored_filters")) for record in commits.values() for f in _scores_files(record))
     args = (scored.model_dump_json(), current.model_dump_json(), new.model_dump_json())
     if len(files) <= tasks_from_files:
         return _walk_files(out_uri, files, *args)
@@ -250,7 +282,7 @@ def output_what_if(
     return funnel.lines(new.enabled_stages, threshold_changes(cfg, new))
 
 
-def _walk_in_tasks(out_uri: str, files: list[str], scored: CurateConfig, *args: str) -> Funnel:
+def _walk_in_tasks(out_uri: str, files: list[tuple[str, dict | None]], scored: CurateConfig, *args: str) -> Funnel:
     groups = [files[i : i + FILES_PER_TASK] for i in range(0, len(files), FILES_PER_TASK)]
     funnel = Funnel()
     bar = Progress("what-if", len(files), unit="ledger files")
@@ -263,15 +295,18 @@ def _walk_in_tasks(out_uri: str, files: list[str], scored: CurateConfig, *args: 
     return funnel
 
 
-def in_tasks(cfg: CurateConfig, fn: Callable[..., T], calls: list[tuple], each: Callable[[T], None]) -> None:
-    """``fn(*call)`` for each call in Ray tasks of one CPU on the cluster ``cfg.ray`` names, at most two per CPU in
-    flight, ``each`` called on every result as it comes (so the driver holds counts, not results)."""
+def in_tasks(
+    cfg: CurateConfig, fn: Callable[..., T], calls: list[tuple], each: Callable[[T], None], num_gpus: float = 0.0
+) -> None:
+    """``fn(*call)`` for each call in Ray tasks of one CPU (and ``num_gpus``) on the cluster ``cfg.ray`` names, at
+    most two per CPU in flight, ``each`` called on every result as it comes (so the driver holds counts, not
+    results)."""
     import ray
 
     from common.ray_utils import init_ray
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
-    remote: Any = ray.remote(num_cpus=1)(fn)
+    remote: Any = ray.remote(num_cpus=1, num_gpus=num_gpus)(fn)
     window = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
     pending: list[ray.ObjectRef] = []
 
@@ -309,6 +344,12 @@ def scored_config(run: dict, cfg: CurateConfig) -> CurateConfig:
     return cfg.model_copy(update={"filters": Filters.model_validate(run["scoring"]["filters"])})
 
 
+def shard_scored(filters: dict | None, scored: CurateConfig) -> CurateConfig:
+    """``scored`` with the thresholds an input shard's scores were computed with (its commit record's
+    ``scored_filters``: a re-decide that reran stages records the thresholds it reran them with), if it says."""
+    return scored if filters is None else scored.model_copy(update={"filters": Filters.model_validate(filters)})
+
+
 def decided_config(run: dict, cfg: CurateConfig) -> CurateConfig:
     """``cfg`` with the thresholds the output is decided with now (the run record's ``filters`` after a re-decide)."""
     if "filters" not in run:
@@ -316,78 +357,117 @@ def decided_config(run: dict, cfg: CurateConfig) -> CurateConfig:
     return cfg.model_copy(update={"filters": Filters.model_validate(run["filters"])})
 
 
-class NeedsModelWork(NeedsNewRun):
-    """New thresholds that some inputs need a stage run again for (a relaxed threshold past what was scored, a
-    threshold a stage computes with)."""
-
-
 def plan_thresholds(out_uri: str, run: dict, new: CurateConfig, commits: dict[str, dict]) -> Funnel:
-    """The funnel of re-deciding the output of run record ``run`` and commit records ``commits`` to ``new``: raises
-    ``NeedsModelWork`` (one line, with the counts) before anything is written when an input would need a stage run
-    again."""
-    scored, current = scored_config(run, new), decided_config(run, new)
-    funnel = output_funnel(out_uri, scored, current, new, TASKS_FROM_FILES, commits)
-    if funnel.needs:
-        runs = ", ".join(f"{n} from stage {s}" for s, n in funnel.needs.items())
-        raise NeedsModelWork(
-            f"the new thresholds need model work for {sum(funnel.needs.values())} inputs ({runs}): an output is "
-            "re-decided in place only where every input's stored scores decide it (thresholds within what was scored "
-            "and decided on stored values); --what-if shows the change, --new-run scores the pool again"
-        )
-    return funnel
+    """The funnel of re-deciding the output of run record ``run`` and commit records ``commits`` to ``new``, with the
+    inputs that need a stage run again by stage; raises ``NeedsNewRun`` when more than thresholds changed."""
+    return output_funnel(out_uri, scored_config(run, new), decided_config(run, new), new, TASKS_FROM_FILES, commits)
 
 
-def apply_thresholds(out: Output, run: dict, scored: CurateConfig, new: CurateConfig, commits: dict[str, dict]) -> int:
+@dataclass
+class Applied:
+    """What re-deciding an output did: the input shards re-decided and the inputs each stage was run on."""
+
+    order: list[str]  # the stages in their order
+    shards: int = 0
+    calls: Counter = field(default_factory=Counter)
+
+    def add(self, done: tuple[dict, dict[str, int]]) -> None:
+        self.shards += 1
+        self.calls.update(done[1])
+
+    def words(self) -> str:
+        if not self.calls:
+            return "no model call"
+        runs = [f"{stage} on {self.calls[stage]}" for stage in self.order if self.calls[stage]]
+        return f"stages run again: {runs[0]} inputs" + "".join(f", {run}" for run in runs[1:])
+
+
+def apply_thresholds(
+    out: Output, run: dict, scored: CurateConfig, new: CurateConfig, commits: dict[str, dict], pool: str
+) -> Applied:
     """Re-decide every input shard of ``commits`` (the commit records ``plan_thresholds`` walked) to ``new``'s
-    thresholds from its stored scores, a shard at a time, each committed by rewriting its commit record; then record
-    ``new`` in the run record. A shard already decided to ``new`` is skipped (so a rerun after a kill goes on), as is
-    one committed since ``commits`` were read (scored with ``new``). Returns the shards re-decided. The scoring run's
-    ledger files stay as the shard's scores (``scores_files``) and its scored files as they are: the dedup survey
-    reads the kept ones from them (``curation.score.ledger.kept_sources``)."""
+    thresholds, a shard at a time, each committed by rewriting its commit record; then record ``new`` in the run
+    record. An input whose stored scores decide it is decided from them; one that needs a stage run again is read
+    from the pool ``pool`` and run through the stages it needs (``curation.score.rerun``). A shard already decided to
+    ``new`` is skipped (so a rerun after a kill goes on), as is one committed since ``commits`` were read (scored with
+    ``new``). Up to ``TASKS_FROM_FILES`` shards are re-decided in this process, more in Ray tasks (with the largest
+    GPU share a stage of ``new`` asks for, where one must run again)."""
     results_hash = new.results_hash()
     todo = sorted(s for s, record in commits.items() if record["results_hash"] != results_hash)
-    calls = [(out.uri, shard_id, scored.model_dump_json(), new.model_dump_json()) for shard_id in todo]
+    calls = [(out.uri, shard_id, scored.model_dump_json(), new.model_dump_json(), pool) for shard_id in todo]
     bar = Progress("re-decide", len(todo), unit="input shards")
+    applied = Applied(new.enabled_stages)
+
+    def done(result: tuple[dict, dict[str, int]]) -> None:
+        applied.add(result)
+        bar.update()
+
     if len(todo) <= TASKS_FROM_FILES:
         for call in calls:
-            redecide_shard(*call)
-            bar.update()
+            done(redecide_shard(*call))
     else:
-        in_tasks(new, redecide_shard, calls, lambda _: bar.update())
+        gpus = max((new.stages[name].num_gpus for name in new.enabled_stages), default=0.0)
+        in_tasks(new, redecide_shard, calls, done, num_gpus=gpus)
     record = {**run, "results_hash": results_hash, "filters": new.filters.model_dump(mode="json")}
     write_json_atomic(out.fs, out.path(LAYOUT.run_record), record)
-    return len(todo)
+    return applied
 
 
-def redecide_shard(out_uri: str, shard_id: str, scored_json: str, new_json: str) -> dict:
-    """Re-decide one committed input shard from its scores and commit it: new ledger files (one per scores file, its
-    rows in its order), its kept count and metadata types, in its commit record; returns that record."""
+def redecide_shard(out_uri: str, shard_id: str, scored_json: str, new_json: str, pool: str) -> tuple[dict, dict]:
+    """Re-decide one committed input shard and commit it: its inputs decided from their stored scores, those that need
+    a stage run again run through the stages from there; new ledger files (one per scores file, its rows in its
+    order), new scores and scored files where stages ran, its kept count and metadata types, in its commit record.
+    Returns that record and the inputs each stage was run on."""
     fs, root = resolve(out_uri)
     path = join(root, LAYOUT.score_commit(shard_id))
     unit = read_json(fs, path, fields={"fingerprint": str, "receipt": dict})
     record, new = unit["receipt"], config_from_json(new_json)
     results_hash = new.results_hash()
     if record["results_hash"] == results_hash:
-        return record
-    decider = Decider(config_from_json(scored_json), new)
+        return record, {}
+    decider = Decider(shard_scored(record.get("scored_filters"), config_from_json(scored_json)), new)
     target = schema.with_metadata(schema.ledger_schema(), table="ledger", config_hash=results_hash)
-    scores, ledger_files, kept = _scores_files(record), [], []
-    for f in scores:
-        decided, walks = decider.ledger(read_part(fs, join(root, f), target.names, target))
-        if any(w.status == NEEDS for w in walks):  # plan_thresholds saw none: the output changed under this run
-            raise NeedsModelWork(f"input shard {shard_id}: {f} holds inputs that need model work; rerun the command")
-        name = f"{posixpath.splitext(f)[0]}-{results_hash[:16]}.parquet"
+    scores = _scores_files(record)
+    tables = [read_part(fs, join(root, f), target.names, target) for f in scores]
+    decided = [decider.ledger(t) for t in tables]
+    # the inputs that need stages run again, as (scores file, row)
+    needs = [(k, i) for k, (_, walks) in enumerate(decided) for i, w in enumerate(walks) if w.status == NEEDS]
+    token = hashlib.sha256(json.dumps([scores, record["scored_files"], results_hash]).encode()).hexdigest()[:16]
+    calls: Counter = Counter()
+    new_scores, scored_files = list(scores), list(record["scored_files"])
+    if needs:
+        rows = pa.concat_tables([tables[k].slice(i, 1) for k, i in needs])
+        reader = SourceReader(new.input, new.filters.max_file_bytes, pool=pool)
+        starts = [decider.order[decided[k][1][i].stage or ""] for k, i in needs]
+        again, calls = rerun_rows(rows, starts, decider.stages, new, reader)
+        ran = again.select(target.names).cast(target)
+        for k in sorted({k for k, _ in needs}):
+            mine = [j for j, (kk, _) in enumerate(needs) if kk == k]
+            at = [needs[j][1] for j in mine]
+            new_scores[k] = _renamed(scores[k], f"scores-{token}")
+            write_parquet_atomic(
+                fs,
+                join(root, new_scores[k]),
+                _replaced(tables[k], at, ran.take(mine)),
+                row_group_size=new.output.ledger_row_group_size,
+                compression=new.output.compression,
+            )
+            decided[k] = (_replaced(decided[k][0], at, ran.take(mine)), decided[k][1])
+        scored_files = _rescored(fs, root, shard_id, scored_files, again, new, token)
+    ledger_files, kept = [], []
+    for f, (table, _) in zip(scores, decided):
+        name = _renamed(f, results_hash[:16])
         write_parquet_atomic(
             fs,
             join(root, name),
-            decided.cast(target),
+            table.cast(target),
             row_group_size=new.output.ledger_row_group_size,
             compression=new.output.compression,
         )
         ledger_files.append(name)
-        kept += decided.filter(pc.equal(decided.column("status"), schema.KEPT)).column("source").to_pylist()
+        kept += table.filter(pc.equal(table.column("status"), schema.KEPT)).column("source").to_pylist()
     texts = []
-    for f in record["scored_files"]:  # the kept rows' pool metadata types, as a run's writer records them
+    for f in scored_files:  # the kept rows' pool metadata types, as a run's writer records them
         t = pq.read_table(join(root, f), columns=["source", "metadata_json"], filesystem=fs)
         texts += t.filter(pc.is_in(t.column("source"), value_set=pa.array(kept, pa.string())))[
             "metadata_json"
@@ -395,16 +475,58 @@ def redecide_shard(out_uri: str, shard_id: str, scored_json: str, new_json: str)
     updated = {
         **record,
         "ledger_files": ledger_files,
-        "scores_files": scores,
+        "scores_files": new_scores,
+        "scored_files": scored_files,
         "kept": len(kept),
         "results_hash": results_hash,
         "metadata_types": merge_all([metadata_types(texts)]),
     }
+    if needs:  # its scores now hold what stages computed with the new thresholds
+        updated["scored_filters"] = new.filters.model_dump(mode="json")
     write_json_atomic(fs, path, {**unit, "receipt": updated})
-    for f in record["ledger_files"]:  # an earlier re-decide's, never the scores
-        if f not in scores and f not in ledger_files:
-            delete_quietly(fs, join(root, f))
-    return updated
+    for f in {*record["ledger_files"], *scores} - {*new_scores, *ledger_files}:  # never the scores still used
+        delete_quietly(fs, join(root, f))
+    for f in set(record["scored_files"]) - set(scored_files):
+        delete_quietly(fs, join(root, LAYOUT.images_of(f)))
+        delete_quietly(fs, join(root, f))
+    return updated, dict(calls)
+
+
+def _renamed(part: str, suffix: str) -> str:
+    """A phase-1 part's path (``<folder>/part-<16 hex>[-...].parquet``) with ``suffix`` in place of any it has."""
+    folder, name = posixpath.split(part)
+    return posixpath.join(folder, "-".join(name.removesuffix(".parquet").split("-")[:2]) + f"-{suffix}.parquet")
+
+
+def _replaced(table: pa.Table, rows: list[int], values: pa.Table) -> pa.Table:
+    """``table`` with its ``rows`` replaced by ``values``' rows, in order."""
+    index = np.arange(table.num_rows)
+    index[rows] = table.num_rows + np.arange(len(rows))
+    return pa.concat_tables([table, values.select(table.column_names).cast(table.schema)]).take(pa.array(index))
+
+
+def _rescored(
+    fs, root: str, shard_id: str, scored_files: list[str], again: pa.Table, new: CurateConfig, token: str
+) -> list[str]:
+    """The shard's scored files once the rows ``again`` were run again: the parts holding none of them as they are;
+    the others' remaining rows and the rows kept now in one new part (named by ``token``), image bytes with them."""
+    rerun = again.column("source").combine_chunks()
+    touched = [
+        f
+        for f in scored_files
+        if pc.any(pc.is_in(pq.read_table(join(root, f), columns=["source"], filesystem=fs)["source"], rerun)).as_py()
+    ]
+    target = scored_target(new, new.results_hash())
+    pieces = [read_part(fs, join(root, f), target.names, target) for f in touched]
+    pieces = [t.filter(pc.invert(pc.is_in(t.column("source"), rerun))) for t in pieces]
+    kept = again.filter(pc.equal(again.column("status"), schema.KEPT))
+    merged = pa.concat_tables([*pieces, kept.select(target.names).cast(target)])
+    rest = [f for f in scored_files if f not in touched]
+    if not merged.num_rows:
+        return rest
+    name = f"{LAYOUT.scored}/{shard_id}/part-{token}.parquet"
+    write_scored(fs, root, name, merged, new, new.results_hash())
+    return sorted([*rest, name])
 
 
 def scores_files(out_uri: str, commits: dict[str, dict] | None = None) -> list[str]:

@@ -178,11 +178,20 @@ def test_changed_thresholds_are_applied_in_place_and_equal_a_fresh_run(curated_r
     code, text = _curate(*config, "--output", str(redecided), "write.rows_per_shard=4")
     assert code == 0 and "0 inputs scored this run" in text
     _assert_same_output(redecided, curated_run)
-    # past what was scored: refused before anything is written, naming the model work
-    before = _tree(redecided)
-    code, _ = _curate(*config, "--output", str(redecided), "write.rows_per_shard=4", "filters.min_quality=0.1")
-    assert code == 2 and "need model work for" in capsys.readouterr().err
-    assert _tree(redecided) == before
+    # past what was scored: the inputs the quality threshold stopped are read from the pool and run through the stages
+    # after it, and only they
+    ledger = pa.concat_tables(pq.read_table(p) for p in (curated_run / "ledger").rglob("*.parquet")).to_pylist()
+    low = sum(r["reason"] is not None and r["reason"].startswith("low_quality") and r["quality"] >= 0.1 for r in ledger)
+    loose = ["write.rows_per_shard=4", "filters.min_quality=0.1"]
+    code, text = _curate(*config, "--output", str(redecided), *loose)
+    assert code == 0, capsys.readouterr().err
+    assert f"[re-decide] need model work: {low} inputs ({low} from stage text_overlay)" in text
+    assert (
+        f"stages run again: text_overlay on {low} inputs, nsfw on {low}" in text and "0 inputs scored this run" in text
+    )
+    assert _curate(*config, "--output", str(fresh), *loose)[0] == 0
+    _assert_same_output(redecided, fresh)
+    assert not list((redecided / "scored_images").rglob("*.parquet"))  # the bytes it read are in the shards only
 
 
 class Killed(Exception):
