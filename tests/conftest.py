@@ -132,6 +132,17 @@ def s3(monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def store_dir(tmp_path_factory) -> Path:
+    """Random-init YOLO11n detector and pose model, a tiny OpenCLIP and a LAION-layout aesthetic head, saved the
+    way a cluster's store would hold them."""
+    from generators.random_models import build_random_store
+
+    out = tmp_path_factory.mktemp("model_store")
+    build_random_store(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def sample_pool(tmp_path_factory) -> Path:
     """The sample pool (folder format, default size, seed 0), built once per session."""
     root = tmp_path_factory.mktemp("pool") / "folder"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import shutil
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -18,8 +19,10 @@ from common import schema
 from common.config import load_config
 from curation.config import CurateConfig
 from curation.score.chain import score_in_process
+from curation.score.originals import SourceReader
 from curation.score.pool import Pool, list_shards
 from curation.score.redecide import NEEDS, Decider, NeedsNewRun
+from curation.score.rerun import rerun_rows
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -74,6 +77,80 @@ def test_relaxed_thresholds_need_the_stages_the_cascade_skipped(scored):
     assert [walks[i].stage for i in needs] == [after[s] for s in ledger_b.take(needs).column("stage").to_pylist()]
     others = [i for i in range(ledger_a.num_rows) if i not in set(needs)]
     _same_rows(redecided.take(others), ledger_a.take(others))
+
+
+def _run_again(before: tuple[CurateConfig, pa.Table], after: CurateConfig, pool: Path) -> tuple[pa.Table, list]:
+    """``before``'s ledger re-decided to ``after``: its re-decided rows, the rows that needed stages run again as
+    the stages end them, their indices."""
+    decider = Decider(before[0], after)
+    redecided, walks = decider.ledger(before[1])
+    needs = [i for i, w in enumerate(walks) if w.status == NEEDS]
+    reader = SourceReader(after.input, after.filters.max_file_bytes, pool=str(pool))
+    starts = [decider.order[walks[i].stage] for i in needs]
+    again, _ = rerun_rows(before[1].take(pa.array(needs, pa.int64())), starts, decider.stages, after, reader)
+    return redecided, again, needs
+
+
+def test_the_inputs_that_need_stages_run_again_end_as_a_run_with_the_new_thresholds_ends_them(scored, sample_pool):
+    """Relaxed past what was scored: each input the cascade stopped runs through the stages from the next one, its
+    earlier stages' stored columns as they were, and ends as the run at the relaxed thresholds ends it."""
+    (cfg_a, ledger_a), tight = scored["default"], scored["tight"]
+    _, again, needs = _run_again(tight, cfg_a, sample_pool)
+    assert needs
+    _same_rows(_ledger(again), ledger_a.take(needs))
+
+
+def _close(a, b) -> bool:
+    """Equal values, floats to float32 rounding of a batched forward pass, recursively."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(_close, a, b))
+    return a == b
+
+
+def test_a_prompt_filter_is_re_decided_both_ways_on_the_full_profile(store_dir, sample_pool):
+    """The full profile (random-init models): a prompt filter tightened is decided from the stored prompt scores;
+    relaxed, the inputs it rejected run through CLIP again (the embedding a kept input needs is not in the ledger) and
+    the stages after it. Both end as a run at the new value ends them. The full profile's models score a batch in one
+    forward pass, whose float results depend on the batch's size (as two fresh runs batched otherwise differ): fates
+    are equal, scores equal to float32 rounding."""
+    from generators.random_models import TINY_CLIP, store_overrides
+
+    base = [
+        *store_overrides(store_dir, TINY_CLIP["embed_dim"]),
+        "models.yolo.imgsz=320",
+        "filters.min_aesthetic=null",
+        "filters.min_realism=null",
+        "filters.prompt_filters.collage.max_reject=1",
+        *(f"stages.{s}.{k}" for s in ("yolo_person", "clip") for k in ("num_cpus=1", "num_gpus=0")),
+    ]
+    runs = {}
+    for name, max_reject in (("strict", 0.68), ("loose", 1.0)):
+        at = f"filters.prompt_filters.not_a_person.max_reject={max_reject}"
+        cfg = load_config(CurateConfig, REPO / "configs/curate/full.yaml", [*base, at])
+        table = score_in_process(cfg, list_shards(Pool.at(str(sample_pool)), cfg.input), str(sample_pool))
+        runs[name] = (cfg, table.sort_by("source"))
+    strict, loose = runs["strict"], runs["loose"]
+    prompt = [r for r in strict[1].column("reason").to_pylist() if r and r.startswith("prompt_not_a_person")]
+    assert prompt and strict[1].filter(pc.equal(strict[1]["status"], schema.KEPT)).num_rows  # the value splits them
+    redecided, _, needs = _run_again((loose[0], _ledger(loose[1])), strict[0], sample_pool)
+    assert not needs
+    _same_rows(redecided, _ledger(strict[1]))
+    _, again, needs = _run_again((strict[0], _ledger(strict[1])), loose[0], sample_pool)
+    assert len(needs) == len(prompt)
+    columns = [
+        "status",
+        "stage",
+        "reason",
+        *(c for c in schema.scored_schema(TINY_CLIP["embed_dim"]).names if c != "image"),
+    ]
+    expected = loose[1].take(needs).select(columns).to_pylist()
+    assert schema.KEPT in {r["status"] for r in expected}
+    for got, want in zip(again.select(columns).to_pylist(), expected):
+        assert {c for c in columns if not _close(got[c], want[c])} == set(), got["source"]
 
 
 def test_a_change_beyond_thresholds_needs_a_new_run():
@@ -194,33 +271,70 @@ def test_changed_thresholds_are_applied_in_place_and_equal_a_fresh_run(curated_r
     assert not list((redecided / "scored_images").rglob("*.parquet"))  # the bytes it read are in the shards only
 
 
+@pytest.mark.slow
+def test_a_person_threshold_reruns_the_stages_it_changes_and_equals_a_fresh_run(
+    curated_run, sample_pool, tmp_path, capsys
+):
+    """``person_min_height_frac`` (and ``_area_frac``) decide which persons are prominent, which head pose is computed
+    for: the inputs that
+    reached the person stage run from it again, the others are re-decided. Tightened, then back."""
+    redecided, fresh = tmp_path / "redecided", tmp_path / "fresh"
+    shutil.copytree(curated_run, redecided)
+    config = ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(sample_pool)]
+    ledger = pa.concat_tables(pq.read_table(p) for p in (curated_run / "ledger").rglob("*.parquet")).to_pylist()
+    reached = sum(r["stage"] not in ("decode", "download") for r in ledger)
+    # prominent: tall enough or large enough; these make it a main person 3/4 of the image high or 2/5 of its area
+    tall = ["write.rows_per_shard=4", "filters.person_min_height_frac=0.75", "filters.person_min_area_frac=0.4"]
+    code, text = _curate(*config, "--output", str(redecided), *tall)
+    assert code == 0, capsys.readouterr().err
+    assert f"[re-decide] need model work: {reached} inputs ({reached} from stage person)" in text
+    assert f"stages run again: person on {reached} inputs, head_pose on" in text
+    assert _curate(*config, "--output", str(fresh), *tall)[0] == 0
+    assert _final(fresh)["funnel"] != _final(curated_run)["funnel"]  # the threshold moved images
+    _assert_same_output(redecided, fresh)
+    code, text = _curate(*config, "--output", str(redecided), "write.rows_per_shard=4")
+    assert code == 0 and f"stages run again: person on {reached} inputs" in text
+    _assert_same_output(redecided, curated_run)
+
+
 class Killed(Exception):
     pass
 
 
 @pytest.mark.slow
 def test_a_re_decide_killed_half_way_goes_on_to_the_same_output(sample_pool, ray_local, tmp_path, monkeypatch, capsys):
+    """Killed as a shard that needed model work had written its files but not its commit record: the rerun keeps the
+    two shards committed before and equals a fresh run."""
     from curation.score import redecide
 
     out, fresh = tmp_path / "out", tmp_path / "fresh"
     config = ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(sample_pool)]
-    tight = ["input.files_per_shard=8", "filters.min_quality=0.7"]
+    loose = ["input.files_per_shard=8", "filters.min_quality=0.1", "filters.min_short_side=300"]
     assert _curate(*config, "--output", str(out), "input.files_per_shard=8")[0] == 0
-    real, calls = redecide.redecide_shard, []
+    commit, rerun, commits, ran = redecide.write_json_atomic, redecide.rerun_rows, [], []
 
-    def killed_after_two(*args):
-        if len(calls) == 2:
-            raise Killed  # as a kill lands: between two shards' commits
-        calls.append(args[1])
-        return real(*args)
+    def rerun_noted(*args, **kwargs):
+        ran.append(True)
+        return rerun(*args, **kwargs)
 
-    monkeypatch.setattr(redecide, "redecide_shard", killed_after_two)
+    def killed_at_the_third(*args, **kwargs):
+        if len(commits) == 2 and ran:
+            raise Killed  # as a kill lands: the shard's ledger, scores and scored files written, its record not
+        commits.append(args[1])
+        return commit(*args, **kwargs)
+
+    monkeypatch.setattr(redecide, "rerun_rows", rerun_noted)
+    monkeypatch.setattr(redecide, "write_json_atomic", killed_at_the_third)
     with pytest.raises(Killed):
-        _curate(*config, "--output", str(out), *tight)
-    monkeypatch.setattr(redecide, "redecide_shard", real)
-    code, text = _curate(*config, "--output", str(out), *tight)
+        _curate(*config, "--output", str(out), *loose)
+    monkeypatch.setattr(redecide, "write_json_atomic", commit)
+    code, text = _curate(*config, "--output", str(out), *loose)
     assert code == 0, capsys.readouterr().err
     shards = len(list((out / "_state" / "steps" / "score" / "shards").glob("*.json")))
     assert f"[re-decide] done: {shards - 2} input shards" in text  # the two committed before the kill are kept
-    assert _curate(*config, "--output", str(fresh), *tight)[0] == 0
+    assert _curate(*config, "--output", str(fresh), *loose)[0] == 0
     _assert_same_output(out, fresh)
+    referenced = {f for p in (out / "_state" / "steps" / "score" / "shards").glob("*.json")
+                  for k in ("ledger_files", "scores_files") for f in json.loads(p.read_text())["receipt"][k]}  # fmt: skip
+    left = {str(p.relative_to(out)) for p in (out / "ledger").rglob("*.parquet")} - referenced
+    assert all("-scores-" in f or len(f.rsplit("-", 1)[-1]) == len("0123456789abcdef.parquet") for f in left)

@@ -40,7 +40,7 @@ from curation.stages.yolo import (
     project_head,
     yaw_class,
 )
-from generators.random_models import TINY_CLIP, build_random_store, random_nsfw_head, store_overrides
+from generators.random_models import TINY_CLIP, random_nsfw_head, store_overrides
 from tests.stage_calls import decided
 
 FULL = Path(__file__).resolve().parents[3] / "configs" / "curate" / "full.yaml"
@@ -48,15 +48,6 @@ CLIP_DIM = TINY_CLIP["embed_dim"]
 
 
 # --- fixtures -------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def store_dir(tmp_path_factory) -> Path:
-    """Random-init YOLO11n detector and pose model, a tiny OpenCLIP and a LAION-layout aesthetic head, saved the
-    way a cluster's store would hold them."""
-    out = tmp_path_factory.mktemp("model_store")
-    build_random_store(out)
-    return out
 
 
 @pytest.fixture(scope="session")
