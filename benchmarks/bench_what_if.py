@@ -6,9 +6,11 @@ direction leaves needing model work.
 For each size: the sample pool of that many inputs (``jobs.make_sample_pool --n``) curated with the lite profile
 (every phase: what ``--new-run`` with other thresholds costs), then ``--what-if`` of a tightened and a relaxed
 ``filters.min_quality`` and ``filters.min_short_side`` (no model: each input walked from its stored scores; the
-relaxed one counts the inputs that would need model work), then the tightened thresholds applied in place (the
-same command with them: every shard re-decided from its scores, the global phases run again) and the first ones
-applied back (a relaxation within what was scored).
+relaxed one counts the inputs that would need model work), then, in place, one after another (the same command with
+them: every shard re-decided, the global phases run again): the tightened thresholds (no model call), the first ones
+back (a relaxation within what was scored), the relaxed ones (the inputs they take further read from the pool and
+run through the stages they need, counted per stage) and a tighter person rule (every input that reached the person
+stage runs from it again); last, ``--new-run`` at the relaxed thresholds into a new output, every model call made.
 """
 
 from __future__ import annotations
@@ -29,6 +31,17 @@ REPO = Path(__file__).resolve().parents[1]
 CHANGES = {
     "tighten": ["filters.min_quality=0.6", "filters.min_short_side=448"],
     "relax": ["filters.min_quality=0.25", "filters.min_short_side=160"],
+}
+# Applied in place one after another: each re-decides the output from the thresholds the one before left.
+APPLIED = {
+    "tightened": CHANGES["tighten"],
+    "back to the first": [],
+    "relaxed (model work for the inputs it takes further)": CHANGES["relax"],
+    "person rule tightened (the person stage and after rerun)": [
+        *CHANGES["relax"],
+        "filters.person_min_height_frac=0.75",
+        "filters.person_min_area_frac=0.4",
+    ],
 }
 
 
@@ -62,10 +75,14 @@ def main(argv: list[str] | None = None) -> int:
             kept = next(line for line in lines if line.startswith("kept"))
             work_line = next(line for line in lines if line.startswith("need model work"))
             print(f"  {name}: what-if {seconds:.2f} s ({full_s / seconds:.0f}x less than a run); {kept}; {work_line}")
-        for name, changes in (("tightened", CHANGES["tighten"]), ("back to the first", [])):
+        for name, changes in APPLIED.items():
             seconds, text = timed(lambda: _quiet(curate.main, [*run, *changes]))  # noqa: B023
-            scored = next(line for line in text.splitlines() if line.startswith("[score] done"))
-            print(f"  applied in place, {name}: {seconds:.1f} s ({full_s / seconds:.1f}x less than a run); {scored}")
+            said = [line for line in text.splitlines() if line.startswith(("[score] done", "[re-decide] done"))]
+            print(f"  applied in place, {name}: {seconds:.1f} s ({full_s / seconds:.1f}x less than a run)")
+            print("".join(f"    {line}\n" for line in said), end="")
+        fresh = ["--output", str(work / f"fresh_{n}"), "--new-run"]
+        seconds, _ = timed(lambda: _quiet(curate.main, [*run[:-2], *fresh, *CHANGES["relax"]]))  # noqa: B023
+        print(f"  --new-run at the relaxed thresholds: {seconds:.1f} s (every model call)")
     return 0
 
 

@@ -124,3 +124,9 @@ def next_steps(job: str, where: list[tuple[str, str]], commands: list[list[str]]
     width = max((len(label) for label, _ in lines), default=0)
     for label, text in lines:
         print(f"[{job}] {label:<{width}} {text}")
+
+
+def plural(n: int, noun: str, many: str | None = None) -> str:
+    """``n`` and its noun, singular for one: ``plural(1, "input")`` is "1 input", ``plural(3, "shard")`` "3 shards"
+    (``many``: the plural where it is not the noun plus s)."""
+    return f"{n} {noun if n == 1 else many or noun + 's'}"

@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from common import schema
+from common.console import plural
 from common.layout import LAYOUT
 from common.progress import Progress
 from common.storage import delete_quietly, join, read_json, redact, resolve, write_json_atomic, write_parquet_atomic
@@ -202,7 +203,7 @@ class Funnel:
         ]
         unknown = sum(self.needs.values())
         after = f"{self.kept(self.after)}" + (f" + up to {unknown} that need model work" if unknown else "")
-        out.append(f"kept after scoring: {self.kept(self.before)} of {self.inputs} inputs -> {after}")
+        out.append(f"kept after scoring: {self.kept(self.before)} of {plural(self.inputs, 'input')} -> {after}")
         place = {s: i for i, s in enumerate(stage_order)}
         keys = {k for k in {*self.before, *self.after} if k[0] != schema.KEPT}
         for status, stage, code in sorted(keys, key=lambda k: (place.get(k[1], -1), k[0], k[2])):
@@ -211,7 +212,9 @@ class Funnel:
                 out.append(f"  {stage}: {status} {code}: {a} -> {b}")
         if unknown:
             runs = ", ".join(f"{n} from stage {s}" for s, n in sorted(self.needs.items(), key=lambda kv: place[kv[0]]))
-            out.append(f"need model work: {unknown} inputs ({runs}); the others are re-decided from stored scores")
+            out.append(
+                f"need model work: {plural(unknown, 'input')} ({runs}); the others are re-decided from stored scores"
+            )
         else:
             out.append("need model work: none (every input is re-decided from stored scores)")
         return out
@@ -379,7 +382,10 @@ class Applied:
         if not self.calls:
             return "no model call"
         runs = [f"{stage} on {self.calls[stage]}" for stage in self.order if self.calls[stage]]
-        return f"stages run again: {runs[0]} inputs" + "".join(f", {run}" for run in runs[1:])
+        first = self.calls[next(stage for stage in self.order if self.calls[stage])]
+        return f"stages run again: {runs[0]} {'input' if first == 1 else 'inputs'}" + "".join(
+            f", {r}" for r in runs[1:]
+        )
 
 
 def apply_thresholds(

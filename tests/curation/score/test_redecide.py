@@ -276,8 +276,8 @@ def test_a_person_threshold_reruns_the_stages_it_changes_and_equals_a_fresh_run(
     curated_run, sample_pool, tmp_path, capsys
 ):
     """``person_min_height_frac`` (and ``_area_frac``) decide which persons are prominent, which head pose is computed
-    for: the inputs that
-    reached the person stage run from it again, the others are re-decided. Tightened, then back."""
+    for: the inputs that reached the person stage run from it again, the others are re-decided. Tightened, then
+    back."""
     redecided, fresh = tmp_path / "redecided", tmp_path / "fresh"
     shutil.copytree(curated_run, redecided)
     config = ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(sample_pool)]
