@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -129,3 +130,47 @@ def hash_json_each(items: Iterable) -> str:
 def config_hash(cfg: BaseModel, exclude: set[str] | None = None) -> str:
     """A short stable hash of the settings that change results (sorted JSON of the model)."""
     return hash_json(cfg.model_dump(mode="json", exclude=exclude))
+
+
+@dataclass(frozen=True)
+class SettingsField:
+    """One key of a settings class, as the configuration reference lists it."""
+
+    key: str  # dotted, as an override names it; ``<name>`` stands for a mapping's key, ``[]`` for a list's item
+    annotation: object
+    default: object  # the declared default (``FIELD_REQUIRED`` where there is none), or a default factory's value
+    description: str | None
+    owner: type[BaseModel]
+
+
+FIELD_REQUIRED = object()
+
+
+def settings_fields(model: type[BaseModel], prefix: str = "") -> Iterator[SettingsField]:
+    """Every key of ``model``, nested settings classes walked into (a mapping of them as ``<name>``, a list as
+    ``[]``), each key before the keys under it."""
+    for name, info in model.model_fields.items():
+        key = f"{prefix}{name}"
+        if info.default_factory is not None:
+            default = info.default_factory()  # type: ignore[call-arg]
+        else:
+            default = FIELD_REQUIRED if info.is_required() else info.default
+        yield SettingsField(key, info.annotation, default, info.description, model)
+        for inner, suffix in _nested_models(info.annotation):
+            yield from settings_fields(inner, f"{key}{suffix}.")
+
+
+def _nested_models(annotation: object) -> Iterator[tuple[type[BaseModel], str]]:
+    """The settings classes a field's type holds, with how a key names an item of them."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation, ""
+    elif origin in (dict, Mapping) and len(args) == 2:
+        for inner, suffix in _nested_models(args[1]):
+            yield inner, ".<name>" + suffix
+    elif origin in (list, tuple, Sequence) and args:
+        for inner, suffix in _nested_models(args[0]):
+            yield inner, "[]" + suffix
+    else:
+        for arg in args:  # a union (X | None), an Annotated
+            yield from _nested_models(arg)
