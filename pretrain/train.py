@@ -271,7 +271,7 @@ class Window:
 
 
 def console_line(c: PretrainConfig, step: int, r: dict) -> str:
-    """One line per metrics window (README, "Reading a pretraining run"). First the loss the student can lower,
+    """One line per metrics window (docs/pretraining.md, "Reading a pretraining run"). First the loss the student can lower,
     ``mae + lambda_cl x kl + koleo x koleo`` with kl = cl - H, the contrastive term's KL(teacher || student): the
     cross-entropy ``cl`` also holds H, the teacher targets' mean entropy, which has no gradient and moves with the
     teacher, so the record's ``loss`` (this figure + lambda_cl x H; jsonl and TensorBoard keep every raw term) can

@@ -21,7 +21,7 @@ from curation.models.settings import ModelStoreSettings
 REPO = Path(__file__).resolve().parents[2]
 LITE = REPO / "configs/curate/lite.yaml"
 # What a run may leave in its home folder, relative to it: the model cache (models.store.cache_dir, README) and the
-# token a local Ray keeps for its token authentication (README, "Curating a pool"; infra/README.md).
+# token a local Ray keeps for its token authentication (docs/curating.md, "Curating a pool"; infra/README.md).
 CACHE = Path(ModelStoreSettings().cache_dir.removeprefix("~/"))
 RAY_TOKEN = Path(".ray/auth_token")
 

@@ -19,7 +19,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import REPO
 from PIL import Image, ImageOps
 
 from common import schema
@@ -29,6 +28,7 @@ from curation.config import CurateConfig
 from curation.phases.write.shards import final_shard_schema
 from curation.score.ledger import read_ledger, reason_code
 from jobs import curate, export
+from tests.docs_text import section as docs_section
 
 LITE = "configs/curate/lite.yaml"
 
@@ -238,11 +238,10 @@ def test_keys_from_data_are_safe_webdataset_keys():
 
 
 def test_readme_examples_load_the_output_and_the_tars(curated_run, tmp_path, monkeypatch):
-    """The README's "other tools" section, run as written on a copy of a curated output and its export."""
+    """The documentation's "other tools" section, run as written on a copy of a curated output and its export."""
     (tmp_path / "out").mkdir()
     shutil.copytree(curated_run, tmp_path / "out" / "curated")
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Using the curated data in other tools", 1)[1].split("\n## ", 1)[0]
+    section = docs_section("Using the curated data in other tools")
     command = re.search(r"```bash\n(python -m jobs.export [^\n\[]*)", section).group(1).split()
     monkeypatch.chdir(tmp_path)
     assert export.main(command[3:]) == 0

@@ -116,7 +116,7 @@ def test_the_readme_tiny_run_learns_without_a_collapse(shards, tmp_path):
     assert read_metrics(str(tmp_path / "readme"), "collapse") == []
 
 
-# The README run's step-20 window as recorded (README, "Reading a pretraining run").
+# The README run's step-20 window as recorded (docs/pretraining.md, "Reading a pretraining run").
 STEP_20 = {
     "epoch": 19, "loss": 2.7540982, "mae": 1.0312903, "cl": 1.6632828, "koleo": 0.5952510,
     "teacher_entropy": 0.6851320, "batch_entropy": 1.4555112, "student_entropy": 1.9, "proto_used": 3.3,
