@@ -38,9 +38,14 @@ _NAMESPACE = "humans1b-watchdog"
 
 
 class WatchdogSettings(Strict):
-    # minutes without progress before the job says what it waits for, and again every as many while it stays
-    # stuck; fractions allowed; 0 turns the watchdog off
-    minutes: float = Field(10.0, ge=0)
+    """The ``watchdog`` section: when a job that stops moving says where, and what it waits for."""
+
+    minutes: float = Field(
+        10.0,
+        ge=0,
+        description="Minutes without progress before the job says what it waits for, and again every as many while "
+        "it stays stuck; fractions allowed. 0 turns the watchdog off.",
+    )
 
 
 # --- the process-wide beat ------------------------------------------------------------------------------------------

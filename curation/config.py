@@ -22,12 +22,21 @@ def _default_stages() -> dict[str, StageSettings]:
 
 
 class CurateConfig(CurationSettings):
-    stages: dict[str, SerializeAsAny[StageSettings]] = Field(default_factory=_default_stages)  # run in this order
-    # Runs of consecutive stages that one Ray actor pool runs, each actor calling the stages in turn on its batch:
-    # fewer processes, queues and hand-offs between them where a node has few cores. Each stage keeps its own time
-    # limit and ledger reasons, so results do not change. The pool has its first stage's batch_size, num_cpus,
-    # num_gpus and actors.
-    fused: list[list[str]] = Field(default_factory=list)
+    """The curation config a job loads: every section of ``CurationSettings``, the stage list checked against the
+    stage registry, and the stages fused into one actor pool."""
+
+    stages: dict[str, SerializeAsAny[StageSettings]] = Field(
+        default_factory=_default_stages,
+        description="The stages that score each image, by name, run in this order (decode first); an entry states "
+        "only what differs from its stage's declared settings. Default: the stages that declare a default order.",
+    )
+    fused: list[list[str]] = Field(
+        default_factory=list,
+        description="Runs of consecutive stages that one Ray actor pool runs, each actor calling the stages in turn "
+        "on its batch: fewer processes, queues and hand-offs between them where a node has few cores. Each stage "
+        "keeps its own time limit and ledger reasons, so results do not change. The pool has its first stage's "
+        "batch_size, num_cpus, num_gpus and actors. Empty: none.",
+    )
 
     @field_validator("stages", mode="before")
     @classmethod

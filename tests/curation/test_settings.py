@@ -1,7 +1,8 @@
 import pytest
 
-from common.config import ConfigError, load_config
+from common.config import ConfigError, load_config, settings_fields
 from curation.config import CurateConfig
+from curation.stages import stage_classes
 
 LITE = "configs/curate/lite.yaml"
 
@@ -171,3 +172,14 @@ def test_a_fused_run_is_one_stage_group_with_its_disabled_stages_left_out(repo_r
 def test_a_fused_run_that_cannot_be_one_step_is_refused(repo_root, run, named):
     with pytest.raises(ConfigError, match=named):
         load_config(CurateConfig, repo_root / LITE, [f"fused={run}"])
+
+
+def test_every_settings_key_has_a_description():
+    """The configuration reference is generated from the settings classes: each key, nested sections and every
+    stage's own settings class included, carries its description in its field."""
+    keys = {f.key: f.description for f in settings_fields(CurateConfig)}
+    for name, stage in stage_classes().items():
+        for f in settings_fields(type(stage.default_settings)):
+            keys[f"stages.{name}.{f.key} ({type(stage.default_settings).__name__})"] = f.description
+    assert len(keys) > 100
+    assert not [key for key, description in keys.items() if not (description or "").strip()]
