@@ -30,10 +30,32 @@ COLOUR_TASKS = ("pose", "seg", "pointmap", "normal")
 
 
 class AugmentSettings(Strict):
-    flip: float = Field(0.5, ge=0, le=1)  # probability of a mirror image (where the labels allow one)
-    scale: float = Field(0.25, ge=0, lt=1)  # zoom factor drawn from [1 - scale, 1 + scale]
-    shift: float = Field(0.1, ge=0, le=0.5)  # shift drawn from +-shift of the image's width and height
-    colour: float = Field(0.2, ge=0, lt=1)  # brightness, contrast and saturation factors from [1 - c, 1 + c]
+    flip: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Probability of a mirror image, where the labels allow one: pose and seg, when every left / "
+        "right name of the label set has its partner. 0: none.",
+    )
+    scale: float = Field(
+        0.25,
+        ge=0,
+        lt=1,
+        description="Zoom factor drawn from [1 - scale, 1 + scale]; pose and seg only. 0: no zoom.",
+    )
+    shift: float = Field(
+        0.1,
+        ge=0,
+        le=0.5,
+        description="Shift drawn from +-shift of the image's width and height; pose and seg only. 0: no shift.",
+    )
+    colour: float = Field(
+        0.2,
+        ge=0,
+        lt=1,
+        description="Brightness, contrast and saturation factors drawn from [1 - colour, 1 + colour]; not for "
+        "albedo. 0: no colour change.",
+    )
 
 
 def mirror_order(names: tuple[str, ...]) -> np.ndarray | None:

@@ -28,13 +28,25 @@ from common.config import Strict
 
 
 class MaskingConfig(Strict):
-    ratio: float = Field(0.75, gt=0, lt=1)  # fraction of patches masked, exact per image
-    block_prob: float = Field(0.4, ge=0, le=1)  # per sample: blockwise with this probability, else patchwise
-    min_block_patches: int = Field(4, ge=1)  # smallest block area, in patches
-    max_block_frac: float = Field(0.5, gt=0, le=1)  # largest block area, as a fraction of the grid
-    aspect: tuple[float, float] = (0.3, 1 / 0.3)  # block height / width, sampled log-uniformly in this range
-    # Blocks per blockwise sample; the scores 2**k must stay exact next to the [0, 1) tie-breaks in float32.
-    blocks: int = Field(16, ge=1, le=16)
+    ratio: float = Field(0.75, gt=0, lt=1, description="Fraction of patches masked, exact per image.")
+    block_prob: float = Field(
+        0.4,
+        ge=0,
+        le=1,
+        description="Per sample: masked blockwise with this probability, else patchwise (uniformly random patches).",
+    )
+    min_block_patches: int = Field(4, ge=1, description="Smallest block area, in patches.")
+    max_block_frac: float = Field(0.5, gt=0, le=1, description="Largest block area, as a fraction of the grid.")
+    aspect: tuple[float, float] = Field(
+        (0.3, 1 / 0.3), description="(low, high) of a block's height / width, sampled log-uniformly in this range."
+    )
+    blocks: int = Field(
+        16,
+        ge=1,
+        le=16,
+        description="Random blocks per blockwise sample; at most 16, so that the scores 2**k stay exact next to the "
+        "[0, 1) tie-breaks in float32.",
+    )
 
     @model_validator(mode="after")
     def _ranges(self) -> MaskingConfig:

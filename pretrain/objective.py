@@ -40,45 +40,104 @@ from training.sharding import copy_module, write_full, write_local
 
 
 class MAEConfig(Strict):
-    width: int = Field(512, ge=4, multiple_of=4)  # multiple of 4 for the 2D sin-cos position code
-    depth: int = Field(4, ge=1)
-    heads: int = Field(16, ge=1)
-    ffn_ratio: float = Field(4.0, gt=0)
-    norm_pix: bool = True  # per-patch normalised pixel targets
-    norm_eps: float = Field(1e-6, gt=0)
+    width: int = Field(
+        512,
+        ge=4,
+        multiple_of=4,
+        description="Token width of the MAE decoder; a multiple of 4 for the 2D sin-cos position code.",
+    )
+    depth: int = Field(4, ge=1, description="Transformer blocks of the MAE decoder.")
+    heads: int = Field(16, ge=1, description="Attention heads of each decoder block.")
+    ffn_ratio: float = Field(4.0, gt=0, description="Hidden width of each decoder block's FFN, as a multiple of width.")
+    norm_pix: bool = Field(
+        True,
+        description="Per-patch normalised pixel targets (zero mean, unit variance over the patch's pixels and "
+        "channels, as MAE's norm_pix_loss); false: the clean view's pixels as the model gets them.",
+    )
+    norm_eps: float = Field(
+        1e-6, gt=0, description="Added to a patch's pixel variance before its square root (norm_pix)."
+    )
 
 
 class CLConfig(Strict):
-    hidden: int = Field(2048, ge=1)
-    bottleneck: int = Field(256, ge=1)
-    layers: int = Field(3, ge=1)
-    prototypes: int = Field(65536, ge=2)
-    student_temp: float = Field(0.1, gt=0)
-    teacher_temp: float = Field(0.07, gt=0)
-    teacher_temp_warmup: float = Field(0.04, gt=0)  # starting teacher temperature
-    teacher_temp_warmup_steps: int = Field(0, ge=0)
-    normalize: Literal["center", "sinkhorn"] = "center"
-    center_momentum: float = Field(0.9, ge=0, lt=1)
-    sinkhorn_iters: int = Field(3, ge=1)
-    momentum: float = Field(0.996, ge=0, le=1)  # teacher EMA momentum at step 0 ...
-    momentum_end: float = Field(1.0, ge=0, le=1)  # ... and at the last step (cosine between)
-    # KoLeo (DINOv2 / DINOv3): spreads the student's [CLS] of each global view over the batch, so a [CLS] that
-    # ignores the image costs loss from step 0. As theirs: summed over the global views, weighted by this alone (not
-    # by lambda_cl; DINOv2's koleo_loss_weight is 0.1). 0 turns it off.
-    koleo: float = Field(0.0, ge=0)
-    # Optimiser steps at the start during which the prototype layer does not move (its learning rate is 0), as
-    # DINOv2 / DINOv3's freeze_last_layer_epochs (one epoch of 1250 iterations there): the prototypes stay put while
-    # the head's first layers find image-dependent directions.
-    freeze_prototypes_steps: int = Field(1250, ge=0)
+    hidden: int = Field(2048, ge=1, description="Hidden width of the projection head's MLP.")
+    bottleneck: int = Field(
+        256, ge=1, description="Output width of the projection MLP, L2-normalised before the prototypes."
+    )
+    layers: int = Field(
+        3, ge=1, description="Linear layers of the projection MLP (GELU between them), the last one to the bottleneck."
+    )
+    prototypes: int = Field(65536, ge=2, description="Prototypes: the number of scores the head gives each [CLS] (K).")
+    student_temp: float = Field(0.1, gt=0, description="Softmax temperature of the student's prototype scores.")
+    teacher_temp: float = Field(
+        0.07,
+        gt=0,
+        description="Softmax temperature of the teacher's prototype scores after its warm-up; a low one sharpens "
+        "the targets.",
+    )
+    teacher_temp_warmup: float = Field(
+        0.04,
+        gt=0,
+        description="Starting teacher temperature, linear to teacher_temp over teacher_temp_warmup_steps.",
+    )
+    teacher_temp_warmup_steps: int = Field(
+        0, ge=0, description="Optimiser steps of the teacher temperature's warm-up; 0: teacher_temp from the start."
+    )
+    normalize: Literal["center", "sinkhorn"] = Field(
+        "center",
+        description="How the teacher's scores become targets: center subtracts a running centre of the batch-mean "
+        "scores before the softmax; sinkhorn balances them by Sinkhorn-Knopp, so that the prototypes are used "
+        "uniformly over the (global) batch.",
+    )
+    center_momentum: float = Field(
+        0.9,
+        ge=0,
+        lt=1,
+        description="Momentum of the running centre (normalize: center): each step it moves 1 - center_momentum of "
+        "the way to the batch mean; it starts at the first batch's mean.",
+    )
+    sinkhorn_iters: int = Field(3, ge=1, description="Sinkhorn-Knopp iterations (normalize: sinkhorn).")
+    momentum: float = Field(
+        0.996, ge=0, le=1, description="Teacher EMA momentum at step 0 (cosine to momentum_end at the last step)."
+    )
+    momentum_end: float = Field(
+        1.0, ge=0, le=1, description="Teacher EMA momentum at the last step (cosine from momentum at step 0)."
+    )
+    koleo: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of KoLeo (DINOv2 / DINOv3): spreads the student's [CLS] of each global view over the "
+        "batch, so a [CLS] that ignores the image costs loss from step 0. As theirs: summed over the global views, "
+        "weighted by this alone (not by lambda_cl; DINOv2's koleo_loss_weight is 0.1). 0 turns it off.",
+    )
+    freeze_prototypes_steps: int = Field(
+        1250,
+        ge=0,
+        description="Optimiser steps at the start during which the prototype layer does not move (its learning "
+        "rate is 0), as DINOv2 / DINOv3's freeze_last_layer_epochs (one epoch of 1250 iterations there): the "
+        "prototypes stay put while the head's first layers find image-dependent directions.",
+    )
 
 
 class ObjectiveConfig(Strict):
-    lambda_cl: float = Field(1.0, ge=0)
-    mae: MAEConfig = MAEConfig()
-    cl: CLConfig = CLConfig()
-    masking: MaskingConfig = MaskingConfig()
-    views: ViewsConfig = ViewsConfig()
-    check_finite: bool = True  # raise on a NaN / inf loss term (one host sync per step)
+    lambda_cl: float = Field(
+        1.0,
+        ge=0,
+        description="Weight of the self-distillation term: L = L_MAE + lambda_cl x L_CL (+ cl.koleo x KoLeo). "
+        "0: no contrastive term in the loss.",
+    )
+    mae: MAEConfig = Field(MAEConfig(), description="The MAE decoder and its pixel targets.")
+    cl: CLConfig = Field(
+        CLConfig(),
+        description="Self-distillation: the projection head, the EMA teacher and how its targets are made.",
+    )
+    masking: MaskingConfig = Field(
+        MaskingConfig(), description="Which patches of the global views the student does not see."
+    )
+    views: ViewsConfig = Field(
+        ViewsConfig(), description="The global and local views cut from each image, and their augmentation."
+    )
+    check_finite: bool = Field(True, description="Raise on a NaN / inf loss term (one host sync per step).")
 
 
 class NonFiniteLossError(FloatingPointError):

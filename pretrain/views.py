@@ -37,25 +37,76 @@ _LUMA = (0.299, 0.587, 0.114)
 
 
 class ViewsConfig(Strict):
-    global_size: tuple[int, int] = (1024, 768)  # (H, W): the model's input size
-    local_size: tuple[int, int] = (256, 192)  # (H, W), multiples of the patch size
-    n_local: int = Field(8, ge=0)
-    global_scale: tuple[float, float] = (0.32, 1.0)  # crop area / area of the largest box of the output aspect
-    local_scale: tuple[float, float] = (0.05, 0.32)
-    flip_prob: float = Field(0.5, ge=0, le=1)
-    jitter_prob: float = Field(0.8, ge=0, le=1)
-    brightness: float = Field(0.4, ge=0)
-    contrast: float = Field(0.4, ge=0)
-    saturation: float = Field(0.2, ge=0)
-    hue: float = Field(0.1, ge=0, le=0.5)  # fraction of a full turn of the chroma plane
-    grayscale_prob: float = Field(0.2, ge=0, le=1)
-    # Per global view (their count is the number of global views), as in DINO: one always blurred, one solarised.
-    global_blur_prob: tuple[float, ...] = (1.0, 0.1)
-    global_solarize_prob: tuple[float, ...] = (0.0, 0.2)
-    local_blur_prob: float = Field(0.5, ge=0, le=1)
-    blur_sigma: tuple[float, float] = (0.1 / 224, 2.0 / 224)  # as a fraction of the crop's short side
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
+    global_size: tuple[int, int] = Field(
+        (1024, 768), description="(H, W) of the global views in pixels: the model's input size."
+    )
+    local_size: tuple[int, int] = Field(
+        (256, 192), description="(H, W) of the local crops in pixels, multiples of the patch size."
+    )
+    n_local: int = Field(8, ge=0, description="Local crops per image, which the student encodes whole; 0: none.")
+    global_scale: tuple[float, float] = Field(
+        (0.32, 1.0),
+        description="(low, high) of a global crop's area / the area of the largest box of the output's aspect in the "
+        "image, drawn uniformly.",
+    )
+    local_scale: tuple[float, float] = Field(
+        (0.05, 0.32),
+        description="(low, high) of a local crop's area / the area of the largest box of the output's aspect in the "
+        "image, drawn uniformly.",
+    )
+    flip_prob: float = Field(0.5, ge=0, le=1, description="Probability that a crop is mirrored horizontally.")
+    jitter_prob: float = Field(
+        0.8,
+        ge=0,
+        le=1,
+        description="Probability of colour jitter (brightness, contrast, saturation, hue) on a colour-augmented view.",
+    )
+    brightness: float = Field(
+        0.4, ge=0, description="Colour jitter: brightness factor drawn from [1 - brightness, 1 + brightness]."
+    )
+    contrast: float = Field(
+        0.4, ge=0, description="Colour jitter: contrast factor drawn from [1 - contrast, 1 + contrast]."
+    )
+    saturation: float = Field(
+        0.2, ge=0, description="Colour jitter: saturation factor drawn from [1 - saturation, 1 + saturation]."
+    )
+    hue: float = Field(
+        0.1,
+        ge=0,
+        le=0.5,
+        description="Colour jitter: hue shift drawn from [-hue, hue], as a fraction of a full turn of the chroma "
+        "plane.",
+    )
+    grayscale_prob: float = Field(
+        0.2, ge=0, le=1, description="Probability that a colour-augmented view is turned grey."
+    )
+    global_blur_prob: tuple[float, ...] = Field(
+        (1.0, 0.1),
+        description="Gaussian blur probability of each global view's colour-augmented copy, one entry per global "
+        "view: their count is the number of global views. As in DINO: one always blurred, one solarised.",
+    )
+    global_solarize_prob: tuple[float, ...] = Field(
+        (0.0, 0.2),
+        description="Solarisation probability of each global view's colour-augmented copy, one entry per global "
+        "view (as many as global_blur_prob). As in DINO: one always blurred, one solarised.",
+    )
+    local_blur_prob: float = Field(
+        0.5, ge=0, le=1, description="Gaussian blur probability of each local crop (local crops are never solarised)."
+    )
+    blur_sigma: tuple[float, float] = Field(
+        (0.1 / 224, 2.0 / 224),
+        description="(low, high) of the blur's Gaussian sigma, as a fraction of the crop's short side, drawn "
+        "uniformly.",
+    )
+    mean: tuple[float, float, float] = Field(
+        IMAGENET_MEAN,
+        description="Per-channel (RGB) mean subtracted from every view (pixels in [0, 1]); ImageNet's by default.",
+    )
+    std: tuple[float, float, float] = Field(
+        IMAGENET_STD,
+        description="Per-channel (RGB) standard deviation every view is divided by after the mean; ImageNet's by "
+        "default.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ViewsConfig:
