@@ -506,7 +506,11 @@ def worker_plan(
     per_step = per_worker * world
     samples = kept_samples(index, removals)
     if per_step > samples:
-        raise DataError(f"a global batch of {per_step} samples exceeds the {samples} in the data")
+        raise DataError(
+            f"a global batch of {per_step} samples exceeds the {samples} in the data under "
+            f"{storage.redact(index.root)}: lower the batch (data.global_batch or data.batch_size, ray.workers) or "
+            "give more data"
+        )
     segments: list[dict] = []
     order: EpochOrder | None = None
     for _ in range(steps):

@@ -532,6 +532,7 @@ class SafetensorsFile:
 
     def __init__(self, uri: str) -> None:
         fs, path = storage.resolve(uri)
+        self.uri = storage.redact(uri)  # named in messages
         self._file = fs.open_input_file(path)
         try:
             size = self._file.size()
@@ -565,7 +566,10 @@ class SafetensorsFile:
             self._file.seek(self._data + begin + first * row_bytes)
             got = self._file.readinto(out.view(-1).view(torch.uint8).numpy())  # straight into the tensor's memory
             if got != count * row_bytes:
-                raise storage.StorageError(f"{name}: the file ends {count * row_bytes - got} bytes early")
+                raise storage.StorageError(
+                    f"{self.uri}: tensor {name} ends {count * row_bytes - got} bytes early: the file is cut short; copy "
+                    "it again, or rerun the job that wrote it"
+                )
         return out
 
     def close(self) -> None:
