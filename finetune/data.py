@@ -145,7 +145,9 @@ def read_info(index: DataIndex, data_uri: str) -> LabelInfo:
             )
         )
     if infos[0] != infos[-1]:
-        raise DataError(f"shards under {data_uri} disagree on their labels or image size: {infos[0]} vs {infos[-1]}")
+        raise DataError(
+            f"shards under {storage.redact(data_uri)} disagree on their labels or image size: {infos[0]} vs {infos[-1]}"
+        )
     return infos[0]
 
 
