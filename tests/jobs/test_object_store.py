@@ -399,7 +399,10 @@ def test_thresholds_changed_on_an_object_store_output_are_re_decided_as_a_fresh_
     loose, fresh_loose = "filters.min_short_side=100", s3(store, "runs/rd_fresh_loose")
     assert curate.main([*run, out, *CURATE, loose]) == 0
     said = capsys.readouterr().out
-    assert "[re-decide] need model work: 1 input (1 from stage phash)" in said and "stages run again: phash on 1 input," in said
+    assert (
+        "[re-decide] need model work: 1 input (1 from stage phash)" in said
+        and "stages run again: phash on 1 input," in said
+    )
     assert curate.main([*run, fresh_loose, *CURATE, loose]) == 0
     assert published("runs/rd") == published("runs/rd_fresh_loose") != published("runs/rd_fresh")
     assert audit_job.main([out]) == 0
