@@ -78,7 +78,8 @@ def bench_phash(n: int, subset: int, faiss_n: int, threads: int, rng: np.random.
     print(f"\n(a) pHash pairs, radius 8, {n:,} hashes ({threads} threads)")
     h = planted_hashes(n, rng)
     plan = plan_bands(np.unique(h).size, 8)
-    print(f"    plan: {len(plan.bands)} bands of {[b.width for b in plan.bands]} bits, {plan.max_flips} flips")
+    widths = ", ".join(str(b.width) for b in plan.bands)
+    print(f"    plan: {len(plan.bands)} bands of {widths} bits, {plan.max_flips} flips")
     seconds, pairs = timed(lambda: phash_pairs(h, 8, threads=threads))
     print(f"    {seconds:.1f} s, {len(pairs):,} pairs (spanning set)   goal < 60 s for 1M")
 

@@ -120,7 +120,8 @@ def main() -> None:
     block = ours_m.blockwise.numpy()
     mask = ours_m.mask.numpy()
     print(f"statistics over {big} masks (reference: {big // 4}):")
-    print(f"  masked per image: {sorted(set(mask.sum(1).tolist()))} (reference {sorted(set(ref_m.sum(1).tolist()))})")
+    ours, theirs = (", ".join(map(str, sorted(set(m.sum(1).tolist())))) for m in (mask, ref_m))
+    print(f"  masked per image: {ours} (reference {theirs})")
     print(f"  blockwise share: {block.mean():.3f}")
     print(
         f"  masked patches with 4 masked neighbours: blockwise {neighbours_masked(mask[block], grid):.3f}, "

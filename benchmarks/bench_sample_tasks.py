@@ -161,7 +161,8 @@ def main() -> int:
             record = r["record"]
             print(
                 f"N = {n:,} {tree}: sample {r['seconds']:.1f} s, {record.get('inputs')} alive, "
-                f"{record.get('selected')} selected, levels {record.get('clusters_per_level')}; "
+                f"{record.get('selected')} selected, clusters per level (finest first) "
+                f"{', '.join(map(str, record.get('clusters_per_level') or [])) or 'none'}; "
                 f"driver peak RSS {r['driver_rss'] / GIB:.2f} GiB",
                 flush=True,
             )

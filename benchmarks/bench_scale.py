@@ -505,14 +505,16 @@ def _print_run(label: str, report: dict) -> None:
     chance = report["dedup"]["record"].get("chance")
     print(
         f"  {label:<10} dedup: {t['dropped']:,} dropped, {t['dropped_by_chance']:,} of them copies of an unrelated "
-        f"image ({t['chance_fraction']:.3%} of survivors); planted copies found {t['copies_found']:.2%} "
-        f"{t['found_by_kind']}"
+        f"image ({t['chance_fraction']:.3%} of survivors); planted copies found {t['copies_found']:.2%} ("
+        + ", ".join(f"{kind} {share:.2%}" for kind, share in t["found_by_kind"].items())
+        + ")"
     )
     if chance:
         print(f"  {label:<10} rule {chance['rule']}: {chance['expected_chance_links']:.3g} chance links expected")
         for r in chance["regions"]:
             print(f"  {label:<10}   {r['region']} at radius {r['radius']}: {r['expected_chance_links']:.3g} expected")
-    print(f"  {label:<10} chance pairs counted in the pair files: {t['chance_pairs']}")
+    counted = ", ".join(f"{signal} {n:,}" for signal, n in t["chance_pairs"].items()) or "no pair files"
+    print(f"  {label:<10} chance pairs counted in the pair files: {counted}")
     at_rest = report["at_rest"]
     print(
         f"  {label:<10} output at rest {sum(at_rest.values()) / GIB:.2f} GiB ("

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     for f in args.fail:
         part, _, how = f.partition("=")
         if part not in PARTS or how not in _FAILURES:
-            ap.error(f"--fail {f!r}: expected PART=raise or PART=hang, PART one of {PARTS}")
+            ap.error(f"--fail {f!r}: expected PART=raise or PART=hang, PART one of {', '.join(PARTS)}")
     try:
         sizes = resized(SMOKE if args.cpu_smoke else GPU, args.size)
     except ValueError as exc:

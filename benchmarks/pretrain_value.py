@@ -679,10 +679,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Path, Budget, Path | None
             setattr(args, key, value)
     exports = ("student", "teacher") if args.both_exports else tuple(args.export.split(","))
     if any(e not in EXPORT_FILES for e in exports):
-        p.error(f"--export: of {sorted(EXPORT_FILES)}")
+        p.error(f"--export: one or more of {', '.join(sorted(EXPORT_FILES))}, comma-separated")
     sources = tuple(args.sources.split(","))
     if any(s not in SOURCES for s in sources):
-        p.error(f"--sources: of {sorted(SOURCES)}")
+        p.error(f"--sources: one or more of {', '.join(sorted(SOURCES))}, comma-separated")
     work = Path(args.work or f"out/pretrain_value{'_quick' if args.quick else ''}").resolve()
     data = Path(args.data).resolve() if args.data else None
     return work, Budget(

@@ -771,9 +771,21 @@ def expected_curation(rows: list[dict[str, Any]], target_fraction: float = LITE_
     return Expectation(len(rows), dict(sorted(rejected.items())), kept_copy, duplicates, after, kept)
 
 
+def _outcome_words(expect: Counter, total: int) -> str:
+    """What phase 1 should do with a category's inputs, by their manifest's ``expect``: keep them ("kept"), reject
+    them ("rejected"), or either, as the lite detectors happen to judge them ("any", borderline)."""
+    words = {
+        "kept": "must keep {}",
+        "rejected": "must reject {}",
+        "any": "may keep or reject {} (borderline for the lite detectors)",
+    }
+    parts = [words[k].format(f"all {n}" if n == total else n) for k in words if (n := expect[k])]
+    return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+
+
 def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per category: how many inputs and what phase 1 should do with them; then what the lite curation
-    should keep in the end, and which stage drops the rest."""
+    """One line per category: how many inputs and what phase 1 (the lite profile's default thresholds) should do
+    with them, in words; then what the lite curation should keep in the end, and which stage drops the rest."""
     lines = []
     for category in CATEGORIES:
         mine = [r for r in rows if r["category"] == category]
@@ -782,16 +794,18 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
         expect = Counter(r["expect"] for r in mine)
         variants = Counter(r["variant"] for r in mine)
         shown = ", ".join(f"{v} {c}" if c > 1 else v for v, c in sorted(variants.items()))
-        outcome = " ".join(f"{k}={expect[k]}" for k in ("kept", "rejected", "any") if expect[k])
-        lines.append(f"{category:<12} {len(mine):>3} inputs  phase 1: expect {outcome}  ({shown})")
+        lines.append(
+            f"{category:<12} {len(mine):>3} inputs  phase 1 {_outcome_words(expect, len(mine))}  (variants: {shown})"
+        )
     e = expected_curation(rows)
     borderline = sum(r["expect"] == "any" for r in rows)
     survivors = e.inputs - sum(e.rejected.values())
     kept_copies = ", ".join(" or ".join(n.split("/")[-1] for n in names) for names in e.kept_copy.values())
+    rejected = ", ".join(f"{s} {n}" for s, n in e.rejected.items())
     lines += [
-        f"configs/curate/lite.yaml end to end: expect kept={e.kept} of {e.inputs} (the {borderline} 'any' inputs pass "
-        "phase 1, as they do with the lite models)",
-        f"  phase 1 rejects {sum(e.rejected.values())}: " + ", ".join(f"{s} {n}" for s, n in e.rejected.items()),
+        f"configs/curate/lite.yaml end to end: {e.kept} of the {e.inputs} inputs should end up kept (the {borderline} "
+        "borderline inputs pass phase 1, as they do with the lite models)",
+        f"  phase 1 rejects {sum(e.rejected.values())}, by the stage that rejects them: {rejected}",
         f"  dedup keeps one copy of each of {len(e.kept_copy)} photos, the most pixels then the best encoding "
         f"({kept_copies}), and drops {e.duplicates} of the {survivors} left; mirrored copies are "
         "not linked to their photo",

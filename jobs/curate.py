@@ -16,7 +16,7 @@ from pathlib import Path
 
 from common import folders
 from common.config import ConfigError, load_config
-from common.console import beside, configure_console, exit_code_interruptible, next_steps, shown_path
+from common.console import beside, configure_console, exit_code_interruptible, next_steps, plural, shown_path
 from common.layout import GLOBAL_PHASES, LAYOUT, PHASES
 from common.lease import Lease, LeaseHeld, exit_code_holding, interrupt_main
 from common.ray_utils import init_ray
@@ -96,7 +96,10 @@ def committed(out_uri: str) -> str:
     out = Output.at(out_uri)
     shards = len(commit_files(out.fs, out.root))
     done = [p for p in PHASES if phase_done(out, p)]
-    return f"{shards} input shard(s) scored and committed in {redact(out_uri)}; phases complete: {', '.join(done) or 'none'}"
+    return (
+        f"{plural(shards, 'input shard')} scored and committed in {redact(out_uri)}; "
+        f"phases complete: {', '.join(done) or 'none'}"
+    )
 
 
 def _curate(args: argparse.Namespace, lease: Lease) -> int:
@@ -105,7 +108,10 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
         phases = [p.strip() for p in args.phases.split(",") if p.strip()]
         unknown = [p for p in phases if p not in PHASES]
         if unknown:
-            raise ConfigError(f"--phases: unknown phase(s) {unknown}; choose from {list(PHASES)}")
+            raise ConfigError(
+                f"--phases: {'an unknown phase' if len(unknown) == 1 else 'unknown phases'} {', '.join(unknown)}; "
+                f"choose from {', '.join(PHASES)}"
+            )
         # before anything is written: the lease's record would be the first curation file in a foreign folder
         folders.refuse_other_kind(args.output, folders.CURATED, "--output")
         release = open_release(args.against, cfg.models.embedding.name) if args.against else None

@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_allow_change(p)
     p.add_argument(
         "--export", default="student", type=_exports, metavar="WHICH[,WHICH]",
-        help=f"backbones to export at the end, of {sorted(EXPORTS)} (default: student)",
+        help=f"backbones to export at the end, of {', '.join(sorted(EXPORTS))} (default: student)",
     )  # fmt: skip
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ray.workers=8")
     return p.parse_intermixed_args(argv)  # key=value overrides may come before or after the options
@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _exports(text: str) -> list[str]:
     which = [w.strip() for w in text.split(",") if w.strip()]
     if not which or any(w not in EXPORTS for w in which):
-        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {sorted(EXPORTS)}, comma-separated")
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(sorted(EXPORTS))}, comma-separated")
     return list(dict.fromkeys(which))
 
 

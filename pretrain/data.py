@@ -256,7 +256,10 @@ class DataIndex:
             meta = open_shard(data_uri, name).metadata
             missing = {"key", "image"} - set(meta.schema.to_arrow_schema().names)
             if missing:
-                raise DataError(f"{name} under {shown} lacks column(s) {sorted(missing)}: not a curated shard")
+                raise DataError(
+                    f"{name} under {shown} lacks the {' and '.join(sorted(missing))} "
+                    f"{'column' if len(missing) == 1 else 'columns'}: not a curated shard"
+                )
             return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
 
         names = [s["file"] for s in shards]

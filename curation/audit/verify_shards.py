@@ -57,9 +57,9 @@ def schema_difference(actual: pa.Schema, expected: pa.Schema) -> str | None:
     missing = [n for n in expected.names if n not in actual.names]
     extra = [n for n in actual.names if n not in expected.names]
     if missing:
-        parts.append(f"missing columns {missing}")
+        parts.append(f"missing {'column' if len(missing) == 1 else 'columns'} {', '.join(missing)}")
     if extra:
-        parts.append(f"unexpected columns {extra}")
+        parts.append(f"unexpected {'column' if len(extra) == 1 else 'columns'} {', '.join(extra)}")
     for f in expected:
         if f.name in actual.names:
             got = actual.field(f.name)

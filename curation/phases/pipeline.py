@@ -46,6 +46,7 @@ import ray
 
 from common import watchdog
 from common.config import hash_json, hash_json_each
+from common.console import plural
 from common.layout import GLOBAL_PHASES, LAYOUT
 from common.storage import (
     delete_quietly,
@@ -57,7 +58,7 @@ from common.storage import (
 from curation.config import CurateConfig
 from curation.phases import survivors
 from curation.phases.dedup import chance
-from curation.phases.dedup.components import run_components
+from curation.phases.dedup.components import by_signal_words, run_components
 from curation.phases.dedup.embedding_pairs import plan_embedding_search, search_embedding_pairs
 from curation.phases.dedup.embedding_tasks import read_chance
 from curation.phases.dedup.phash_pairs import run_phash_pairs
@@ -287,9 +288,9 @@ class GlobalPhases:
         result = run_components(runner, pair_files, files)
         released = f" (the release's kept images in {len(self.release_files)} of them)" if self.release_files else ""
         log.info(
-            f"[dedup] {n} survivors in {len(files)} partitions{released}: {result['dropped']} dropped as copies "
-            f"({', '.join(f'{k} {v}' for k, v in result['by_signal'].items()) or 'no links'}) in "
-            f"{result['components']} groups"
+            f"[dedup] {plural(n, 'survivor')} in {plural(len(files), 'partition')}{released}: {result['dropped']} "
+            f"dropped as copies ({by_signal_words(result['by_signal'], 'no links')}) in "
+            f"{plural(result['components'], 'group')}"
         )
         return {
             "inputs": n,
@@ -305,9 +306,8 @@ class GlobalPhases:
         files = self.survivor_files + self.release_files  # the release's images: clustered with, and chosen before
         decisions = [LAYOUT.dedup_decision(i) for i in range(len(files))]
         chosen_from = RELEASE_UID_MIN if self.release_files else None
-        summary = run_sample(self.runner("sample"), files, decisions, self.cfg.sample, chosen_from=chosen_from)
-        log.info(f"[sample] {summary}")
-        return summary
+        # run_sample says in words what it selected; its summary is the phase's done record
+        return run_sample(self.runner("sample"), files, decisions, self.cfg.sample, chosen_from=chosen_from)
 
     # --- phase 4: write ------------------------------------------------------------------------------------------
 
@@ -328,9 +328,10 @@ class GlobalPhases:
         dropped = drop_scored_bytes(runner, self.cfg, self.records)
         write_card(self.output.uri, manifest)  # after the switch: the card describes the current shards
         log.info(
-            f"[write] {manifest['totals']['rows']} images in {len(manifest['shards'])} shards "
-            f"({manifest['totals']['bytes']} bytes); {removed} files the manifest no longer lists removed; "
-            f"image bytes dropped from {dropped['files']} scored files ({dropped['bytes']} bytes)"
+            f"[write] {plural(manifest['totals']['rows'], 'image')} in {plural(len(manifest['shards']), 'shard')} "
+            f"({plural(manifest['totals']['bytes'], 'byte')}); {plural(removed, 'file')} the manifest no longer lists "
+            f"removed; image bytes dropped from {plural(dropped['files'], 'scored file')} "
+            f"({plural(dropped['bytes'], 'byte')})"
         )
         return manifest["totals"]
 

@@ -198,8 +198,9 @@ def download_note(steps: Sequence[FunnelStep]) -> str:
     if not failed:
         return ""
     return (
-        f"{failed} of the inputs are URLs the pool's downloader tried and got no image from (its per-shard record, "
-        "as img2dataset writes it): stage download, the downloader's status as the reason code."
+        f"{failed} of the inputs {'is a URL' if failed == 1 else 'are URLs'} the pool's downloader tried and got no "
+        "image from (its per-shard record, as img2dataset writes it): stage download, the downloader's status as the "
+        "reason code."
     )
 
 

@@ -278,8 +278,12 @@ def test_the_summary_says_what_the_lite_curation_keeps_and_which_stage_drops_the
         "zidane": ("odd/zidane_cmyk.jpg",),
     }
     lines = sp.summary_lines(list(rows.values()))
-    assert lines[0].startswith("people") and "phase 1: expect kept=11 any=15" in lines[0]
-    assert any(line.startswith("configs/curate/lite.yaml end to end: expect kept=8 of 60") for line in lines)
+    assert lines[0].startswith("people") and "phase 1 must keep 11 and may keep or reject 15 (borderline" in lines[0]
+    assert any(line.startswith("no_person") and "phase 1 must reject all 9" in line for line in lines)
+    assert any(line.startswith("odd") and "phase 1 may keep or reject all 5 (borderline" in line for line in lines)
+    assert any(
+        line.startswith("configs/curate/lite.yaml end to end: 8 of the 60 inputs should end up kept") for line in lines
+    )
     assert any("sample selects 8 of the 10 left" in line for line in lines)
 
 

@@ -126,7 +126,8 @@ def test_ctrl_c_says_what_is_committed_in_one_line_and_the_same_command_resumes(
     [line] = [line for line in text.splitlines() if "interrupted" in line]
     committed = len(_commits(out))
     assert committed >= 1
-    assert line.startswith(f"[curate] interrupted: {committed} input shard(s) scored and committed in {out}; ")
+    shards = f"{committed} input shard{'' if committed == 1 else 's'}"
+    assert line.startswith(f"[curate] interrupted: {shards} scored and committed in {out}; ")
     assert line.endswith("; rerun the same command to resume")
     code, log_text = _run_job(repo_root, sample_pool, out)
     assert code == 0, log_text

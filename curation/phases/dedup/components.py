@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from common.console import plural
 from common.layout import LAYOUT
 from common.storage import delete_quietly
 from curation.phases.dedup.component_files import DECISIONS_DIR, WORK_DIR, ComponentsError, layout_of
@@ -106,6 +107,11 @@ def _run(
     return runner.run(step({f"part-{k:06d}": a for k, a in enumerate(args)}, own))
 
 
+def by_signal_words(counts: dict[str, int], none: str = "no signal") -> str:
+    """Counts per signal in words, in the signals' order: "phash 11, embedding 10" (``none`` when there are none)."""
+    return ", ".join(f"{signal} {n}" for signal, n in counts.items()) or none
+
+
 def _total(field: str) -> Callable[[Sequence[dict]], dict]:
     return lambda receipts: {field: sum(r[field] for r in receipts)}
 
@@ -146,7 +152,7 @@ def _label_components(plan: _Plan, edges: list[str], remaining: int, local_edges
             "edges"
         ]
         routed = True
-        log.info(f"[components] round {rounds}: {remaining} directed edges left")
+        log.info(f"[components] round {rounds}: {plural(remaining, 'directed edge')} left")
     if remaining:  # what is left fits one task
         labels = [_work(f"round-{rounds + 1:03d}", "labels-local.parquet")]
         args = [(uri, layout, adjacency, labels[0])]
@@ -154,7 +160,8 @@ def _label_components(plan: _Plan, edges: list[str], remaining: int, local_edges
             plan.runner, f"round-{rounds + 1:03d}/finish", "tasks", finish_task, args, reduce=_total("components")
         )
         log.info(
-            f"[components] {remaining} directed edges left: finished in one task ({done['components']} components)"
+            f"[components] {plural(remaining, 'directed edge')} left: finished in one task "
+            f"({plural(done['components'], 'component')})"
         )
     # 5: labels back through the rounds
     for r in range(rounds, 0, -1):
@@ -270,7 +277,10 @@ def run_components(
 
     rows, edges, remaining = _edges(plan, pair_list, own)
     pair_counts = {s: sum(n for (code, _), n in zip(pair_list, rows) if signals[code] == s) for s in signals}
-    log.info(f"[components] {pair_counts} pairs: {remaining // 2} distinct edges in {n_parts} partitions")
+    log.info(
+        f"[components] {plural(sum(pair_counts.values()), 'pair')} ({by_signal_words(pair_counts)}): "
+        f"{plural(remaining // 2, 'distinct edge')} in {plural(n_parts, 'partition')}"
+    )
     labels, rounds, finished_locally = _label_components(plan, edges, remaining, local_edges, max_rounds)
     groups = [layout.files_of_group(g) for g in range(layout.n_groups)]
     kept = _keep(plan, groups, survivor_files, labels, edges, signals, survivor_batch_rows)
@@ -290,7 +300,8 @@ def run_components(
         "partitions": n_parts,
     }
     log.info(
-        f"[components] {kept['nodes']} survivors in {summary['components']} groups; {summary['dropped']} dropped {by_signal}; "
-        f"{rounds} rounds"
+        f"[components] {plural(kept['nodes'], 'linked survivor')} in {plural(summary['components'], 'group')}; "
+        f"{summary['dropped']} dropped as copies ({by_signal_words(by_signal)}); "
+        f"{plural(rounds, 'contraction round')}{', the rest finished in one task' if finished_locally else ''}"
     )
     return summary

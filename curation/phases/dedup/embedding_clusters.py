@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.console import plural
 from curation.phases.dedup.link_rule import Region
 
 POINTS_PER_CENTROID = 64  # k-means training rows per centroid
@@ -203,8 +204,9 @@ def plan_clusters(
     lines = [
         (
             logging.INFO,
-            f"[embedding pairs] {n} survivors: {len(centroids)} clusters ({split} split by the plan) from a sample of "
-            f"{len(sample)}, {rows_per_survivor:.2f} rows per survivor predicted, {int(bucket_of.max()) + 1} buckets",
+            f"[embedding pairs] {plural(n, 'survivor')}: {plural(len(centroids), 'cluster')} ({split} split by the "
+            f"plan) from a sample of {len(sample)}, {rows_per_survivor:.2f} rows per survivor predicted, "
+            f"{plural(int(bucket_of.max()) + 1, 'bucket')}",
         )
     ]
     if saturated > SATURATED_WARNING:

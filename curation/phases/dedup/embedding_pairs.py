@@ -60,6 +60,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import ray
 
+from common.console import plural
 from common.storage import delete_quietly
 from curation.phases.dedup.chance import RANDOM_PAIRS
 from curation.phases.dedup.embedding_clusters import Layout, ProbeRule, SearchSettings, default_cluster_size
@@ -144,7 +145,10 @@ class EmbeddingAssign(Step):
     def reduce(self, receipts: Sequence[dict]) -> dict:
         rows = sum(r["rows"] for r in receipts)
         if receipts:
-            log.info(f"[embedding pairs] {rows} (survivor, cluster) rows written to {self.plan['buckets']} buckets")
+            log.info(
+                f"[embedding pairs] {plural(rows, 'row')} (a survivor and a cluster it probes) written to "
+                f"{plural(self.plan['buckets'], 'bucket')}"
+            )
         return {"rows": rows, "cpu_s": round(sum(r["cpu_s"] for r in receipts), 1)}
 
 
@@ -175,7 +179,10 @@ class EmbeddingSearch(Step):
     def reduce(self, receipts: Sequence[dict]) -> dict:
         searched = [r for r in receipts if not r["skipped"]]
         pairs = sum(r["pairs"] for r in receipts)
-        log.info(f"[embedding pairs] {pairs} pairs at >= {self.settings.threshold} in {len(receipts)} buckets")
+        log.info(
+            f"[embedding pairs] {plural(pairs, 'pair')} at cosine >= {self.settings.threshold} in "
+            f"{plural(len(receipts), 'bucket')}"
+        )
         return {
             "pairs": pairs,
             "buckets_searched": len(searched),

@@ -62,6 +62,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 
+from common.console import plural
 from common.layout import LAYOUT
 from common.storage import delete_quietly, exists, join, resolve, write_parquet_atomic
 from curation.phases.dedup import phash_bands
@@ -273,8 +274,8 @@ def run_phash_pairs(
     n_rows = sum(parquet_rows(out.fs, [out.path(f) for f in survivor_files]))
     plan = plan_pairs(n_rows, radius, partitions, n_bands=n_bands, rows_per_partition=rows_per_partition)
     log.info(
-        f"[phash pairs] {n_rows} survivors, radius {radius}: {len(plan.bands.bands)} bands, "
-        f"{len(plan.families)} families, {plan.partitions} partitions"
+        f"[phash pairs] {plural(n_rows, 'survivor')}, radius {radius}: {plural(len(plan.bands.bands), 'band')}, "
+        f"{plural(len(plan.families), 'family', 'families')}, {plural(plan.partitions, 'partition')}"
     )
     mapped = runner.run(PhashMap(out, survivor_files, plan, out_dir))
     reduced = runner.run(PhashReduce(out, len(survivor_files), plan, out_dir, max_kernel_hashes))
@@ -289,5 +290,5 @@ def run_phash_pairs(
         "task_cpu_s": round(reduced["task_cpu_s"] + mapped.get("cpu_s", 0.0), 1),
         "seconds": round(time.monotonic() - start, 2),
     }
-    log.info(f"[phash pairs] {n_pairs} pairs in {plan.partitions} files, {summary['seconds']} s")
+    log.info(f"[phash pairs] {plural(n_pairs, 'pair')} in {plural(plan.partitions, 'file')}, {summary['seconds']} s")
     return summary

@@ -82,6 +82,7 @@ from functools import cached_property
 import numpy as np
 import ray
 
+from common.console import plural
 from curation.phases.sample import kmeans
 from curation.phases.sample.selection import cluster_counts, leaf_cluster_ids
 from curation.phases.sample.tasks import (
@@ -441,6 +442,20 @@ class AssembleNoneAlive(Assemble):
         return empty_decisions_task.remote(self.plan.output.uri, self.plan.files[unit])
 
 
+def summary_line(rows: int, selected: int, per_level: list[int], largest: dict, buckets: int) -> str:
+    """The console's line of a sample run, in words: what was selected, the clusters (finest level first), the
+    largest fit and the select tasks."""
+    counts = [str(c) for c in per_level]
+    clusters = " and ".join([", ".join(counts[:-1]), counts[-1]] if len(counts) > 1 else counts)
+    noun = "cluster" if per_level == [1] else "clusters (finest first)" if len(per_level) > 1 else "clusters"
+    return (
+        f"[sample] {selected} of the {plural(rows, 'image')} left after dedup selected, {rows - selected} unsampled; "
+        f"{plural(len(per_level), 'cluster level')} of {clusters} {noun}; the largest fit: "
+        f"{plural(largest['centroids'], 'centroid')} on {plural(largest['points'], 'point')}; "
+        f"{plural(buckets, 'select bucket')}"
+    )
+
+
 def run_sample(
     runner: StepRunner,
     survivor_files: list[str],
@@ -462,7 +477,7 @@ def run_sample(
     plan = SamplePlan.read(runner.output, survivor_files, decision_files, settings, buckets, chosen_from)
     if plan.alive == 0:
         runner.run(AssembleNoneAlive(plan))
-        log.info("[sample] 0 after dedup, 0 selected")
+        log.info("[sample] no image left after dedup: none selected")
         return {"inputs": 0, "selected": 0, "unsampled": 0, "levels": 0, "clusters_per_level": [], "largest_fit": {}}
     trained, largest = train(runner, plan)
     runner.run(Assign(plan))
@@ -471,11 +486,7 @@ def run_sample(
     done = runner.run(Assemble(plan))
     per_level = trained["clusters_per_level"]
     rows, selected = done["rows"], done["selected"]
-    log.info(
-        f"[sample] {rows} after dedup, {selected} selected, {rows - selected} unsampled ({len(per_level)} cluster "
-        f"levels {per_level}, largest fit {largest['centroids']} centroids on {largest['points']} points, "
-        f"{plan.buckets} buckets)"
-    )
+    log.info(summary_line(rows, selected, per_level, largest, plan.buckets))
     return {
         "inputs": rows,
         "selected": selected,

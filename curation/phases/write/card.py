@@ -12,6 +12,7 @@ import pyarrow as pa
 import yaml
 
 from common import schema
+from common.console import plural
 from common.layout import LAYOUT
 from common.storage import join, resolve, write_bytes_atomic
 from curation.score.ledger import download_note, funnel_steps, stopped_in_funnel
@@ -82,9 +83,10 @@ def metadata_markdown(manifest: dict) -> str:
     typed = ", ".join(f"`{name}` ({kind})" for name, kind in sorted(fields.items()))
     return (
         (
-            f"Typed columns of the `metadata` struct: {typed}. "
+            f"Typed {'column' if len(fields) == 1 else 'columns'} of the `metadata` struct: {typed}. "
             if typed
-            else "No metadata field has one type across the run. "
+            else "The `metadata` struct has no typed columns: no field of the pool's metadata has the same type in "
+            "every input of the run (or the pool has no metadata). "
         )
         + "Fields of other or mixed types (lists, objects) are in `metadata_json`, one JSON object per row; "
         "`metadata_note` says where an input's metadata was dropped or altered (not JSON, not UTF-8, too large)."
@@ -121,9 +123,15 @@ unrelated images by chance, estimated from a sample of this run's own pairs, sta
 |---|---|---|---|
 {rows}
 
-At N = {chance["survivors"]} survivors: {chance["expected_chance_links"]:.3g} chance links expected in all
+At N = {plural(chance["survivors"], "survivor")}: {_links(chance["expected_chance_links"])} expected in all
 ({chance["per_survivor"]:.2g} per survivor; bound {chance["bound"]:.3g}).{over} Dropped as copies:
 {components.get("dropped", 0)}{f" ({by_signal})" if by_signal else ""}."""
+
+
+def _links(expected: float) -> str:
+    """An expected number of chance links, to three digits: "1 chance link", "0.498 chance links"."""
+    shown = f"{expected:.3g}"
+    return f"{shown} chance {'link' if shown == '1' else 'links'}"
 
 
 def safety_markdown(manifest: dict) -> str:
@@ -140,7 +148,7 @@ def safety_markdown(manifest: dict) -> str:
         named = ", ".join(f"`{b}`" for b in blocklists)
         paragraphs.append(
             f"Blocklists (`filters.blocklists`: {named}; keys, sources, URLs and PDQ hashes) kept {blocked} of "
-            f"{total} inputs out ({_pct(blocked, total)})."
+            f"{plural(total, 'input')} out ({_pct(blocked, total)})."
         )
     return "\n\n".join(paragraphs)
 
@@ -166,7 +174,7 @@ def _safety_entry(entry: dict, funnel: dict[str, int], total: int) -> str:
         return f"{scored}, kept as a score without a threshold (`{setting}` unset): it rejected none."
     return (
         f"{scored} and rejected those whose NSFW probability is above {entry['max_score']:g} (`{setting}`, on this "
-        f"model's scale): {rejected} of {total} inputs ({_pct(rejected, total)})."
+        f"model's scale): {rejected} of {plural(total, 'input')} ({_pct(rejected, total)})."
     )
 
 
@@ -178,8 +186,8 @@ def card_text(manifest: dict) -> str:
 
 # Humans-1B curated images
 
-{totals["rows"]} human-centric images (at least one prominent person, short side >= {cfg["min_short_side"]} px)
-in {totals["shards"]} Parquet shards, curated by Humans-1B with the `{cfg["profile"]}` profile (config hash
+{plural(totals["rows"], "human-centric image")} (at least one prominent person, short side >= {cfg["min_short_side"]} px)
+in {plural(totals["shards"], "Parquet shard")}, curated by Humans-1B with the `{cfg["profile"]}` profile (config hash
 `{manifest["config_hash"]}`, embedding model `{manifest["embedding_model"]}`).
 
 ```python

@@ -50,6 +50,7 @@ import ray
 
 from common import schema
 from common.config import hash_json_each
+from common.console import plural
 from common.layout import LAYOUT
 from common.storage import (
     delete_quietly,
@@ -487,7 +488,7 @@ def write_phase(
     plan = plan_output_shards(runner.run(_Selected(out.uri, records, partitions))["selected"], cfg.write.rows_per_shard)
     shards = runner.run(_Shards(plan, scored, out.uri, cfg_json, target, takedowns, originals))["shards"]
     ledger = runner.run(_Ledger(records, partition_of, cfg.write.ledger_rows_per_task, out.uri, cfg_json, takedowns))
-    log.info(f"[write] {len(shards)} final shards; the final ledger of {len(records)} input shards")
+    log.info(f"[write] {plural(len(shards), 'final shard')}; the final ledger of {plural(len(records), 'input shard')}")
     return {
         "schema_version": schema.SCHEMA_VERSION,
         "config_hash": cfg.results_hash(),

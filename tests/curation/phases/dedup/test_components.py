@@ -253,3 +253,9 @@ def test_no_pairs_keeps_everyone_and_unknown_uids_are_refused(ray_local, tmp_pat
     pq.write_table(pa.table({"a": [int(survivors.table.column("uid")[0].as_py())], "b": [make_uid(99, 0)]}), bad)
     with pytest.raises(ComponentsError, match="no survivor file"):
         run_components(tmp_path, {"phash": ["dedup/pairs/bad.parquet"]}, survivors.files)
+
+
+def test_counts_per_signal_read_as_words():
+    assert components_module.by_signal_words({"phash": 11, "embedding": 10}) == "phash 11, embedding 10"
+    assert components_module.by_signal_words({}) == "no signal"
+    assert components_module.by_signal_words({}, "no links") == "no links"

@@ -317,3 +317,14 @@ def test_tiny_and_empty_inputs(ray_local, tmp_path, data):
     write_survivors(tmp_path / "gone", x[:6], balance[:6], np.arange(6), n_files=2)
     assert run(tmp_path / "gone", files, SampleSettings(target_count=3))["inputs"] == 0
     assert read_decisions(tmp_path / "gone", 2).num_rows == 0
+
+
+def test_the_console_line_says_in_words_what_was_selected_and_how():
+    line = cs.summary_line(12, 10, [3, 2], {"centroids": 3, "points": 12}, 1)
+    assert line == (
+        "[sample] 10 of the 12 images left after dedup selected, 2 unsampled; 2 cluster levels of 3 and 2 clusters "
+        "(finest first); the largest fit: 3 centroids on 12 points; 1 select bucket"
+    )
+    one = cs.summary_line(1, 1, [1], {"centroids": 1, "points": 1}, 2)
+    assert "1 of the 1 image left" in one and "1 cluster level of 1 cluster;" in one and "1 centroid on 1 point" in one
+    assert "{" not in line + one and "[3" not in line
