@@ -150,15 +150,15 @@ def _curate(args: argparse.Namespace, lease: Lease) -> int:
         return 2
 
 
-def _plan_redecide(out: Output, cfg: CurateConfig, run: dict) -> tuple[dict, CurateConfig, dict[str, dict]]:
+def _plan_redecide(out: Output, cfg: CurateConfig, run: dict) -> tuple[dict, CurateConfig, dict[str, dict], int]:
     """An output scored alike with other thresholds: what re-deciding it to ``cfg``'s does, in words (the inputs that
     need a stage run again among them), before anything is written; the run record, the scored config and the commit
-    records (read once) ``apply_thresholds`` takes."""
+    records (read once) and the inputs that need model work, which ``apply_thresholds`` takes."""
     commits = read_commits(out.fs, out.root)
     funnel = plan_thresholds(out.uri, run, cfg, commits)
     for line in funnel.lines(cfg.enabled_stages, threshold_changes(decided_config(run, cfg), cfg)):
         print(f"[re-decide] {line}")
-    return run, scored_config(run, cfg), commits
+    return run, scored_config(run, cfg), commits, sum(funnel.needs.values())
 
 
 def _with_release(cfg: CurateConfig, release: Release | None) -> CurateConfig:
@@ -179,7 +179,7 @@ def _run_phases(
     shards: list[InputShard],
     resumed: bool,
     release: Release | None,
-    redecide: tuple[dict, CurateConfig, dict[str, dict]] | None,
+    redecide: tuple[dict, CurateConfig, dict[str, dict], int] | None,
 ) -> int:
     start = time.monotonic()
     scored_hash = (read_run_record(out.fs, out.root).get("scoring") or {}).get("results_hash")
@@ -199,8 +199,8 @@ def _run_phases(
         )
     if redecide is not None:
         began = time.monotonic()
-        run, scored, commits = redecide
-        applied = apply_thresholds(out, run, scored, cfg, commits, args.input)
+        run, scored, commits, model_work = redecide
+        applied = apply_thresholds(out, run, scored, cfg, commits, args.input, model_work)
         print(
             f"[re-decide] done: {applied.shards} input shards re-decided in {time.monotonic() - began:.1f} s; "
             f"{applied.words()}"

@@ -273,11 +273,13 @@ def test_changed_thresholds_are_applied_in_place_and_equal_a_fresh_run(curated_r
 
 @pytest.mark.slow
 def test_a_person_threshold_reruns_the_stages_it_changes_and_equals_a_fresh_run(
-    curated_run, sample_pool, tmp_path, capsys
+    curated_run, sample_pool, tmp_path, capsys, monkeypatch
 ):
     """``person_min_height_frac`` (and ``_area_frac``) decide which persons are prominent, which head pose is computed
     for: the inputs that reached the person stage run from it again, the others are re-decided. Tightened, then
-    back."""
+    back; the first in Ray tasks, as a re-decide with much model work runs."""
+    from curation.score import redecide
+
     redecided, fresh = tmp_path / "redecided", tmp_path / "fresh"
     shutil.copytree(curated_run, redecided)
     config = ["--config", str(REPO / "configs/curate/lite.yaml"), "--input", str(sample_pool)]
@@ -285,7 +287,9 @@ def test_a_person_threshold_reruns_the_stages_it_changes_and_equals_a_fresh_run(
     reached = sum(r["stage"] not in ("decode", "download") for r in ledger)
     # prominent: tall enough or large enough; these make it a main person 3/4 of the image high or 2/5 of its area
     tall = ["write.rows_per_shard=4", "filters.person_min_height_frac=0.75", "filters.person_min_area_frac=0.4"]
+    monkeypatch.setattr(redecide, "RERUN_TASKS_FROM_INPUTS", 1)
     code, text = _curate(*config, "--output", str(redecided), *tall)
+    monkeypatch.undo()
     assert code == 0, capsys.readouterr().err
     assert f"[re-decide] need model work: {reached} inputs ({reached} from stage person)" in text
     assert f"stages run again: person on {reached} inputs, head_pose on" in text
