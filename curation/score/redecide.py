@@ -380,13 +380,11 @@ class Applied:
         self.calls.update(done[1])
 
     def words(self) -> str:
-        if not self.calls:
+        runs = [(stage, self.calls[stage]) for stage in self.order if self.calls[stage]]
+        if not runs:
             return "no model call"
-        runs = [f"{stage} on {self.calls[stage]}" for stage in self.order if self.calls[stage]]
-        first = self.calls[next(stage for stage in self.order if self.calls[stage])]
-        return f"stages run again: {runs[0]} {'input' if first == 1 else 'inputs'}" + "".join(
-            f", {r}" for r in runs[1:]
-        )
+        (first, n), rest = runs[0], runs[1:]
+        return f"stages run again: {first} on {plural(n, 'input')}" + "".join(f", {s} on {k}" for s, k in rest)
 
 
 # Inputs needing model work past which a re-decide runs its shards in Ray tasks however few they are: the driver's one
